@@ -1,0 +1,35 @@
+"""feedline: feed training data to models as fast as the hardware allows.
+
+One process, a pipeline of stages, each stage in a thread pool sized for it, bounded queues in
+between, and I/O functions that release the GIL. Start with :class:`PipelineBuilder`.
+"""
+
+from __future__ import annotations
+
+from .errors import ConfigurationError, FeedlineError, PipelineFailure, SubprocessFailure
+from .pipeline import (
+    Pipeline,
+    PipelineBuilder,
+    PipelineStats,
+    StageStats,
+    SubprocessIterable,
+    iterate_in_subprocess,
+    run_pipeline_in_subprocess,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigurationError",
+    "FeedlineError",
+    "Pipeline",
+    "PipelineBuilder",
+    "PipelineFailure",
+    "PipelineStats",
+    "StageStats",
+    "SubprocessFailure",
+    "SubprocessIterable",
+    "__version__",
+    "iterate_in_subprocess",
+    "run_pipeline_in_subprocess",
+]

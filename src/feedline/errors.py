@@ -1,0 +1,90 @@
+"""The exceptions feedline raises.
+
+Every error feedline raises on its own account derives from :class:`FeedlineError`::
+
+    FeedlineError
+    ├── ConfigurationError (also ValueError)   a pipeline or argument that cannot work
+    └── PipelineFailure                        a running pipeline gave up
+        └── SubprocessFailure                  ... in a child process
+
+Errors raised by user code travel unchanged where that is what a user would expect (an exception
+in the source of a pipeline is re-raised as it is); errors that a pipeline *absorbs* (failures of
+individual items, counted against the failure budget) surface, once the budget is spent, as a
+:class:`PipelineFailure` that names the stage, the number of failures, the sample that failed
+last and the last exception (also available as ``__cause__``).
+"""
+
+from __future__ import annotations
+
+__all__ = ["ConfigurationError", "FeedlineError", "PipelineFailure", "SubprocessFailure"]
+
+
+class FeedlineError(Exception):
+    """Base class of the errors feedline raises on its own account."""
+
+
+class ConfigurationError(FeedlineError, ValueError):
+    """A pipeline definition or an argument that cannot work.
+
+    Raised before any thread starts (by the builder or at ``build()``), with a message that says
+    what was received and how to fix it.
+    """
+
+
+class PipelineFailure(FeedlineError):
+    """A running pipeline stopped because a stage exceeded its failure budget.
+
+    Attributes:
+        stage: Name of the stage whose failures exceeded the budget.
+        num_failures: How many items that stage had failed on when the pipeline stopped.
+        num_items: How many items that stage had received by then.
+        sample: A short ``repr`` of the last item that failed (``None`` when unknown).
+        last_error: The last exception the stage raised (also the ``__cause__``).
+    """
+
+    def __init__(
+        self,
+        stage: str,
+        num_failures: int,
+        num_items: int,
+        sample: str | None,
+        last_error: BaseException | None,
+        budget: str,
+    ) -> None:
+        self.stage = stage
+        self.num_failures = num_failures
+        self.num_items = num_items
+        self.sample = sample
+        self.last_error = last_error
+        last = f"{type(last_error).__name__}: {last_error}" if last_error is not None else "?"
+        super().__init__(
+            f"stage {stage!r} failed on {num_failures} of {num_items} items, more than the "
+            f"failure budget ({budget}); last failure on sample {sample}: {last}. "
+            "Fix the cause, or raise the budget with build(max_failures=...) "
+            "(an int is a count, a float in (0, 1) a fraction of the stage's items)."
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            type(self),
+            (self.stage, self.num_failures, self.num_items, self.sample, self.last_error, ""),
+            {"args": self.args},
+        )
+
+
+class SubprocessFailure(PipelineFailure):
+    """A pipeline or iterable running in a child process failed or the child died.
+
+    The message carries the child's traceback (as text) when the child could send it.
+    """
+
+    def __init__(self, message: str) -> None:
+        Exception.__init__(self, message)
+        self.stage = "<subprocess>"
+        self.num_failures = 1
+        self.num_items = 0
+        self.sample = None
+        self.last_error = None
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self),))

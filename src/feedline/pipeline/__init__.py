@@ -1,0 +1,23 @@
+"""The pipeline engine: build a pipeline of stages, run it in background threads, iterate it.
+
+See ``README.md`` in this folder for how the parts fit together.
+"""
+
+from __future__ import annotations
+
+from ._builder import PipelineBuilder
+from ._pipeline import Pipeline
+from ._queue import ChannelStats
+from ._subprocess import SubprocessIterable, iterate_in_subprocess, run_pipeline_in_subprocess
+from .stats import PipelineStats, StageStats
+
+__all__ = [
+    "ChannelStats",
+    "Pipeline",
+    "PipelineBuilder",
+    "PipelineStats",
+    "StageStats",
+    "SubprocessIterable",
+    "iterate_in_subprocess",
+    "run_pipeline_in_subprocess",
+]

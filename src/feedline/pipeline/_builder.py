@@ -1,0 +1,345 @@
+"""PipelineBuilder: collects stage definitions, validates them, and builds a Pipeline."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterable, Callable, Iterable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Any, Generic, TypeVar
+
+from feedline.errors import ConfigurationError
+
+from ._defs import (
+    AggregateConfig,
+    DisaggregateConfig,
+    OpKind,
+    PipeConfig,
+    PipelineConfig,
+    SinkConfig,
+    SourceConfig,
+    StageConfig,
+    op_kind,
+)
+from ._pipeline import Pipeline
+
+__all__ = ["PipelineBuilder"]
+
+T = TypeVar("T")
+
+_MAX_DEFAULT_THREADS = 64
+
+
+def _check_positive_int(what: str, value: object, hint: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{what} must be an int >= 1, got {value!r}. {hint}")
+    return value
+
+
+def _op_name(op: Callable[..., Any]) -> str:
+    func = getattr(op, "func", op)  # functools.partial
+    name = getattr(func, "__name__", None) or type(func).__name__
+    return str(name)
+
+
+class PipelineBuilder(Generic[T]):
+    """Describes a pipeline stage by stage; :meth:`build` turns the description into a Pipeline.
+
+    Each method returns the builder, so calls chain::
+
+        pipeline = (
+            PipelineBuilder()
+            .add_source(range(1000))
+            .pipe(fetch, concurrency=32)      # async def: runs on the event loop
+            .pipe(decode, concurrency=4)      # def: runs in the thread pool
+            .aggregate(32)
+            .add_sink(buffer_size=3)
+            .build(num_threads=8)
+        )
+
+    Nothing runs until the pipeline is iterated or started. A builder can build several
+    pipelines; each gets its own threads.
+    """
+
+    def __init__(self) -> None:
+        self._source: SourceConfig | None = None
+        self._stages: list[StageConfig] = []
+        self._sink: SinkConfig | None = None
+        self._names: set[str] = set()
+
+    # -- naming -------------------------------------------------------------------------------
+
+    def _unique(self, name: str) -> str:
+        candidate, n = name, 2
+        while candidate in self._names:
+            candidate = f"{name}#{n}"
+            n += 1
+        self._names.add(candidate)
+        return candidate
+
+    def _claim(self, name: str | None, default: str) -> str:
+        if name is None:
+            return self._unique(default)
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(f"a stage name must be a non-empty str, got {name!r}")
+        if name in self._names:
+            raise ConfigurationError(
+                f"two stages are named {name!r}; give each stage a unique name= so that "
+                "statistics and errors can tell them apart"
+            )
+        self._names.add(name)
+        return name
+
+    def _check_open(self, what: str) -> None:
+        if self._source is None:
+            raise ConfigurationError(f"{what} before add_source(): call add_source() first")
+        if self._sink is not None:
+            raise ConfigurationError(f"{what} after add_sink(): the sink must be the last stage")
+
+    # -- stages -------------------------------------------------------------------------------
+
+    def add_source(
+        self, source: Iterable[T] | AsyncIterable[T], *, name: str = "source"
+    ) -> PipelineBuilder[T]:
+        """Set where items come from.
+
+        Args:
+            source: An ``Iterable`` (a list, a sampler, a generator, another
+                :class:`~feedline.Pipeline`) or an ``AsyncIterable``. It is iterated once per
+                epoch, so a re-iterable object (a list, a sampler) gives the same items each
+                epoch, and a one-shot iterator gives them only once. A sync iterable runs in
+                the thread pool; an async one on the event loop.
+            name: The stage's name in statistics and errors.
+
+        Raises:
+            ConfigurationError: If a source was already set or ``source`` is not iterable.
+        """
+        if self._source is not None:
+            raise ConfigurationError("add_source() was called twice; a pipeline has one source")
+        is_async = hasattr(source, "__aiter__")
+        if not is_async and not hasattr(source, "__iter__"):
+            raise ConfigurationError(
+                f"the source must be an Iterable or an AsyncIterable, got {type(source).__name__}"
+                "; wrap a function that makes items in a generator"
+            )
+        self._source = SourceConfig(source=source, name=self._claim(name, "source"),
+                                    is_async=is_async)
+        return self
+
+    def pipe(
+        self,
+        op: Callable[..., Any],
+        *,
+        concurrency: int = 1,
+        executor: Executor | None = None,
+        output_order: str = "completion",
+        name: str | None = None,
+        buffer_size: int | None = None,
+    ) -> PipelineBuilder[Any]:
+        """Apply ``op`` to every item.
+
+        Args:
+            op: A function or coroutine function of one argument returning one result, or a
+                generator / async generator function yielding any number of results per
+                input. Sync ops run in the pipeline's thread pool (or ``executor``), so they
+                should release the GIL for their heavy part; async ops run on the event loop.
+            concurrency: The most calls of ``op`` in flight at once (>= 1).
+            executor: Run this (sync, non-generator for process pools) stage in this executor
+                instead of the pipeline's thread pool: a one-thread ``ThreadPoolExecutor`` for
+                work that keeps per-thread state (a CUDA stream), a ``ProcessPoolExecutor`` for
+                code that holds the GIL. The pipeline does not shut it down.
+            output_order: ``"completion"`` (default) passes results on as soon as they are
+                ready; ``"input"`` keeps the order of the input, at the cost of head-of-line
+                waiting.
+            name: Name in statistics and errors; defaults to the op's ``__name__``.
+            buffer_size: Capacity of the queue after this stage; defaults to
+                ``max(2, concurrency)``.
+
+        Raises:
+            ConfigurationError: On an argument that cannot work, saying what would.
+        """
+        self._check_open("pipe()")
+        if not callable(op):
+            raise ConfigurationError(f"pipe() needs a callable, got {type(op).__name__}")
+        concurrency = _check_positive_int(
+            "concurrency", concurrency, "It is how many calls of the op may run at once."
+        )
+        if output_order not in ("completion", "input"):
+            raise ConfigurationError(
+                f"output_order must be 'completion' or 'input', got {output_order!r}"
+            )
+        kind = op_kind(op)
+        stage_name = self._claim(name, _op_name(op))
+        if executor is not None:
+            if not isinstance(executor, Executor):
+                raise ConfigurationError(
+                    f"stage {stage_name!r}: executor must be a concurrent.futures.Executor "
+                    f"(ThreadPoolExecutor or ProcessPoolExecutor), got {type(executor).__name__}"
+                )
+            if kind in (OpKind.COROUTINE, OpKind.ASYNC_GENERATOR):
+                raise ConfigurationError(
+                    f"stage {stage_name!r}: {kind.value} ops run on the event loop, so "
+                    "executor= has no effect; drop executor= or pass a sync function"
+                )
+            if kind is OpKind.GENERATOR and not isinstance(executor, ThreadPoolExecutor):
+                raise ConfigurationError(
+                    f"stage {stage_name!r}: a generator op cannot run in a "
+                    f"{type(executor).__name__} (generators do not cross process boundaries); "
+                    "make it a function that returns a list, or use a ThreadPoolExecutor"
+                )
+        if output_order == "input" and concurrency > 1 and kind in (
+            OpKind.GENERATOR,
+            OpKind.ASYNC_GENERATOR,
+        ):
+            raise ConfigurationError(
+                f"stage {stage_name!r}: output_order='input' with a {kind.value} op needs "
+                "concurrency=1 (each input's outputs are then kept together and in order); "
+                "or use output_order='completion'"
+            )
+        if buffer_size is None:
+            buffer_size = max(2, concurrency)
+        buffer_size = _check_positive_int("buffer_size", buffer_size, "It bounds the queue.")
+        self._stages.append(
+            PipeConfig(
+                op=op,
+                kind=kind,
+                name=stage_name,
+                concurrency=concurrency,
+                executor=executor,
+                output_order="input" if output_order == "input" else "completion",
+                buffer_size=buffer_size,
+            )
+        )
+        return self
+
+    def aggregate(
+        self, num_items: int, *, drop_last: bool = False, name: str | None = None
+    ) -> PipelineBuilder[list[Any]]:
+        """Group every ``num_items`` consecutive items into a list.
+
+        Args:
+            num_items: Items per group (>= 1).
+            drop_last: Drop a last group that is smaller than ``num_items``.
+            name: Name in statistics; defaults to ``aggregate(N)``.
+        """
+        self._check_open("aggregate()")
+        num_items = _check_positive_int("num_items", num_items, "It is the group size.")
+        self._stages.append(
+            AggregateConfig(
+                size=num_items,
+                drop_last=bool(drop_last),
+                name=self._claim(name, f"aggregate({num_items})"),
+                buffer_size=2,
+            )
+        )
+        return self
+
+    def disaggregate(self, *, name: str | None = None) -> PipelineBuilder[Any]:
+        """Pass on the elements of each incoming iterable one by one (undo :meth:`aggregate`)."""
+        self._check_open("disaggregate()")
+        self._stages.append(
+            DisaggregateConfig(name=self._claim(name, "disaggregate"), buffer_size=2)
+        )
+        return self
+
+    def add_sink(self, buffer_size: int = 3) -> PipelineBuilder[T]:
+        """Set how many finished items may wait for the consumer (>= 1).
+
+        Optional: a pipeline without an explicit sink gets ``buffer_size=3``.
+        """
+        self._check_open("add_sink()")
+        buffer_size = _check_positive_int(
+            "buffer_size", buffer_size, "It is how many results wait for the consumer."
+        )
+        self._sink = SinkConfig(buffer_size=buffer_size)
+        return self
+
+    # -- build --------------------------------------------------------------------------------
+
+    def build(
+        self,
+        *,
+        num_threads: int | None = None,
+        max_failures: int | float | None = 0,
+        report_stats_interval: float | None = None,
+    ) -> Pipeline[T]:
+        """Validate the definition and return a :class:`~feedline.Pipeline` (not yet running).
+
+        Args:
+            num_threads: Size of the pipeline's thread pool, shared by the sync stages that have
+                no executor of their own and by a sync source. Defaults to the sum of those
+                stages' concurrency plus one for the source, capped at 64.
+            max_failures: The failure budget of each stage. An int is the number of failed items
+                a stage may skip (0, the default: the first failure stops the pipeline); a float
+                in (0, 1) is a fraction of the stage's items, taken of at least 100 items so
+                that early failures do not stop a run; ``None`` skips failures without limit.
+                Failures are always logged and counted (see :meth:`Pipeline.stats`).
+            report_stats_interval: If set, log the statistics table every this many seconds.
+
+        Raises:
+            ConfigurationError: If the definition cannot run, saying how to fix it.
+        """
+        if self._source is None:
+            raise ConfigurationError("the pipeline has no source: call add_source() first")
+        pooled = [
+            s.concurrency
+            for s in self._stages
+            if isinstance(s, PipeConfig)
+            and s.executor is None
+            and s.kind in (OpKind.FUNCTION, OpKind.GENERATOR)
+        ]
+        if num_threads is None:
+            num_threads = min(_MAX_DEFAULT_THREADS, max(1, sum(pooled) + 1))
+        else:
+            num_threads = _check_positive_int(
+                "num_threads", num_threads, "It is the size of the pipeline's thread pool."
+            )
+        for s in self._stages:
+            if (
+                isinstance(s, PipeConfig)
+                and s.executor is None
+                and s.kind in (OpKind.FUNCTION, OpKind.GENERATOR)
+                and s.concurrency > num_threads
+            ):
+                raise ConfigurationError(
+                    f"stage {s.name!r} has concurrency={s.concurrency} but the thread pool has "
+                    f"num_threads={num_threads}, so it could never reach it; raise num_threads, "
+                    "lower the concurrency, or give the stage its own executor="
+                )
+        if max_failures is not None:
+            if isinstance(max_failures, bool) or not isinstance(max_failures, (int, float)):
+                raise ConfigurationError(
+                    f"max_failures must be an int, a float in (0, 1) or None, got {max_failures!r}"
+                )
+            if isinstance(max_failures, float) and not (0.0 < max_failures < 1.0):
+                raise ConfigurationError(
+                    f"a float max_failures is a fraction of items and must be in (0, 1), got "
+                    f"{max_failures}; pass an int for a count"
+                )
+            if isinstance(max_failures, int) and max_failures < 0:
+                raise ConfigurationError(
+                    f"max_failures must be >= 0, got {max_failures}; pass None for no limit"
+                )
+        if report_stats_interval is not None and (
+            not isinstance(report_stats_interval, (int, float))
+            or not math.isfinite(report_stats_interval)
+            or report_stats_interval <= 0
+        ):
+            raise ConfigurationError(
+                f"report_stats_interval must be a positive number of seconds or None, "
+                f"got {report_stats_interval!r}"
+            )
+        config = PipelineConfig(
+            source=self._source,
+            stages=tuple(self._stages),
+            sink=self._sink or SinkConfig(buffer_size=3),
+            num_threads=num_threads,
+            max_failures=max_failures,
+            report_stats_interval=report_stats_interval,
+        )
+        return Pipeline(config)
+
+    def __repr__(self) -> str:
+        names = [self._source.name] if self._source else []
+        names += [s.name for s in self._stages]
+        return f"PipelineBuilder({' -> '.join(names) or 'empty'})"
+

@@ -1,0 +1,115 @@
+"""Stage definitions: small frozen records that the builder collects and validates.
+
+Config is data, runtime is code: nothing here starts a thread. :mod:`._engine` turns a
+:class:`PipelineConfig` into running stages.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+from collections.abc import AsyncIterable, Callable, Iterable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = [
+    "AggregateConfig",
+    "DisaggregateConfig",
+    "OpKind",
+    "PipeConfig",
+    "PipelineConfig",
+    "SinkConfig",
+    "SourceConfig",
+    "StageConfig",
+    "op_kind",
+]
+
+OutputOrder = Literal["completion", "input"]
+
+
+class OpKind(enum.Enum):
+    """How a stage op is called and where it runs."""
+
+    FUNCTION = "function"  # def f(x) -> y                  thread pool (or executor)
+    GENERATOR = "generator"  # def f(x): yield ...          thread pool
+    COROUTINE = "coroutine"  # async def f(x) -> y          event loop
+    ASYNC_GENERATOR = "async generator"  # async def f(x): yield  event loop
+
+
+def op_kind(op: Callable[..., Any]) -> OpKind:
+    """Classify a stage op, looking through ``functools.partial`` and callable objects."""
+    targets: list[Any] = [op]
+    call = getattr(type(op), "__call__", None)
+    if call is not None and not inspect.isfunction(op) and not inspect.ismethod(op):
+        targets.append(call)
+    for target in targets:
+        if inspect.isasyncgenfunction(target):
+            return OpKind.ASYNC_GENERATOR
+        if inspect.iscoroutinefunction(target):
+            return OpKind.COROUTINE
+        if inspect.isgeneratorfunction(target):
+            return OpKind.GENERATOR
+    return OpKind.FUNCTION
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """Where items come from: an Iterable, an AsyncIterable or another Pipeline."""
+
+    source: Iterable[Any] | AsyncIterable[Any]
+    name: str
+    is_async: bool
+
+
+@dataclass(frozen=True)
+class PipeConfig:
+    """A stage that applies ``op`` to every item."""
+
+    op: Callable[..., Any]
+    kind: OpKind
+    name: str
+    concurrency: int
+    executor: Executor | None
+    output_order: OutputOrder
+    buffer_size: int
+
+
+@dataclass(frozen=True)
+class AggregateConfig:
+    """A stage that groups ``size`` consecutive items into a list."""
+
+    size: int
+    drop_last: bool
+    name: str
+    buffer_size: int
+
+
+@dataclass(frozen=True)
+class DisaggregateConfig:
+    """A stage that flattens each incoming iterable into its elements."""
+
+    name: str
+    buffer_size: int
+
+
+StageConfig = PipeConfig | AggregateConfig | DisaggregateConfig
+
+
+@dataclass(frozen=True)
+class SinkConfig:
+    """The buffer of finished items waiting for the consumer."""
+
+    buffer_size: int
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Everything needed to run a pipeline; produced by :meth:`PipelineBuilder.build`."""
+
+    source: SourceConfig
+    stages: tuple[StageConfig, ...]
+    sink: SinkConfig
+    num_threads: int
+    max_failures: int | float | None
+    report_stats_interval: float | None

@@ -1,0 +1,330 @@
+"""One run (epoch) of a pipeline: the event-loop thread, the thread pool, and the stages.
+
+``Run`` turns a :class:`~._defs.PipelineConfig` into channels and stage runtimes, starts them,
+hands items to the consumer, and stops everything it started. Who owns what:
+
+* the ``Run`` owns the event-loop thread, the default thread pool, and every job it submits,
+  including jobs submitted to user executors (which it waits for but does not shut down);
+* stopping is two-phase: ``begin_stop`` (non-blocking, safe from any thread, used on failure)
+  sets the flag, aborts the channels and wakes every waiter; ``stop`` also joins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ._defs import (
+    AggregateConfig,
+    DisaggregateConfig,
+    OpKind,
+    PipeConfig,
+    PipelineConfig,
+)
+from ._executors import Submitter, WorkerPool
+from ._queue import EMPTY, Channel
+from ._stages._async import AsyncSource, AsyncStage
+from ._stages._common import FailureBudget, JobContext, StageBase
+from ._stages._sink import SinkReader
+from ._stages._threaded import (
+    AggregateWork,
+    DisaggregateWork,
+    FunctionWork,
+    GeneratorWork,
+    ThreadedSource,
+    ThreadedStage,
+    Work,
+)
+from .stats import PipelineStats, find_bottleneck
+
+__all__ = ["Run"]
+
+
+class _ThreadState(threading.local):
+    # A class attribute as default: a miss on a plain threading.local raises internally,
+    # which costs more than the rest of a hand-over.
+    ctx: JobContext | None = None
+
+_log = logging.getLogger("feedline.pipeline")
+
+_STOP_WARN_AFTER = 5.0  # seconds a stop may wait on running ops before it logs a warning
+
+
+class Run:
+    """One epoch of a pipeline. Created stopped; ``start`` it, ``get`` from it, ``stop`` it."""
+
+    def __init__(self, config: PipelineConfig, source_wrapper: Callable[[Any, Run], Any]) -> None:
+        self.config = config
+        self.loop = asyncio.new_event_loop()
+        self._pool = WorkerPool(config.num_threads, "feedline-worker")
+        self._thread = threading.Thread(
+            target=self._loop_main, name="feedline-event-loop", daemon=True
+        )
+        self._stopping = False
+        self._stopped = False
+        self._stop_lock = threading.Lock()
+        self.error: BaseException | None = None
+        self._jobs = 0
+        self._jobs_lock = threading.Lock()
+        self._jobs_done = threading.Event()
+        self._tls = _ThreadState()
+        self._loop_ready = threading.Event()
+        self._stop_event: asyncio.Event | None = None
+        self._t0 = time.perf_counter()
+
+        budget = FailureBudget(config.max_failures)
+        self.stages: list[StageBase] = []
+        self.channels: list[Channel] = []
+        self._async_stages: list[AsyncStage | AsyncSource] = []
+
+        concurrency = [getattr(cfg, "concurrency", 1) for cfg in config.stages]
+        first_capacity = (
+            max(2, concurrency[0]) if config.stages else config.sink.buffer_size
+        )
+        src_cfg = config.source
+        out = Channel(f"{src_cfg.name}->", first_capacity)
+        self.channels.append(out)
+        source: ThreadedSource | AsyncSource
+        if src_cfg.is_async:
+            source = AsyncSource(self, src_cfg.name, src_cfg.source, out, budget)  # type: ignore[arg-type]
+            self._async_stages.append(source)
+        else:
+            iterable = source_wrapper(src_cfg.source, self)
+            source = ThreadedSource(self, src_cfg.name, iterable, self._pool, out, budget)
+        self._source = source
+        self.stages.append(source)
+        producers: list[Any] = [source]
+
+        for i, cfg in enumerate(config.stages):
+            inp = out
+            last = i == len(config.stages) - 1
+            # The queue after a stage holds its buffer_size, and at least enough to keep every
+            # slot of the next stage fed; the last queue is the sink.
+            capacity = (
+                config.sink.buffer_size if last else max(cfg.buffer_size, concurrency[i + 1])
+            )
+            out = Channel(f"{cfg.name}->", capacity)
+            self.channels.append(out)
+            stage = self._make_stage(cfg, inp, out, budget)
+            inp.connect(producers[-1], stage)
+            producers.append(stage)
+            self.stages.append(stage)
+        self._sink = SinkReader(out)
+        out.connect(producers[-1], self._sink)
+
+    def _make_stage(
+        self, cfg: Any, inp: Channel, out: Channel, budget: FailureBudget
+    ) -> StageBase:
+        work: Work
+        if isinstance(cfg, PipeConfig):
+            threaded = cfg.kind in (OpKind.FUNCTION, OpKind.GENERATOR) and (
+                cfg.executor is None or isinstance(cfg.executor, ThreadPoolExecutor)
+            )
+            if threaded:
+                work = FunctionWork(cfg.op) if cfg.kind is OpKind.FUNCTION else GeneratorWork(cfg.op)
+                return ThreadedStage(
+                    self, cfg.name, "pipe", work, cfg.concurrency, cfg.executor or self._pool,
+                    cfg.output_order == "input", inp, out, budget,
+                )
+            stage = AsyncStage(
+                self, cfg.name, cfg.op, cfg.kind, cfg.concurrency, cfg.executor,
+                cfg.output_order == "input", inp, out, budget,
+            )
+            self._async_stages.append(stage)
+            return stage
+        if isinstance(cfg, AggregateConfig):
+            work, kind = AggregateWork(cfg.size, cfg.drop_last), "aggregate"
+        elif isinstance(cfg, DisaggregateConfig):
+            work, kind = DisaggregateWork(), "disaggregate"
+        else:  # pragma: no cover - the builder only makes the kinds above
+            raise TypeError(f"unknown stage config {cfg!r}")
+        return ThreadedStage(self, cfg.name, kind, work, 1, self._pool, False, inp, out, budget)
+
+    # -- RunContext ------------------------------------------------------------------------------
+
+    @property
+    def stopping(self) -> bool:
+        """True once the run is stopping."""
+        return self._stopping
+
+    def on_loop_thread(self) -> bool:
+        """Whether the caller runs on the event-loop thread."""
+        return threading.current_thread() is self._thread
+
+    def submit(self, executor: Submitter, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` in ``executor``, counted so that ``stop`` can wait for it."""
+        with self._jobs_lock:
+            if self._stopping:
+                return False
+            self._jobs += 1
+        try:
+            executor.submit(self._tracked, executor, fn)
+        except RuntimeError as error:  # the executor was shut down under us
+            self._job_done()
+            if not self._stopping:
+                self.fail(
+                    RuntimeError(
+                        f"could not submit work to {type(executor).__name__}: {error}. An "
+                        "executor passed to pipe(executor=...) must stay open while the "
+                        "pipeline runs"
+                    )
+                )
+            return False
+        return True
+
+    def job_context(self) -> JobContext | None:
+        """The context of this run's job on the calling thread, if any."""
+        return self._tls.ctx
+
+    def _tracked(self, executor: Submitter, fn: Callable[[], None]) -> None:
+        tls = self._tls
+        outer, ctx = tls.ctx, JobContext(executor)
+        tls.ctx = ctx
+        try:
+            fn()
+            ctx.run_deferred()
+        finally:
+            tls.ctx = outer
+            self._job_done()
+
+    def _job_done(self) -> None:
+        with self._jobs_lock:
+            self._jobs -= 1
+            done = self._jobs == 0 and self._stopping
+        if done:
+            self._jobs_done.set()
+
+    def fail(self, error: BaseException) -> None:
+        """Record the first error and begin stopping; the consumer's next ``get`` raises it."""
+        with self._stop_lock:
+            if self.error is None and not self._stopped:
+                self.error = error
+        self.begin_stop()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the event-loop thread and the stages."""
+        self._t0 = time.perf_counter()
+        self._thread.start()
+        self._loop_ready.wait()
+        if isinstance(self._source, ThreadedSource):
+            self._source.start()
+
+    def _loop_main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._main())
+        finally:
+            try:
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            finally:
+                asyncio.set_event_loop(None)
+
+    async def _main(self) -> None:
+        self._stop_event = asyncio.Event()
+        tasks = [asyncio.ensure_future(s.run_stage()) for s in self._async_stages]
+        for task in tasks:
+            task.add_done_callback(self._task_done)
+        interval = self.config.report_stats_interval
+        if interval is not None:
+            tasks.append(asyncio.ensure_future(self._report(interval)))
+        self._loop_ready.set()
+        if self._stopping:  # stopped before the loop came up
+            self._stop_event.set()
+        await self._stop_event.wait()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _task_done(self, task: asyncio.Future[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.fail(task.exception())  # type: ignore[arg-type]
+
+    async def _report(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            _log.info("pipeline statistics:\n%s", self.stats())
+
+    def get(self, timeout: float | None) -> Any:
+        """Next item for the consumer.
+
+        Raises:
+            EOFError: At the end of the epoch.
+            TimeoutError: If nothing arrived in time.
+            BaseException: The error that stopped the run (failure budget, source error).
+        """
+        if self.error is not None:
+            raise self.error
+        item = self._sink.get(timeout)
+        if item is EMPTY:
+            if self.error is not None:
+                raise self.error
+            raise EOFError("the pipeline has no more items in this epoch")
+        return item
+
+    def begin_stop(self) -> None:
+        """Stop taking work and wake every waiter; safe from any thread, returns at once."""
+        with self._stop_lock:
+            if self._stopping:
+                return
+            with self._jobs_lock:
+                self._stopping = True
+                if self._jobs == 0:
+                    self._jobs_done.set()
+        for channel in self.channels:
+            channel.abort()
+        self._sink.interrupt()
+        try:
+            self.loop.call_soon_threadsafe(self._set_stop_event)
+        except RuntimeError:  # the loop already closed
+            pass
+
+    def _set_stop_event(self) -> None:
+        if self._stop_event is not None:
+            self._stop_event.set()
+
+    def stop(self) -> None:
+        """Stop and join everything this run started. Idempotent; call from the consumer."""
+        self.begin_stop()
+        if self.on_loop_thread():
+            return
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        if self._thread.ident is not None:
+            self._thread.join()
+        waited = 0.0
+        while not self._jobs_done.wait(_STOP_WARN_AFTER):
+            waited += _STOP_WARN_AFTER
+            _log.warning(
+                "stopping the pipeline: %d job(s) still inside stage ops after %.0f s; "
+                "an op that never returns keeps its thread (and this stop) waiting",
+                self._jobs, waited,
+            )
+        self._pool.shutdown(wait=True)
+        if isinstance(self._source, ThreadedSource):
+            self._source.close()
+        if not self.loop.is_closed():
+            self.loop.close()
+
+    # -- statistics ------------------------------------------------------------------------------
+
+    def stats(self) -> PipelineStats:
+        """A snapshot of every stage's statistics."""
+        snaps = []
+        for i, stage in enumerate(self.stages):
+            in_q = self.channels[i - 1].stats() if i > 0 else None
+            out_q = self.channels[i].stats()
+            snaps.append(stage.counters.snapshot(in_q, out_q))
+        stages = tuple(snaps)
+        name, reason = find_bottleneck(stages)
+        return PipelineStats(
+            elapsed=time.perf_counter() - self._t0, stages=stages, bottleneck=name, reason=reason
+        )

@@ -1,0 +1,103 @@
+"""Executors the engine runs work in.
+
+:class:`WorkerPool` is the pipeline's default thread pool. It is a minimal pool rather than a
+``ThreadPoolExecutor`` because the engine submits a job at every burst of items and needs no
+``Future`` back: skipping the ``Future`` (a condition variable and a re-entrant lock per call)
+makes a submission several times cheaper. Stages may still bring their own
+``ThreadPoolExecutor`` or ``ProcessPoolExecutor`` (``pipe(executor=...)``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+__all__ = ["Submitter", "WorkerPool"]
+
+_log = logging.getLogger("feedline.pipeline")
+
+
+class Submitter(Protocol):
+    """Anything with ``submit(fn, *args)``: a WorkerPool or a concurrent.futures executor."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any) -> Any:
+        """Schedule ``fn(*args)``."""
+
+
+class WorkerPool:
+    """A fixed-size pool of threads, started on demand, that runs callables in FIFO order.
+
+    Args:
+        max_workers: The most threads the pool starts.
+        name: Prefix of the threads' names.
+    """
+
+    def __init__(self, max_workers: int, name: str) -> None:
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        self.max_workers = max_workers
+        self._name = name
+        self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0  # threads waiting for work that no submission has claimed yet
+        self._shutdown = False
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any) -> None:
+        """Run ``fn(*args)`` in a pool thread.
+
+        Raises:
+            RuntimeError: After :meth:`shutdown`.
+        """
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError("cannot submit work to a WorkerPool that was shut down")
+            if self._idle:
+                self._idle -= 1
+                spawn = False
+            else:
+                spawn = len(self._threads) < self.max_workers
+                if spawn:
+                    thread = threading.Thread(
+                        target=self._work,
+                        name=f"{self._name}_{len(self._threads)}",
+                        daemon=True,
+                    )
+                    self._threads.append(thread)
+        self._queue.put((fn, args))
+        if spawn:
+            thread.start()
+
+    def _work(self) -> None:
+        get = self._queue.get
+        while True:
+            task = get()
+            if task is None:
+                return
+            fn, args = task
+            try:
+                fn(*args)
+            except BaseException:  # the engine's jobs catch their own errors; this is a bug
+                _log.exception("unexpected error in a feedline worker thread")
+            del task, fn, args
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Let queued work finish, then stop the threads (and join them if ``wait``)."""
+        with self._lock:
+            if self._shutdown:
+                threads: list[threading.Thread] = []
+            else:
+                self._shutdown = True
+                threads = list(self._threads)
+        for _ in threads:
+            self._queue.put(None)
+        if wait:
+            for thread in threads:
+                thread.join()

@@ -1,0 +1,202 @@
+"""Pipeline: the object users iterate. Each iteration is one epoch, run by a fresh ``Run``."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Generic, TypeVar
+
+from ._defs import PipelineConfig
+from ._engine import Run
+from .stats import PipelineStats
+
+__all__ = ["Pipeline"]
+
+T = TypeVar("T")
+
+_POLL = 0.1  # seconds; how often a pipeline used as a source checks whether its reader stopped
+
+
+class _Holder:
+    """What the finalizer may touch: the current run, never the Pipeline itself."""
+
+    __slots__ = ("lock", "run")
+
+    def __init__(self) -> None:
+        self.run: Run | None = None
+        self.lock = threading.Lock()
+
+    def stop(self) -> None:
+        with self.lock:
+            run = self.run
+        if run is not None:
+            run.stop()
+
+
+class Pipeline(Generic[T]):
+    """A running (or ready-to-run) data pipeline, made by :meth:`PipelineBuilder.build`.
+
+    Iterate it to run one epoch: ``for item in pipeline`` runs the source to its end once,
+    then stops every thread it started. Iterating again runs another epoch::
+
+        for epoch in range(3):
+            for batch in pipeline:
+                train_step(batch)
+
+    To start loading ahead of the loop (and be sure threads stop on the way out), use
+    :meth:`auto_stop`::
+
+        with pipeline.auto_stop():
+            for batch in pipeline:
+                ...
+
+    Iteration raises :class:`~feedline.PipelineFailure` when a stage exceeds the failure budget,
+    and re-raises an exception from the source as it is. Breaking out of the loop, raising
+    inside it, or dropping the pipeline stops its threads. A pipeline still running at
+    interpreter exit is stopped too.
+    """
+
+    def __init__(self, config: PipelineConfig) -> None:
+        self._config = config
+        self._holder = _Holder()
+        self._last: Run | None = None
+        self._iterating = False
+        self._finalizer = weakref.finalize(self, _Holder.stop, self._holder)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start loading the next epoch in the background. Does nothing if already started."""
+        holder = self._holder
+        with holder.lock:
+            if holder.run is not None:
+                return
+            run = Run(self._config, _wrap_source)
+            holder.run = run
+            self._last = run
+        run.start()
+
+    def stop(self) -> None:
+        """Stop the current epoch and join its threads. Idempotent; safe to call any time."""
+        holder = self._holder
+        with holder.lock:
+            run, holder.run = holder.run, None
+        if run is not None:
+            run.stop()
+
+    @contextmanager
+    def auto_stop(self) -> Iterator[Pipeline[T]]:
+        """Start the pipeline on entry and stop it on exit, however the block ends."""
+        self.start()
+        try:
+            yield self
+        finally:
+            self.stop()
+
+    # -- consuming -------------------------------------------------------------------------------
+
+    def get_item(self, *, timeout: float | None = None) -> T:
+        """Return the next item of the running epoch.
+
+        Args:
+            timeout: Seconds to wait; ``None`` waits as long as it takes.
+
+        Raises:
+            RuntimeError: If the pipeline was not started (call :meth:`start`).
+            EOFError: When the epoch has no more items (the pipeline then stops itself).
+            TimeoutError: If no item arrived within ``timeout``.
+            PipelineFailure: If a stage exceeded the failure budget.
+        """
+        run = self._holder.run
+        if run is None:
+            raise RuntimeError(
+                "the pipeline is not running: call start() (or use auto_stop()) before "
+                "get_item(), or iterate it with a for loop"
+            )
+        try:
+            item: T = run.get(timeout)
+        except TimeoutError:
+            raise
+        except BaseException:
+            self.stop()
+            raise
+        return item
+
+    def __iter__(self) -> Iterator[T]:
+        """Run one epoch (or continue the one started with :meth:`start`)."""
+        if self._iterating:
+            raise RuntimeError(
+                "this pipeline is already being iterated; a pipeline runs one epoch at a "
+                "time, so finish (or break out of) the other loop first"
+            )
+        return self._epoch()
+
+    def _epoch(self) -> Iterator[T]:
+        self._iterating = True
+        try:
+            self.start()
+            run = self._holder.run
+            assert run is not None  # noqa: S101 - start() just set it
+            while True:
+                try:
+                    item = run.get(None)
+                except EOFError:
+                    return
+                yield item
+        finally:
+            self._iterating = False
+            self.stop()
+
+    def _iter_until(self, outer: Run) -> Iterator[T]:
+        # Used when this pipeline is the source of another: stop when the outer run stops.
+        self.start()
+        run = self._holder.run
+        assert run is not None  # noqa: S101
+        try:
+            while not outer.stopping:
+                try:
+                    item = run.get(_POLL)
+                except TimeoutError:
+                    continue
+                except EOFError:
+                    return
+                yield item
+        finally:
+            self.stop()
+
+    # -- introspection -----------------------------------------------------------------------------
+
+    def stats(self) -> PipelineStats:
+        """Statistics of the current epoch (or the last one, once it ended).
+
+        Raises:
+            RuntimeError: If the pipeline has never run.
+        """
+        run = self._last
+        if run is None:
+            raise RuntimeError("the pipeline has not run yet: start or iterate it first")
+        return run.stats()
+
+    def __repr__(self) -> str:
+        names = [self._config.source.name] + [s.name for s in self._config.stages]
+        state = "running" if self._holder.run is not None else "idle"
+        return f"Pipeline({' -> '.join(names)}, {state})"
+
+
+class _PipelineSource:
+    """Iterates a Pipeline as the source of another, stopping with the outer run."""
+
+    def __init__(self, inner: Pipeline[Any], outer: Run) -> None:
+        self._inner = inner
+        self._outer = outer
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._inner._iter_until(self._outer)
+
+
+def _wrap_source(source: Any, run: Run) -> Any:
+    if isinstance(source, Pipeline):
+        return _PipelineSource(source, run)
+    return source

@@ -1,0 +1,240 @@
+"""Bounded channels between stages, safe to use from any thread, that keep statistics.
+
+A :class:`Channel` connects exactly one producing stage to one consuming stage. Neither side ever
+blocks inside the channel: ``try_put`` and ``try_get`` return at once, and the channel tells the
+other side when waiting is over through the :class:`Endpoint` callbacks (``on_data`` when an item
+arrives or the channel closes, ``on_space`` when a full channel drains). Each endpoint decides what
+"waking up" means: a thread-pool stage submits a job, an event-loop stage resolves a future, the
+consumer of the sink notifies a condition variable. This keeps the number of thread wake-ups per
+item low, which is where a threaded pipeline loses its time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+__all__ = ["EMPTY", "Channel", "ChannelStats", "Endpoint"]
+
+
+class _Empty:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "EMPTY"
+
+
+EMPTY: Any = _Empty()
+"""Returned by :meth:`Channel.try_get` when there is nothing to take."""
+
+
+class Endpoint(Protocol):
+    """What a channel calls when the other side may proceed. Must be cheap and non-blocking."""
+
+    def on_data(self) -> None:
+        """An item was put, or the channel was closed."""
+
+    def on_space(self) -> None:
+        """A channel that had refused a put has room again."""
+
+
+class _Nobody:
+    def on_data(self) -> None:
+        pass
+
+    def on_space(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class ChannelStats:
+    """A snapshot of one channel's statistics.
+
+    Attributes:
+        capacity: The most items the channel holds.
+        size: Items in the channel when the snapshot was taken.
+        puts: Items put so far.
+        gets: Items taken so far.
+        mean_occupancy: Time-averaged fill level, 0 to 1. Near 0: the consumer is starved (its
+            producer is the slower side); near 1: the producer is blocked (the consumer is slower).
+        empty_fraction: Share of the channel's life it was empty while still open: the
+            consumer had nothing to do because of upstream.
+        full_fraction: Share of the channel's life it was full: the producer could not hand
+            over results because of downstream.
+    """
+
+    capacity: int
+    size: int
+    puts: int
+    gets: int
+    mean_occupancy: float
+    empty_fraction: float
+    full_fraction: float
+
+
+class Channel:
+    """A bounded FIFO between two stages.
+
+    Args:
+        name: Used in statistics and error messages.
+        capacity: The most items held at once (>= 1).
+    """
+
+    __slots__ = (
+        "_closed",
+        "_consumer",
+        "_empty_time",
+        "_full_time",
+        "_gets",
+        "_items",
+        "_lock",
+        "_low",
+        "_occ_integral",
+        "_producer",
+        "_producer_refused",
+        "_puts",
+        "_t0",
+        "_t_last",
+        "capacity",
+        "name",
+    )
+
+    def __init__(self, name: str, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"channel capacity must be >= 1, got {capacity}")
+        self.name = name
+        self.capacity = capacity
+        # A refused producer is woken once the channel has drained to this level, not at the
+        # first free slot: it then refills half the channel per wake-up instead of one item.
+        self._low = capacity // 2
+        self._lock = threading.Lock()
+        self._items: deque[Any] = deque()
+        self._closed = False
+        self._producer_refused = False
+        self._consumer: Endpoint = _Nobody()
+        self._producer: Endpoint = _Nobody()
+        now = time.perf_counter()
+        self._t0 = now
+        self._t_last = now
+        self._occ_integral = 0.0
+        self._empty_time = 0.0
+        self._full_time = 0.0
+        self._puts = 0
+        self._gets = 0
+
+    def connect(self, producer: Endpoint, consumer: Endpoint) -> None:
+        """Set who is told about data (``consumer``) and space (``producer``)."""
+        self._producer = producer
+        self._consumer = consumer
+
+    def _account(self, now: float) -> None:
+        # Integrate the state held since the last change; called with the lock held.
+        dt = now - self._t_last
+        n = len(self._items)
+        self._occ_integral += n * dt
+        if n == 0:
+            if not self._closed:
+                self._empty_time += dt
+        elif n >= self.capacity:
+            self._full_time += dt
+        self._t_last = now
+
+    def try_put(self, item: Any) -> bool:
+        """Append ``item`` unless the channel is full; never blocks.
+
+        Returns:
+            ``True`` if the item was taken. ``False`` if the channel is full (the producer's
+            ``on_space`` will be called once it has drained to half) or closed (the item is dropped; a closed
+            channel only happens when the pipeline stops).
+        """
+        with self._lock:
+            if self._closed:
+                return False
+            if len(self._items) >= self.capacity:
+                self._producer_refused = True
+                return False
+            self._account(time.perf_counter())
+            self._items.append(item)
+            self._puts += 1
+        self._consumer.on_data()
+        return True
+
+    def try_get(self) -> Any:
+        """Take the oldest item, or return :data:`EMPTY` at once if there is none."""
+        with self._lock:
+            if not self._items:
+                return EMPTY
+            self._account(time.perf_counter())
+            item = self._items.popleft()
+            self._gets += 1
+            wake = self._producer_refused and len(self._items) <= self._low
+            if wake:
+                self._producer_refused = False
+        if wake:
+            self._producer.on_space()
+        return item
+
+    def request_space(self) -> bool:
+        """Ask to be told (``on_space``) when the channel has room.
+
+        Returns:
+            ``True`` if the channel is drained to its low-water mark (half full) or closed
+            right now, in which case no call will come; ``False`` if the producer's
+            ``on_space`` will be called later.
+        """
+        with self._lock:
+            if self._closed or len(self._items) <= self._low:
+                return True
+            self._producer_refused = True
+            return False
+
+    def close(self) -> None:
+        """Mark the end of the stream: the producer will put nothing more."""
+        with self._lock:
+            if self._closed:
+                return
+            self._account(time.perf_counter())
+            self._closed = True
+        self._consumer.on_data()
+
+    def abort(self) -> None:
+        """Close the channel and drop what it holds (used when the pipeline stops)."""
+        with self._lock:
+            self._account(time.perf_counter())
+            self._closed = True
+            self._items.clear()
+            self._producer_refused = False
+        self._consumer.on_data()
+        self._producer.on_space()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the producer is done (items may remain)."""
+        return self._closed
+
+    @property
+    def exhausted(self) -> bool:
+        """Closed and empty: the consumer will never get another item."""
+        return self._closed and not self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def stats(self) -> ChannelStats:
+        """Return a snapshot of the channel's statistics."""
+        with self._lock:
+            now = time.perf_counter()
+            self._account(now)
+            life = max(now - self._t0, 1e-9)
+            return ChannelStats(
+                capacity=self.capacity,
+                size=len(self._items),
+                puts=self._puts,
+                gets=self._gets,
+                mean_occupancy=self._occ_integral / life / self.capacity,
+                empty_fraction=self._empty_time / life,
+                full_fraction=self._full_time / life,
+            )

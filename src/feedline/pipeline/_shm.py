@@ -1,0 +1,87 @@
+"""Moving NumPy arrays between processes through shared memory instead of pickles.
+
+The child copies each large array into a fresh POSIX shared-memory segment and sends only its
+name, shape and dtype. The parent maps the segment, unlinks its name at once (the mapping stays
+valid) and returns an array that views the mapping: one copy in the child, none in the parent,
+and the memory is freed when the parent's array is garbage-collected. Segments that never reach
+the parent (the parent died, an epoch was cut short) are removed by multiprocessing's resource
+tracker, which both processes share.
+
+Only plain containers are walked (dict, list, tuple); anything else travels as a pickle.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+from dataclasses import dataclass
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+import numpy as np
+
+__all__ = ["SHM_AVAILABLE", "ShmArray", "pack", "unpack"]
+
+_SHM_DIR = "/dev/shm"
+SHM_AVAILABLE = sys.platform.startswith("linux") and os.path.isdir(_SHM_DIR)
+
+
+@dataclass(frozen=True)
+class ShmArray:
+    """A reference to an array waiting in a shared-memory segment."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+
+
+def pack(obj: Any, min_bytes: float) -> Any:
+    """Replace arrays of at least ``min_bytes`` in ``obj`` by shared-memory references."""
+    if isinstance(obj, np.ndarray):
+        if obj.nbytes < min_bytes or obj.dtype.hasobject:
+            return obj
+        shm = SharedMemory(create=True, size=max(1, obj.nbytes))
+        view: np.ndarray[Any, Any] = np.ndarray(obj.shape, dtype=obj.dtype, buffer=shm.buf)
+        view[...] = obj
+        del view
+        shm.close()
+        return ShmArray(shm.name, obj.shape, obj.dtype)
+    kind = type(obj)
+    if kind is dict:
+        return {k: pack(v, min_bytes) for k, v in obj.items()}
+    if kind is list:
+        return [pack(v, min_bytes) for v in obj]
+    if kind is tuple:
+        return tuple(pack(v, min_bytes) for v in obj)
+    return obj
+
+
+def _attach(ref: ShmArray) -> np.ndarray[Any, Any]:
+    path = os.path.join(_SHM_DIR, ref.name.lstrip("/"))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        mapping = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+        # The child registered the segment with the shared resource tracker; it is ours now.
+        resource_tracker.unregister("/" + ref.name.lstrip("/"), "shared_memory")
+    count = int(np.prod(ref.shape, dtype=np.int64))
+    return np.frombuffer(mapping, dtype=ref.dtype, count=count).reshape(ref.shape)
+
+
+def unpack(obj: Any) -> Any:
+    """Turn shared-memory references back into arrays (views of the mapped segments)."""
+    if isinstance(obj, ShmArray):
+        return _attach(obj)
+    kind = type(obj)
+    if kind is dict:
+        return {k: unpack(v) for k, v in obj.items()}
+    if kind is list:
+        return [unpack(v) for v in obj]
+    if kind is tuple:
+        return tuple(unpack(v) for v in obj)
+    return obj

@@ -1,0 +1,274 @@
+"""Stages that run on the event loop: coroutine and async-generator ops, async sources, and
+sync ops sent to a non-thread executor (a process pool) one item at a time.
+
+Each stage runs ``concurrency`` worker coroutines. A worker waits for input through a
+:class:`LoopSignal`, which other threads may fire; the signal merges wake-ups so that a burst
+of items costs one call into the loop, not one per item.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import AsyncIterable, Callable
+from concurrent.futures import Executor
+from typing import Any
+
+from .._defs import OpKind
+from .._queue import EMPTY, Channel
+from ._common import FailureBudget, RunContext, StageBase
+
+__all__ = ["AsyncSource", "AsyncStage", "LoopSignal"]
+
+_END: Any = object()
+_SKIP: Any = object()
+
+
+class LoopSignal:
+    """Wakes coroutines waiting on the event loop; ``notify`` may be called from any thread."""
+
+    def __init__(self, run: RunContext) -> None:
+        self._run = run
+        self._lock = threading.Lock()
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._wakes = 0  # wake-ups requested but not yet delivered
+        self._scheduled = False
+
+    def wait(self) -> asyncio.Future[None]:
+        """Register a waiter (loop thread only). Await it, or ``discard`` it."""
+        fut: asyncio.Future[None] = self._run.loop.create_future()
+        with self._lock:
+            self._waiters.append(fut)
+        return fut
+
+    def discard(self, fut: asyncio.Future[None]) -> None:
+        """Withdraw a waiter that is no longer needed."""
+        with self._lock:
+            try:
+                self._waiters.remove(fut)
+            except ValueError:
+                pass
+
+    def notify(self, wake_all: bool = False) -> None:
+        """Wake one waiter (or all), now if on the loop thread, else soon."""
+        with self._lock:
+            if not self._waiters:
+                return
+            self._wakes = 1 << 30 if wake_all else self._wakes + 1
+            if self._scheduled:
+                return
+            on_loop = self._run.on_loop_thread()
+            if not on_loop:
+                self._scheduled = True
+        if on_loop:
+            self._deliver()
+            return
+        try:
+            self._run.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed: the run is over
+            pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            self._scheduled = False
+            n, self._wakes = self._wakes, 0
+            woken = []
+            while n > 0 and self._waiters:
+                woken.append(self._waiters.popleft())
+                n -= 1
+        for fut in woken:
+            if not fut.done():
+                fut.set_result(None)
+
+
+class _AsyncProducer(StageBase):
+    """Hand-over to the output channel from coroutines."""
+
+    _output: Channel
+
+    def _init_output(self, output: Channel) -> None:
+        self._output = output
+        self._space = LoopSignal(self.run)
+
+    def on_space(self) -> None:
+        """Output drained: every waiting worker retries (each asks again if still full)."""
+        self._space.notify(wake_all=True)
+
+    async def _put(self, value: Any) -> bool:
+        output = self._output
+        while not output.try_put(value):
+            if output.closed:
+                return False
+            fut = self._space.wait()
+            if output.request_space():
+                self._space.discard(fut)
+                continue
+            await fut
+        return True
+
+
+class AsyncStage(_AsyncProducer):
+    """Runs an async op (or a sync op in a process pool) with ``concurrency`` workers."""
+
+    def __init__(
+        self,
+        run: RunContext,
+        name: str,
+        op: Callable[[Any], Any],
+        kind: OpKind,
+        concurrency: int,
+        executor: Executor | None,
+        ordered: bool,
+        input: Channel,
+        output: Channel,
+        budget: FailureBudget,
+    ) -> None:
+        super().__init__(run, name, "pipe", concurrency, budget)
+        self._op = op
+        self._kind = kind
+        self._concurrency = concurrency
+        self._executor = executor
+        self._ordered = ordered and concurrency > 1
+        self._input = input
+        self._init_output(output)
+        self._data = LoopSignal(run)
+        self._next_seq = 0
+        self._next_emit = 0
+        self._pending: dict[int, Any] = {}
+        self._window = LoopSignal(run)
+
+    def on_data(self) -> None:
+        """Input arrived (wake one worker) or closed (wake all)."""
+        self._data.notify(wake_all=self._input.closed)
+
+    async def run_stage(self) -> None:
+        """Run the workers until the input is exhausted, then close the output."""
+        await asyncio.gather(*(self._worker() for _ in range(self._concurrency)))
+        if not self.run.stopping:
+            self._output.close()
+
+    async def _get(self) -> Any:
+        inp = self._input
+        while True:
+            item = inp.try_get()
+            if item is not EMPTY:
+                return item
+            if inp.exhausted:
+                return _END
+            fut = self._data.wait()
+            if len(inp) or inp.closed:
+                self._data.discard(fut)
+                continue
+            await fut
+
+    async def _worker(self) -> None:
+        c = self.counters
+        run = self.run
+        kind = self._kind
+        loop = run.loop
+        while not run.stopping:
+            while self._ordered and self._next_seq - self._next_emit >= self._concurrency:
+                await self._window.wait()
+            item = await self._get()
+            if item is _END:
+                return
+            seq = self._next_seq
+            self._next_seq += 1
+            c.items_in += 1
+            if kind is OpKind.ASYNC_GENERATOR:
+                if not await self._run_async_generator(item):
+                    return
+                continue
+            t0 = c.task_started()
+            try:
+                if kind is OpKind.COROUTINE:
+                    result = await self._op(item)
+                else:
+                    result = await loop.run_in_executor(self._executor, self._op, item)
+            except Exception as error:
+                c.task_ended(t0)
+                self.record_failure(item, error)
+                if self._ordered and not await self._emit(seq, _SKIP):
+                    return
+                continue
+            c.task_ended(t0)
+            if not await self._emit(seq, result):
+                return
+
+    async def _run_async_generator(self, item: Any) -> bool:
+        c = self.counters
+        agen = self._op(item)
+        try:
+            while True:
+                t0 = c.task_started()
+                try:
+                    value = await agen.__anext__()
+                except StopAsyncIteration:
+                    return True
+                except Exception as error:
+                    self.record_failure(item, error)
+                    return True
+                finally:
+                    c.task_ended(t0)
+                if not await self._put(value):
+                    return False
+        finally:
+            await agen.aclose()
+
+    async def _emit(self, seq: int, value: Any) -> bool:
+        if not self._ordered:
+            return await self._put(value)
+        self._pending[seq] = value
+        if seq != self._next_emit:
+            return True
+        # Only the worker holding the next sequence number flushes, so order is kept.
+        pending = self._pending
+        while self._next_emit in pending:
+            value = pending.pop(self._next_emit)
+            if value is not _SKIP and not await self._put(value):
+                return False
+            self._next_emit += 1
+            self._window.notify(wake_all=True)
+        return True
+
+
+class AsyncSource(_AsyncProducer):
+    """Iterates an async iterable on the event loop and feeds the first channel."""
+
+    def __init__(
+        self,
+        run: RunContext,
+        name: str,
+        source: AsyncIterable[Any],
+        output: Channel,
+        budget: FailureBudget,
+    ) -> None:
+        super().__init__(run, name, "source", 1, budget)
+        self._source = source
+        self._init_output(output)
+
+    def on_data(self) -> None:
+        """Unused: a source has no input."""
+
+    async def run_stage(self) -> None:
+        """Iterate the source to its end (or until the run stops), then close the output."""
+        c = self.counters
+        iterator = aiter(self._source)
+        try:
+            while not self.run.stopping:
+                t0 = c.task_started()
+                try:
+                    value = await anext(iterator)
+                except StopAsyncIteration:
+                    self._output.close()
+                    return
+                finally:
+                    c.task_ended(t0)
+                c.items_in += 1
+                if not await self._put(value):
+                    return
+        finally:
+            aclose = getattr(iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()

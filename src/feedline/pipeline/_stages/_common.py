@@ -1,0 +1,145 @@
+"""What every stage shares: the run it belongs to, failure accounting and logging."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import reprlib
+import time
+from typing import Any, Callable, Protocol
+
+from feedline.errors import PipelineFailure
+
+from ..stats import StageCounters
+
+__all__ = ["FailureBudget", "RunContext", "StageBase", "sample_repr"]
+
+_log = logging.getLogger("feedline.pipeline")
+
+_repr = reprlib.Repr()
+_repr.maxstring = 80
+_repr.maxother = 80
+_repr.maxlist = 6
+_repr.maxdict = 6
+
+
+def sample_repr(item: Any) -> str:
+    """A short, safe ``repr`` of an item, for error messages."""
+    try:
+        return _repr.repr(item)
+    except Exception:  # a broken __repr__ must not hide the real error
+        return f"<{type(item).__name__} object>"
+
+
+class RunContext(Protocol):
+    """What a stage may ask of the running pipeline."""
+
+    loop: asyncio.AbstractEventLoop
+
+    @property
+    def stopping(self) -> bool:
+        """True once the run is stopping; stages must stop taking work."""
+
+    def submit(self, executor: Any, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` in ``executor``, tracked so that stop() can wait for it."""
+
+    def fail(self, error: BaseException) -> None:
+        """Stop the run; the consumer's next get raises ``error``."""
+
+    def on_loop_thread(self) -> bool:
+        """Whether the caller is the event-loop thread."""
+
+    def job_context(self) -> JobContext | None:
+        """The context of the job running on this thread, if it is one of this run's jobs."""
+
+
+INLINE_BELOW = 20e-6
+"""A threaded stage whose op takes less than this (seconds, smoothed) may be run by the thread
+that hands it an item, instead of waking another thread: a wake-up costs more than the op."""
+
+
+class JobContext:
+    """Per-thread state of a running job: which stages it runs, which it should run next."""
+
+    __slots__ = ("deferred", "executor", "stack")
+
+    def __init__(self, executor: Any) -> None:
+        self.executor = executor
+        self.stack: set[Any] = set()  # stages whose job is on this thread's call stack
+        self.deferred: dict[Any, None] = {}  # cheap stages to run inline after the current item
+
+    def run_deferred(self) -> None:
+        """Run (or kick) the stages that were woken while the current item was handled."""
+        deferred = self.deferred
+        while deferred:
+            stage = next(iter(deferred))
+            del deferred[stage]
+            stage.run_inline(self)
+
+
+class FailureBudget:
+    """How many failed items a stage may skip before the pipeline stops."""
+
+    __slots__ = ("_limit", "description")
+
+    def __init__(self, max_failures: int | float | None) -> None:
+        self._limit = max_failures
+        if max_failures is None:
+            self.description = "no limit"
+        elif isinstance(max_failures, float):
+            self.description = f"{max_failures:.2%} of items"
+        else:
+            self.description = f"{max_failures} item(s)"
+
+    def exceeded(self, failures: int, items: int) -> bool:
+        """Whether ``failures`` out of ``items`` is over the budget."""
+        if self._limit is None:
+            return False
+        if isinstance(self._limit, float):
+            return failures > self._limit * max(items, 100)
+        return failures > self._limit
+
+
+class StageBase:
+    """Failure handling and statistics common to all stage runtimes."""
+
+    def __init__(
+        self, run: RunContext, name: str, kind: str, concurrency: int, budget: FailureBudget
+    ) -> None:
+        self.run = run
+        self.name = name
+        self.counters = StageCounters(name, kind, concurrency)
+        self._budget = budget
+        self._last_log = 0.0
+        self._unlogged = 0
+
+    def record_failure(self, item: Any, error: Exception) -> None:
+        """Count a failed item, log it (rate-limited), and stop the run past the budget."""
+        c = self.counters
+        sample = sample_repr(item)
+        with c.lock:
+            c.failures += 1
+            c.last_error = error
+            c.last_sample = sample
+            failures, items = c.failures, c.items_in
+            now = time.monotonic()
+            first = failures == 1
+            log_now = first or now - self._last_log >= 1.0
+            if log_now:
+                self._last_log = now
+                skipped, self._unlogged = self._unlogged, 0
+            else:
+                self._unlogged += 1
+        if log_now:
+            more = f" ({skipped} more since the last message)" if skipped else ""
+            _log.warning(
+                "stage %r failed on sample %s: %s: %s [%d failure(s) so far]%s",
+                self.name, sample, type(error).__name__, error, failures, more,
+                exc_info=error if first else None,
+            )
+        if self._budget.exceeded(failures, items):
+            failure = PipelineFailure(
+                self.name, failures, items, sample, error, self._budget.description
+            )
+            failure.__cause__ = error
+            self.run.fail(failure)

@@ -1,0 +1,494 @@
+"""Stages that run in a thread pool as *drain jobs*.
+
+A job is one task submitted to the stage's executor. It takes items from the stage's input
+channel and processes them one after another until the input is empty or the output is full,
+then returns; it never blocks waiting. A stage runs at most ``concurrency`` jobs at once and
+starts new ones when items arrive (``on_data``) or its output drains (``on_space``).
+
+Why jobs rather than one executor task per item: handing an item from one thread to another
+costs a wake-up (tens of microseconds on a virtual machine), and a task per item pays two per
+stage. A job that drains a queue pays them once per burst, while a slow op still gets
+``concurrency`` jobs running side by side.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from .._queue import EMPTY, Channel
+from ._common import INLINE_BELOW, FailureBudget, JobContext, RunContext, StageBase
+
+__all__ = [
+    "AggregateWork",
+    "DisaggregateWork",
+    "FunctionWork",
+    "GeneratorWork",
+    "ThreadedSource",
+    "ThreadedStage",
+    "Work",
+]
+
+_SKIP: Any = object()  # a failed item's place in an ordered stage
+
+
+class Work:
+    """What a threaded stage does with one input item."""
+
+    iterates = False  # True: __call__ returns an iterator of outputs; user code runs in next()
+
+    def __call__(self, item: Any) -> Any:
+        raise NotImplementedError
+
+    def finish(self) -> Iterator[Any] | None:
+        """Outputs to emit once the input is exhausted (aggregate's last group)."""
+        return None
+
+
+class FunctionWork(Work):
+    """Call a sync function: one input, one output."""
+
+    def __init__(self, op: Callable[[Any], Any]) -> None:
+        self.op = op
+
+    def __call__(self, item: Any) -> Any:
+        return self.op(item)
+
+
+class GeneratorWork(Work):
+    """Call a generator function: one input, any number of outputs."""
+
+    iterates = True
+
+    def __init__(self, op: Callable[[Any], Iterator[Any]]) -> None:
+        self.op = op
+
+    def __call__(self, item: Any) -> Iterator[Any]:
+        return iter(self.op(item))
+
+
+class AggregateWork(Work):
+    """Group consecutive items into lists of ``size`` (runs with concurrency 1)."""
+
+    iterates = True
+
+    def __init__(self, size: int, drop_last: bool) -> None:
+        self.size = size
+        self.drop_last = drop_last
+        self._group: list[Any] = []
+
+    def __call__(self, item: Any) -> Iterator[Any]:
+        self._group.append(item)
+        if len(self._group) < self.size:
+            return iter(())
+        group, self._group = self._group, []
+        return iter((group,))
+
+    def finish(self) -> Iterator[Any] | None:
+        group, self._group = self._group, []
+        if group and not self.drop_last:
+            return iter((group,))
+        return None
+
+
+class DisaggregateWork(Work):
+    """Pass on the elements of each incoming iterable."""
+
+    iterates = True
+
+    def __call__(self, item: Iterable[Any]) -> Iterator[Any]:
+        return iter(item)
+
+
+class ThreadedStage(StageBase):
+    """A stage whose work runs as drain jobs in a thread pool (see the module docstring)."""
+
+    def __init__(
+        self,
+        run: RunContext,
+        name: str,
+        kind: str,
+        work: Work,
+        concurrency: int,
+        executor: Any,
+        ordered: bool,
+        input: Channel,
+        output: Channel,
+        budget: FailureBudget,
+    ) -> None:
+        super().__init__(run, name, kind, concurrency, budget)
+        self._work = work
+        self._concurrency = concurrency
+        self._executor = executor
+        # With one slot, items are processed one at a time, so order is kept for free.
+        self._ordered = ordered and concurrency > 1
+        self._input = input
+        self._output = output
+        self._lock = self.counters.lock  # guards job counts, seq numbers, parked iterators
+        self._emit_lock = threading.Lock()  # serialises hand-over to the output channel
+        self._active = 0  # jobs submitted and not yet returned
+        self._busy = 0  # jobs inside user code
+        self._next_seq = 0
+        self._next_emit = 0
+        self._ready: deque[Any] = deque()  # completion order: results waiting for room
+        self._pending: dict[int, Any] = {}  # input order: results by sequence number
+        self._parked: deque[tuple[Iterator[Any], Any]] = deque()  # iterators paused on a full output
+        self._finish_claimed = False
+        self._closed = False
+
+    # -- endpoint callbacks (any thread) --------------------------------------------------------
+
+    def on_data(self) -> None:
+        """Input arrived or closed: start jobs if there is room for them."""
+        if not self._defer():
+            self._kick()
+
+    def on_space(self) -> None:
+        """Output drained: resume."""
+        if not self._defer():
+            self._kick()
+
+    def _defer(self) -> bool:
+        # Called by a job of a neighbouring stage on this thread? Then, if this stage is cheap,
+        # let that thread run our job after its current item instead of waking another one.
+        ctx = self.run.job_context()
+        if (
+            ctx is None
+            or ctx.executor is not self._executor
+            or self in ctx.stack
+            or not 0 <= self.counters.ewma < INLINE_BELOW
+        ):
+            return False
+        ctx.deferred[self] = None
+        return True
+
+    def run_inline(self, ctx: JobContext) -> None:
+        """Run a job of this stage on the calling thread if there is work and a free slot."""
+        with self._lock:
+            claim = (
+                not self._closed
+                and not self.run.stopping
+                and self._active < self._concurrency
+                and self._active == self._busy  # no idle job of ours would take the work
+                and (len(self._input) > 0 or bool(self._parked) or self._has_unsent())
+            )
+            if claim:
+                self._active += 1
+        if not claim:
+            self._kick()
+            return
+        ctx.stack.add(self)
+        try:
+            self._job()
+        finally:
+            ctx.stack.discard(self)
+
+    def _has_unsent(self) -> bool:
+        if self._ordered:
+            return self._next_emit in self._pending
+        return bool(self._ready)
+
+    def _kick(self) -> None:
+        run = self.run
+        close = False
+        with self._lock:
+            if self._closed or run.stopping:
+                return
+            if self._has_unsent() and not self._output.request_space():
+                return  # nothing can move until the output drains; on_space will call again
+            waiting = len(self._input)
+            if self._ordered:
+                waiting = min(waiting, self._concurrency - (self._next_seq - self._next_emit))
+            waiting += len(self._parked) + (1 if self._has_unsent() else 0)
+            if self._input.exhausted and not self._finish_claimed:
+                waiting += 1
+            idle = self._active - self._busy
+            n = min(self._concurrency - self._active, waiting - idle)
+            if n > 0:
+                self._active += n
+            elif (
+                self._active == 0
+                and self._finish_claimed
+                and self._input.exhausted
+                and not self._parked
+                and not self._ready
+                and not self._pending
+            ):
+                self._closed = close = True
+        if close:
+            self._output.close()
+            return
+        for _ in range(n):
+            if not run.submit(self._executor, self._job):
+                with self._lock:
+                    self._active -= 1
+
+    # -- the job (executor thread) ---------------------------------------------------------------
+
+    def _job(self) -> None:
+        run = self.run
+        try:
+            while not run.stopping:
+                if not self._flush():
+                    return
+                parked = None
+                with self._lock:
+                    if self._parked:
+                        parked = self._parked.popleft()
+                    elif (
+                        self._ordered
+                        and self._next_seq - self._next_emit >= self._concurrency
+                    ):
+                        return  # the reorder window is full; the next emit restarts us
+                if parked is not None:
+                    if not self._drive(*parked):
+                        return
+                    continue
+                item = self._input.try_get()
+                if item is EMPTY:
+                    if self._input.exhausted and self._claim_finish():
+                        continue
+                    return
+                ok = self._process(item)
+                ctx = run.job_context()
+                if ctx is not None and ctx.deferred:
+                    ctx.run_deferred()
+                if not ok:
+                    return
+        except BaseException as error:  # a bug in the engine: never lose it silently
+            run.fail(error)
+        finally:
+            with self._lock:
+                self._active -= 1
+            self._kick()  # catch wake-ups that arrived while this job was winding down
+
+    def _claim_finish(self) -> bool:
+        with self._lock:
+            if self._finish_claimed:
+                return False
+            self._finish_claimed = True
+        tail = self._work.finish()
+        if tail is not None:
+            with self._lock:
+                self._parked.append((tail, "<end of input>"))
+        return True
+
+    def _process(self, item: Any) -> bool:
+        """Run the op on one item; False if the job must stop (output full)."""
+        c = self.counters
+        with self._lock:
+            seq = self._next_seq
+            self._next_seq += 1
+            c.items_in += 1
+            self._busy += 1
+            t0 = c.task_started()
+        try:
+            result = self._work(item)
+        except Exception as error:
+            with self._lock:
+                c.task_ended(t0)
+                self._busy -= 1
+            self.record_failure(item, error)
+            return self._emit(seq, _SKIP) if self._ordered else True
+        with self._lock:
+            c.task_ended(t0)
+            self._busy -= 1
+        if self._work.iterates:
+            return self._drive(result, item)
+        return self._emit(seq, result)
+
+    def _drive(self, outputs: Iterator[Any], item: Any) -> bool:
+        """Pull outputs from an iterator (running user code) and hand them on."""
+        c = self.counters
+        run = self.run
+        while not run.stopping:
+            with self._lock:
+                self._busy += 1
+                t0 = c.task_started()
+            try:
+                value = next(outputs)
+            except StopIteration:
+                return True
+            except Exception as error:
+                self.record_failure(item, error)
+                return True
+            finally:
+                with self._lock:
+                    c.task_ended(t0)
+                    self._busy -= 1
+            if not self._emit(-1, value):
+                with self._lock:
+                    self._parked.append((outputs, item))
+                return False
+        return False
+
+    # -- hand-over ---------------------------------------------------------------------------------
+
+    def _emit(self, seq: int, value: Any) -> bool:
+        """Hand a result on (or queue it); False if the output is full."""
+        with self._emit_lock:
+            if self._ordered:
+                self._pending[seq] = value
+                advanced = self._flush_ordered()
+                sent = self._next_emit not in self._pending
+            else:
+                if not self._ready and self._output.try_put(value):
+                    return True
+                self._ready.append(value)
+                return self._flush_ready()
+        if advanced:
+            self._kick()  # the reorder window moved: more jobs may start
+        return sent
+
+    def _flush(self) -> bool:
+        """Send what is waiting; False if the output is still full."""
+        if self._ordered:
+            with self._emit_lock:
+                advanced = self._flush_ordered()
+                sent = self._next_emit not in self._pending
+            if advanced:
+                self._kick()
+            return sent
+        if not self._ready:
+            return True
+        with self._emit_lock:
+            return self._flush_ready()
+
+    def _flush_ready(self) -> bool:
+        ready = self._ready
+        while ready:
+            if not self._output.try_put(ready[0]):
+                return False
+            ready.popleft()
+        return True
+
+    def _flush_ordered(self) -> bool:
+        pending = self._pending
+        start = self._next_emit
+        while self._next_emit in pending:
+            value = pending[self._next_emit]
+            if value is not _SKIP and not self._output.try_put(value):
+                break
+            del pending[self._next_emit]
+            self._next_emit += 1
+        return self._next_emit != start
+
+
+class ThreadedSource(StageBase):
+    """Iterates a sync iterable in a thread pool, one job at a time, and feeds the first channel."""
+
+    def __init__(
+        self,
+        run: RunContext,
+        name: str,
+        source: Iterable[Any],
+        executor: Any,
+        output: Channel,
+        budget: FailureBudget,
+    ) -> None:
+        super().__init__(run, name, "source", 1, budget)
+        self._source = source
+        self._executor = executor
+        self._output = output
+        self._lock = self.counters.lock
+        self._iterator: Iterator[Any] | None = None
+        self._held: Any = EMPTY
+        self._active = False
+        self._done = False
+
+    def on_data(self) -> None:
+        """Unused: a source has no input."""
+
+    def on_space(self) -> None:
+        """The first channel drained: keep iterating."""
+        ctx = self.run.job_context()
+        if (
+            ctx is not None
+            and ctx.executor is self._executor
+            and self not in ctx.stack
+            and 0 <= self.counters.ewma < INLINE_BELOW
+        ):
+            ctx.deferred[self] = None
+            return
+        self._kick()
+
+    def run_inline(self, ctx: JobContext) -> None:
+        """Run the source's job on the calling thread if it is idle and may proceed."""
+        with self._lock:
+            claim = not self._active and not self._done and not self.run.stopping
+            if claim:
+                self._active = True
+        if not claim:
+            return
+        ctx.stack.add(self)
+        try:
+            self._job()
+        finally:
+            ctx.stack.discard(self)
+
+    def start(self) -> None:
+        """Begin iterating."""
+        self._kick()
+
+    def _kick(self) -> None:
+        with self._lock:
+            if self._active or self._done or self.run.stopping:
+                return
+            if self._held is not EMPTY and not self._output.request_space():
+                return
+            self._active = True
+        if not self.run.submit(self._executor, self._job):
+            with self._lock:
+                self._active = False
+
+    def _job(self) -> None:
+        run = self.run
+        c = self.counters
+        output = self._output
+        try:
+            if self._iterator is None:
+                self._iterator = iter(self._source)
+            iterator = self._iterator
+            while not run.stopping:
+                if self._held is not EMPTY:
+                    if not output.try_put(self._held):
+                        return
+                    self._held = EMPTY
+                with self._lock:
+                    t0 = c.task_started()
+                try:
+                    value = next(iterator)
+                except StopIteration:
+                    self._done = True
+                    output.close()
+                    return
+                finally:
+                    with self._lock:
+                        c.task_ended(t0)
+                with self._lock:
+                    c.items_in += 1
+                self._held = value
+                if output.try_put(value):
+                    self._held = EMPTY
+                    ctx = run.job_context()
+                    if ctx is not None and ctx.deferred:
+                        ctx.run_deferred()
+        except BaseException as error:  # an error in the source ends the run and propagates
+            self._done = True
+            run.fail(error)
+        finally:
+            with self._lock:
+                self._active = False
+            self._kick()
+
+    def close(self) -> None:
+        """Close the source iterator (a generator's ``finally`` runs). Call once no job runs."""
+        iterator, self._iterator = self._iterator, None
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:  # closing is best effort: the run is over
+                pass

@@ -1,0 +1,228 @@
+"""Per-stage statistics of a running pipeline, and which stage is the bottleneck.
+
+:meth:`Pipeline.stats() <feedline.Pipeline.stats>` returns a :class:`PipelineStats` snapshot.
+How to read a stage's numbers:
+
+* ``busy`` near 1: the stage's concurrency slots are always occupied; it limits throughput. Give
+  it more ``concurrency`` (if its op releases the GIL or waits on I/O) or make its op cheaper.
+* ``starved`` near 1: the stage waits for input most of the time; look upstream.
+* ``blocked`` near 1: the stage's output queue is full most of the time; look downstream. If the
+  last stage is blocked, the consumer (the training loop) is the slowest part, which is the goal.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._queue import ChannelStats
+
+__all__ = ["PipelineStats", "StageStats"]
+
+_RING = 2048  # task durations kept per stage for percentiles
+
+
+class StageCounters:
+    """Mutable counters one stage updates while it runs (internal)."""
+
+    __slots__ = (
+        "_durations",
+        "_n_durations",
+        "busy_time",
+        "concurrency",
+        "ewma",
+        "failures",
+        "in_flight",
+        "items_in",
+        "items_out",
+        "kind",
+        "last_error",
+        "last_sample",
+        "lock",
+        "max_in_flight",
+        "name",
+        "t0",
+    )
+
+    def __init__(self, name: str, kind: str, concurrency: int) -> None:
+        self.name = name
+        self.kind = kind
+        self.concurrency = concurrency
+        self.lock = threading.Lock()
+        self.items_in = 0
+        self.items_out = 0
+        self.failures = 0
+        self.busy_time = 0.0
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.last_error: BaseException | None = None
+        self.last_sample: str | None = None
+        self._durations = np.zeros(_RING, dtype=np.float64)
+        self._n_durations = 0
+        self.ewma = -1.0  # smoothed seconds per call; negative until enough calls were seen
+        self.t0 = time.perf_counter()
+
+    def task_started(self) -> float:
+        """Count one call entering the op; returns its start time. Call with ``lock`` held."""
+        self.in_flight += 1
+        if self.in_flight > self.max_in_flight:
+            self.max_in_flight = self.in_flight
+        return time.perf_counter()
+
+    def task_ended(self, t_start: float) -> None:
+        """Count one call leaving the op. Call with ``lock`` held."""
+        dt = time.perf_counter() - t_start
+        self.in_flight -= 1
+        self.busy_time += dt
+        self._durations[self._n_durations % _RING] = dt
+        self._n_durations += 1
+        if self._n_durations > 8:
+            self.ewma += 0.125 * (dt - self.ewma) if self.ewma >= 0 else dt - self.ewma
+
+    def snapshot(
+        self, in_q: ChannelStats | None, out_q: ChannelStats | None
+    ) -> StageStats:
+        """Build the public snapshot of this stage."""
+        with self.lock:
+            n = min(self._n_durations, _RING)
+            durations = self._durations[:n].copy()
+            life = max(time.perf_counter() - self.t0, 1e-9)
+            busy = self.busy_time / (life * self.concurrency)
+            if n:
+                mean = float(durations.mean())
+                p50, p90, p99 = (float(v) for v in np.percentile(durations, [50, 90, 99]))
+            else:
+                mean = p50 = p90 = p99 = 0.0
+            return StageStats(
+                name=self.name,
+                kind=self.kind,
+                concurrency=self.concurrency,
+                items_in=self.items_in,
+                items_out=out_q.puts if out_q is not None else self.items_out,
+                failures=self.failures,
+                in_flight=self.in_flight,
+                max_in_flight=self.max_in_flight,
+                task_mean=mean,
+                task_p50=p50,
+                task_p90=p90,
+                task_p99=p99,
+                busy=min(busy, 1.0),
+                starved=in_q.empty_fraction if in_q is not None else 0.0,
+                blocked=out_q.full_fraction if out_q is not None else 0.0,
+                queue=out_q,
+            )
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """A snapshot of one stage.
+
+    Attributes:
+        name: The stage's name.
+        kind: ``"source"``, ``"pipe"``, ``"aggregate"`` or ``"disaggregate"``.
+        concurrency: The most calls of the op the stage runs at once.
+        items_in: Items the stage has started working on (calls of ``next`` for a source).
+        items_out: Items the stage has handed to the next queue.
+        failures: Items the op raised on (skipped, counted against the failure budget).
+        in_flight: Calls running now.
+        max_in_flight: The most calls that ever ran at once (never above ``concurrency``).
+        task_mean: Mean seconds per call, over the last 2048 calls.
+        task_p50: Median seconds per call.
+        task_p90: 90th percentile of seconds per call.
+        task_p99: 99th percentile of seconds per call.
+        busy: Share of the stage's slot-time spent inside the op (0 to 1). Near 1: this stage
+            limits throughput.
+        starved: Share of time the stage's input queue was empty: waiting on upstream.
+        blocked: Share of time the stage's output queue was full: waiting on downstream.
+        queue: Statistics of the queue after this stage (``None`` before the first run).
+    """
+
+    name: str
+    kind: str
+    concurrency: int
+    items_in: int
+    items_out: int
+    failures: int
+    in_flight: int
+    max_in_flight: int
+    task_mean: float
+    task_p50: float
+    task_p90: float
+    task_p99: float
+    busy: float
+    starved: float
+    blocked: float
+    queue: ChannelStats | None
+
+
+@dataclass(frozen=True)
+class PipelineStats:
+    """A snapshot of a whole pipeline.
+
+    Attributes:
+        elapsed: Seconds since the current (or last) run started.
+        stages: One :class:`StageStats` per stage, source first.
+        bottleneck: The name of the stage that limits throughput, or ``"consumer"`` when the
+            pipeline produces faster than it is consumed (the goal).
+        reason: One sentence saying why ``bottleneck`` was chosen.
+    """
+
+    elapsed: float
+    stages: tuple[StageStats, ...]
+    bottleneck: str
+    reason: str
+
+    def __getitem__(self, name: str) -> StageStats:
+        """Return the stage called ``name``."""
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise KeyError(f"no stage named {name!r}; stages: {[s.name for s in self.stages]}")
+
+    @property
+    def items_out(self) -> int:
+        """Items that reached the consumer's buffer."""
+        return self.stages[-1].items_out if self.stages else 0
+
+    def __str__(self) -> str:
+        head = (
+            f"{'stage':<22}{'conc':>5}{'in':>9}{'out':>9}{'fail':>6}{'p50 ms':>9}"
+            f"{'p99 ms':>9}{'busy':>7}{'starved':>9}{'blocked':>9}{'queue':>7}"
+        )
+        lines = [head, "-" * len(head)]
+        for s in self.stages:
+            occ = f"{s.queue.mean_occupancy:.0%}" if s.queue is not None else "-"
+            lines.append(
+                f"{s.name[:21]:<22}{s.concurrency:>5}{s.items_in:>9}{s.items_out:>9}"
+                f"{s.failures:>6}{s.task_p50 * 1e3:>9.2f}{s.task_p99 * 1e3:>9.2f}"
+                f"{s.busy:>7.0%}{s.starved:>9.0%}{s.blocked:>9.0%}{occ:>7}"
+            )
+        rate = self.items_out / self.elapsed if self.elapsed > 0 else 0.0
+        lines.append(
+            f"{self.items_out} items in {self.elapsed:.2f}s ({rate:,.0f}/s); "
+            f"bottleneck: {self.bottleneck} ({self.reason})"
+        )
+        return "\n".join(lines)
+
+
+def find_bottleneck(stages: tuple[StageStats, ...]) -> tuple[str, str]:
+    """Name the stage that limits throughput, with a reason."""
+    if not stages:
+        return "none", "no stages"
+    last = stages[-1]
+    if last.blocked > 0.5:
+        return (
+            "consumer",
+            f"the output buffer was full {last.blocked:.0%} of the time: the pipeline is "
+            "faster than the loop consuming it",
+        )
+    worst = max(stages, key=lambda s: s.busy)
+    if worst.busy < 0.05:
+        return "none", "no stage is busy; the pipeline is idle or just started"
+    return (
+        worst.name,
+        f"its {worst.concurrency} slot(s) were busy {worst.busy:.0%} of the time",
+    )

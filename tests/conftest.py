@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+
+def _live_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.is_alive()}
+
+
+@pytest.fixture(autouse=True)
+def no_thread_leak() -> Iterator[None]:
+    """Every test must leave no thread behind (a short grace period covers thread exit)."""
+    before = _live_threads()
+    yield
+    deadline = time.monotonic() + 2.0
+    while True:
+        leaked = {t for t in _live_threads() - before if not t.name.startswith("QueueFeederThread")}
+        leaked = {t for t in leaked if "pydevd" not in t.name}
+        if not leaked or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert not leaked, f"threads left running: {sorted(t.name for t in leaked)}"

@@ -1,0 +1,84 @@
+"""Module-level helpers, so that child processes can import them."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+from feedline import PipelineBuilder
+
+
+def square(x: int) -> int:
+    return x * x
+
+
+def pid_and_square(x: int) -> tuple[int, int]:
+    return os.getpid(), x * x
+
+
+def make_arrays(i: int) -> dict[str, object]:
+    return {"index": i, "image": np.full((64, 64, 3), i % 256, dtype=np.uint8),
+            "big": np.arange(100_000, dtype=np.float32) + i}
+
+
+def array_builder(n: int) -> PipelineBuilder[object]:
+    return PipelineBuilder().add_source(range(n)).pipe(make_arrays, concurrency=2).add_sink(4)
+
+
+def square_builder(n: int) -> PipelineBuilder[object]:
+    return PipelineBuilder().add_source(range(n)).pipe(square, concurrency=2,
+                                                      output_order="input").add_sink(4)
+
+
+def failing_builder(n: int) -> PipelineBuilder[object]:
+    return PipelineBuilder().add_source(range(n)).pipe(fail_on_three).add_sink(4)
+
+
+def fail_on_three(x: int) -> int:
+    if x == 3:
+        raise ValueError("three is not allowed")
+    return x
+
+
+def slow_range(n: int, delay: float) -> Iterator[int]:
+    for i in range(n):
+        time.sleep(delay)
+        yield i
+
+
+def make_slow_range(n: int, delay: float) -> Iterator[int]:
+    return slow_range(n, delay)
+
+
+class SlowRange:
+    def __init__(self, n: int, delay: float) -> None:
+        self.n = n
+        self.delay = delay
+
+    def __iter__(self) -> Iterator[int]:
+        return slow_range(self.n, self.delay)
+
+
+def make_slow(n: int, delay: float) -> SlowRange:
+    return SlowRange(n, delay)
+
+
+def crash(n: int) -> Iterator[int]:
+    yield 1
+    os._exit(7)
+
+
+class Crashing:
+    def __iter__(self) -> Iterator[int]:
+        return crash(0)
+
+
+def make_crashing() -> Crashing:
+    return Crashing()
+
+
+def bad_factory() -> list[int]:
+    raise RuntimeError("cannot make the iterable")

@@ -1,0 +1,312 @@
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from feedline import PipelineBuilder
+
+from . import _helpers
+
+
+def ident(x: Any) -> Any:
+    return x
+
+
+class InFlight:
+    """Counts concurrent calls of an op and remembers the peak."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.now = 0
+        self.peak = 0
+
+    def enter(self) -> None:
+        with self.lock:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+
+    def exit(self) -> None:
+        with self.lock:
+            self.now -= 1
+
+
+def test_sync_pipeline_yields_every_item() -> None:
+    p = PipelineBuilder().add_source(range(100)).pipe(_helpers.square, concurrency=4).build()
+    assert sorted(p) == [i * i for i in range(100)]
+
+
+def test_empty_source() -> None:
+    p = PipelineBuilder().add_source([]).pipe(ident, concurrency=3).aggregate(4).build()
+    assert list(p) == []
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_input_order_kept_under_random_durations(concurrency: int) -> None:
+    rng = random.Random(0)
+    delays = [rng.random() * 0.004 for _ in range(200)]
+
+    def slow(i: int) -> int:
+        time.sleep(delays[i])
+        return i
+
+    async def aslow(i: int) -> int:
+        await asyncio.sleep(delays[i])
+        return i
+
+    p = (
+        PipelineBuilder()
+        .add_source(range(200))
+        .pipe(slow, concurrency=concurrency, output_order="input")
+        .pipe(aslow, concurrency=concurrency, output_order="input")
+        .build()
+    )
+    assert list(p) == list(range(200))
+
+
+def test_completion_order_differs_under_random_durations() -> None:
+    def slow(i: int) -> int:
+        time.sleep(0.02 if i % 2 == 0 else 0.0)
+        return i
+
+    out = list(PipelineBuilder().add_source(range(20)).pipe(slow, concurrency=4).build())
+    assert sorted(out) == list(range(20))
+    assert out != list(range(20))
+
+
+@pytest.mark.parametrize("concurrency", [1, 3, 8])
+def test_sync_stage_reaches_and_never_exceeds_concurrency(concurrency: int) -> None:
+    meter = InFlight()
+
+    def op(x: int) -> int:
+        meter.enter()
+        time.sleep(0.005)
+        meter.exit()
+        return x
+
+    p = PipelineBuilder().add_source(range(60)).pipe(op, concurrency=concurrency).build()
+    assert sorted(p) == list(range(60))
+    assert meter.peak == concurrency
+    assert p.stats()["op"].max_in_flight == concurrency
+
+
+@pytest.mark.parametrize("concurrency", [1, 5, 16])
+def test_async_stage_reaches_and_never_exceeds_concurrency(concurrency: int) -> None:
+    meter = InFlight()
+
+    async def op(x: int) -> int:
+        meter.enter()
+        await asyncio.sleep(0.005)
+        meter.exit()
+        return x
+
+    p = PipelineBuilder().add_source(range(80)).pipe(op, concurrency=concurrency).build()
+    assert sorted(p) == list(range(80))
+    assert meter.peak == concurrency
+
+
+def test_blocked_consumer_bounds_what_the_source_produces() -> None:
+    produced = 0
+
+    def source() -> Iterator[int]:
+        nonlocal produced
+        for i in range(10_000):
+            produced += 1
+            yield i
+
+    p = (
+        PipelineBuilder()
+        .add_source(source())
+        .pipe(ident, concurrency=2)
+        .pipe(ident, concurrency=2)
+        .add_sink(3)
+        .build()
+    )
+    with p.auto_stop():
+        assert p.get_item(timeout=5) is not None
+        time.sleep(0.3)  # the consumer stalls; the pipeline must stall too
+        first = produced
+        time.sleep(0.2)
+        assert produced == first, "the source kept producing while nobody consumed"
+        # queues: source->(2) + stage 1 (2 slots) ->(2) + stage 2 (2 slots) ->(3) + taken
+        assert produced <= 20
+
+
+def test_mixed_sync_async_and_generator_stages() -> None:
+    def split(x: int) -> Iterator[int]:
+        yield x
+        yield -x
+
+    async def double(x: int) -> int:
+        await asyncio.sleep(0)
+        return 2 * x
+
+    async def explode(x: int) -> AsyncIterator[int]:
+        for k in range(3):
+            await asyncio.sleep(0)
+            yield x * 10 + k
+
+    p = (
+        PipelineBuilder()
+        .add_source(range(1, 11))
+        .pipe(split, concurrency=2)
+        .pipe(double, concurrency=3)
+        .pipe(explode, concurrency=2)
+        .pipe(ident, concurrency=2)
+        .build()
+    )
+    expected = sorted(2 * s * x * 10 + k for x in range(1, 11) for s in (1, -1) for k in range(3))
+    assert sorted(p) == expected
+
+
+def test_async_source() -> None:
+    async def source() -> AsyncIterator[int]:
+        for i in range(50):
+            await asyncio.sleep(0)
+            yield i
+
+    p = PipelineBuilder().add_source(source()).pipe(_helpers.square, concurrency=2).build()
+    assert sorted(p) == [i * i for i in range(50)]
+
+
+def test_aggregate_and_disaggregate() -> None:
+    p = PipelineBuilder().add_source(range(10)).aggregate(4).build()
+    assert list(p) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    p = PipelineBuilder().add_source(range(10)).aggregate(4, drop_last=True).build()
+    assert list(p) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    p = PipelineBuilder().add_source(range(10)).aggregate(3).disaggregate().build()
+    assert list(p) == list(range(10))
+
+
+def test_pipeline_as_source_of_another() -> None:
+    inner = PipelineBuilder().add_source(range(30)).pipe(_helpers.square, concurrency=3).build()
+    outer = PipelineBuilder().add_source(inner).pipe(ident, concurrency=2).aggregate(10).build()
+    batches = list(outer)
+    assert sorted(x for b in batches for x in b) == [i * i for i in range(30)]
+
+
+def test_each_iteration_is_one_epoch() -> None:
+    p = PipelineBuilder().add_source(range(5)).pipe(ident, output_order="input").build()
+    assert [list(p) for _ in range(3)] == [[0, 1, 2, 3, 4]] * 3
+
+
+def test_two_iterators_at_once_are_refused() -> None:
+    p = PipelineBuilder().add_source(range(5)).build()
+    it = iter(p)
+    next(it)
+    with pytest.raises(RuntimeError, match="already being iterated"):
+        iter(p)
+    it.close()  # type: ignore[attr-defined]
+
+
+def test_get_item_timeout_and_end() -> None:
+    def slow(x: int) -> int:
+        time.sleep(0.5)
+        return x
+
+    p = PipelineBuilder().add_source([1]).pipe(slow).build()
+    with pytest.raises(RuntimeError, match="not running"):
+        p.get_item()
+    with p.auto_stop():
+        with pytest.raises(TimeoutError):
+            p.get_item(timeout=0.05)
+        assert p.get_item(timeout=5) == 1
+        with pytest.raises(EOFError):
+            p.get_item(timeout=5)
+
+
+def test_stop_is_idempotent_and_restartable() -> None:
+    p = PipelineBuilder().add_source(range(100)).pipe(ident).build()
+    p.stop()
+    p.start()
+    p.start()
+    assert p.get_item(timeout=5) == 0
+    p.stop()
+    p.stop()
+    assert sorted(p) == list(range(100))
+
+
+def test_process_pool_stage() -> None:
+    with ProcessPoolExecutor(2) as pool:
+        p = (
+            PipelineBuilder()
+            .add_source(range(20))
+            .pipe(_helpers.pid_and_square, executor=pool, concurrency=2)
+            .build()
+        )
+        out = list(p)
+    assert sorted(v for _, v in out) == [i * i for i in range(20)]
+    import os
+
+    assert all(pid != os.getpid() for pid, _ in out)
+
+
+def test_dedicated_thread_executor_runs_stage_in_its_thread() -> None:
+    names: set[str] = set()
+
+    def where(x: int) -> int:
+        names.add(threading.current_thread().name)
+        return x
+
+    with ThreadPoolExecutor(1, thread_name_prefix="transfer") as ex:
+        p = (
+            PipelineBuilder()
+            .add_source(range(50))
+            .pipe(ident, concurrency=2)
+            .pipe(where, executor=ex)
+            .build()
+        )
+        assert sorted(p) == list(range(50))
+    assert len(names) == 1
+    assert names.pop().startswith("transfer")
+
+
+def test_stats_report_every_stage() -> None:
+    def slow(x: int) -> int:
+        time.sleep(0.002)
+        return x
+
+    p = (
+        PipelineBuilder()
+        .add_source(range(100))
+        .pipe(ident, name="fast")
+        .pipe(slow, concurrency=2, name="slow")
+        .build()
+    )
+    assert len(list(p)) == 100
+    stats = p.stats()
+    assert [s.name for s in stats.stages] == ["source", "fast", "slow"]
+    slow_stats = stats["slow"]
+    assert slow_stats.items_in == slow_stats.items_out == 100
+    assert slow_stats.task_p50 >= 0.0015
+    assert slow_stats.task_p50 <= slow_stats.task_p90 <= slow_stats.task_p99
+    assert stats.bottleneck == "slow"
+    assert "slow" in str(stats)
+    with pytest.raises(KeyError, match="no stage named"):
+        stats["missing"]
+
+
+def test_stats_name_the_consumer_when_it_is_slowest() -> None:
+    p = PipelineBuilder().add_source(range(40)).pipe(ident).add_sink(2).build()
+    with p.auto_stop():
+        for _ in range(40):
+            p.get_item(timeout=5)
+            time.sleep(0.01)
+        assert p.stats().bottleneck == "consumer"
+
+
+def test_report_stats_interval_logs(caplog: pytest.LogCaptureFixture) -> None:
+    def slow(x: int) -> int:
+        time.sleep(0.01)
+        return x
+
+    p = PipelineBuilder().add_source(range(30)).pipe(slow).build(report_stats_interval=0.05)
+    with caplog.at_level("INFO", logger="feedline.pipeline"):
+        assert len(list(p)) == 30
+    assert any("pipeline statistics" in r.message for r in caplog.records)

@@ -1,0 +1,120 @@
+from __future__ import annotations
+
+import functools
+import mmap
+import os
+import time
+
+import numpy as np
+import pytest
+
+from feedline import (
+    ConfigurationError,
+    PipelineBuilder,
+    SubprocessFailure,
+    iterate_in_subprocess,
+    run_pipeline_in_subprocess,
+)
+
+from . import _helpers
+
+
+def test_pipeline_in_subprocess_for_three_epochs() -> None:
+    with run_pipeline_in_subprocess(_helpers.square_builder(50), num_threads=2) as it:
+        for _ in range(3):
+            assert list(it) == [i * i for i in range(50)]
+
+
+def _segments() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("psm_")}
+
+
+def test_arrays_cross_through_shared_memory() -> None:
+    before = _segments()
+    with run_pipeline_in_subprocess(_helpers.array_builder(10)) as it:
+        items = sorted(it, key=lambda d: d["index"])  # type: ignore[index]
+    assert [d["index"] for d in items] == list(range(10))
+    for d in items:
+        i = d["index"]
+        np.testing.assert_array_equal(d["image"], np.full((64, 64, 3), i % 256, np.uint8))
+        np.testing.assert_array_equal(d["big"], np.arange(100_000, dtype=np.float32) + i)
+        # the large array views a shared-memory mapping; the small one came as a pickle
+        assert isinstance(d["big"].base, mmap.mmap)
+        assert not isinstance(d["image"].base, mmap.mmap)
+    # every segment was unlinked once mapped: nothing is left in /dev/shm
+    assert _segments() - before == set()
+
+
+def test_early_break_then_next_epoch() -> None:
+    factory = functools.partial(_helpers.make_slow, 100, 0.001)
+    with iterate_in_subprocess(factory) as it:
+        for i, _ in enumerate(it):
+            if i == 3:
+                break
+        assert list(it) == list(range(100))
+
+
+def test_error_in_child_pipeline_is_raised() -> None:
+    with run_pipeline_in_subprocess(_helpers.failing_builder(10)) as it:
+        with pytest.raises(SubprocessFailure, match="three is not allowed"):
+            list(it)
+
+
+def test_factory_error_is_raised() -> None:
+    it = iterate_in_subprocess(_helpers.bad_factory)
+    with pytest.raises(SubprocessFailure, match="cannot make the iterable"):
+        list(it)
+    it.close()
+
+
+def test_child_crash_is_reported() -> None:
+    with iterate_in_subprocess(_helpers.make_crashing) as it:
+        with pytest.raises(SubprocessFailure, match="exit code 7"):
+            list(it)
+
+
+def test_timeout() -> None:
+    with iterate_in_subprocess(functools.partial(_helpers.make_slow, 3, 2.0), timeout=0.3) as it:
+        with pytest.raises(TimeoutError):
+            list(it)
+
+
+def test_unpicklable_factory_is_rejected() -> None:
+    with pytest.raises(ConfigurationError, match="module-level"):
+        iterate_in_subprocess(lambda: [1, 2])
+
+
+def test_child_exits_when_parent_dies(tmp_path: object) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import functools, os, sys\n"
+        "sys.path.insert(0, os.getcwd())\n"
+        "from feedline import iterate_in_subprocess\n"
+        "from tests.pipeline import _helpers\n"
+        "it = iterate_in_subprocess(functools.partial(_helpers.make_slow, 10**6, 0.01))\n"
+        "g = iter(it)\n"
+        "next(g)\n"
+        "print(it._child.process.pid, flush=True)\n"
+        "os._exit(0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=os.getcwd())
+    assert out.returncode == 0, out.stderr
+    child = int(out.stdout.strip())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the child process outlived its parent")
+
+
+def test_subprocess_iterable_as_pipeline_source() -> None:
+    with run_pipeline_in_subprocess(_helpers.square_builder(20)) as src:
+        p = PipelineBuilder().add_source(src).aggregate(5).build()
+        assert [x for batch in p for x in batch] == [i * i for i in range(20)]

@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import feedline
+import feedline.pipeline
+
+
+def test_all_is_sorted_and_complete() -> None:
+    for module in (feedline, feedline.pipeline):
+        names = list(module.__all__)
+        assert names == sorted(names), f"{module.__name__}.__all__ is not sorted"
+        for name in names:
+            assert hasattr(module, name), f"{module.__name__} lacks {name}"
+        public = {n for n in vars(module) if not n.startswith("_")}
+        public -= {"annotations", "errors", "pipeline", "stats"}
+        assert public <= set(names), f"public but not exported: {public - set(names)}"
+
+
+def test_public_objects_have_docstrings() -> None:
+    for name in feedline.__all__:
+        obj = getattr(feedline, name)
+        if callable(obj):
+            assert obj.__doc__, f"feedline.{name} has no docstring"
+
+
+def test_import_needs_only_numpy() -> None:
+    code = (
+        "import sys, feedline; "
+        "heavy = [m for m in ('torch', 'jax', 'PIL', 'cv2', 'av', 'aiohttp') if m in sys.modules]; "
+        "print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
