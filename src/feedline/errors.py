@@ -40,6 +40,7 @@ class PipelineFailure(FeedlineError):
         num_items: How many items that stage had received by then.
         sample: A short ``repr`` of the last item that failed (``None`` when unknown).
         last_error: The last exception the stage raised (also the ``__cause__``).
+
     """
 
     def __init__(

@@ -20,8 +20,11 @@ def pid_and_square(x: int) -> tuple[int, int]:
 
 
 def make_arrays(i: int) -> dict[str, object]:
-    return {"index": i, "image": np.full((64, 64, 3), i % 256, dtype=np.uint8),
-            "big": np.arange(100_000, dtype=np.float32) + i}
+    return {
+        "index": i,
+        "image": np.full((64, 64, 3), i % 256, dtype=np.uint8),
+        "big": np.arange(100_000, dtype=np.float32) + i,
+    }
 
 
 def array_builder(n: int) -> PipelineBuilder[object]:
@@ -29,8 +32,12 @@ def array_builder(n: int) -> PipelineBuilder[object]:
 
 
 def square_builder(n: int) -> PipelineBuilder[object]:
-    return PipelineBuilder().add_source(range(n)).pipe(square, concurrency=2,
-                                                      output_order="input").add_sink(4)
+    return (
+        PipelineBuilder()
+        .add_source(range(n))
+        .pipe(square, concurrency=2, output_order="input")
+        .add_sink(4)
+    )
 
 
 def failing_builder(n: int) -> PipelineBuilder[object]:

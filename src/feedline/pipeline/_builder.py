@@ -112,6 +112,7 @@ class PipelineBuilder(Generic[T]):
 
         Raises:
             ConfigurationError: If a source was already set or ``source`` is not iterable.
+
         """
         if self._source is not None:
             raise ConfigurationError("add_source() was called twice; a pipeline has one source")
@@ -121,8 +122,9 @@ class PipelineBuilder(Generic[T]):
                 f"the source must be an Iterable or an AsyncIterable, got {type(source).__name__}"
                 "; wrap a function that makes items in a generator"
             )
-        self._source = SourceConfig(source=source, name=self._claim(name, "source"),
-                                    is_async=is_async)
+        self._source = SourceConfig(
+            source=source, name=self._claim(name, "source"), is_async=is_async
+        )
         return self
 
     def pipe(
@@ -156,6 +158,7 @@ class PipelineBuilder(Generic[T]):
 
         Raises:
             ConfigurationError: On an argument that cannot work, saying what would.
+
         """
         self._check_open("pipe()")
         if not callable(op):
@@ -186,9 +189,14 @@ class PipelineBuilder(Generic[T]):
                     f"{type(executor).__name__} (generators do not cross process boundaries); "
                     "make it a function that returns a list, or use a ThreadPoolExecutor"
                 )
-        if output_order == "input" and concurrency > 1 and kind in (
-            OpKind.GENERATOR,
-            OpKind.ASYNC_GENERATOR,
+        if (
+            output_order == "input"
+            and concurrency > 1
+            and kind
+            in (
+                OpKind.GENERATOR,
+                OpKind.ASYNC_GENERATOR,
+            )
         ):
             raise ConfigurationError(
                 f"stage {stage_name!r}: output_order='input' with a {kind.value} op needs "
@@ -220,6 +228,7 @@ class PipelineBuilder(Generic[T]):
             num_items: Items per group (>= 1).
             drop_last: Drop a last group that is smaller than ``num_items``.
             name: Name in statistics; defaults to ``aggregate(N)``.
+
         """
         self._check_open("aggregate()")
         num_items = _check_positive_int("num_items", num_items, "It is the group size.")
@@ -231,7 +240,7 @@ class PipelineBuilder(Generic[T]):
                 buffer_size=2,
             )
         )
-        return self
+        return self  # type: ignore[return-value]  # the item type changes to a list
 
     def disaggregate(self, *, name: str | None = None) -> PipelineBuilder[Any]:
         """Pass on the elements of each incoming iterable one by one (undo :meth:`aggregate`)."""
@@ -277,6 +286,7 @@ class PipelineBuilder(Generic[T]):
 
         Raises:
             ConfigurationError: If the definition cannot run, saying how to fix it.
+
         """
         if self._source is None:
             raise ConfigurationError("the pipeline has no source: call add_source() first")
@@ -342,4 +352,3 @@ class PipelineBuilder(Generic[T]):
         names = [self._source.name] if self._source else []
         names += [s.name for s in self._stages]
         return f"PipelineBuilder({' -> '.join(names) or 'empty'})"
-

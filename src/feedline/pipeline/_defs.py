@@ -40,7 +40,7 @@ class OpKind(enum.Enum):
 def op_kind(op: Callable[..., Any]) -> OpKind:
     """Classify a stage op, looking through ``functools.partial`` and callable objects."""
     targets: list[Any] = [op]
-    call = getattr(type(op), "__call__", None)
+    call = getattr(type(op), "__call__", None)  # noqa: B004 - we need the method itself
     if call is not None and not inspect.isfunction(op) and not inspect.ismethod(op):
         targets.append(call)
     for target in targets:

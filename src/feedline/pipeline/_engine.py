@@ -12,6 +12,7 @@ hands items to the consumer, and stops everything it started. Who owns what:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -50,6 +51,7 @@ class _ThreadState(threading.local):
     # which costs more than the rest of a hand-over.
     ctx: JobContext | None = None
 
+
 _log = logging.getLogger("feedline.pipeline")
 
 _STOP_WARN_AFTER = 5.0  # seconds a stop may wait on running ops before it logs a warning
@@ -83,9 +85,7 @@ class Run:
         self._async_stages: list[AsyncStage | AsyncSource] = []
 
         concurrency = [getattr(cfg, "concurrency", 1) for cfg in config.stages]
-        first_capacity = (
-            max(2, concurrency[0]) if config.stages else config.sink.buffer_size
-        )
+        first_capacity = max(2, concurrency[0]) if config.stages else config.sink.buffer_size
         src_cfg = config.source
         out = Channel(f"{src_cfg.name}->", first_capacity)
         self.channels.append(out)
@@ -98,16 +98,14 @@ class Run:
             source = ThreadedSource(self, src_cfg.name, iterable, self._pool, out, budget)
         self._source = source
         self.stages.append(source)
-        producers: list[Any] = [source]
+        producers: list[Any] = [source]  # each is an Endpoint
 
         for i, cfg in enumerate(config.stages):
             inp = out
             last = i == len(config.stages) - 1
             # The queue after a stage holds its buffer_size, and at least enough to keep every
             # slot of the next stage fed; the last queue is the sink.
-            capacity = (
-                config.sink.buffer_size if last else max(cfg.buffer_size, concurrency[i + 1])
-            )
+            capacity = config.sink.buffer_size if last else max(cfg.buffer_size, concurrency[i + 1])
             out = Channel(f"{cfg.name}->", capacity)
             self.channels.append(out)
             stage = self._make_stage(cfg, inp, out, budget)
@@ -117,23 +115,39 @@ class Run:
         self._sink = SinkReader(out)
         out.connect(producers[-1], self._sink)
 
-    def _make_stage(
-        self, cfg: Any, inp: Channel, out: Channel, budget: FailureBudget
-    ) -> StageBase:
+    def _make_stage(self, cfg: Any, inp: Channel, out: Channel, budget: FailureBudget) -> Any:
         work: Work
         if isinstance(cfg, PipeConfig):
             threaded = cfg.kind in (OpKind.FUNCTION, OpKind.GENERATOR) and (
                 cfg.executor is None or isinstance(cfg.executor, ThreadPoolExecutor)
             )
             if threaded:
-                work = FunctionWork(cfg.op) if cfg.kind is OpKind.FUNCTION else GeneratorWork(cfg.op)
+                work = (
+                    FunctionWork(cfg.op) if cfg.kind is OpKind.FUNCTION else GeneratorWork(cfg.op)
+                )
                 return ThreadedStage(
-                    self, cfg.name, "pipe", work, cfg.concurrency, cfg.executor or self._pool,
-                    cfg.output_order == "input", inp, out, budget,
+                    self,
+                    cfg.name,
+                    "pipe",
+                    work,
+                    cfg.concurrency,
+                    cfg.executor or self._pool,
+                    cfg.output_order == "input",
+                    inp,
+                    out,
+                    budget,
                 )
             stage = AsyncStage(
-                self, cfg.name, cfg.op, cfg.kind, cfg.concurrency, cfg.executor,
-                cfg.output_order == "input", inp, out, budget,
+                self,
+                cfg.name,
+                cfg.op,
+                cfg.kind,
+                cfg.concurrency,
+                cfg.executor,
+                cfg.output_order == "input",
+                inp,
+                out,
+                budget,
             )
             self._async_stages.append(stage)
             return stage
@@ -258,6 +272,7 @@ class Run:
             EOFError: At the end of the epoch.
             TimeoutError: If nothing arrived in time.
             BaseException: The error that stopped the run (failure budget, source error).
+
         """
         if self.error is not None:
             raise self.error
@@ -280,10 +295,8 @@ class Run:
         for channel in self.channels:
             channel.abort()
         self._sink.interrupt()
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop already closed
             self.loop.call_soon_threadsafe(self._set_stop_event)
-        except RuntimeError:  # the loop already closed
-            pass
 
     def _set_stop_event(self) -> None:
         if self._stop_event is not None:
@@ -306,7 +319,8 @@ class Run:
             _log.warning(
                 "stopping the pipeline: %d job(s) still inside stage ops after %.0f s; "
                 "an op that never returns keeps its thread (and this stop) waiting",
-                self._jobs, waited,
+                self._jobs,
+                waited,
             )
         self._pool.shutdown(wait=True)
         if isinstance(self._source, ThreadedSource):

@@ -33,6 +33,7 @@ class WorkerPool:
     Args:
         max_workers: The most threads the pool starts.
         name: Prefix of the threads' names.
+
     """
 
     def __init__(self, max_workers: int, name: str) -> None:
@@ -53,6 +54,7 @@ class WorkerPool:
 
         Raises:
             RuntimeError: After :meth:`shutdown`.
+
         """
         with self._lock:
             if self._shutdown:

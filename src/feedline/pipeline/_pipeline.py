@@ -108,6 +108,7 @@ class Pipeline(Generic[T]):
             EOFError: When the epoch has no more items (the pipeline then stops itself).
             TimeoutError: If no item arrived within ``timeout``.
             PipelineFailure: If a stage exceeded the failure budget.
+
         """
         run = self._holder.run
         if run is None:
@@ -138,7 +139,7 @@ class Pipeline(Generic[T]):
         try:
             self.start()
             run = self._holder.run
-            assert run is not None  # noqa: S101 - start() just set it
+            assert run is not None
             while True:
                 try:
                     item = run.get(None)
@@ -153,7 +154,7 @@ class Pipeline(Generic[T]):
         # Used when this pipeline is the source of another: stop when the outer run stops.
         self.start()
         run = self._holder.run
-        assert run is not None  # noqa: S101
+        assert run is not None
         try:
             while not outer.stopping:
                 try:
@@ -173,6 +174,7 @@ class Pipeline(Generic[T]):
 
         Raises:
             RuntimeError: If the pipeline has never run.
+
         """
         run = self._last
         if run is None:

@@ -64,6 +64,7 @@ class ChannelStats:
             consumer had nothing to do because of upstream.
         full_fraction: Share of the channel's life it was full: the producer could not hand
             over results because of downstream.
+
     """
 
     capacity: int
@@ -81,6 +82,7 @@ class Channel:
     Args:
         name: Used in statistics and error messages.
         capacity: The most items held at once (>= 1).
+
     """
 
     __slots__ = (
@@ -147,8 +149,9 @@ class Channel:
 
         Returns:
             ``True`` if the item was taken. ``False`` if the channel is full (the producer's
-            ``on_space`` will be called once it has drained to half) or closed (the item is dropped; a closed
-            channel only happens when the pipeline stops).
+            ``on_space`` will be called once it has drained to half) or closed (the item is
+            dropped; a channel is only closed under a producer when the pipeline stops).
+
         """
         with self._lock:
             if self._closed:
@@ -184,6 +187,7 @@ class Channel:
             ``True`` if the channel is drained to its low-water mark (half full) or closed
             right now, in which case no call will come; ``False`` if the producer's
             ``on_space`` will be called later.
+
         """
         with self._lock:
             if self._closed or len(self._items) <= self._low:

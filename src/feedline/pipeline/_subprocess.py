@@ -17,6 +17,7 @@ An epoch that the parent abandons is interrupted through an Event; the child ans
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing as mp
 import os
@@ -112,10 +113,8 @@ class _Child:
             return
         self.process = None
         if process.is_alive():
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 self.cmd_q.put("close")
-            except (OSError, ValueError):
-                pass
             process.join(timeout)
             if process.is_alive():
                 process.terminate()
@@ -161,7 +160,7 @@ class SubprocessIterable(Generic[T]):
         self._child.cmd_q = ctx.Queue()
         self._data_q = ctx.Queue(maxsize=self._buffer_size)
         self._stop = ctx.Event()
-        process = ctx.Process(
+        process = ctx.Process(  # type: ignore[attr-defined]
             target=_child_main,
             args=(self._factory, self._child.cmd_q, self._data_q, self._stop, self._shm_min),
             name="feedline-subprocess",
@@ -282,6 +281,7 @@ def iterate_in_subprocess(
 
     Raises:
         ConfigurationError: On invalid arguments or an unpicklable factory.
+
     """
     if not callable(factory):
         raise ConfigurationError(f"factory must be callable, got {type(factory).__name__}")
@@ -332,7 +332,7 @@ def run_pipeline_in_subprocess(
     other arguments are those of :func:`iterate_in_subprocess`. The result is iterable, so it
     can be the source of another pipeline (for example one that moves batches to the GPU).
     """
-    options = {
+    options: dict[str, Any] = {
         "num_threads": num_threads,
         "max_failures": max_failures,
         "report_stats_interval": report_stats_interval,

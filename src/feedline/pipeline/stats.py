@@ -82,9 +82,7 @@ class StageCounters:
         if self._n_durations > 8:
             self.ewma += 0.125 * (dt - self.ewma) if self.ewma >= 0 else dt - self.ewma
 
-    def snapshot(
-        self, in_q: ChannelStats | None, out_q: ChannelStats | None
-    ) -> StageStats:
+    def snapshot(self, in_q: ChannelStats | None, out_q: ChannelStats | None) -> StageStats:
         """Build the public snapshot of this stage."""
         with self.lock:
             n = min(self._n_durations, _RING)
@@ -138,6 +136,7 @@ class StageStats:
         starved: Share of time the stage's input queue was empty: waiting on upstream.
         blocked: Share of time the stage's output queue was full: waiting on downstream.
         queue: Statistics of the queue after this stage (``None`` before the first run).
+
     """
 
     name: str
@@ -168,6 +167,7 @@ class PipelineStats:
         bottleneck: The name of the stage that limits throughput, or ``"consumer"`` when the
             pipeline produces faster than it is consumed (the goal).
         reason: One sentence saying why ``bottleneck`` was chosen.
+
     """
 
     elapsed: float

@@ -1,5 +1,7 @@
-"""Stages that run on the event loop: coroutine and async-generator ops, async sources, and
-sync ops sent to a non-thread executor (a process pool) one item at a time.
+"""Stages that run on the event loop.
+
+They run coroutine and async-generator ops, async sources, and sync ops sent to a non-thread
+executor (a process pool) one item at a time.
 
 Each stage runs ``concurrency`` worker coroutines. A worker waits for input through a
 :class:`LoopSignal`, which other threads may fire; the signal merges wake-ups so that a burst
@@ -9,6 +11,7 @@ of items costs one call into the loop, not one per item.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import deque
 from collections.abc import AsyncIterable, Callable
@@ -44,11 +47,8 @@ class LoopSignal:
 
     def discard(self, fut: asyncio.Future[None]) -> None:
         """Withdraw a waiter that is no longer needed."""
-        with self._lock:
-            try:
-                self._waiters.remove(fut)
-            except ValueError:
-                pass
+        with self._lock, contextlib.suppress(ValueError):
+            self._waiters.remove(fut)
 
     def notify(self, wake_all: bool = False) -> None:
         """Wake one waiter (or all), now if on the loop thread, else soon."""
@@ -64,10 +64,8 @@ class LoopSignal:
         if on_loop:
             self._deliver()
             return
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the run is over
             self._run.loop.call_soon_threadsafe(self._deliver)
-        except RuntimeError:  # the loop is closed: the run is over
-            pass
 
     def _deliver(self) -> None:
         with self._lock:

@@ -6,7 +6,8 @@ import asyncio
 import logging
 import reprlib
 import time
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from feedline.errors import PipelineFailure
 
@@ -134,7 +135,12 @@ class StageBase:
             more = f" ({skipped} more since the last message)" if skipped else ""
             _log.warning(
                 "stage %r failed on sample %s: %s: %s [%d failure(s) so far]%s",
-                self.name, sample, type(error).__name__, error, failures, more,
+                self.name,
+                sample,
+                type(error).__name__,
+                error,
+                failures,
+                more,
                 exc_info=error if first else None,
             )
         if self._budget.exceeded(failures, items):

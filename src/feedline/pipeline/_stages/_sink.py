@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -35,10 +36,8 @@ class SinkReader:
     def _wake(self) -> None:
         if self._waiting:
             self._waiting = False
-            try:
+            with contextlib.suppress(RuntimeError):  # another producer released it already
                 self._signal.release()
-            except RuntimeError:  # already released by another producer
-                pass
 
     def on_data(self) -> None:
         """An item arrived or the channel closed: wake the consumer if it sleeps."""
@@ -63,6 +62,7 @@ class SinkReader:
 
         Raises:
             TimeoutError: If nothing arrived within ``timeout`` seconds.
+
         """
         channel = self._channel
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -13,6 +13,7 @@ stage. A job that drains a queue pays them once per burst, while a slow op still
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -134,7 +135,8 @@ class ThreadedStage(StageBase):
         self._next_emit = 0
         self._ready: deque[Any] = deque()  # completion order: results waiting for room
         self._pending: dict[int, Any] = {}  # input order: results by sequence number
-        self._parked: deque[tuple[Iterator[Any], Any]] = deque()  # iterators paused on a full output
+        # iterators (generator ops, aggregate) paused because the output was full
+        self._parked: deque[tuple[Iterator[Any], Any]] = deque()
         self._finish_claimed = False
         self._closed = False
 
@@ -237,10 +239,7 @@ class ThreadedStage(StageBase):
                 with self._lock:
                     if self._parked:
                         parked = self._parked.popleft()
-                    elif (
-                        self._ordered
-                        and self._next_seq - self._next_emit >= self._concurrency
-                    ):
+                    elif self._ordered and self._next_seq - self._next_emit >= self._concurrency:
                         return  # the reorder window is full; the next emit restarts us
                 if parked is not None:
                     if not self._drive(*parked):
@@ -488,7 +487,5 @@ class ThreadedSource(StageBase):
         iterator, self._iterator = self._iterator, None
         close = getattr(iterator, "close", None)
         if close is not None:
-            try:
+            with contextlib.suppress(Exception):  # best effort: the run is over
                 close()
-            except Exception:  # closing is best effort: the run is over
-                pass
