@@ -250,10 +250,12 @@ class ThreadedStage(StageBase):
                     if self._input.exhausted and self._claim_finish():
                         continue
                     return
-                ok = self._process(item)
                 ctx = run.job_context()
                 if ctx is not None and ctx.deferred:
-                    ctx.run_deferred()
+                    ctx.run_deferred()  # refill from upstream before a possibly long op
+                ok = self._process(item)
+                if ctx is not None and ctx.deferred:
+                    ctx.run_deferred()  # hand our result on
                 if not ok:
                     return
         except BaseException as error:  # a bug in the engine: never lose it silently

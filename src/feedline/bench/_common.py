@@ -1,0 +1,116 @@
+"""Shared benchmark machinery: alternating repeats, medians, result records, tables."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Contender", "Measurement", "ScenarioResult", "alternate", "machine_info"]
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One way of doing the work: ``run()`` does it once and returns (items, seconds)."""
+
+    name: str
+    run: Callable[[], tuple[int, float]]
+
+
+@dataclass
+class Measurement:
+    """The medians of one contender in one configuration."""
+
+    case: str
+    contender: str
+    items_per_s: float
+    runs: list[float]
+    ratio: float | None = None  # to the case's baseline
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ScenarioResult:
+    """All measurements of a scenario, with what is needed to read them."""
+
+    scenario: str
+    baseline: str
+    measurements: list[Measurement]
+    notes: list[str] = field(default_factory=list)
+    machine: dict[str, Any] = field(default_factory=dict)
+
+    def table(self) -> str:
+        """A plain-text table of the results."""
+        rows = [("case", "contender", "items/s", f"x {self.baseline}", "runs (items/s)")]
+        for m in self.measurements:
+            ratio = "-" if m.ratio is None else f"{m.ratio:.2f}x"
+            runs = " ".join(f"{r:,.0f}" for r in m.runs)
+            extra = "".join(f"  {k}={v:.3g}" for k, v in m.extra.items())
+            rows.append((m.case, m.contender, f"{m.items_per_s:,.0f}", ratio, runs + extra))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        out = []
+        for i, r in enumerate(rows):
+            out.append("  ".join(r[j].ljust(widths[j]) for j in range(4)) + "  " + r[4])
+            if i == 0:
+                out.append("-" * (sum(widths) + 8 + len(r[4])))
+        out.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(out)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return asdict(self)
+
+    def save(self, directory: Path) -> Path:
+        """Write the result as ``<scenario>.json`` under ``directory``."""
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{self.scenario}.json"
+        path.write_text(json.dumps(self.to_json(), indent=2))
+        return path
+
+
+def alternate(
+    case: str,
+    contenders: Sequence[Contender],
+    repeats: int,
+    baseline: str | None,
+    progress: Callable[[str], None] | None = None,
+) -> list[Measurement]:
+    """Run each contender ``repeats`` times, round-robin, and summarise by the median.
+
+    Alternating spreads the noise of a shared machine over every contender instead of
+    letting it land on whichever ran during a busy moment.
+    """
+    rates: dict[str, list[float]] = {c.name: [] for c in contenders}
+    for r in range(repeats):
+        for c in contenders:
+            if progress is not None:
+                progress(f"{case}: {c.name} (run {r + 1}/{repeats})")
+            items, seconds = c.run()
+            rates[c.name].append(items / seconds if seconds > 0 else float("nan"))
+    out = [
+        Measurement(case=case, contender=name, items_per_s=statistics.median(v), runs=v)
+        for name, v in rates.items()
+    ]
+    base = next((m for m in out if m.contender == baseline), None)
+    if base is not None and base.items_per_s > 0:
+        for m in out:
+            m.ratio = m.items_per_s / base.items_per_s
+    return out
+
+
+def machine_info() -> dict[str, Any]:
+    """Where the numbers were taken."""
+    import os
+
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }

@@ -1,0 +1,202 @@
+"""The ``engine`` scenario: what the pipeline engine itself costs, against SPDL and a thread pool.
+
+(a) Overhead: items/s through three no-op stages (sync, then async) at concurrency 1 and 8, and
+    the latency of handing one item through an idle pipeline to the consumer.
+(b) A stage that releases the GIL (SHA-256 of 1 MiB) at concurrency 1, 2 and 4, against
+    ``ThreadPoolExecutor.map`` doing the same work: the engine should add nothing measurable.
+
+SPDL (``spdl.pipeline``, PyPI ``spdl``) runs as a contender when it is installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from feedline import PipelineBuilder
+
+from ._common import Contender, Measurement, ScenarioResult, alternate, machine_info
+
+__all__ = ["run"]
+
+_MIB = 1 << 20
+
+
+def _noop(x: Any) -> Any:
+    return x
+
+
+async def _anoop(x: Any) -> Any:
+    return x
+
+
+def _sha256(buf: bytes) -> bytes:
+    return hashlib.sha256(buf).digest()
+
+
+def _spdl() -> Any | None:
+    try:
+        import spdl.pipeline as sp
+    except ImportError:
+        return None
+    return sp
+
+
+def _feedline_pipeline(
+    source: Any, op: Callable[..., Any], stages: int, concurrency: int, num_threads: int, sink: int
+) -> Any:
+    b = PipelineBuilder().add_source(source)
+    for _ in range(stages):
+        b = b.pipe(op, concurrency=concurrency)
+    return b.add_sink(sink).build(num_threads=num_threads)
+
+
+def _spdl_pipeline(
+    sp: Any,
+    source: Any,
+    op: Callable[..., Any],
+    stages: int,
+    concurrency: int,
+    num_threads: int,
+    sink: int,
+) -> Any:
+    b = sp.PipelineBuilder().add_source(source)
+    for _ in range(stages):
+        b = b.pipe(op, concurrency=concurrency)
+    return b.add_sink(sink).build(num_threads=num_threads)
+
+
+def _drain(pipeline: Any) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    n = 0
+    with pipeline.auto_stop():
+        for _ in pipeline:
+            n += 1
+    return n, time.perf_counter() - t0
+
+
+def _overhead(n: int, repeats: int, sink: int, progress: Any) -> list[Measurement]:
+    sp = _spdl()
+    out: list[Measurement] = []
+    for label, op in (("sync", _noop), ("async", _anoop)):
+        for conc in (1, 8):
+            case = f"3 {label} no-op stages, concurrency {conc}"
+            threads = max(8, conc)
+
+            def ours(op: Any = op, conc: int = conc, threads: int = threads) -> tuple[int, float]:
+                return _drain(_feedline_pipeline(range(n), op, 3, conc, threads, sink))
+
+            contenders = [Contender("feedline", ours)]
+            if sp is not None:
+
+                def theirs(
+                    op: Any = op, conc: int = conc, threads: int = threads
+                ) -> tuple[int, float]:
+                    return _drain(_spdl_pipeline(sp, range(n), op, 3, conc, threads, sink))
+
+                contenders.append(Contender("spdl", theirs))
+            out += alternate(case, contenders, repeats, "spdl" if sp else None, progress)
+    return out
+
+
+def _timed_source(n: int, gap: float) -> Iterator[float]:
+    for _ in range(n):
+        time.sleep(gap)
+        yield time.perf_counter()
+
+
+def _latency(n: int, repeats: int, progress: Any) -> list[Measurement]:
+    """Seconds from the source yielding an item to the consumer holding it (idle pipeline)."""
+    sp = _spdl()
+    builders: list[tuple[str, Callable[[], Any]]] = [
+        ("feedline", lambda: _feedline_pipeline(_timed_source(n, 0.002), _noop, 3, 1, 4, 3))
+    ]
+    if sp is not None:
+        builders.append(
+            ("spdl", lambda: _spdl_pipeline(sp, _timed_source(n, 0.002), _noop, 3, 1, 4, 3))
+        )
+    samples: dict[str, list[float]] = {name: [] for name, _ in builders}
+    for r in range(repeats):
+        for name, make in builders:
+            if progress is not None:
+                progress(f"hand-off latency: {name} (run {r + 1}/{repeats})")
+            pipeline = make()
+            with pipeline.auto_stop():
+                for t in pipeline:
+                    samples[name].append(time.perf_counter() - t)
+    out = []
+    for name, v in samples.items():
+        v.sort()
+        p50 = statistics.median(v)
+        p99 = v[min(len(v) - 1, int(0.99 * len(v)))]
+        out.append(
+            Measurement(
+                case="hand-off latency (idle pipeline)",
+                contender=name,
+                items_per_s=1.0 / p50,
+                runs=[],
+                extra={"p50_us": p50 * 1e6, "p99_us": p99 * 1e6},
+            )
+        )
+    base = next((m for m in out if m.contender == "spdl"), None)
+    if base is not None:
+        for m in out:
+            m.ratio = base.extra["p50_us"] / m.extra["p50_us"]
+    return out
+
+
+def _gil_free(n: int, repeats: int, progress: Any) -> list[Measurement]:
+    sp = _spdl()
+    buffers = [bytes([i]) * _MIB for i in range(8)]
+    items = [buffers[i % len(buffers)] for i in range(n)]
+    out: list[Measurement] = []
+    for conc in (1, 2, 4):
+        case = f"sha256(1 MiB), concurrency {conc}"
+
+        def pool_map(conc: int = conc) -> tuple[int, float]:
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(conc) as ex:
+                k = sum(1 for _ in ex.map(_sha256, items))
+            return k, time.perf_counter() - t0
+
+        def ours(conc: int = conc) -> tuple[int, float]:
+            return _drain(_feedline_pipeline(items, _sha256, 1, conc, conc + 1, 3))
+
+        contenders = [Contender("ThreadPoolExecutor.map", pool_map), Contender("feedline", ours)]
+        if sp is not None:
+
+            def theirs(conc: int = conc) -> tuple[int, float]:
+                return _drain(_spdl_pipeline(sp, items, _sha256, 1, conc, conc + 1, 3))
+
+            contenders.append(Contender("spdl", theirs))
+        out += alternate(case, contenders, repeats, "ThreadPoolExecutor.map", progress)
+    return out
+
+
+def run(quick: bool = False, progress: Callable[[str], None] | None = None) -> ScenarioResult:
+    """Run the engine scenario; ``quick`` shrinks it to a smoke test."""
+    repeats = 1 if quick else 5
+    n_items = 500 if quick else 5_000
+    n_hash = 16 if quick else 400
+    sink = 3
+    measurements = _overhead(n_items, repeats, sink, progress)
+    measurements += _latency(20 if quick else 200, repeats, progress)
+    measurements += _gil_free(n_hash, repeats, progress)
+    notes = [
+        f"{repeats} alternating run(s) per contender, medians; no-op cases move {n_items} items "
+        f"with add_sink(buffer_size={sink}) and num_threads=max(8, concurrency)",
+        "hand-off latency: items/s column is 1/p50; ratio is SPDL's p50 / ours (higher is better)",
+    ]
+    if _spdl() is None:
+        notes.append("spdl is not installed (pip install 'feedline[bench]'): no SPDL column")
+    return ScenarioResult(
+        scenario="engine",
+        baseline="spdl / ThreadPoolExecutor.map",
+        measurements=measurements,
+        notes=notes,
+        machine=machine_info(),
+    )

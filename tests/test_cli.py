@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from feedline.cli import main
+
+
+def test_bench_engine_quick_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "engine", "--quick", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "engine.json").read_text())
+    assert data["scenario"] == "engine"
+    cases = {m["case"] for m in data["measurements"]}
+    assert "3 sync no-op stages, concurrency 1" in cases
+    assert "sha256(1 MiB), concurrency 4" in cases
+    feedline_rates = [
+        m["items_per_s"] for m in data["measurements"] if m["contender"] == "feedline"
+    ]
+    assert feedline_rates
+    assert all(r > 0 for r in feedline_rates)
+    out = capsys.readouterr().out
+    assert "== engine ==" in out
+    assert "feedline" in out
+
+
+def test_unknown_scenario_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "nope", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown scenario" in err
+    assert "engine" in err
+
+
+def test_bad_flag_exits_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--fast"])
+    assert info.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
