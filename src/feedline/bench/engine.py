@@ -49,7 +49,7 @@ def _spdl() -> Any | None:
 def _feedline_pipeline(
     source: Any, op: Callable[..., Any], stages: int, concurrency: int, num_threads: int, sink: int
 ) -> Any:
-    b = PipelineBuilder().add_source(source)
+    b: PipelineBuilder[Any] = PipelineBuilder().add_source(source)
     for _ in range(stages):
         b = b.pipe(op, concurrency=concurrency)
     return b.add_sink(sink).build(num_threads=num_threads)
