@@ -310,3 +310,19 @@ def test_report_stats_interval_logs(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("INFO", logger="feedline.pipeline"):
         assert len(list(p)) == 30
     assert any("pipeline statistics" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("concurrency", [2, 4])
+def test_input_order_kept_for_cheap_ops_run_inline(concurrency: int) -> None:
+    # Cheap ops are run inline by neighbouring threads and stolen by a waiting consumer; an
+    # ordered stage must number each item as it takes it, whoever takes it.
+    for _ in range(60):
+        p = (
+            PipelineBuilder()
+            .add_source(range(60))
+            .pipe(_helpers.square, concurrency=concurrency, output_order="input")
+            .pipe(ident, concurrency=concurrency, output_order="input")
+            .add_sink(4)
+            .build(num_threads=concurrency)
+        )
+        assert list(p) == [i * i for i in range(60)]

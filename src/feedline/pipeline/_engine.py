@@ -108,14 +108,16 @@ class Run:
             capacity = config.sink.buffer_size if last else max(cfg.buffer_size, concurrency[i + 1])
             out = Channel(f"{cfg.name}->", capacity)
             self.channels.append(out)
-            stage = self._make_stage(cfg, inp, out, budget)
+            stage = self._make_stage(cfg, inp, out, budget, producers[-1])
             inp.connect(producers[-1], stage)
             producers.append(stage)
             self.stages.append(stage)
-        self._sink = SinkReader(out)
+        self._sink = SinkReader(out, lambda: self.pull(producers[-1]))
         out.connect(producers[-1], self._sink)
 
-    def _make_stage(self, cfg: Any, inp: Channel, out: Channel, budget: FailureBudget) -> Any:
+    def _make_stage(
+        self, cfg: Any, inp: Channel, out: Channel, budget: FailureBudget, upstream: Any
+    ) -> Any:
         work: Work
         if isinstance(cfg, PipeConfig):
             threaded = cfg.kind in (OpKind.FUNCTION, OpKind.GENERATOR) and (
@@ -148,6 +150,7 @@ class Run:
                 inp,
                 out,
                 budget,
+                lambda: self.pull(upstream),
             )
             self._async_stages.append(stage)
             return stage
@@ -194,6 +197,29 @@ class Run:
     def job_context(self) -> JobContext | None:
         """The context of this run's job on the calling thread, if any."""
         return self._tls.ctx
+
+    def pull(self, stage: Any) -> bool:
+        """Run a cheap threaded ``stage``'s job on this thread instead of waiting for it.
+
+        Called by a consumer that has nothing to do: the user's thread when the sink is empty,
+        or the event loop when an async stage's input is. Only stages of the default pool whose
+        op is cheap qualify, so the caller is held for a short burst at most.
+
+        Returns:
+            Whether a job ran (new items may have arrived).
+
+        """
+        if not isinstance(stage, ThreadedStage | ThreadedSource) or not stage.cheap_on(self._pool):
+            return False
+        tls = self._tls
+        outer, ctx = tls.ctx, JobContext(self._pool)
+        tls.ctx = ctx
+        try:
+            ran = stage.run_inline(ctx, kick=False)
+            ctx.run_deferred()
+        finally:
+            tls.ctx = outer
+        return ran
 
     def _tracked(self, executor: Submitter, fn: Callable[[], None]) -> None:
         tls = self._tls

@@ -121,8 +121,10 @@ class AsyncStage(_AsyncProducer):
         input: Channel,
         output: Channel,
         budget: FailureBudget,
+        pull: Callable[[], bool],
     ) -> None:
         super().__init__(run, name, "pipe", concurrency, budget)
+        self._pull = pull  # runs a cheap upstream threaded job on the loop instead of waiting
         self._op = op
         self._kind = kind
         self._concurrency = concurrency
@@ -148,12 +150,17 @@ class AsyncStage(_AsyncProducer):
 
     async def _get(self) -> Any:
         inp = self._input
+        pulled = False
         while True:
             item = inp.try_get()
             if item is not EMPTY:
                 return item
             if inp.exhausted:
                 return _END
+            if not pulled:
+                pulled = True
+                if self._pull():
+                    continue
             fut = self._data.wait()
             if len(inp) or inp.closed:
                 self._data.discard(fut)

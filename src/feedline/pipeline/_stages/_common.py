@@ -53,6 +53,9 @@ class RunContext(Protocol):
     def job_context(self) -> JobContext | None:
         """The context of the job running on this thread, if it is one of this run's jobs."""
 
+    def pull(self, stage: Any) -> bool:
+        """Run a cheap threaded ``stage``'s job on this thread instead of waiting for it."""
+
 
 INLINE_BELOW = 20e-6
 """A threaded stage whose op takes less than this (seconds, smoothed) may be run by the thread

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .._queue import EMPTY, Channel
@@ -26,8 +27,9 @@ class SinkReader:
     check of the channel.
     """
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: Channel, pull: Callable[[], bool]) -> None:
         self._channel = channel
+        self._pull = pull  # runs a cheap upstream job here rather than sleeping
         self._signal = threading.Lock()
         self._signal.acquire()
         self._waiting = False
@@ -67,10 +69,15 @@ class SinkReader:
         channel = self._channel
         deadline = None if timeout is None else time.monotonic() + timeout
         spin_until = 0.0
+        pulled = False
         while True:
             item = channel.try_get()
             if item is not EMPTY or channel.exhausted or self._interrupted:
                 return item
+            if not pulled:
+                pulled = True
+                if self._pull():
+                    continue
             now = time.perf_counter()
             if not spin_until:
                 spin_until = now + _SPIN

@@ -129,7 +129,11 @@ class ThreadedStage(StageBase):
         self._output = output
         self._lock = self.counters.lock  # guards job counts, seq numbers, parked iterators
         self._emit_lock = threading.Lock()  # serialises hand-over to the output channel
+        # An ordered stage numbers an item in the same step as it takes it; numbering later
+        # lets two jobs take items 9 and 10 and number them the other way round.
+        self._take_lock = threading.Lock()
         self._active = 0  # jobs submitted and not yet returned
+        self._queued = 0  # of those, jobs still waiting for a pool thread (a caller may steal them)
         self._busy = 0  # jobs inside user code
         self._next_seq = 0
         self._next_emit = 0
@@ -156,36 +160,50 @@ class ThreadedStage(StageBase):
         # Called by a job of a neighbouring stage on this thread? Then, if this stage is cheap,
         # let that thread run our job after its current item instead of waking another one.
         ctx = self.run.job_context()
-        if (
-            ctx is None
-            or ctx.executor is not self._executor
-            or self in ctx.stack
-            or not 0 <= self.counters.ewma < INLINE_BELOW
-        ):
+        if ctx is None or self in ctx.stack or not self.cheap_on(ctx.executor):
             return False
         ctx.deferred[self] = None
         return True
 
-    def run_inline(self, ctx: JobContext) -> None:
-        """Run a job of this stage on the calling thread if there is work and a free slot."""
+    def cheap_on(self, executor: Any) -> bool:
+        """Whether another thread of ``executor``'s kind may run this stage's jobs itself."""
+        return self._executor is executor and 0 <= self.counters.ewma < INLINE_BELOW
+
+    def run_inline(self, ctx: JobContext, kick: bool = True) -> bool:
+        """Run a job of this stage on the calling thread if there is work and a free slot.
+
+        Returns:
+            Whether a job ran. If not, and ``kick`` is set, the stage is kicked as usual.
+
+        """
         with self._lock:
             claim = (
                 not self._closed
                 and not self.run.stopping
                 and self._active < self._concurrency
                 and self._active == self._busy  # no idle job of ours would take the work
-                and (len(self._input) > 0 or bool(self._parked) or self._has_unsent())
+                and (
+                    len(self._input) > 0
+                    or bool(self._parked)
+                    or self._has_unsent()
+                    or (self._input.exhausted and not self._finish_claimed)
+                )
             )
             if claim:
                 self._active += 1
+            elif self._queued and not self._closed and not self.run.stopping:
+                self._queued -= 1  # steal a job that is still waiting for a pool thread
+                claim = True
         if not claim:
-            self._kick()
-            return
+            if kick:
+                self._kick()
+            return False
         ctx.stack.add(self)
         try:
             self._job()
         finally:
             ctx.stack.discard(self)
+        return True
 
     def _has_unsent(self) -> bool:
         if self._ordered:
@@ -210,6 +228,7 @@ class ThreadedStage(StageBase):
             n = min(self._concurrency - self._active, waiting - idle)
             if n > 0:
                 self._active += n
+                self._queued += n
             elif (
                 self._active == 0
                 and self._finish_claimed
@@ -223,11 +242,19 @@ class ThreadedStage(StageBase):
             self._output.close()
             return
         for _ in range(n):
-            if not run.submit(self._executor, self._job):
+            if not run.submit(self._executor, self._pooled_job):
                 with self._lock:
                     self._active -= 1
+                    self._queued -= 1
 
     # -- the job (executor thread) ---------------------------------------------------------------
+
+    def _pooled_job(self) -> None:
+        with self._lock:
+            if not self._queued:
+                return  # a waiting consumer ran this job already (run_inline stole it)
+            self._queued -= 1
+        self._job()
 
     def _job(self) -> None:
         run = self.run
@@ -245,7 +272,15 @@ class ThreadedStage(StageBase):
                     if not self._drive(*parked):
                         return
                     continue
-                item = self._input.try_get()
+                seq = -1
+                if self._ordered:
+                    with self._take_lock:
+                        item = self._input.try_get()
+                        if item is not EMPTY:
+                            seq = self._next_seq
+                            self._next_seq += 1
+                else:
+                    item = self._input.try_get()
                 if item is EMPTY:
                     if self._input.exhausted and self._claim_finish():
                         continue
@@ -253,7 +288,7 @@ class ThreadedStage(StageBase):
                 ctx = run.job_context()
                 if ctx is not None and ctx.deferred:
                     ctx.run_deferred()  # refill from upstream before a possibly long op
-                ok = self._process(item)
+                ok = self._process(item, seq)
                 if ctx is not None and ctx.deferred:
                     ctx.run_deferred()  # hand our result on
                 if not ok:
@@ -276,12 +311,10 @@ class ThreadedStage(StageBase):
                 self._parked.append((tail, "<end of input>"))
         return True
 
-    def _process(self, item: Any) -> bool:
-        """Run the op on one item; False if the job must stop (output full)."""
+    def _process(self, item: Any, seq: int) -> bool:
+        """Run the op on item number ``seq``; False if the job must stop (output full)."""
         c = self.counters
         with self._lock:
-            seq = self._next_seq
-            self._next_seq += 1
             c.items_in += 1
             self._busy += 1
             t0 = c.task_started()
@@ -397,6 +430,7 @@ class ThreadedSource(StageBase):
         self._iterator: Iterator[Any] | None = None
         self._held: Any = EMPTY
         self._active = False
+        self._queued = False  # the active job still waits for a pool thread (may be stolen)
         self._done = False
 
     def on_data(self) -> None:
@@ -405,29 +439,32 @@ class ThreadedSource(StageBase):
     def on_space(self) -> None:
         """The first channel drained: keep iterating."""
         ctx = self.run.job_context()
-        if (
-            ctx is not None
-            and ctx.executor is self._executor
-            and self not in ctx.stack
-            and 0 <= self.counters.ewma < INLINE_BELOW
-        ):
+        if ctx is not None and self not in ctx.stack and self.cheap_on(ctx.executor):
             ctx.deferred[self] = None
             return
         self._kick()
 
-    def run_inline(self, ctx: JobContext) -> None:
+    def cheap_on(self, executor: Any) -> bool:
+        """Whether another thread of ``executor``'s kind may iterate this source itself."""
+        return self._executor is executor and 0 <= self.counters.ewma < INLINE_BELOW
+
+    def run_inline(self, ctx: JobContext, kick: bool = True) -> bool:
         """Run the source's job on the calling thread if it is idle and may proceed."""
         with self._lock:
             claim = not self._active and not self._done and not self.run.stopping
             if claim:
                 self._active = True
+            elif self._queued and not self.run.stopping:
+                self._queued = False  # steal the job still waiting for a pool thread
+                claim = True
         if not claim:
-            return
+            return False
         ctx.stack.add(self)
         try:
             self._job()
         finally:
             ctx.stack.discard(self)
+        return True
 
     def start(self) -> None:
         """Begin iterating."""
@@ -440,9 +477,18 @@ class ThreadedSource(StageBase):
             if self._held is not EMPTY and not self._output.request_space():
                 return
             self._active = True
-        if not self.run.submit(self._executor, self._job):
+            self._queued = True
+        if not self.run.submit(self._executor, self._pooled_job):
             with self._lock:
                 self._active = False
+                self._queued = False
+
+    def _pooled_job(self) -> None:
+        with self._lock:
+            if not self._queued:
+                return  # stolen by a waiting consumer
+            self._queued = False
+        self._job()
 
     def _job(self) -> None:
         run = self.run
