@@ -64,6 +64,7 @@ class Run:
         self.config = config
         self.loop = asyncio.new_event_loop()
         self._pool = WorkerPool(config.num_threads, "feedline-worker")
+        self.default_pool = self._pool
         self._thread = threading.Thread(
             target=self._loop_main, name="feedline-event-loop", daemon=True
         )
@@ -152,6 +153,8 @@ class Run:
                 budget,
                 lambda: self.pull(upstream),
             )
+            if isinstance(upstream, ThreadedStage | ThreadedSource):
+                upstream.loop_pulls = True
             self._async_stages.append(stage)
             return stage
         if isinstance(cfg, AggregateConfig):

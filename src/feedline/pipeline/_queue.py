@@ -101,6 +101,7 @@ class Channel:
         "_t0",
         "_t_last",
         "capacity",
+        "last_put",
         "name",
     )
 
@@ -121,6 +122,7 @@ class Channel:
         now = time.perf_counter()
         self._t0 = now
         self._t_last = now
+        self.last_put = now  # perf_counter() of the latest put
         self._occ_integral = 0.0
         self._empty_time = 0.0
         self._full_time = 0.0
@@ -159,7 +161,9 @@ class Channel:
             if len(self._items) >= self.capacity:
                 self._producer_refused = True
                 return False
-            self._account(time.perf_counter())
+            now = time.perf_counter()
+            self._account(now)
+            self.last_put = now
             self._items.append(item)
             self._puts += 1
         self._consumer.on_data()

@@ -52,6 +52,10 @@ class LoopSignal:
 
     def notify(self, wake_all: bool = False) -> None:
         """Wake one waiter (or all), now if on the loop thread, else soon."""
+        # Unlocked fast path: a waiter registers before it re-checks its condition, so a
+        # notify that reads an empty deque here cannot be one that waiter needed.
+        if not self._waiters:
+            return
         with self._lock:
             if not self._waiters:
                 return
@@ -175,9 +179,11 @@ class AsyncStage(_AsyncProducer):
         while not run.stopping:
             while self._ordered and self._next_seq - self._next_emit >= self._concurrency:
                 await self._window.wait()
-            item = await self._get()
-            if item is _END:
-                return
+            item = self._input.try_get()  # fast path: no coroutine when an item is waiting
+            if item is EMPTY:
+                item = await self._get()
+                if item is _END:
+                    return
             seq = self._next_seq
             self._next_seq += 1
             c.items_in += 1
@@ -198,7 +204,8 @@ class AsyncStage(_AsyncProducer):
                     return
                 continue
             c.task_ended(t0)
-            if not await self._emit(seq, result):
+            fast = not self._ordered and self._output.try_put(result)  # no coroutine if room
+            if not fast and not await self._emit(seq, result):
                 return
 
     async def _run_async_generator(self, item: Any) -> bool:

@@ -36,6 +36,7 @@ class RunContext(Protocol):
     """What a stage may ask of the running pipeline."""
 
     loop: asyncio.AbstractEventLoop
+    default_pool: Any
 
     @property
     def stopping(self) -> bool:

@@ -15,7 +15,9 @@ __all__ = ["SinkReader"]
 _SPIN = 100e-6
 """Seconds the consumer yields (``sleep(0)`` releases the GIL) before it sleeps on the signal.
 Waking a sleeping thread costs 50-400 us on virtual machines; a producer that is mid-burst
-delivers the next item well within this time, so a short spin saves a sleep and a wake."""
+delivers the next item well within this time, so a short spin saves a sleep and a wake. The
+consumer spins only while items have recently arrived within that time after it began to wait:
+when they take longer, spinning would only take CPU from the stages."""
 
 
 class SinkReader:
@@ -34,6 +36,7 @@ class SinkReader:
         self._signal.acquire()
         self._waiting = False
         self._interrupted = False
+        self._delay = 0.0  # smoothed wait for an item, measured to its arrival (the put)
 
     def _wake(self) -> None:
         if self._waiting:
@@ -68,20 +71,23 @@ class SinkReader:
         """
         channel = self._channel
         deadline = None if timeout is None else time.monotonic() + timeout
-        spin_until = 0.0
-        pulled = False
-        while True:
+        item = channel.try_get()
+        if item is not EMPTY or channel.exhausted or self._interrupted:
+            return item
+        if self._pull():
             item = channel.try_get()
             if item is not EMPTY or channel.exhausted or self._interrupted:
                 return item
-            if not pulled:
-                pulled = True
-                if self._pull():
-                    continue
-            now = time.perf_counter()
-            if not spin_until:
-                spin_until = now + _SPIN
-            if now < spin_until:
+        started = time.perf_counter()
+        spin_until = started + _SPIN if self._delay < _SPIN else 0.0
+        while True:
+            item = channel.try_get()
+            if item is not EMPTY or channel.exhausted or self._interrupted:
+                if item is not EMPTY:
+                    delay = max(0.0, channel.last_put - started)
+                    self._delay += 0.25 * (delay - self._delay)
+                return item
+            if spin_until and time.perf_counter() < spin_until:
                 time.sleep(0)
                 continue
             self._waiting = True

@@ -143,6 +143,7 @@ class ThreadedStage(StageBase):
         self._parked: deque[tuple[Iterator[Any], Any]] = deque()
         self._finish_claimed = False
         self._closed = False
+        self.loop_pulls = False  # set when the consumer is an event-loop stage that pulls us
 
     # -- endpoint callbacks (any thread) --------------------------------------------------------
 
@@ -153,6 +154,8 @@ class ThreadedStage(StageBase):
 
     def on_space(self) -> None:
         """Output drained: resume."""
+        if self.loop_pulls and self.run.on_loop_thread() and self.cheap_on(self.run.default_pool):
+            return  # our event-loop consumer runs our cheap job itself when it needs items
         if not self._defer():
             self._kick()
 
@@ -432,12 +435,15 @@ class ThreadedSource(StageBase):
         self._active = False
         self._queued = False  # the active job still waits for a pool thread (may be stolen)
         self._done = False
+        self.loop_pulls = False  # set when the consumer is an event-loop stage that pulls us
 
     def on_data(self) -> None:
         """Unused: a source has no input."""
 
     def on_space(self) -> None:
         """The first channel drained: keep iterating."""
+        if self.loop_pulls and self.run.on_loop_thread() and self.cheap_on(self.run.default_pool):
+            return  # our event-loop consumer iterates a cheap source itself when it needs items
         ctx = self.run.job_context()
         if ctx is not None and self not in ctx.stack and self.cheap_on(ctx.executor):
             ctx.deferred[self] = None
