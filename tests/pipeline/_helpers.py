@@ -89,3 +89,9 @@ def make_crashing() -> Crashing:
 
 def bad_factory() -> list[int]:
     raise RuntimeError("cannot make the iterable")
+
+
+def fail_on_odd(x: int) -> int:
+    if x % 2:
+        raise ValueError(f"odd {x}")
+    return x

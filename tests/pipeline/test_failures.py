@@ -238,3 +238,46 @@ def test_stops_at_interpreter_exit(tmp_path: Any) -> None:
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() in {str(i) for i in range(8)}
+
+
+async def agen_fail_on_odd(x: int) -> Any:
+    yield x
+    if x % 2:
+        raise ValueError(f"odd {x}")
+    yield -x
+
+
+def test_async_generator_failure_counts_and_keeps_earlier_outputs() -> None:
+    p = (
+        PipelineBuilder()
+        .add_source(range(6))
+        .pipe(agen_fail_on_odd, name="ag")
+        .build(max_failures=None)
+    )
+    assert sorted(p) == sorted([0, 0, 1, 2, -2, 3, 4, -4, 5])
+    assert p.stats()["ag"].failures == 3
+
+
+def test_process_pool_failures_are_counted_and_budgeted() -> None:
+    from concurrent.futures import ProcessPoolExecutor
+
+    from . import _helpers
+
+    with ProcessPoolExecutor(2) as pool:
+        p = (
+            PipelineBuilder()
+            .add_source(range(10))
+            .pipe(_helpers.fail_on_odd, executor=pool, concurrency=2, name="remote")
+            .build(max_failures=5)
+        )
+        assert sorted(p) == [0, 2, 4, 6, 8]
+        assert p.stats()["remote"].failures == 5
+        p = (
+            PipelineBuilder()
+            .add_source(range(10))
+            .pipe(_helpers.fail_on_odd, executor=pool, name="remote")
+            .build(max_failures=1)
+        )
+        with pytest.raises(PipelineFailure, match="stage 'remote'") as info:
+            list(p)
+        assert isinstance(info.value.last_error, ValueError)
