@@ -1,0 +1,264 @@
+from __future__ import annotations
+
+import io
+import threading
+import zipfile
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from feedline.io import load_npy, load_npz
+
+DTYPES = st.one_of(
+    hnp.boolean_dtypes(),
+    hnp.integer_dtypes(endianness="="),
+    hnp.integer_dtypes(endianness=">"),
+    hnp.unsigned_integer_dtypes(endianness="<"),
+    hnp.floating_dtypes(endianness="="),
+    hnp.floating_dtypes(endianness=">", sizes=(32, 64)),
+    hnp.complex_number_dtypes(endianness="="),
+    hnp.datetime64_dtypes(endianness="="),
+    hnp.timedelta64_dtypes(endianness="="),
+    hnp.byte_string_dtypes(max_len=5),
+    hnp.unicode_string_dtypes(max_len=5),
+    st.just(np.dtype([("a", "<i4"), ("b", ">f8"), ("c", "S3")])),
+)
+
+
+@st.composite
+def arrays(draw: Any) -> np.ndarray:
+    dtype = draw(DTYPES)
+    shape = draw(hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5))
+    array = draw(hnp.arrays(dtype, shape))
+    order = draw(st.sampled_from(["C", "F", "strided"]))
+    if order == "F":
+        array = np.asfortranarray(array)
+    elif order == "strided" and array.ndim:
+        array = array[..., ::2]  # numpy.save writes a non-contiguous array in C order
+    return array
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
+def assert_same(loaded: np.ndarray, expected: np.ndarray) -> None:
+    assert loaded.dtype == expected.dtype
+    assert loaded.shape == expected.shape
+    assert loaded.tobytes() == expected.tobytes()  # exact, NaN payloads included
+
+
+@settings(max_examples=300, deadline=None)
+@given(arrays())
+def test_load_npy_round_trips(array: np.ndarray) -> None:
+    data = npy_bytes(array)
+    loaded = load_npy(data)
+    assert_same(loaded, array)
+    if array.flags.f_contiguous and not array.flags.c_contiguous:
+        assert loaded.flags.f_contiguous
+
+
+@settings(max_examples=100, deadline=None)
+@given(arrays())
+def test_load_npy_accepts_every_buffer_kind(array: np.ndarray) -> None:
+    data = npy_bytes(array)
+    for buffer in (bytearray(data), memoryview(data), np.frombuffer(data, np.uint8)):
+        assert_same(load_npy(buffer), array)
+
+
+def test_load_npy_does_not_copy() -> None:
+    array = np.arange(1000, dtype=np.int64)
+    data = bytearray(npy_bytes(array))
+    loaded = load_npy(data)
+    assert loaded.flags.writeable  # a bytearray is writable, so is the view
+    loaded[0] = 42
+    assert load_npy(data)[0] == 42  # the same memory
+    assert not load_npy(bytes(data)).flags.writeable
+
+
+def test_load_npy_reads_versions_2_and_3() -> None:
+    array = np.arange(6, dtype=np.float32).reshape(2, 3)
+    for version in ((2, 0), (3, 0)):
+        buf = io.BytesIO()
+        np.lib.format.write_array(buf, array, version=version)
+        assert_same(load_npy(buf.getvalue()), array)
+
+
+def test_load_npy_refuses_object_arrays() -> None:
+    buf = io.BytesIO()
+    np.save(buf, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(ValueError, match="never unpickles"):
+        load_npy(buf.getvalue())
+
+
+@settings(max_examples=40, deadline=None)
+@given(arrays())
+def test_load_npy_every_truncation_raises(array: np.ndarray) -> None:
+    data = npy_bytes(array)
+    for cut in range(len(data)):
+        with pytest.raises(ValueError):  # noqa: PT011 - each truncation has its own message
+            load_npy(data[:cut])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(arrays(), st.data())
+def test_load_npy_corruption_raises_or_loads_never_crashes(array: np.ndarray, data: Any) -> None:
+    raw = bytearray(npy_bytes(array))
+    for _ in range(20):
+        corrupt = bytearray(raw)
+        pos = data.draw(st.integers(0, len(raw) - 1))
+        corrupt[pos] = data.draw(st.integers(0, 255))
+        try:
+            loaded = load_npy(bytes(corrupt))
+        except ValueError:
+            continue
+        # no checksum in NPY: a flip in the data or padding gives some valid array, within bounds
+        assert loaded.nbytes <= len(corrupt)
+
+
+def test_load_npy_bad_inputs_have_clear_messages() -> None:
+    with pytest.raises(ValueError, match="not an NPY file"):
+        load_npy(b"PK\x03\x04 this is a zip")
+    with pytest.raises(ValueError, match="unsupported NPY format version 9"):
+        load_npy(b"\x93NUMPY\x09\x00" + b"\x00" * 20)
+    with pytest.raises(ValueError, match="needs 48 bytes after the header"):
+        load_npy(npy_bytes(np.zeros(6))[:-1])
+    with pytest.raises(TypeError, match="expected bytes"):
+        load_npy(12345)  # type: ignore[arg-type]
+    huge = b"\x93NUMPY\x01\x00" + (46).to_bytes(2, "little")
+    huge += b"{'descr': '<f8', 'fortran_order': False, 'shape': (99999999999999,), }"[:46]
+    with pytest.raises(ValueError):  # noqa: PT011
+        load_npy(huge)
+
+
+# -- NPZ -------------------------------------------------------------------------------------------
+
+
+def npz_bytes(arrays: dict[str, np.ndarray], compressed: bool) -> bytes:
+    buf = io.BytesIO()
+    (np.savez_compressed if compressed else np.savez)(buf, **arrays)
+    return buf.getvalue()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.dictionaries(
+        st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True), arrays(), min_size=0, max_size=4
+    ),
+    st.booleans(),
+)
+def test_load_npz_round_trips(members: dict[str, np.ndarray], compressed: bool) -> None:
+    loaded = load_npz(npz_bytes(members, compressed), verify=True)
+    assert sorted(loaded) == sorted(members)
+    for name, array in members.items():
+        assert_same(loaded[name], array)
+
+
+def test_load_npz_stored_members_are_views() -> None:
+    data = bytearray(npz_bytes({"x": np.arange(100)}, compressed=False))
+    x = load_npz(data)["x"]
+    x[0] = 7
+    assert load_npz(data)["x"][0] == 7
+
+
+def sample_npz(compressed: bool) -> bytes:
+    return npz_bytes(
+        {"image": np.arange(48, dtype=np.uint8).reshape(3, 4, 4), "label": np.array(3)}, compressed
+    )
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_load_npz_every_truncation_raises(compressed: bool) -> None:
+    data = sample_npz(compressed)
+    for cut in range(len(data)):
+        with pytest.raises(ValueError):  # noqa: PT011
+            arrays = load_npz(data[:cut])
+            for name in arrays:
+                arrays[name]
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_load_npz_every_byte_flip_raises_or_changes_nothing(compressed: bool) -> None:
+    data = sample_npz(compressed)
+    expected = {k: np.load(io.BytesIO(data))[k] for k in ("image", "label")}
+    raised = 0
+    for pos in range(len(data)):
+        corrupt = bytearray(data)
+        corrupt[pos] ^= 0x5A
+        try:
+            arrays = load_npz(bytes(corrupt), verify=True)
+            got = {k: arrays[k] for k in arrays}
+        except ValueError:
+            raised += 1
+            continue
+        # Only fields that carry no content (timestamps, versions, attributes) may change.
+        assert got.keys() == expected.keys()
+        for k in expected:
+            assert_same(got[k], expected[k])
+    assert raised > len(data) // 2
+
+
+def test_load_npz_bounds_what_a_member_may_inflate_to() -> None:
+    data = npz_bytes({"zeros": np.zeros(1 << 20, np.uint8)}, compressed=True)
+    assert len(data) < 5000  # 1 MiB of zeros deflates to almost nothing
+    arrays = load_npz(data, max_member_bytes=1 << 16)
+    with pytest.raises(ValueError, match="max_member_bytes"):
+        arrays["zeros"]
+
+
+def test_load_npz_lies_about_sizes_are_caught() -> None:
+    data = bytearray(npz_bytes({"x": np.arange(1000)}, compressed=True))
+    zf = zipfile.ZipFile(io.BytesIO(bytes(data)))
+    info = zf.infolist()[0]
+    cd = bytes(data).rfind(b"PK\x01\x02")
+    # uncompressed size field of the central directory entry: offset 24
+    data[cd + 24 : cd + 28] = (info.file_size - 8).to_bytes(4, "little")
+    with pytest.raises(ValueError, match="inflates to"):
+        load_npz(bytes(data))["x"]
+
+
+def test_load_npz_refuses_other_methods_and_missing_keys() -> None:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_BZIP2) as zf:
+        zf.writestr("x.npy", npy_bytes(np.arange(3)))
+    with pytest.raises(ValueError, match="compression method 12"):
+        load_npz(buf.getvalue())
+    arrays = load_npz(sample_npz(False))
+    with pytest.raises(KeyError, match="holds"):
+        arrays["missing"]
+    with pytest.raises(ValueError, match="not an NPZ"):
+        load_npz(b"just some bytes that are long enough to look")
+
+
+def test_load_npz_zip64() -> None:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf, zf.open("x.npy", "w", force_zip64=True) as f:
+        f.write(npy_bytes(np.arange(10)))
+    assert_same(load_npz(buf.getvalue())["x"], np.arange(10))
+
+
+def test_loaders_are_thread_safe() -> None:
+    data = npz_bytes({"a": np.arange(10_000), "b": np.ones((50, 50))}, compressed=True)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(50):
+                arrays = load_npz(data)
+                assert int(arrays["a"].sum()) == sum(range(10_000))
+                assert load_npy(npy_bytes(arrays["b"])).sum() == 2500
+        except BaseException as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
