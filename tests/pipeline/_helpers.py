@@ -95,3 +95,25 @@ def fail_on_odd(x: int) -> int:
     if x % 2:
         raise ValueError(f"odd {x}")
     return x
+
+
+def logged_slow_op(item: tuple[str, int]) -> int:
+    """Sleep, then append 'x start end' to the log file named in the item."""
+    import fcntl
+
+    log, x = item
+    t0 = time.time()
+    time.sleep(0.3)
+    t1 = time.time()
+    with open(log, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(f"{x} {t0} {t1}\n")
+    return x
+
+
+def bounded_range() -> list[int]:
+    return [0, 1, 2]
+
+
+def square_any(x: object) -> object:
+    return x

@@ -208,12 +208,19 @@ class Run:
         or the event loop when an async stage's input is. Only stages of the default pool whose
         op is cheap qualify, so the caller is held for a short burst at most.
 
+        A stage that turns slow holds the caller for one call of its op at most (see
+        ``INLINE_ABORT``).
+
         Returns:
             Whether a job ran (new items may have arrived).
 
         """
         if not isinstance(stage, ThreadedStage | ThreadedSource) or not stage.cheap_on(self._pool):
             return False
+        with self._jobs_lock:  # counted like a pool job, so that stop() waits for it
+            if self._stopping:
+                return False
+            self._jobs += 1
         tls = self._tls
         outer, ctx = tls.ctx, JobContext(self._pool)
         tls.ctx = ctx
@@ -222,7 +229,26 @@ class Run:
             ctx.run_deferred()
         finally:
             tls.ctx = outer
+            self._job_done()
         return ran
+
+    async def call_in_executor(self, executor: Any, fn: Callable[[Any], Any], item: Any) -> Any:
+        """Run ``fn(item)`` in a non-thread executor (a process pool) and await the result.
+
+        The call counts as a job: if the run stops while it is running (a process cannot be
+        interrupted), ``stop()`` waits for it, so calls never outlive their run.
+        """
+        with self._jobs_lock:
+            if self._stopping:
+                raise asyncio.CancelledError
+            self._jobs += 1
+        try:
+            future = executor.submit(fn, item)
+        except BaseException:
+            self._job_done()
+            raise
+        future.add_done_callback(lambda _: self._job_done())
+        return await asyncio.wrap_future(future)
 
     def _tracked(self, executor: Submitter, fn: Callable[[], None]) -> None:
         tls = self._tls
@@ -252,9 +278,12 @@ class Run:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the event-loop thread and the stages."""
-        self._t0 = time.perf_counter()
-        self._thread.start()
+        """Start the event-loop thread and the stages (nothing, if already stopping)."""
+        with self._stop_lock:  # so that a concurrent stop() sees the thread started, or none
+            if self._stopping or self._stopped:
+                return
+            self._t0 = time.perf_counter()
+            self._thread.start()
         self._loop_ready.wait()
         if isinstance(self._source, ThreadedSource):
             self._source.start()
@@ -264,6 +293,7 @@ class Run:
         try:
             self.loop.run_until_complete(self._main())
         finally:
+            self._loop_ready.set()  # never leave start() waiting, even if _main failed early
             try:
                 self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             finally:
@@ -340,7 +370,8 @@ class Run:
             if self._stopped:
                 return
             self._stopped = True
-        if self._thread.ident is not None:
+            started = self._thread.ident is not None
+        if started:
             self._thread.join()
         waited = 0.0
         while not self._jobs_done.wait(_STOP_WARN_AFTER):

@@ -12,6 +12,7 @@ Only plain containers are walked (dict, list, tuple); anything else travels as a
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import sys
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SHM_AVAILABLE", "ShmArray", "pack", "unpack"]
+__all__ = ["SHM_AVAILABLE", "ShmArray", "pack", "release", "unpack"]
 
 _SHM_DIR = "/dev/shm"
 SHM_AVAILABLE = sys.platform.startswith("linux") and os.path.isdir(_SHM_DIR)
@@ -56,6 +57,27 @@ def pack(obj: Any, min_bytes: float) -> Any:
     if kind is tuple:
         return tuple(pack(v, min_bytes) for v in obj)
     return obj
+
+
+def _children(obj: Any) -> list[Any]:
+    kind = type(obj)
+    if kind is dict:
+        return list(obj.values())
+    if kind is list or kind is tuple:
+        return list(obj)
+    return []
+
+
+def release(obj: Any) -> None:
+    """Remove the segments that ``obj`` (a packed item) refers to, without mapping them."""
+    if isinstance(obj, ShmArray):
+        name = ref_name = obj.name.lstrip("/")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(_SHM_DIR, name))
+        resource_tracker.unregister("/" + ref_name, "shared_memory")
+        return
+    for child in _children(obj):
+        release(child)
 
 
 def _attach(ref: ShmArray) -> np.ndarray[Any, Any]:

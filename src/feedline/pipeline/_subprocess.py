@@ -33,7 +33,7 @@ from typing import Any, Generic, TypeVar
 from feedline.errors import ConfigurationError, SubprocessFailure
 
 from ._builder import PipelineBuilder
-from ._shm import SHM_AVAILABLE, pack, unpack
+from ._shm import SHM_AVAILABLE, pack, release, unpack
 
 __all__ = ["SubprocessIterable", "iterate_in_subprocess", "run_pipeline_in_subprocess"]
 
@@ -72,6 +72,7 @@ def _send(data_q: Any, stop: Any, message: tuple[Any, ...]) -> bool:
             return True
         except queue.Full:
             if stop.is_set():
+                release(message)  # its shared-memory segments will never be mapped
                 return False
 
 
@@ -245,8 +246,8 @@ class SubprocessIterable(Generic[T]):
             self.close()
 
     def close(self) -> None:
-        """Stop the child process. Idempotent."""
-        self._finalizer()
+        """Stop the child process. Idempotent; iterating again later starts a new child."""
+        self._child.close()  # the finalizer stays armed for whichever child runs last
 
     def __enter__(self) -> SubprocessIterable[T]:
         return self

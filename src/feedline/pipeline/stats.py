@@ -72,8 +72,8 @@ class StageCounters:
             self.max_in_flight = self.in_flight
         return time.perf_counter()
 
-    def task_ended(self, t_start: float) -> None:
-        """Count one call leaving the op. Call with ``lock`` held."""
+    def task_ended(self, t_start: float) -> float:
+        """Count one call leaving the op and return its duration. Call with ``lock`` held."""
         dt = time.perf_counter() - t_start
         self.in_flight -= 1
         self.busy_time += dt
@@ -81,6 +81,7 @@ class StageCounters:
         self._n_durations += 1
         if self._n_durations > 8:
             self.ewma += 0.125 * (dt - self.ewma) if self.ewma >= 0 else dt - self.ewma
+        return dt
 
     def snapshot(self, in_q: ChannelStats | None, out_q: ChannelStats | None) -> StageStats:
         """Build the public snapshot of this stage."""

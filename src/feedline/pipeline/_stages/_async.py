@@ -175,7 +175,6 @@ class AsyncStage(_AsyncProducer):
         c = self.counters
         run = self.run
         kind = self._kind
-        loop = run.loop
         while not run.stopping:
             while self._ordered and self._next_seq - self._next_emit >= self._concurrency:
                 await self._window.wait()
@@ -196,7 +195,7 @@ class AsyncStage(_AsyncProducer):
                 if kind is OpKind.COROUTINE:
                     result = await self._op(item)
                 else:
-                    result = await loop.run_in_executor(self._executor, self._op, item)
+                    result = await run.call_in_executor(self._executor, self._op, item)
             except Exception as error:
                 c.task_ended(t0)
                 self.record_failure(item, error)

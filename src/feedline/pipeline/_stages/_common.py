@@ -57,10 +57,18 @@ class RunContext(Protocol):
     def pull(self, stage: Any) -> bool:
         """Run a cheap threaded ``stage``'s job on this thread instead of waiting for it."""
 
+    async def call_in_executor(self, executor: Any, fn: Callable[[Any], Any], item: Any) -> Any:
+        """Await ``fn(item)`` run in a non-thread executor; stop() waits for such calls."""
+
 
 INLINE_BELOW = 20e-6
 """A threaded stage whose op takes less than this (seconds, smoothed) may be run by the thread
 that hands it an item, instead of waking another thread: a wake-up costs more than the op."""
+
+INLINE_ABORT = 200e-6
+"""An op call that takes longer than this ends the inline run it is part of: the stage was cheap
+but no longer is, and the thread that lent itself (a neighbour's job, a waiting consumer) must
+get back to its own work. What the stage holds is parked and resumed by a pool job."""
 
 
 class JobContext:

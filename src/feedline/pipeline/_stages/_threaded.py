@@ -20,7 +20,14 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .._queue import EMPTY, Channel
-from ._common import INLINE_BELOW, FailureBudget, JobContext, RunContext, StageBase
+from ._common import (
+    INLINE_ABORT,
+    INLINE_BELOW,
+    FailureBudget,
+    JobContext,
+    RunContext,
+    StageBase,
+)
 
 __all__ = [
     "AggregateWork",
@@ -143,6 +150,7 @@ class ThreadedStage(StageBase):
         self._parked: deque[tuple[Iterator[Any], Any]] = deque()
         self._finish_claimed = False
         self._closed = False
+        self._last_call = 0.0  # seconds the latest op call took (see INLINE_ABORT)
         self.loop_pulls = False  # set when the consumer is an event-loop stage that pulls us
 
     # -- endpoint callbacks (any thread) --------------------------------------------------------
@@ -223,7 +231,8 @@ class ThreadedStage(StageBase):
                 return  # nothing can move until the output drains; on_space will call again
             waiting = len(self._input)
             if self._ordered:
-                waiting = min(waiting, self._concurrency - (self._next_seq - self._next_emit))
+                window = self._concurrency - (self._next_seq - self._next_emit)
+                waiting = max(0, min(waiting, window))
             waiting += len(self._parked) + (1 if self._has_unsent() else 0)
             if self._input.exhausted and not self._finish_claimed:
                 waiting += 1
@@ -247,8 +256,9 @@ class ThreadedStage(StageBase):
         for _ in range(n):
             if not run.submit(self._executor, self._pooled_job):
                 with self._lock:
-                    self._active -= 1
-                    self._queued -= 1
+                    if self._queued:  # not stolen meanwhile (a thief runs it and counts it)
+                        self._queued -= 1
+                        self._active -= 1
 
     # -- the job (executor thread) ---------------------------------------------------------------
 
@@ -269,15 +279,17 @@ class ThreadedStage(StageBase):
                 with self._lock:
                     if self._parked:
                         parked = self._parked.popleft()
-                    elif self._ordered and self._next_seq - self._next_emit >= self._concurrency:
-                        return  # the reorder window is full; the next emit restarts us
                 if parked is not None:
                     if not self._drive(*parked):
                         return
                     continue
                 seq = -1
                 if self._ordered:
+                    # The window check, the take and the numbering are one step: checked apart,
+                    # two jobs could both pass the check and overfill the window.
                     with self._take_lock:
+                        if self._next_seq - self._next_emit >= self._concurrency:
+                            return  # the reorder window is full; the next emit restarts us
                         item = self._input.try_get()
                         if item is not EMPTY:
                             seq = self._next_seq
@@ -292,8 +304,11 @@ class ThreadedStage(StageBase):
                 if ctx is not None and ctx.deferred:
                     ctx.run_deferred()  # refill from upstream before a possibly long op
                 ok = self._process(item, seq)
-                if ctx is not None and ctx.deferred:
-                    ctx.run_deferred()  # hand our result on
+                if ctx is not None:
+                    if ctx.deferred:
+                        ctx.run_deferred()  # hand our result on
+                    if self._last_call > INLINE_ABORT and self in ctx.stack:
+                        return  # see INLINE_ABORT
                 if not ok:
                     return
         except BaseException as error:  # a bug in the engine: never lose it silently
@@ -330,7 +345,7 @@ class ThreadedStage(StageBase):
             self.record_failure(item, error)
             return self._emit(seq, _SKIP) if self._ordered else True
         with self._lock:
-            c.task_ended(t0)
+            self._last_call = c.task_ended(t0)
             self._busy -= 1
         if self._work.iterates:
             return self._drive(result, item)
@@ -353,12 +368,20 @@ class ThreadedStage(StageBase):
                 return True
             finally:
                 with self._lock:
-                    c.task_ended(t0)
+                    slow = c.task_ended(t0) > INLINE_ABORT
                     self._busy -= 1
             if not self._emit(-1, value):
                 with self._lock:
                     self._parked.append((outputs, item))
                 return False
+            ctx = run.job_context()
+            if ctx is not None:
+                if ctx.deferred:
+                    ctx.run_deferred()  # hand this output on before the generator's next step
+                if slow and self in ctx.stack:  # see INLINE_ABORT
+                    with self._lock:
+                        self._parked.append((outputs, item))  # a pool job resumes it
+                    return False
         return False
 
     # -- hand-over ---------------------------------------------------------------------------------
@@ -486,8 +509,9 @@ class ThreadedSource(StageBase):
             self._queued = True
         if not self.run.submit(self._executor, self._pooled_job):
             with self._lock:
-                self._active = False
-                self._queued = False
+                if self._queued:  # not stolen meanwhile
+                    self._active = False
+                    self._queued = False
 
     def _pooled_job(self) -> None:
         with self._lock:
@@ -509,6 +533,9 @@ class ThreadedSource(StageBase):
                     if not output.try_put(self._held):
                         return
                     self._held = EMPTY
+                    ctx = run.job_context()
+                    if ctx is not None and ctx.deferred:
+                        ctx.run_deferred()
                 with self._lock:
                     t0 = c.task_started()
                 try:
@@ -519,15 +546,18 @@ class ThreadedSource(StageBase):
                     return
                 finally:
                     with self._lock:
-                        c.task_ended(t0)
+                        slow = c.task_ended(t0) > INLINE_ABORT
                 with self._lock:
                     c.items_in += 1
                 self._held = value
                 if output.try_put(value):
                     self._held = EMPTY
                     ctx = run.job_context()
-                    if ctx is not None and ctx.deferred:
-                        ctx.run_deferred()
+                    if ctx is not None:
+                        if ctx.deferred:
+                            ctx.run_deferred()
+                        if slow and self in ctx.stack:  # see INLINE_ABORT
+                            return
         except BaseException as error:  # an error in the source ends the run and propagates
             self._done = True
             run.fail(error)
