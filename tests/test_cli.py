@@ -39,3 +39,13 @@ def test_bad_flag_exits_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
         main(["bench", "--fast"])
     assert info.value.code == 2
     assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_bench_formats_quick(tmp_path: Path) -> None:
+    assert main(["bench", "formats", "--quick", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "formats.json").read_text())
+    cases = {m["case"].split(" (")[0] for m in data["measurements"]}
+    assert cases == {"npy", "npz stored", "npz compressed"}
+    ours = [m for m in data["measurements"] if m["contender"] == "feedline"]
+    assert len(ours) == 9
+    assert all(m["ratio"] > 0 for m in ours)

@@ -16,8 +16,15 @@ def _engine(quick: bool, progress: Callable[[str], None] | None) -> ScenarioResu
     return engine.run(quick=quick, progress=progress)
 
 
+def _formats(quick: bool, progress: Callable[[str], None] | None) -> ScenarioResult:
+    from . import formats
+
+    return formats.run(quick=quick, progress=progress)
+
+
 SCENARIOS: dict[str, Callable[[bool, Callable[[str], None] | None], ScenarioResult]] = {
     "engine": _engine,
+    "formats": _formats,
 }
 """Scenario name -> function(quick, progress) returning its result."""
 

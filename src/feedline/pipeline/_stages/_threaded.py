@@ -273,7 +273,9 @@ class ThreadedStage(StageBase):
         run = self.run
         try:
             while not run.stopping:
-                if not self._flush():
+                # Each slot may hold one finished result while the output is full, so a
+                # momentarily slow consumer does not stop (and later restart) every job.
+                if not self._flush() and self._backlog_full():
                     return
                 parked = None
                 with self._lock:
@@ -397,10 +399,15 @@ class ThreadedStage(StageBase):
                 if not self._ready and self._output.try_put(value):
                     return True
                 self._ready.append(value)
-                return self._flush_ready()
+                return self._flush_ready() or len(self._ready) < self._concurrency
         if advanced:
             self._kick()  # the reorder window moved: more jobs may start
         return sent
+
+    def _backlog_full(self) -> bool:
+        if self._ordered:
+            return True  # the reorder window already bounds what an ordered stage holds
+        return len(self._ready) >= self._concurrency
 
     def _flush(self) -> bool:
         """Send what is waiting; False if the output is still full."""
