@@ -262,3 +262,24 @@ def test_loaders_are_thread_safe() -> None:
     for t in threads:
         t.join()
     assert errors == []
+
+
+@pytest.mark.parametrize("backend", ["default", "zlib"])
+def test_both_inflate_backends_round_trip_and_catch_corruption(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import zlib
+
+    from feedline.io import arrays as arrays_module
+
+    if backend == "zlib":
+        monkeypatch.setattr(arrays_module, "_zlib", zlib)
+    sample = {"a": np.arange(5000, dtype=np.int32), "b": np.full((30, 30), 7.5)}
+    data = npz_bytes(sample, compressed=True)
+    loaded = load_npz(data)
+    for name, array in sample.items():
+        assert_same(loaded[name], array)
+    corrupt = bytearray(data)
+    corrupt[60] ^= 0xFF  # inside the first member's deflate stream
+    with pytest.raises(ValueError, match=r"member 'a\.npy'"):
+        load_npz(bytes(corrupt))["a"]

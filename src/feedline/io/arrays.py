@@ -6,8 +6,9 @@ header reader, all while holding the GIL, and copies every array. Here:
 * :func:`load_npy` parses the NPY header (cached by its bytes: a dataset has few distinct
   headers) and returns ``numpy.frombuffer`` over the input: no copy at all.
 * :func:`load_npz` reads the ZIP central directory itself. A stored member becomes a view of
-  the input; a deflated member is inflated by zlib, which releases the GIL, into memory bounded
-  by the size its directory entry declares (and by ``max_member_bytes``).
+  the input; a deflated member is inflated by ISA-L (``isal``, when installed: about 1.4x faster
+  than zlib, with a hardware CRC-32) or zlib, both of which release the GIL, into memory
+  bounded by the size its directory entry declares (and by ``max_member_bytes``).
 
 Object arrays are refused: loading them needs unpickling, which can run arbitrary code. Every
 malformed input raises :class:`ValueError` that says what is wrong; nothing is allocated from a
@@ -26,6 +27,14 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Union
 
 import numpy as np
+
+_zlib: Any  # the inflate backend, fixed at import (tests swap it to cover both)
+try:  # Intel ISA-L (pip install 'feedline[npz]'): inflates ~1.4x faster, CRC-32 in hardware
+    from isal import isal_zlib
+
+    _zlib = isal_zlib
+except ImportError:  # pragma: no cover - exercised by the tests through monkeypatching
+    _zlib = zlib
 
 __all__ = ["NpzArrays", "load_npy", "load_npz"]
 
@@ -333,7 +342,7 @@ class NpzArrays(Mapping[str, "np.ndarray[Any, Any]"]):
                     f"but declares {member.usize}"
                 )
             data: Buffer = raw
-            if self._verify and zlib.crc32(raw) != member.crc:
+            if self._verify and _zlib.crc32(raw) != member.crc:
                 raise ValueError(f"NPZ member {member.name!r} fails its CRC-32 check")
         else:
             data = _inflate(member, raw)
@@ -356,11 +365,11 @@ class NpzArrays(Mapping[str, "np.ndarray[Any, Any]"]):
 
 
 def _inflate(member: _Member, raw: memoryview) -> bytes:
-    inflater = zlib.decompressobj(-15)
+    inflater = _zlib.decompressobj(-15)
     try:
-        # zlib releases the GIL while it inflates; max_length bounds what it may produce.
+        # zlib and ISA-L release the GIL while they inflate; max_length bounds the output.
         out = inflater.decompress(raw, member.usize)
-    except zlib.error as error:
+    except _zlib.error as error:
         raise ValueError(f"NPZ member {member.name!r}: corrupt deflate stream: {error}") from error
     if len(out) != member.usize or not inflater.eof or inflater.unconsumed_tail:
         raise ValueError(
@@ -368,7 +377,7 @@ def _inflate(member: _Member, raw: memoryview) -> bytes:
             f"{'' if inflater.eof else ' (stream incomplete)'}, its directory entry says "
             f"{member.usize}"
         )
-    if zlib.crc32(out) != member.crc:
+    if _zlib.crc32(out) != member.crc:
         raise ValueError(f"NPZ member {member.name!r} fails its CRC-32 check")
     return out
 
