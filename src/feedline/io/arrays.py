@@ -368,7 +368,7 @@ def _inflate(member: _Member, raw: memoryview) -> bytes:
     inflater = _zlib.decompressobj(-15)
     try:
         # zlib and ISA-L release the GIL while they inflate; max_length bounds the output.
-        out = inflater.decompress(raw, member.usize)
+        out: bytes = inflater.decompress(raw, member.usize)
     except _zlib.error as error:
         raise ValueError(f"NPZ member {member.name!r}: corrupt deflate stream: {error}") from error
     if len(out) != member.usize or not inflater.eof or inflater.unconsumed_tail:
