@@ -117,3 +117,15 @@ def bounded_range() -> list[int]:
 
 def square_any(x: object) -> object:
     return x
+
+
+def process_exits(pid: int, within: float) -> bool:
+    """Whether process ``pid`` is gone within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False

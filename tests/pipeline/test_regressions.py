@@ -110,15 +110,7 @@ def test_subprocess_child_stops_after_reuse() -> None:
     pid = child.pid
     it.close()
     assert it._child.process is None
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
-    else:  # pragma: no cover - the failure being guarded against
-        raise AssertionError("the second child outlived close()")
+    assert _helpers.process_exits(pid, within=5), "the second child outlived close()"
 
 
 def slow_tail(x: int) -> Any:

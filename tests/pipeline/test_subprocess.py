@@ -3,7 +3,6 @@ from __future__ import annotations
 import functools
 import mmap
 import os
-import time
 
 import numpy as np
 import pytest
@@ -115,15 +114,7 @@ def test_child_exits_when_parent_dies(tmp_path: object) -> None:
     )
     assert out.returncode == 0, out.stderr
     child = int(out.stdout.strip())
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail("the child process outlived its parent")
+    assert _helpers.process_exits(child, within=10), "the child process outlived its parent"
 
 
 def test_subprocess_iterable_as_pipeline_source() -> None:

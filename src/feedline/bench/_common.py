@@ -12,7 +12,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Contender", "Measurement", "ScenarioResult", "alternate", "machine_info"]
+__all__ = [
+    "Contender",
+    "Measurement",
+    "ScenarioResult",
+    "alternate",
+    "machine_info",
+    "make_result",
+]
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,25 @@ def alternate(
         for m in out:
             m.ratio = m.items_per_s / base.items_per_s
     return out
+
+
+def make_result(
+    scenario: str,
+    baseline: str,
+    measurements: list[Measurement],
+    notes: list[str],
+    spdl_installed: bool,
+) -> ScenarioResult:
+    """Wrap a scenario's measurements with its notes and where they were taken."""
+    if not spdl_installed:
+        notes = [*notes, "spdl is not installed (pip install 'feedline[bench]'): no SPDL column"]
+    return ScenarioResult(
+        scenario=scenario,
+        baseline=baseline,
+        measurements=measurements,
+        notes=notes,
+        machine=machine_info(),
+    )
 
 
 def machine_info() -> dict[str, Any]:

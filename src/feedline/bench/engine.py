@@ -19,7 +19,7 @@ from typing import Any
 
 from feedline import PipelineBuilder
 
-from ._common import Contender, Measurement, ScenarioResult, alternate, machine_info
+from ._common import Contender, Measurement, ScenarioResult, alternate, make_result
 
 __all__ = ["run"]
 
@@ -191,12 +191,6 @@ def run(quick: bool = False, progress: Callable[[str], None] | None = None) -> S
         f"with add_sink(buffer_size={sink}) and num_threads=max(8, concurrency)",
         "hand-off latency: items/s column is 1/p50; ratio is SPDL's p50 / ours (higher is better)",
     ]
-    if _spdl() is None:
-        notes.append("spdl is not installed (pip install 'feedline[bench]'): no SPDL column")
-    return ScenarioResult(
-        scenario="engine",
-        baseline="spdl / ThreadPoolExecutor.map",
-        measurements=measurements,
-        notes=notes,
-        machine=machine_info(),
+    return make_result(
+        "engine", "spdl / ThreadPoolExecutor.map", measurements, notes, _spdl() is not None
     )

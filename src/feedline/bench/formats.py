@@ -22,7 +22,7 @@ import numpy as np
 
 from feedline.io import load_npy, load_npz
 
-from ._common import Contender, Measurement, ScenarioResult, alternate, machine_info
+from ._common import Contender, Measurement, ScenarioResult, alternate, make_result
 
 __all__ = ["make_sample", "run"]
 
@@ -136,12 +136,4 @@ def run(quick: bool = False, progress: Callable[[str], None] | None = None) -> S
         "sample is materialised",
         "sample: 3x224x224 uint8 image (npy: the image alone), 224x224 int32 mask, 4 floats",
     ]
-    if spdl is None:
-        notes.append("spdl is not installed (pip install 'feedline[bench]'): no SPDL column")
-    return ScenarioResult(
-        scenario="formats",
-        baseline="numpy.load",
-        measurements=measurements,
-        notes=notes,
-        machine=machine_info(),
-    )
+    return make_result("formats", "numpy.load", measurements, notes, spdl is not None)
