@@ -8,5 +8,6 @@ with zlib (which releases the GIL while it works).
 from __future__ import annotations
 
 from .arrays import NpzArrays, load_npy, load_npz
+from .buffers import BufferPool
 
-__all__ = ["NpzArrays", "load_npy", "load_npz"]
+__all__ = ["BufferPool", "NpzArrays", "load_npy", "load_npz"]
