@@ -283,3 +283,13 @@ def test_both_inflate_backends_round_trip_and_catch_corruption(
     corrupt[60] ^= 0xFF  # inside the first member's deflate stream
     with pytest.raises(ValueError, match=r"member 'a\.npy'"):
         load_npz(bytes(corrupt))["a"]
+
+
+def test_headers_with_escapes() -> None:
+    # A field name with a real backslash is valid; an invalid escape (never written by numpy)
+    # is refused rather than passed to the parser, which would warn.
+    array = np.zeros(2, dtype=[("a\\m", "<i4")])
+    assert_same(load_npy(npy_bytes(array)), array)
+    bad = npy_bytes(array).replace(b"a\\\\m", b"a\\m ")
+    with pytest.raises(ValueError, match="invalid escape"):
+        load_npy(bad)

@@ -9,5 +9,15 @@ from __future__ import annotations
 
 from .arrays import NpzArrays, load_npy, load_npz
 from .buffers import BufferPool
+from .transfer import to_jax, to_numpy, to_torch, transfer
 
-__all__ = ["BufferPool", "NpzArrays", "load_npy", "load_npz"]
+__all__ = [
+    "BufferPool",
+    "NpzArrays",
+    "load_npy",
+    "load_npz",
+    "to_jax",
+    "to_numpy",
+    "to_torch",
+    "transfer",
+]

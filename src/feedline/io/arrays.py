@@ -48,6 +48,8 @@ _SIMPLE = re.compile(
     rb"\{'descr': '([<>|=][a-zA-Z][0-9]*)', 'fortran_order': (True|False), "
     rb"'shape': \(((?:\d+, )*\d*|\d+,)\), \} *\n?\Z"
 )
+# An odd run of backslashes followed by a character that starts no valid escape.
+_BAD_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\[^\\'\"abfnrtvx0-7NuU\n]")
 DEFAULT_MAX_MEMBER_BYTES = 1 << 34  # 16 GiB: more than any sample, less than a zip bomb
 
 
@@ -74,6 +76,8 @@ def _parse_header(header: bytes, version: int) -> tuple[np.dtype[Any], bool, tup
         shape = tuple(int(s) for s in match.group(3).split(b",") if s.strip())
     else:
         text = header.decode("utf8" if version >= 3 else "latin1")
+        if _BAD_ESCAPE.search(text):  # repr() never writes one; Python would warn on it
+            raise ValueError(f"NPY header has an invalid escape sequence: {text[:80]!r}")
         try:
             meta = ast.literal_eval(text)  # literals only: never runs code
         except (ValueError, SyntaxError, MemoryError, RecursionError) as error:

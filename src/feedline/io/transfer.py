@@ -1,0 +1,172 @@
+"""Hand arrays to a framework without copying, and batches to a GPU without stalling it.
+
+* :func:`to_numpy`, :func:`to_torch`, :func:`to_jax` share memory (through the buffer protocol,
+  ``torch.from_numpy`` or DLPack) and copy only when sharing is impossible or unsafe: a
+  read-only NumPy array (one that views immutable ``bytes``, as :func:`load_npy` returns) gets
+  copied for PyTorch, whose tensors are always writable, unless ``copy=False`` asks for an
+  error instead.
+* :func:`transfer` copies a batch (an array, a tensor, or a dict/list/tuple of them) to a CUDA
+  device from page-locked memory on a CUDA stream owned by the calling thread, and returns when
+  the copy is complete, so that the training loop's stream never waits on it. Run it in a
+  stage with a one-thread executor (``pipe(transfer, executor=ThreadPoolExecutor(1))``) so that
+  the same stream is used for every batch.
+
+PyTorch and JAX are imported only when these functions are called.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+__all__ = ["to_jax", "to_numpy", "to_torch", "transfer"]
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise ImportError(
+            "this needs PyTorch: pip install 'feedline[torch]' (or torch itself)"
+        ) from None
+    return torch
+
+
+def to_numpy(x: Any) -> np.ndarray[Any, Any]:
+    """Return ``x`` as a NumPy array, sharing memory when ``x`` is on the CPU.
+
+    Accepts NumPy arrays, PyTorch CPU tensors, JAX CPU arrays, and anything with the buffer
+    protocol, ``__array_interface__`` or ``__dlpack__``.
+
+    Raises:
+        ValueError: For a tensor on a GPU (copy it to the CPU first: that copy is explicit).
+
+    """
+    if isinstance(x, np.ndarray):
+        return x
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise ValueError(
+                f"the tensor is on {x.device}; move it with .cpu() first (a device-to-host "
+                "copy is never made implicitly)"
+            )
+        array: np.ndarray[Any, Any] = x.detach().numpy()
+        return array
+    if hasattr(x, "__dlpack__") and not hasattr(x, "__array_interface__"):
+        try:
+            return np.from_dlpack(x)
+        except (BufferError, RuntimeError, TypeError) as error:
+            raise ValueError(f"cannot view {type(x).__name__} as a NumPy array: {error}") from error
+    return np.asarray(x)
+
+
+def to_torch(x: Any, *, copy: bool | None = None) -> Any:
+    """Return ``x`` as a ``torch.Tensor`` that shares its memory when possible.
+
+    Args:
+        x: A NumPy array, a tensor, or anything :func:`to_numpy` accepts.
+        copy: ``None`` (default): share memory, copy only a read-only array (PyTorch cannot
+            mark a tensor read-only, and writing into immutable bytes would corrupt them).
+            ``False``: never copy; raise instead. ``True``: always copy.
+
+    Raises:
+        ValueError: ``copy=False`` and the array is read-only.
+        ImportError: PyTorch is not installed.
+
+    """
+    torch = _torch()
+    if isinstance(x, torch.Tensor):
+        return x.clone() if copy else x
+    array = to_numpy(x)
+    if copy:
+        return torch.from_numpy(np.array(array, copy=True))
+    if not array.flags.writeable:
+        if copy is False:
+            raise ValueError(
+                "the array is read-only (it views immutable memory such as bytes), and a "
+                "tensor would be writable; pass copy=None to copy it, or load from a "
+                "bytearray to get a writable array"
+            )
+        array = array.copy()
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))  # torch takes native order only
+    return torch.from_numpy(array)
+
+
+def to_jax(x: Any) -> Any:
+    """Return ``x`` as a JAX array (through DLPack: no copy for suitably aligned CPU data).
+
+    Raises:
+        ImportError: JAX is not installed (pip install jax).
+
+    """
+    try:
+        import jax.numpy as jnp
+    except ImportError:
+        raise ImportError("this needs JAX: pip install jax") from None
+    return jnp.asarray(to_numpy(x))
+
+
+_local = threading.local()
+
+
+def _stream(torch: Any, device: Any) -> Any:
+    streams: dict[Any, Any] = getattr(_local, "streams", None) or {}
+    _local.streams = streams
+    stream = streams.get(device)
+    if stream is None:
+        stream = streams[device] = torch.cuda.Stream(device)
+    return stream
+
+
+def transfer(batch: Any, device: Any = "cuda") -> Any:
+    """Copy a batch to a CUDA device on this thread's own stream and wait until it is there.
+
+    Args:
+        batch: An array, a tensor, or a dict / list / tuple of them (nested); other leaves
+            pass through unchanged.
+        device: A CUDA device (``"cuda"``, ``"cuda:1"``, ``torch.device``).
+
+    Returns:
+        The same structure with tensors on ``device``.
+
+    Raises:
+        RuntimeError: If PyTorch has no CUDA device here (the message says what was found).
+        ImportError: If PyTorch is not installed.
+
+    """
+    torch = _torch()
+    target = torch.device(device)
+    if target.type != "cuda" or not torch.cuda.is_available():
+        found = (
+            f"torch.cuda.is_available() is False (PyTorch {torch.__version__})"
+            if not torch.cuda.is_available()
+            else f"device {target} is not a CUDA device"
+        )
+        raise RuntimeError(
+            f"transfer() copies to a CUDA device, but {found}. On a machine without a GPU, "
+            "leave the batch on the CPU (skip this stage), or use to_torch() for a CPU tensor"
+        )
+    stream = _stream(torch, target)
+
+    def move(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            return {k: move(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            moved = [move(v) for v in obj]
+            return type(obj)(moved) if isinstance(obj, tuple) else moved
+        if isinstance(obj, (np.ndarray, torch.Tensor)):
+            tensor = to_torch(obj)
+            if tensor.device.type == "cpu" and not tensor.is_pinned():
+                tensor = tensor.pin_memory()  # an async copy needs page-locked memory
+            return tensor.to(target, non_blocking=True)
+        return obj
+
+    with torch.cuda.stream(stream):
+        out = move(batch)
+    stream.synchronize()
+    return out
