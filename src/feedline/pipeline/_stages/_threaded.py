@@ -237,7 +237,11 @@ class ThreadedStage(StageBase):
             if self._input.exhausted and not self._finish_claimed:
                 waiting += 1
             idle = self._active - self._busy
-            n = min(self._concurrency - self._active, waiting - idle)
+            # Parallel jobs cannot speed up an op cheaper than a thread wake-up: a cheap stage
+            # gets one job at a time (until its measured task time grows).
+            cheap = 0 <= self.counters.ewma < INLINE_BELOW
+            limit = 1 if cheap else self._concurrency
+            n = min(limit - self._active, waiting - idle)
             if n > 0:
                 self._active += n
                 self._queued += n
