@@ -37,7 +37,6 @@ class StageCounters:
         "failures",
         "in_flight",
         "items_in",
-        "items_out",
         "kind",
         "last_error",
         "last_sample",
@@ -53,7 +52,6 @@ class StageCounters:
         self.concurrency = concurrency
         self.lock = threading.Lock()
         self.items_in = 0
-        self.items_out = 0
         self.failures = 0
         self.busy_time = 0.0
         self.in_flight = 0
@@ -83,7 +81,7 @@ class StageCounters:
             self.ewma += 0.125 * (dt - self.ewma) if self.ewma >= 0 else dt - self.ewma
         return dt
 
-    def snapshot(self, in_q: ChannelStats | None, out_q: ChannelStats | None) -> StageStats:
+    def snapshot(self, in_q: ChannelStats | None, out_q: ChannelStats) -> StageStats:
         """Build the public snapshot of this stage."""
         with self.lock:
             n = min(self._n_durations, _RING)
@@ -100,7 +98,7 @@ class StageCounters:
                 kind=self.kind,
                 concurrency=self.concurrency,
                 items_in=self.items_in,
-                items_out=out_q.puts if out_q is not None else self.items_out,
+                items_out=out_q.puts,
                 failures=self.failures,
                 in_flight=self.in_flight,
                 max_in_flight=self.max_in_flight,
@@ -110,7 +108,7 @@ class StageCounters:
                 task_p99=p99,
                 busy=min(busy, 1.0),
                 starved=in_q.empty_fraction if in_q is not None else 0.0,
-                blocked=out_q.full_fraction if out_q is not None else 0.0,
+                blocked=out_q.full_fraction,
                 queue=out_q,
             )
 
@@ -136,7 +134,7 @@ class StageStats:
             limits throughput.
         starved: Share of time the stage's input queue was empty: waiting on upstream.
         blocked: Share of time the stage's output queue was full: waiting on downstream.
-        queue: Statistics of the queue after this stage (``None`` before the first run).
+        queue: Statistics of the queue after this stage.
 
     """
 
@@ -155,7 +153,7 @@ class StageStats:
     busy: float
     starved: float
     blocked: float
-    queue: ChannelStats | None
+    queue: ChannelStats
 
 
 @dataclass(frozen=True)
@@ -195,7 +193,7 @@ class PipelineStats:
         )
         lines = [head, "-" * len(head)]
         for s in self.stages:
-            occ = f"{s.queue.mean_occupancy:.0%}" if s.queue is not None else "-"
+            occ = f"{s.queue.mean_occupancy:.0%}"
             lines.append(
                 f"{s.name[:21]:<22}{s.concurrency:>5}{s.items_in:>9}{s.items_out:>9}"
                 f"{s.failures:>6}{s.task_p50 * 1e3:>9.2f}{s.task_p99 * 1e3:>9.2f}"
