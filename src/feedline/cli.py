@@ -47,6 +47,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser (exposed for tests and docs)."""
+    from feedline.bench import SCENARIOS  # the registry imports each scenario lazily
+
     parser = argparse.ArgumentParser(
         prog="feedline", description="feedline: fast, threaded data loading."
     )
@@ -57,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run benchmark scenarios; each alternates contenders and reports medians.",
     )
     bench.add_argument(
-        "scenarios", nargs="*", metavar="SCENARIO", help="scenarios to run (default: all)"
+        "scenarios",
+        nargs="*",
+        metavar="SCENARIO",
+        help=f"scenarios to run (default: all): {', '.join(sorted(SCENARIOS))}",
     )
     bench.add_argument(
         "--quick",
