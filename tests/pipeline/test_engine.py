@@ -326,3 +326,13 @@ def test_input_order_kept_for_cheap_ops_run_inline(concurrency: int) -> None:
             .build(num_threads=concurrency)
         )
         assert list(p) == [i * i for i in range(60)]
+
+
+def test_stats_before_any_run_and_repr() -> None:
+    p = PipelineBuilder().add_source(range(3)).pipe(ident, name="f").build()
+    with pytest.raises(RuntimeError, match="has not run yet"):
+        p.stats()
+    assert repr(p) == "Pipeline(source -> f, idle)"
+    with p.auto_stop():
+        assert repr(p) == "Pipeline(source -> f, running)"
+    assert "f" in repr(PipelineBuilder().add_source([1]).pipe(ident, name="f"))
