@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import io
+import struct
 import threading
 import zipfile
+import zlib
 from typing import Any
 
 import numpy as np
@@ -293,3 +295,179 @@ def test_headers_with_escapes() -> None:
     bad = npy_bytes(array).replace(b"a\\\\m", b"a\\m ")
     with pytest.raises(ValueError, match="invalid escape"):
         load_npy(bad)
+
+
+# -- regressions from a fuzzing review (each input once broke the contract) --------------------
+
+
+def raw_npy(header: str, data: bytes = b"", version: int = 1) -> bytes:
+    h = header.encode("latin1" if version < 3 else "utf8")
+    size = struct.pack("<H", len(h)) if version == 1 else struct.pack("<I", len(h))
+    return b"\x93NUMPY" + bytes([version, 0]) + size + h + data
+
+
+def hdr(descr: Any, shape: Any, fortran: bool = False) -> str:
+    return f"{{'descr': {descr!r}, 'fortran_order': {fortran!r}, 'shape': {shape!r}, }}\n"
+
+
+def one_member_zip(name: bytes, raw: bytes, method: int, usize: int, flags: int = 0) -> bytes:
+    lh = (
+        struct.pack(
+            "<4s5H3L2H", b"PK\x03\x04", 20, flags, method, 0, 0, 0, len(raw), usize, len(name), 0
+        )
+        + name
+    )
+    cd = (
+        struct.pack(
+            "<4s6H3L5H2L",
+            b"PK\x01\x02",
+            20,
+            20,
+            flags,
+            method,
+            0,
+            0,
+            0,
+            len(raw),
+            usize,
+            len(name),
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+        )
+        + name
+    )
+    eocd = struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 1, 1, len(cd), len(lh) + len(raw), 0)
+    return lh + raw + cd + eocd
+
+
+def test_a_member_declaring_zero_bytes_cannot_inflate_without_bound() -> None:
+    c = zlib.compressobj(9, 8, -15)
+    raw = c.compress(b"\0" * (64 << 20)) + c.flush()  # 64 MiB of zeros in ~64 KB
+    data = one_member_zip(b"x.npy", raw, 8, usize=0)
+    with pytest.raises(ValueError, match="inflates to 1 bytes"):
+        load_npz(data, max_member_bytes=1000)["x"]
+
+
+def test_header_cache_does_not_mix_format_versions() -> None:
+    header = "{'descr': '<i4', 'fortran_order': False, 'shape': (2,), }\n"
+    payload = struct.pack("<2i", 1, 2)
+    v1, v2 = raw_npy(header, payload, 1), raw_npy(header, payload, 2)
+    for first, second in ((v1, v2), (v2, v1)):
+        assert load_npy(first).tolist() == [1, 2]
+        assert load_npy(second).tolist() == [1, 2]
+
+
+def _local(name: bytes, size: int) -> bytes:
+    return (
+        struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, 0, 0, 0, 0, size, size, len(name), 0) + name
+    )
+
+
+def _central(name: bytes, size: int, offset: int) -> bytes:
+    return (
+        struct.pack(
+            "<4s6H3L5H2L",
+            b"PK\x01\x02",
+            20,
+            20,
+            0,
+            0,
+            0,
+            0,
+            0,
+            size,
+            size,
+            len(name),
+            0,
+            0,
+            0,
+            0,
+            0,
+            offset,
+        )
+        + name
+    )
+
+
+def test_overlapping_members_are_refused() -> None:
+    # Member b's (valid) local header and data sit inside member a's data: a reader that
+    # allowed this could inflate the same bytes once per member.
+    inner = npy_bytes(np.arange(3))
+    b_part = _local(b"b.npy", len(inner)) + inner
+    a_local = _local(b"a.npy", len(b_part))
+    body = a_local + b_part
+    directory = _central(b"a.npy", len(b_part), 0) + _central(b"b.npy", len(inner), len(a_local))
+    eocd = struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 2, 2, len(directory), len(body), 0)
+    with pytest.raises(ValueError, match=r"'a\.npy' and 'b\.npy' overlap"):
+        load_npz(body + directory + eocd)
+
+
+@pytest.mark.parametrize("descr", [("<i4",), (), ",i4", "<02", "(r,3)<f8", "i4,(2,3"])
+def test_odd_dtype_descriptions_raise_value_error(descr: Any) -> None:
+    with pytest.raises(ValueError):  # noqa: PT011
+        load_npy(raw_npy(hdr(descr, (1,)), b"\0" * 16))
+
+
+@pytest.mark.parametrize("header", ["{[]: 1}", "{{1: 2}}", "[" + "0," * 1000 + "]"])
+def test_literals_that_are_not_headers_raise_value_error(header: str) -> None:
+    with pytest.raises(ValueError):  # noqa: PT011
+        load_npy(raw_npy(header, b"", 2))
+
+
+@pytest.mark.parametrize(
+    ("descr", "shape"), [("|V0", (2**70,)), ("<U0", (2**64,)), ("|S0", (2**40, 2**40))]
+)
+def test_zero_size_dtypes_and_huge_counts_raise_value_error(descr: str, shape: Any) -> None:
+    with pytest.raises(ValueError):  # noqa: PT011
+        load_npy(raw_npy(hdr(descr, shape)))
+
+
+def test_huge_headers_are_refused_quickly() -> None:
+    shape = "(" + "9," * 100_000 + ")"
+    header = "{'descr': '<i4', 'fortran_order': False, 'shape': " + shape + ", }\n"
+    with pytest.raises(ValueError, match="larger than 10000"):
+        load_npy(raw_npy(header, b"", 2))
+    with pytest.raises(ValueError, match="more than 64"):
+        load_npy(raw_npy(hdr("<i4", (1,) * 65), b"\0" * 4))
+
+
+def test_unusual_buffer_views() -> None:
+    good = npy_bytes(np.arange(3, dtype=np.int16))
+    assert_same(load_npy(np.frombuffer(good, np.int8)), np.arange(3, dtype=np.int16))
+    assert_same(load_npy(memoryview(good).cast("c")), np.arange(3, dtype=np.int16))
+    strided = np.frombuffer(bytes(x for c in good for x in (c, 0)), np.uint8)[::2]
+    with pytest.raises(ValueError, match="C-contiguous"):
+        load_npy(strided)
+
+
+def test_membership_does_not_load() -> None:
+    data = bytearray(npz_bytes({"x": np.arange(1000)}, compressed=True))
+    data[60] ^= 0xFF  # corrupt the member's stream
+    arrays = load_npz(bytes(data))
+    assert "x" in arrays
+    assert "y" not in arrays
+    with pytest.raises(ValueError):  # noqa: PT011
+        arrays["x"]
+
+
+def test_duplicate_member_names_are_refused() -> None:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("x.npy", npy_bytes(np.arange(3)))
+        zf.writestr("x", npy_bytes(np.arange(4)))
+    with pytest.raises(ValueError, match="two members are named 'x'"):
+        load_npz(buf.getvalue())
+
+
+def test_undecodable_names_and_headers_raise_value_error() -> None:
+    data = one_member_zip(
+        b"\xff.npy", npy_bytes(np.arange(2)), 0, usize=len(npy_bytes(np.arange(2))), flags=0x800
+    )
+    with pytest.raises(ValueError, match="not valid UTF-8"):
+        load_npz(data)
+    with pytest.raises(ValueError, match="not valid UTF-8"):
+        load_npy(b"\x93NUMPY\x03\x00" + struct.pack("<I", 4) + b"\xff\xfe\xfd\n")

@@ -19,9 +19,11 @@ caller's bound.
 from __future__ import annotations
 
 import ast
+import itertools
 import mmap
 import re
 import struct
+import sys
 import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any, Union
@@ -41,8 +43,13 @@ __all__ = ["NpzArrays", "load_npy", "load_npz"]
 Buffer = Union[bytes, bytearray, memoryview, mmap.mmap, "np.ndarray[Any, Any]"]
 
 _MAGIC = b"\x93NUMPY"
-_HEADER_CACHE: dict[bytes, tuple[np.dtype[Any], bool, tuple[int, ...], int]] = {}
+# Parsed headers by (utf-8 text?, header bytes). The offset of the data is not cached: it
+# depends on the format version, which the header bytes do not determine.
+_HEADER_CACHE: dict[tuple[bool, bytes], tuple[np.dtype[Any], bool, tuple[int, ...]]] = {}
 _HEADER_CACHE_MAX = 4096
+_CACHE_HEADERS_UP_TO = 1024  # bytes; numpy's own headers are about 120
+MAX_HEADER_SIZE = 10_000  # numpy.load's default bound: larger headers are refused
+_MAX_DIMS = 64
 # The header numpy writes for plain dtypes; anything else goes through ast.literal_eval.
 _SIMPLE = re.compile(
     rb"\{'descr': '([<>|=][a-zA-Z][0-9]*)', 'fortran_order': (True|False), "
@@ -61,10 +68,10 @@ def _as_bytes_view(data: Buffer) -> memoryview:
             f"expected bytes, bytearray, memoryview, mmap or a uint8 array, got "
             f"{type(data).__name__}"
         ) from None
-    if view.ndim != 1 or view.itemsize != 1 or view.format not in ("B", "b", "c"):
-        if not view.c_contiguous:
-            raise ValueError("the buffer must be C-contiguous to be read without a copy")
-        view = view.cast("B")
+    if not view.c_contiguous:
+        raise ValueError("the buffer must be C-contiguous to be read without a copy")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")  # unsigned bytes: b"\x93"[0] must read 147, not -109
     return view
 
 
@@ -75,12 +82,15 @@ def _parse_header(header: bytes, version: int) -> tuple[np.dtype[Any], bool, tup
         fortran = match.group(2) == b"True"
         shape = tuple(int(s) for s in match.group(3).split(b",") if s.strip())
     else:
-        text = header.decode("utf8" if version >= 3 else "latin1")
+        try:
+            text = header.decode("utf8" if version >= 3 else "latin1")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"NPY header is not valid UTF-8: {error}") from None
         if _BAD_ESCAPE.search(text):  # repr() never writes one; Python would warn on it
             raise ValueError(f"NPY header has an invalid escape sequence: {text[:80]!r}")
         try:
             meta = ast.literal_eval(text)  # literals only: never runs code
-        except (ValueError, SyntaxError, MemoryError, RecursionError) as error:
+        except Exception as error:  # SyntaxError, TypeError (unhashable keys), MemoryError...
             raise ValueError(f"NPY header is not a valid Python literal: {text[:80]!r}") from error
         if not isinstance(meta, dict) or set(meta) != {"descr", "fortran_order", "shape"}:
             raise ValueError(
@@ -94,12 +104,14 @@ def _parse_header(header: bytes, version: int) -> tuple[np.dtype[Any], bool, tup
             isinstance(d, int) and not isinstance(d, bool) for d in shape
         ):
             raise ValueError(f"NPY header: shape must be a tuple of ints, got {shape!r}")
+    if len(shape) > _MAX_DIMS:
+        raise ValueError(f"NPY header: {len(shape)} dimensions, more than {_MAX_DIMS}")
     if any(d < 0 for d in shape):
         raise ValueError(f"NPY header: negative dimension in shape {shape}")
     try:
         dtype = np.lib.format.descr_to_dtype(descr)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"NPY header: unknown dtype {descr!r}: {error}") from error
+    except Exception as error:  # numpy raises TypeError, ValueError, IndexError, SyntaxError
+        raise ValueError(f"NPY header: unknown dtype {str(descr)[:80]!r}: {error}") from error
     if dtype.hasobject:
         raise ValueError(
             f"the array has dtype {dtype} (Python objects), which can only be loaded by "
@@ -126,19 +138,24 @@ def _npy_header(view: memoryview) -> tuple[np.dtype[Any], bool, tuple[int, ...],
         length = int.from_bytes(view[8:12], "little")
     else:
         raise ValueError(f"unsupported NPY format version {major}.{minor} (known: 1, 2, 3)")
+    if length > MAX_HEADER_SIZE:
+        raise ValueError(
+            f"NPY header of {length} bytes is larger than {MAX_HEADER_SIZE}, the most "
+            "numpy.load reads by default; refusing it"
+        )
     end = start + length
     if end > n:
         raise ValueError(f"truncated NPY file: the header needs {end} bytes, got {n}")
     header = bytes(view[start:end])
-    cached = _HEADER_CACHE.get(header)
-    if cached is not None:
-        return cached
-    dtype, fortran, shape = _parse_header(header, major)
-    entry = (dtype, fortran, shape, end)
-    if len(_HEADER_CACHE) >= _HEADER_CACHE_MAX:
-        _HEADER_CACHE.clear()
-    _HEADER_CACHE[header] = entry
-    return entry
+    key = (major >= 3, header)
+    cached = _HEADER_CACHE.get(key)
+    if cached is None:
+        cached = _parse_header(header, major)
+        if length <= _CACHE_HEADERS_UP_TO:
+            if len(_HEADER_CACHE) >= _HEADER_CACHE_MAX:
+                _HEADER_CACHE.clear()
+            _HEADER_CACHE[key] = cached
+    return (*cached, end)
 
 
 def load_npy(data: Buffer) -> np.ndarray[Any, Any]:
@@ -160,11 +177,15 @@ def load_npy(data: Buffer) -> np.ndarray[Any, Any]:
     """
     view = _as_bytes_view(data)
     dtype, fortran, shape, offset = _npy_header(view)
+    available = len(view) - offset
     count = 1
     for d in shape:
         count *= d
+        if count > sys.maxsize:
+            raise ValueError(f"NPY header: shape {shape} has more elements than can be indexed")
+    if dtype.itemsize == 0 and count:
+        raise ValueError(f"NPY header: {count} elements of the zero-size dtype {dtype}")
     nbytes = count * dtype.itemsize
-    available = len(view) - offset
     if available < nbytes:
         raise ValueError(
             f"truncated NPY data: shape {shape} of {dtype} needs {nbytes} bytes after the "
@@ -253,6 +274,7 @@ def _read_directory(view: memoryview) -> dict[str, _Member]:
             f"{cd_offset}) does not fit before its end record at {eocd_at}"
         )
     members: dict[str, _Member] = {}
+    spans: list[tuple[int, int, str]] = []  # (local header, end of data, name) per member
     pos = cd_offset
     for _ in range(entries):
         if pos + _CENTRAL.size > eocd_at or view[pos : pos + 4].tobytes() != b"PK\x01\x02":
@@ -281,7 +303,12 @@ def _read_directory(view: memoryview) -> dict[str, _Member]:
         if pos > eocd_at:
             raise ValueError("malformed NPZ file: a central directory entry runs past its end")
         raw_name = bytes(view[name_at : name_at + name_len])
-        name = raw_name.decode("utf8" if flags & 0x800 else "cp437")
+        try:
+            name = raw_name.decode("utf8" if flags & 0x800 else "cp437")
+        except UnicodeDecodeError:
+            raise ValueError(
+                f"malformed NPZ file: a member name is not valid UTF-8: {raw_name[:40]!r}"
+            ) from None
         extra = bytes(view[name_at + name_len : name_at + name_len + extra_len])
         usize, csize, offset = _zip64_extra(extra, usize, csize, offset)
         if flags & 0x1:
@@ -306,7 +333,23 @@ def _read_directory(view: memoryview) -> dict[str, _Member]:
                 f"truncated NPZ file: member {name!r} needs {data_at + csize} bytes, got {n}"
             )
         key = name[:-4] if name.endswith(".npy") else name
+        if key in members:
+            raise ValueError(
+                f"malformed NPZ file: two members are named {key!r} (or {key!r} and "
+                f"{key + '.npy'!r}); readers would disagree on which one it is"
+            )
         members[key] = _Member(name, method, crc, csize, usize, data_at)
+        spans.append((offset, data_at + csize, name))
+    # Members may not overlap each other or the directory: overlapping entries would let a
+    # small file inflate the same compressed bytes many times over (a zip bomb).
+    spans.sort()
+    for (_, end, name), (start, _, other) in itertools.pairwise(spans):
+        if start < end:
+            raise ValueError(f"malformed NPZ file: members {name!r} and {other!r} overlap")
+    if spans and spans[-1][1] > cd_offset:
+        raise ValueError(
+            f"malformed NPZ file: member {spans[-1][2]!r} runs into the central directory"
+        )
     return members
 
 
@@ -358,6 +401,9 @@ class NpzArrays(Mapping[str, "np.ndarray[Any, Any]"]):
             self._loaded[key] = array
         return array
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._members  # without loading (Mapping's default would)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._members)
 
@@ -372,7 +418,8 @@ def _inflate(member: _Member, raw: memoryview) -> bytes:
     inflater = _zlib.decompressobj(-15)
     try:
         # zlib and ISA-L release the GIL while they inflate; max_length bounds the output.
-        out: bytes = inflater.decompress(raw, member.usize)
+        # max_length 0 would mean "no limit": one byte past the declared size exposes a lie.
+        out: bytes = inflater.decompress(raw, min(member.usize + 1, sys.maxsize))
     except _zlib.error as error:
         raise ValueError(f"NPZ member {member.name!r}: corrupt deflate stream: {error}") from error
     if len(out) != member.usize or not inflater.eof or inflater.unconsumed_tail:
@@ -408,4 +455,4 @@ def load_npz(
 
     """
     view = _as_bytes_view(data)
-    return NpzArrays(view, _read_directory(view), max_member_bytes, verify)
+    return NpzArrays(view, _read_directory(view), min(max_member_bytes, sys.maxsize - 1), verify)
