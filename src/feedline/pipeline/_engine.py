@@ -178,10 +178,8 @@ class Run:
 
     def submit(self, executor: Submitter, fn: Callable[[], None]) -> bool:
         """Run ``fn`` in ``executor``, counted so that ``stop`` can wait for it."""
-        with self._jobs_lock:
-            if self._stopping:
-                return False
-            self._jobs += 1
+        if not self._job_begin():
+            return False
         try:
             executor.submit(self._tracked, executor, fn)
         except RuntimeError as error:  # the executor was shut down under us
@@ -217,10 +215,8 @@ class Run:
         """
         if not isinstance(stage, ThreadedStage | ThreadedSource) or not stage.cheap_on(self._pool):
             return False
-        with self._jobs_lock:  # counted like a pool job, so that stop() waits for it
-            if self._stopping:
-                return False
-            self._jobs += 1
+        if not self._job_begin():  # counted like a pool job, so that stop() waits for it
+            return False
         tls = self._tls
         outer, ctx = tls.ctx, JobContext(self._pool)
         tls.ctx = ctx
@@ -238,10 +234,8 @@ class Run:
         The call counts as a job: if the run stops while it is running (a process cannot be
         interrupted), ``stop()`` waits for it, so calls never outlive their run.
         """
-        with self._jobs_lock:
-            if self._stopping:
-                raise asyncio.CancelledError
-            self._jobs += 1
+        if not self._job_begin():
+            raise asyncio.CancelledError
         try:
             future = executor.submit(fn, item)
         except BaseException:
@@ -260,6 +254,14 @@ class Run:
         finally:
             tls.ctx = outer
             self._job_done()
+
+    def _job_begin(self) -> bool:
+        # Count a job that stop() must wait for; refuse once the run is stopping.
+        with self._jobs_lock:
+            if self._stopping:
+                return False
+            self._jobs += 1
+            return True
 
     def _job_done(self) -> None:
         with self._jobs_lock:

@@ -110,7 +110,51 @@ class DisaggregateWork(Work):
         return iter(item)
 
 
-class ThreadedStage(StageBase):
+class _PoolStage(StageBase):
+    """What the threaded stage and source share: cheapness, deferred and inline runs."""
+
+    _executor: Any
+    loop_pulls: bool  # set when the consumer is an event-loop stage that pulls this stage
+
+    def _kick(self) -> None:
+        raise NotImplementedError
+
+    def _job(self) -> None:
+        raise NotImplementedError
+
+    def _cheap(self) -> bool:
+        return 0 <= self.counters.ewma < INLINE_BELOW
+
+    def cheap_on(self, executor: Any) -> bool:
+        """Whether another thread of ``executor``'s kind may run this stage's jobs itself."""
+        return self._executor is executor and self._cheap()
+
+    def _defer(self) -> bool:
+        # Called by a job of a neighbouring stage on this thread? Then, if this stage is cheap,
+        # let that thread run our job after its current item instead of waking another one.
+        ctx = self.run.job_context()
+        if ctx is None or self in ctx.stack or not self.cheap_on(ctx.executor):
+            return False
+        ctx.deferred[self] = None
+        return True
+
+    def on_space(self) -> None:
+        """Output drained: resume."""
+        if self.loop_pulls and self.run.on_loop_thread() and self.cheap_on(self.run.default_pool):
+            return  # our event-loop consumer runs our cheap job itself when it needs items
+        if not self._defer():
+            self._kick()
+
+    def _run_here(self, ctx: JobContext) -> None:
+        # Run a claimed job on the calling thread, marked on its stack against re-entry.
+        ctx.stack.add(self)
+        try:
+            self._job()
+        finally:
+            ctx.stack.discard(self)
+
+
+class ThreadedStage(_PoolStage):
     """A stage whose work runs as drain jobs in a thread pool (see the module docstring)."""
 
     def __init__(
@@ -160,26 +204,6 @@ class ThreadedStage(StageBase):
         if not self._defer():
             self._kick()
 
-    def on_space(self) -> None:
-        """Output drained: resume."""
-        if self.loop_pulls and self.run.on_loop_thread() and self.cheap_on(self.run.default_pool):
-            return  # our event-loop consumer runs our cheap job itself when it needs items
-        if not self._defer():
-            self._kick()
-
-    def _defer(self) -> bool:
-        # Called by a job of a neighbouring stage on this thread? Then, if this stage is cheap,
-        # let that thread run our job after its current item instead of waking another one.
-        ctx = self.run.job_context()
-        if ctx is None or self in ctx.stack or not self.cheap_on(ctx.executor):
-            return False
-        ctx.deferred[self] = None
-        return True
-
-    def cheap_on(self, executor: Any) -> bool:
-        """Whether another thread of ``executor``'s kind may run this stage's jobs itself."""
-        return self._executor is executor and 0 <= self.counters.ewma < INLINE_BELOW
-
     def run_inline(self, ctx: JobContext, kick: bool = True) -> bool:
         """Run a job of this stage on the calling thread if there is work and a free slot.
 
@@ -209,11 +233,7 @@ class ThreadedStage(StageBase):
             if kick:
                 self._kick()
             return False
-        ctx.stack.add(self)
-        try:
-            self._job()
-        finally:
-            ctx.stack.discard(self)
+        self._run_here(ctx)
         return True
 
     def _has_unsent(self) -> bool:
@@ -239,8 +259,7 @@ class ThreadedStage(StageBase):
             idle = self._active - self._busy
             # Parallel jobs cannot speed up an op cheaper than a thread wake-up: a cheap stage
             # gets one job at a time (until its measured task time grows).
-            cheap = 0 <= self.counters.ewma < INLINE_BELOW
-            limit = 1 if cheap else self._concurrency
+            limit = 1 if self._cheap() else self._concurrency
             n = min(limit - self._active, waiting - idle)
             if n > 0:
                 self._active += n
@@ -447,7 +466,7 @@ class ThreadedStage(StageBase):
         return self._next_emit != start
 
 
-class ThreadedSource(StageBase):
+class ThreadedSource(_PoolStage):
     """Iterates a sync iterable in a thread pool, one job at a time, and feeds the first channel."""
 
     def __init__(
@@ -474,20 +493,6 @@ class ThreadedSource(StageBase):
     def on_data(self) -> None:
         """Unused: a source has no input."""
 
-    def on_space(self) -> None:
-        """The first channel drained: keep iterating."""
-        if self.loop_pulls and self.run.on_loop_thread() and self.cheap_on(self.run.default_pool):
-            return  # our event-loop consumer iterates a cheap source itself when it needs items
-        ctx = self.run.job_context()
-        if ctx is not None and self not in ctx.stack and self.cheap_on(ctx.executor):
-            ctx.deferred[self] = None
-            return
-        self._kick()
-
-    def cheap_on(self, executor: Any) -> bool:
-        """Whether another thread of ``executor``'s kind may iterate this source itself."""
-        return self._executor is executor and 0 <= self.counters.ewma < INLINE_BELOW
-
     def run_inline(self, ctx: JobContext, kick: bool = True) -> bool:
         """Run the source's job on the calling thread if it is idle and may proceed."""
         with self._lock:
@@ -499,11 +504,7 @@ class ThreadedSource(StageBase):
                 claim = True
         if not claim:
             return False
-        ctx.stack.add(self)
-        try:
-            self._job()
-        finally:
-            ctx.stack.discard(self)
+        self._run_here(ctx)
         return True
 
     def start(self) -> None:
