@@ -49,3 +49,22 @@ def test_bench_formats_quick(tmp_path: Path) -> None:
     ours = [m for m in data["measurements"] if m["contender"] == "feedline"]
     assert len(ours) == 9
     assert all(m["ratio"] > 0 for m in ours)
+
+
+def test_bench_decode_quick(tmp_path: Path) -> None:
+    pytest.importorskip("simplejpeg")
+    pytest.importorskip("PIL")
+    out = tmp_path / "out"
+    code = main(["bench", "decode", "--quick", "--data", str(tmp_path / "data"), "--out", str(out)])
+    assert code == 0
+    data = json.loads((out / "decode.json").read_text())
+    cases = {m["case"] for m in data["measurements"]}
+    assert cases == {f"{k}, {t} thread(s)" for k in ("imagenet", "large") for t in (1, 2)}
+    contenders = {m["contender"] for m in data["measurements"]}
+    assert {"PIL", "OpenCV", "feedline fast", "feedline exact"} <= contenders
+    two = [m for m in data["measurements"] if m["case"].endswith("2 thread(s)")]
+    assert all(m["extra"]["scaling"] > 0 for m in two)
+    assert any("PSNR fast vs exact" in n for n in data["notes"])
+    # The generated pictures are cached: a second call finds them.
+    cached = sorted((tmp_path / "data").rglob("*.jpg"))
+    assert len(cached) == 10

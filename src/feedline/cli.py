@@ -23,7 +23,7 @@ def _progress(message: str) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from feedline.bench import SCENARIOS, run_scenarios
+    from feedline.bench import SCENARIOS, BenchOptions, run_scenarios
 
     names = args.scenarios or sorted(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
@@ -35,7 +35,12 @@ def _bench(args: argparse.Namespace) -> int:
         )
         return 2
     out = Path(args.out)
-    results = run_scenarios(names, quick=args.quick, out=out, progress=_progress)
+    options = BenchOptions(
+        quick=args.quick,
+        progress=_progress,
+        data_dir=Path(args.data) if args.data is not None else None,
+    )
+    results = run_scenarios(names, options=options, out=out)
     if sys.stderr.isatty():
         sys.stderr.write("\n")
     for result in results:
@@ -68,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick",
         action="store_true",
         help="tiny sizes and one repeat: a smoke test, not a measurement",
+    )
+    bench.add_argument(
+        "--data",
+        default=None,
+        metavar="DIR",
+        help="where generated datasets are cached (default: $FEEDLINE_BENCH_DATA or "
+        "~/.cache/feedline/bench)",
     )
     bench.add_argument(
         "--out",

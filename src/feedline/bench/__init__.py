@@ -7,6 +7,6 @@ reports medians and ratios to a baseline. See ``README.md`` in this folder.
 from __future__ import annotations
 
 from ._common import Measurement, ScenarioResult
-from ._registry import SCENARIOS, run_scenarios
+from ._registry import SCENARIOS, BenchOptions, run_scenarios
 
-__all__ = ["SCENARIOS", "Measurement", "ScenarioResult", "run_scenarios"]
+__all__ = ["SCENARIOS", "BenchOptions", "Measurement", "ScenarioResult", "run_scenarios"]

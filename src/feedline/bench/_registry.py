@@ -1,40 +1,46 @@
-"""The scenarios ``feedline bench`` knows, by name."""
+"""The scenarios ``feedline bench`` knows, by name, and how they are run."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ._common import ScenarioResult
 
-__all__ = ["SCENARIOS", "run_scenarios"]
+__all__ = ["SCENARIOS", "BenchOptions", "run_scenarios"]
 
 
-def _engine(quick: bool, progress: Callable[[str], None] | None) -> ScenarioResult:
-    from . import engine
+@dataclass(frozen=True)
+class BenchOptions:
+    """What every scenario is given.
 
-    return engine.run(quick=quick, progress=progress)
+    Attributes:
+        quick: Tiny sizes and one repeat: a smoke test, not a measurement.
+        progress: Called with a one-line message as work advances.
+        data_dir: Where generated datasets are cached (None: the default cache).
+
+    """
+
+    quick: bool = False
+    progress: Callable[[str], None] | None = None
+    data_dir: Path | None = None
 
 
-def _formats(quick: bool, progress: Callable[[str], None] | None) -> ScenarioResult:
-    from . import formats
-
-    return formats.run(quick=quick, progress=progress)
-
-
-SCENARIOS: dict[str, Callable[[bool, Callable[[str], None] | None], ScenarioResult]] = {
-    "engine": _engine,
-    "formats": _formats,
+SCENARIOS: dict[str, str] = {
+    "decode": "JPEG decode + resize per library, 1 and 2 threads",
+    "engine": "pipeline overhead and hand-off latency against SPDL and a thread pool",
+    "formats": "NPY / NPZ loading against numpy.load and SPDL",
 }
-"""Scenario name -> function(quick, progress) returning its result."""
+"""Scenario name -> one line on what it measures. The module of the same name runs it."""
 
 
 def run_scenarios(
     names: list[str],
     *,
-    quick: bool,
+    options: BenchOptions,
     out: Path | None,
-    progress: Callable[[str], None] | None = None,
 ) -> list[ScenarioResult]:
     """Run the named scenarios in order; write each result as JSON under ``out``."""
     unknown = [n for n in names if n not in SCENARIOS]
@@ -42,7 +48,8 @@ def run_scenarios(
         raise ValueError(f"unknown scenario(s) {unknown}; choose from {sorted(SCENARIOS)}")
     results = []
     for name in names:
-        result = SCENARIOS[name](quick, progress)
+        module = importlib.import_module(f"feedline.bench.{name}")
+        result: ScenarioResult = module.run(options)
         if out is not None:
             result.save(out)
         results.append(result)

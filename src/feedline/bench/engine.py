@@ -20,6 +20,7 @@ from typing import Any
 from feedline import PipelineBuilder
 
 from ._common import Contender, Measurement, ScenarioResult, alternate, make_result
+from ._registry import BenchOptions
 
 __all__ = ["run"]
 
@@ -184,8 +185,9 @@ def _gil_free(n: int, repeats: int, progress: Any) -> list[Measurement]:
     return out
 
 
-def run(quick: bool = False, progress: Callable[[str], None] | None = None) -> ScenarioResult:
-    """Run the engine scenario; ``quick`` shrinks it to a smoke test."""
+def run(options: BenchOptions) -> ScenarioResult:
+    """Run the engine scenario; ``options.quick`` shrinks it to a smoke test."""
+    quick, progress = options.quick, options.progress
     repeats = 1 if quick else 5
     n_items = 500 if quick else 5_000
     n_hash = 16 if quick else 400

@@ -13,8 +13,6 @@ loader, not a pool's hand-off.
 from __future__ import annotations
 
 import io
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +20,8 @@ import numpy as np
 
 from feedline.io import load_npy, load_npz
 
-from ._common import Contender, Measurement, ScenarioResult, alternate, make_result
+from ._common import Contender, Measurement, ScenarioResult, alternate, make_result, threaded_loop
+from ._registry import BenchOptions
 
 __all__ = ["make_sample", "run"]
 
@@ -83,33 +82,15 @@ def _spdl_loaders() -> tuple[Callable[[bytes], Any], Callable[[bytes], Any]] | N
     return sio.load_npy, npz
 
 
-def _threaded(fn: Callable[[bytes], Any], samples: list[bytes], threads: int) -> tuple[int, float]:
-    shares = [samples[i::threads] for i in range(threads)]
-    start = threading.Barrier(threads + 1)
-
-    def work(share: list[bytes]) -> None:
-        start.wait()
-        for data in share:
-            fn(data)
-
-    workers = [threading.Thread(target=work, args=(s,)) for s in shares]
-    for w in workers:
-        w.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for w in workers:
-        w.join()
-    return len(samples), time.perf_counter() - t0
-
-
 def _contender(
     name: str, fn: Callable[[bytes], Any], samples: list[bytes], threads: int
 ) -> Contender:
-    return Contender(name, lambda: _threaded(fn, samples, threads))
+    return Contender(name, lambda: threaded_loop(fn, samples, threads))
 
 
-def run(quick: bool = False, progress: Callable[[str], None] | None = None) -> ScenarioResult:
-    """Run the formats scenario; ``quick`` shrinks it to a smoke test."""
+def run(options: BenchOptions) -> ScenarioResult:
+    """Run the formats scenario; ``options.quick`` shrinks it to a smoke test."""
+    quick, progress = options.quick, options.progress
     repeats = 1 if quick else 5
     sample = make_sample()
     spdl = _spdl_loaders()

@@ -2,18 +2,22 @@
 
 Each function is stateless and thread-safe, and avoids copies: ``load_npy`` returns a view of
 the bytes it is given, ``load_npz`` views stored members in place and inflates compressed ones
-with zlib (which releases the GIL while it works).
+with zlib (which releases the GIL while it works); ``decode_image`` decodes and resizes pictures
+straight into a slot of a batch buffer with libjpeg-turbo and OpenCV.
 """
 
 from __future__ import annotations
 
 from .arrays import NpzArrays, load_npy, load_npz
 from .buffers import BufferPool
+from .images import decode_image, image_size
 from .transfer import to_jax, to_numpy, to_torch, transfer
 
 __all__ = [
     "BufferPool",
     "NpzArrays",
+    "decode_image",
+    "image_size",
     "load_npy",
     "load_npz",
     "to_jax",

@@ -1,0 +1,116 @@
+"""Deterministic synthetic data for the benchmarks, generated once and cached on disk.
+
+Pictures are built to compress like photographs, since a JPEG decoder's speed depends on it:
+a 1/f ("pink") luminance field, as natural scenes have, with weaker and smoother colour
+fields, a few textured objects with sharp edges, and a little sensor grain. Encoded at quality
+90, an ImageNet-like picture (about 500x375) weighs about 110 KB, like ImageNet's own.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["cache_dir", "jpeg_files", "natural_image", "read_all"]
+
+# Side lengths drawn for ImageNet-like pictures: ImageNet's median is 500x375 (or 375x500).
+_IMAGENET_WIDTHS = (400, 600)
+_ASPECTS = (0.62, 0.85)
+_QUALITY = 90
+
+
+def cache_dir(override: str | Path | None = None) -> Path:
+    """Where generated data lives: ``override``, ``$FEEDLINE_BENCH_DATA`` or ~/.cache."""
+    if override is not None:
+        return Path(override)
+    env = os.environ.get("FEEDLINE_BENCH_DATA")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "feedline" / "bench"
+
+
+def _field(rng: np.random.Generator, height: int, width: int, beta: float) -> Any:
+    fy = np.fft.fftfreq(height)[:, None]
+    fx = np.fft.rfftfreq(width)[None, :]
+    f = np.sqrt(fy**2 + fx**2)
+    f[0, 0] = 1.0
+    phase = rng.uniform(0.0, 2 * np.pi, f.shape)
+    x = np.fft.irfft2(np.exp(1j * phase) / f**beta, s=(height, width))
+    return (x - x.mean()) / x.std()
+
+
+def natural_image(rng: np.random.Generator, height: int, width: int) -> np.ndarray[Any, Any]:
+    """An (H, W, 3) uint8 picture with the statistics of a photograph (see the module doc)."""
+    lum = _field(rng, height, width, 1.0)
+    c1, c2 = _field(rng, height, width, 1.4), _field(rng, height, width, 1.4)
+    image = rng.uniform(60, 190, 3) + 40 * lum[..., None]
+    image += np.stack([18 * c1, -9 * c1 - 9 * c2, 18 * c2], axis=-1)
+    yy, xx = np.mgrid[0:height, 0:width]
+    for _ in range(int(rng.integers(2, 6))):
+        cy, cx = rng.uniform(0, height), rng.uniform(0, width)
+        ry, rx = rng.uniform(0.08, 0.35) * height, rng.uniform(0.08, 0.35) * width
+        inside = ((yy - cy) / ry) ** 2 + ((xx - cx) / rx) ** 2 < 1
+        texture = _field(rng, height, width, 0.8)[inside][:, None]
+        image[inside] = rng.uniform(20, 235, 3) + 30 * texture
+    image += rng.normal(0.0, 3.0, image.shape)
+    picture: np.ndarray[Any, Any] = np.clip(image, 0, 255).astype(np.uint8)
+    return picture
+
+
+def _encode_jpeg(image: np.ndarray[Any, Any]) -> bytes:
+    import cv2
+
+    ok, encoded = cv2.imencode(
+        ".jpg", np.ascontiguousarray(image[..., ::-1]), [cv2.IMWRITE_JPEG_QUALITY, _QUALITY]
+    )
+    if not ok:  # pragma: no cover - OpenCV encodes any uint8 picture
+        raise RuntimeError("OpenCV could not encode a JPEG")
+    return bytes(encoded)
+
+
+def _imagenet_shape(rng: np.random.Generator) -> tuple[int, int]:
+    width = int(rng.integers(*_IMAGENET_WIDTHS))
+    height = int(width * rng.uniform(*_ASPECTS))
+    return (width, height) if rng.random() < 0.2 else (height, width)  # some portraits
+
+
+def jpeg_files(
+    count: int,
+    kind: str = "imagenet",
+    directory: str | Path | None = None,
+    progress: Any = None,
+) -> list[Path]:
+    """Paths of ``count`` deterministic JPEGs of ``kind``, generating the missing ones.
+
+    Args:
+        count: How many files.
+        kind: ``"imagenet"`` (varied sizes around 500x375) or ``"large"`` (1280x960 photos).
+        directory: The cache root (see :func:`cache_dir`).
+        progress: Called with a message before generating, when anything is missing.
+
+    """
+    if kind not in ("imagenet", "large"):
+        raise ValueError(f"kind must be 'imagenet' or 'large', got {kind!r}")
+    folder = cache_dir(directory) / f"jpeg-{kind}-v1"
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / f"{i:07d}.jpg" for i in range(count)]
+    missing = [i for i, p in enumerate(paths) if not p.exists()]
+    if missing and progress is not None:
+        progress(f"generating {len(missing)} {kind} JPEGs in {folder} (cached for later runs)")
+    for i in missing:
+        rng = np.random.default_rng([i, 0 if kind == "imagenet" else 1])
+        height, width = _imagenet_shape(rng) if kind == "imagenet" else (960, 1280)
+        data = _encode_jpeg(natural_image(rng, height, width))
+        tmp = paths[i].with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(paths[i])  # never leave a half-written file for the next run
+    return paths
+
+
+def read_all(paths: list[Path]) -> list[bytes]:
+    """The contents of ``paths``, in order."""
+    return [p.read_bytes() for p in paths]

@@ -1,0 +1,167 @@
+"""The ``decode`` scenario: JPEG bytes to a 224x224 RGB array, per library, on 1 and 2 threads.
+
+Two kinds of pictures: ImageNet-like (about 500x375, about 110 KB) and large photos
+(1280x960). Contenders, each turning the same in-memory bytes into a 224x224x3 uint8 array:
+
+* ``feedline fast`` / ``feedline exact``: :func:`feedline.io.decode_image` writing into a slot
+  of a preallocated batch, with and without reduced-scale DCT decoding;
+* ``feedline fast, no antialias``: the same resize as the OpenCV contender;
+* ``PIL``: ``Image.open`` + ``convert("RGB")`` + ``resize(BILINEAR)``, as torchvision users run it
+  (the baseline);
+* ``OpenCV``: ``cv2.imdecode`` + ``cv2.resize`` (bilinear, not antialiased);
+* ``SPDL``: ``spdl.io.load_image`` with a scale filter, when spdl and its FFmpeg libraries load.
+
+Each thread loops over its share of the pictures (no pool in between), so the 2-thread rate
+over the 1-thread rate is the library's own scaling. The notes give the PSNR of the fast path
+against the exact path.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from feedline.io import decode_image
+from feedline.io.images import ImageMode
+
+from ._common import Contender, Measurement, ScenarioResult, alternate, make_result, threaded_loop
+from ._data import jpeg_files, read_all
+from ._registry import BenchOptions
+
+__all__ = ["psnr", "run"]
+
+SIZE = (224, 224)
+
+
+def psnr(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> float:
+    """Peak signal-to-noise ratio of two uint8 arrays, in dB (inf when equal)."""
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else float(10 * np.log10(255.0**2 / mse))
+
+
+def _feedline(mode: ImageMode, antialias: bool = True) -> Callable[[bytes], Any]:
+    # One batch per thread, slots reused round-robin: what a batching stage does.
+    import threading
+
+    local = threading.local()
+
+    def fn(data: bytes) -> Any:
+        batch = getattr(local, "batch", None)
+        if batch is None:
+            batch = local.batch = np.empty((32, *SIZE, 3), np.uint8)
+            local.i = 0
+        local.i = (local.i + 1) % 32
+        return decode_image(data, size=SIZE, mode=mode, antialias=antialias, out=batch[local.i])
+
+    return fn
+
+
+def _pil(data: bytes) -> Any:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        return np.asarray(im.convert("RGB").resize(SIZE[::-1], Image.Resampling.BILINEAR))
+
+
+def _opencv(data: bytes) -> Any:
+    import cv2
+
+    image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR_RGB)
+    if image is None:
+        raise ValueError("OpenCV could not decode the picture")
+    return cv2.resize(image, SIZE[::-1], interpolation=cv2.INTER_LINEAR)
+
+
+def _spdl() -> tuple[Callable[[bytes], Any] | None, str | None]:
+    try:
+        import spdl.io as sio
+
+        desc = sio.get_video_filter_desc(scale_width=SIZE[1], scale_height=SIZE[0], pix_fmt="rgb24")
+
+        def fn(data: bytes) -> Any:
+            return sio.to_numpy(sio.load_image(data, filter_desc=desc))
+
+        fn(jpeg_probe())
+    except ImportError:
+        return None, "spdl is not installed (pip install 'feedline[bench]'): no SPDL column"
+    except Exception as exc:  # spdl installed, but its FFmpeg libraries are missing
+        reason = str(exc).split(". ")[0][:160]
+        return None, f"SPDL left out: spdl.io cannot decode here ({reason})"
+    return fn, None
+
+
+def jpeg_probe() -> bytes:
+    """A tiny valid JPEG, to check a decoder works before timing it."""
+    import cv2
+
+    ok, data = cv2.imencode(".jpg", np.full((16, 16, 3), 128, np.uint8))
+    assert ok
+    return bytes(data)
+
+
+def _available(name: str, fn: Callable[[bytes], Any], probe: bytes) -> str | None:
+    try:
+        fn(probe)
+    except ImportError as exc:
+        return f"{name} left out: {exc}"
+    return None
+
+
+def run(options: BenchOptions) -> ScenarioResult:
+    """Run the decode scenario; ``options.quick`` shrinks it to a smoke test."""
+    quick, progress, data_dir = options.quick, options.progress, options.data_dir
+    repeats = 1 if quick else 5
+    notes = [
+        f"{repeats} alternating run(s) per contender, medians; pictures/s to a 224x224x3 array",
+        "each thread loops over its share of in-memory bytes: no pool, no file reads",
+    ]
+    contenders_fn: dict[str, Callable[[bytes], Any]] = {
+        "PIL": _pil,
+        "OpenCV": _opencv,
+        "feedline fast": _feedline("fast"),
+        "feedline exact": _feedline("exact"),
+        "feedline fast, no antialias": _feedline("fast", antialias=False),
+    }
+    probe = jpeg_probe()
+    for name in ("PIL", "OpenCV"):
+        missing = _available(name, contenders_fn[name], probe)
+        if missing is not None:
+            notes.append(missing)
+            del contenders_fn[name]
+    spdl, why = _spdl()
+    if spdl is not None:
+        contenders_fn["SPDL"] = spdl
+    elif why is not None:
+        notes.append(why)
+    kinds = [("imagenet", 8 if quick else 64), ("large", 2 if quick else 16)]
+    measurements: list[Measurement] = []
+    for kind, count in kinds:
+        pictures = read_all(jpeg_files(count, kind, data_dir, progress))
+        sizes = [len(p) for p in pictures]
+        notes.append(f"{kind}: {count} JPEGs, mean {np.mean(sizes) / 1024:.0f} KiB")
+        fast = [decode_image(p, size=SIZE) for p in pictures]
+        exact = [decode_image(p, size=SIZE, mode="exact") for p in pictures]
+        quality = np.median([psnr(a, b) for a, b in zip(fast, exact, strict=True)])
+        notes.append(f"{kind}: PSNR fast vs exact {quality:.1f} dB (median)")
+        rounds = 1 if quick else max(1, 128 // count)
+        samples = pictures * rounds
+        per_thread: dict[int, list[Measurement]] = {}
+        for threads in (1, 2):
+            contenders = [
+                Contender(name, functools.partial(threaded_loop, fn, samples, threads))
+                for name, fn in contenders_fn.items()
+            ]
+            baseline = "PIL" if "PIL" in contenders_fn else None
+            found = alternate(
+                f"{kind}, {threads} thread(s)", contenders, repeats, baseline, progress
+            )
+            per_thread[threads] = found
+            measurements += found
+        for one, two in zip(per_thread[1], per_thread[2], strict=True):
+            if one.items_per_s > 0:
+                two.extra["scaling"] = two.items_per_s / one.items_per_s
+    return make_result("decode", "PIL", measurements, notes, True)
