@@ -5,11 +5,13 @@ import sys
 import types
 
 import feedline
+import feedline.io
+import feedline.loader
 import feedline.pipeline
 
 
 def test_all_is_sorted_and_complete() -> None:
-    for module in (feedline, feedline.pipeline):
+    for module in (feedline, feedline.pipeline, feedline.io, feedline.loader):
         names = list(module.__all__)
         assert names == sorted(names), f"{module.__name__}.__all__ is not sorted"
         for name in names:

@@ -1,12 +1,14 @@
 """feedline: feed training data to models as fast as the hardware allows.
 
 One process, a pipeline of stages, each stage in a thread pool sized for it, bounded queues in
-between, and I/O functions that release the GIL. Start with :class:`PipelineBuilder`.
+between, and I/O functions that release the GIL. Start with :class:`PipelineBuilder`, or with
+:class:`DataLoader` where ``torch.utils.data.DataLoader`` is used today.
 """
 
 from __future__ import annotations
 
 from .errors import ConfigurationError, FeedlineError, PipelineFailure, SubprocessFailure
+from .loader import DataLoader, PathList
 from .pipeline import (
     Pipeline,
     PipelineBuilder,
@@ -21,7 +23,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigurationError",
+    "DataLoader",
     "FeedlineError",
+    "PathList",
     "Pipeline",
     "PipelineBuilder",
     "PipelineFailure",

@@ -51,6 +51,7 @@ class PipelineFailure(FeedlineError):
         sample: str | None,
         last_error: BaseException | None,
         budget: str,
+        hint: str = "raise the budget with build(max_failures=...)",
     ) -> None:
         self.stage = stage
         self.num_failures = num_failures
@@ -61,7 +62,7 @@ class PipelineFailure(FeedlineError):
         super().__init__(
             f"stage {stage!r} failed on {num_failures} of {num_items} items, more than the "
             f"failure budget ({budget}); last failure on sample {sample}: {last}. "
-            "Fix the cause, or raise the budget with build(max_failures=...) "
+            f"Fix the cause, or {hint} "
             "(an int is a count, a float in (0, 1) a fraction of the stage's items)."
         )
 

@@ -11,12 +11,16 @@ from __future__ import annotations
 from .arrays import NpzArrays, load_npy, load_npz
 from .buffers import BufferPool
 from .images import decode_image, image_size
+from .media import Audio, decode_audio, decode_video_frames
 from .transfer import to_jax, to_numpy, to_torch, transfer
 
 __all__ = [
+    "Audio",
     "BufferPool",
     "NpzArrays",
+    "decode_audio",
     "decode_image",
+    "decode_video_frames",
     "image_size",
     "load_npy",
     "load_npz",

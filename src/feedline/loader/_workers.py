@@ -1,0 +1,156 @@
+"""Worker processes for datasets whose ``__getitem__`` holds the GIL.
+
+Each worker is a :class:`~feedline.SubprocessIterable` whose child holds the dataset (sent
+once, when the worker starts) and, per epoch, fetches its share of the batches with a thread
+pool, like the main process does without workers. Batch ``b`` goes to worker ``b % W``, as in
+PyTorch, so the parent restores the order by taking from the workers in turn. The epoch's
+share travels on a queue of its own just before the epoch starts, as one message.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from feedline.pipeline import PipelineBuilder, SubprocessIterable
+from feedline.pipeline._subprocess import _DEFAULT_SHM_MIN
+
+from ._fetch import BatchFetcher, Task
+
+__all__ = ["WorkerSet"]
+
+
+class _WorkerIterable:
+    """Lives in the child: one pass per epoch over the tasks the parent sent for it."""
+
+    def __init__(
+        self, dataset: Any, tasks: Any, worker_id: int, concurrency: int, in_flight: int
+    ) -> None:
+        self._dataset = dataset
+        self._tasks = tasks
+        self._worker_id = worker_id
+        self._concurrency = concurrency
+        self._in_flight = in_flight
+
+    def __iter__(self) -> Iterator[tuple[int, list[Any]]]:
+        base_seed, tasks = self._tasks.get()
+        seed = base_seed + self._worker_id
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        try:
+            import torch
+
+            torch.manual_seed(seed)
+        except ImportError:  # pragma: no cover - the loader needs torch
+            pass
+        fetcher = BatchFetcher(self._dataset, self._concurrency)
+        pipeline = (
+            PipelineBuilder()
+            .add_source(tasks)
+            .pipe(fetcher.fetch, concurrency=self._in_flight, output_order="input", name="fetch")
+            .add_sink(self._in_flight)
+            .build(num_threads=2)
+        )
+        try:
+            with pipeline.auto_stop():
+                yield from pipeline
+        finally:
+            fetcher.close()
+
+
+def _make_worker(
+    dataset: Any,
+    tasks: Any,
+    worker_id: int,
+    concurrency: int,
+    in_flight: int,
+    worker_init_fn: Callable[[int], None] | None,
+) -> _WorkerIterable:
+    if worker_init_fn is not None:
+        worker_init_fn(worker_id)
+    return _WorkerIterable(dataset, tasks, worker_id, concurrency, in_flight)
+
+
+def _drain(q: Any) -> None:
+    import queue
+
+    while True:
+        try:
+            q.get_nowait()
+        except queue.Empty:
+            return
+
+
+class WorkerSet:
+    """``num_workers`` worker processes, started on the first epoch.
+
+    Args:
+        dataset: The map-style dataset, pickled once per worker.
+        num_workers: How many processes.
+        concurrency: Threads fetching items in each worker.
+        prefetch: Batches each worker may have ready or in flight.
+        worker_init_fn: Called with the worker id in each worker, once, at its start.
+        mp_context: Start method (``"spawn"`` or ``"forkserver"``).
+        timeout: Seconds to wait for a batch (None: no limit).
+
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        num_workers: int,
+        concurrency: int,
+        prefetch: int,
+        worker_init_fn: Callable[[int], None] | None,
+        mp_context: str,
+        timeout: float | None,
+    ) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context(mp_context)
+        self._queues = [ctx.Queue() for _ in range(num_workers)]
+        self._workers: list[SubprocessIterable[tuple[int, list[Any]]]] = [
+            # Built directly: the task queue pickles only while the process starts, so the
+            # up-front pickling check of iterate_in_subprocess would refuse it.
+            SubprocessIterable(
+                functools.partial(
+                    _make_worker, dataset, q, wid, concurrency, prefetch, worker_init_fn
+                ),
+                buffer_size=prefetch,
+                timeout=timeout,
+                mp_context=mp_context,
+                shm_min_bytes=_DEFAULT_SHM_MIN,
+            )
+            for wid, q in enumerate(self._queues)
+        ]
+
+    def epoch(self, tasks: list[Task], base_seed: int) -> Iterator[tuple[int, list[Any]]]:
+        """Fetch ``tasks`` (batches, in order) across the workers; yield them in order."""
+        count = len(self._workers)
+        shares = [tasks[w::count] for w in range(count)]
+        for q, share in zip(self._queues, shares, strict=True):
+            _drain(q)  # a share left by an epoch abandoned before that worker began it
+            q.put((base_seed, share))
+        iterators = [iter(w) for w in self._workers]
+        try:
+            for i in range(len(tasks)):
+                yield next(iterators[i % count])
+            for it in iterators:  # let each child end its pass
+                for _ in it:
+                    pass
+        finally:
+            for it in iterators:
+                it.close()  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        """Stop every worker process. Idempotent."""
+        for w in self._workers:
+            w.close()
+        for q in self._queues:
+            q.close()
+            q.join_thread()

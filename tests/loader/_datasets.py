@@ -1,0 +1,89 @@
+"""Datasets for the loader tests, at module level so that worker processes can import them."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+
+class Nested(Dataset[dict[str, Any]]):
+    """Samples with a tensor, a nested tuple and a string, like real datasets return."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {
+            "x": torch.arange(3, dtype=torch.float32) + i,
+            "meta": (i, float(i) / 2, {"name": f"item{i}"}),
+        }
+
+
+class Failing(Dataset[int]):
+    """``dataset[i]`` raises for the indices in ``bad``."""
+
+    def __init__(self, n: int, bad: set[int]) -> None:
+        self.n, self.bad = n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i in self.bad:
+            raise OSError(f"cannot read sample {i}")
+        return i
+
+
+class Slow(Dataset[int]):
+    """Each ``dataset[i]`` waits ``delay`` seconds; records how many calls overlap."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        self.n, self.delay = n, delay
+        self.lock = threading.Lock()
+        self.active = 0
+        self.peak = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        with self.lock:
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+        time.sleep(self.delay)
+        with self.lock:
+            self.active -= 1
+        return i
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"n": self.n, "delay": self.delay}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["n"], state["delay"])  # type: ignore[misc]
+
+
+class Stream(IterableDataset[int]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Any:
+        return iter(range(self.n))
+
+
+class Pid(Dataset[int]):
+    """Returns the id of the process that fetched the item."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        import os
+
+        return i, os.getpid()

@@ -1,0 +1,315 @@
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import pickle
+import threading
+import time
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.utils.data import BatchSampler, SequentialSampler  # noqa: E402
+from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
+
+import feedline  # noqa: E402
+from feedline import ConfigurationError, DataLoader, PathList, PipelineFailure  # noqa: E402
+
+from ._datasets import Failing, Nested, Pid, Slow, Stream  # noqa: E402
+
+
+def assert_same(a: Any, b: Any) -> None:
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def both(dataset: Any, seed: int | None = None, **kwargs: Any) -> tuple[list[Any], list[Any]]:
+    """Batches of PyTorch's loader and ours, from the same seeds."""
+    out = []
+    for cls in (TorchLoader, DataLoader):
+        kw = dict(kwargs)
+        if seed is not None:
+            kw["generator"] = torch.Generator().manual_seed(seed)
+        torch.manual_seed(1234)
+        loader = cls(dataset, **kw)
+        out.append([b for _ in range(2) for b in loader])  # two epochs
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"batch_size": 8},
+        {"batch_size": 8, "shuffle": True},
+        {"batch_size": 7, "shuffle": True, "drop_last": True},
+        {"batch_size": 1},
+        {"batch_size": None},
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("seed", [None, 7])
+def test_same_batches_as_pytorch(kwargs: dict[str, Any], seed: int | None) -> None:
+    theirs, ours = both(Nested(53), seed, **kwargs)
+    assert len(theirs) > 0
+    assert_same(ours, theirs)
+
+
+def test_out_of_order_yields_the_same_batches() -> None:
+    kwargs = {"batch_size": 6, "shuffle": True, "in_order": False}
+    theirs, ours = both(Slow(53, 0.0), 7, **kwargs)
+    assert sorted(b.tolist() for b in ours) == sorted(b.tolist() for b in theirs)
+
+
+def test_custom_sampler_batch_sampler_and_collate() -> None:
+    dataset = Nested(30)
+    sampler = list(reversed(range(30)))
+    theirs, ours = both(dataset, batch_size=4, sampler=sampler)
+    assert_same(ours, theirs)
+    batches = BatchSampler(SequentialSampler(range(30)), batch_size=7, drop_last=False)
+    theirs, ours = both(dataset, batch_sampler=batches)
+    assert_same(ours, theirs)
+
+    def collate(items: list[dict[str, Any]]) -> tuple[torch.Tensor, list[str]]:
+        return torch.stack([x["x"] for x in items]).sum(1), [x["meta"][2]["name"] for x in items]
+
+    theirs, ours = both(dataset, 9, batch_size=5, shuffle=True, collate_fn=collate)
+    assert_same(ours, theirs)
+
+
+def test_plain_list_dataset_and_len() -> None:
+    data = list(range(10))
+    loader = DataLoader(data, batch_size=4)
+    assert len(loader) == 3
+    assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert loader.batch_size == 4
+    assert loader.dataset is data
+
+
+def test_empty_dataset_yields_nothing() -> None:
+    assert list(DataLoader([], batch_size=4)) == []
+    assert list(DataLoader(Stream(0), batch_size=4)) == []
+
+
+def test_iterable_dataset_matches_pytorch() -> None:
+    for kw in ({"batch_size": 4}, {"batch_size": 4, "drop_last": True}, {"batch_size": None}):
+        theirs, ours = both(Stream(23), **kw)
+        assert_same(ours, theirs)
+
+
+def test_items_of_a_batch_are_fetched_concurrently() -> None:
+    dataset = Slow(64, delay=0.05)
+    loader = DataLoader(dataset, batch_size=32, fetch_concurrency=32)
+    start = time.perf_counter()
+    batches = list(loader)
+    elapsed = time.perf_counter() - start
+    assert [b.tolist() for b in batches] == [list(range(32)), list(range(32, 64))]
+    assert dataset.peak == 32  # reached and never exceeded the concurrency
+    assert elapsed < 64 * 0.05 / 4  # far from one call at a time
+
+
+@pytest.mark.parametrize("seed", [None, 5])
+@pytest.mark.parametrize("in_order", [True, False])
+def test_resume_from_every_step_equals_an_uninterrupted_run(
+    seed: int | None, in_order: bool
+) -> None:
+    def make() -> DataLoader[Any]:
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        return DataLoader(Nested(23), batch_size=4, shuffle=True, generator=gen, in_order=in_order)
+
+    torch.manual_seed(99)
+    reference = make()
+    expected = [b for _ in range(2) for b in reference]  # this epoch and the next
+    per_epoch = len(reference)
+    for step in range(per_epoch + 1):
+        torch.manual_seed(99)
+        loader = make()
+        it = iter(loader)
+        seen = [next(it) for _ in range(step)]
+        state = pickle.loads(pickle.dumps(loader.state_dict()))
+        del it
+        torch.manual_seed(12345)  # the resumed process has another global state
+        resumed = make()
+        resumed.load_state_dict(state)
+        rest = list(resumed) + list(resumed)[: per_epoch if step < per_epoch else 0]
+        got = seen + rest
+        if step < per_epoch:
+            assert len(got) == 2 * per_epoch
+        if in_order:
+            assert_same(got[: len(expected)], expected[: len(got)])
+        else:  # the same batches, each once, in any order within an epoch
+            for epoch in range(len(got) // per_epoch):
+                window = slice(epoch * per_epoch, (epoch + 1) * per_epoch)
+                key = [sorted(b["x"][:, 0].tolist()) for b in got[window]]
+                ref = [sorted(b["x"][:, 0].tolist()) for b in expected[window]]
+                assert sorted(key) == sorted(ref)
+
+
+def test_resume_after_a_finished_epoch_starts_the_next() -> None:
+    gen = torch.Generator().manual_seed(3)
+    loader = DataLoader(list(range(10)), batch_size=3, shuffle=True, generator=gen)
+    first = list(loader)
+    state = loader.state_dict()
+    second = list(loader)
+    fresh = DataLoader(list(range(10)), batch_size=3, shuffle=True, generator=torch.Generator())
+    fresh.load_state_dict(state)
+    assert_same(list(fresh), second)
+    assert not all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_bad_state_is_refused() -> None:
+    loader = DataLoader(list(range(4)))
+    with pytest.raises(ValueError, match="not a feedline DataLoader state"):
+        loader.load_state_dict({"epoch": 3})
+    other = DataLoader(list(range(4)), generator=torch.Generator()).state_dict()
+    with pytest.raises(ValueError, match="with a generator"):
+        loader.load_state_dict(other)
+
+
+def test_failures_within_budget_are_skipped_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    loader = DataLoader(Failing(20, {3, 11}), batch_size=5, max_failures=2)
+    with caplog.at_level(logging.WARNING, logger="feedline.loader"):
+        batches = [b.tolist() for b in loader]
+    assert batches == [[0, 1, 2, 4], [5, 6, 7, 8, 9], [10, 12, 13, 14], [15, 16, 17, 18, 19]]
+    assert "dataset[3] failed" in caplog.text
+    assert "cannot read sample 3" in caplog.text
+
+
+def test_failures_past_budget_raise_from_the_loop() -> None:
+    loader = DataLoader(Failing(20, {3, 11, 12}), batch_size=5, max_failures=2)
+    seen = []
+    with pytest.raises(PipelineFailure, match=r"failed on 3 of 15 items") as info:
+        for batch in loader:
+            seen.append(batch.tolist())
+    assert info.value.sample == "12"
+    assert isinstance(info.value.last_error, OSError)
+    assert "DataLoader(max_failures=...)" in str(info.value)
+    assert seen == [[0, 1, 2, 4], [5, 6, 7, 8, 9]]
+
+
+def test_default_budget_raises_on_the_first_failure() -> None:
+    with pytest.raises(PipelineFailure, match="cannot read sample 0"):
+        list(DataLoader(Failing(4, {0}), batch_size=2))
+
+
+def test_a_batch_whose_items_all_failed_is_dropped() -> None:
+    loader = DataLoader(Failing(6, {2, 3}), batch_size=2, max_failures=None)
+    assert [b.tolist() for b in loader] == [[0, 1], [4, 5]]
+
+
+def test_collate_error_names_the_stage() -> None:
+    def bad(items: list[Any]) -> Any:
+        raise KeyError("label")
+
+    with pytest.raises(PipelineFailure, match="collate_fn"):
+        list(DataLoader(list(range(4)), batch_size=2, collate_fn=bad))
+
+
+def test_consumer_that_stops_early_leaves_no_thread() -> None:
+    before = set(threading.enumerate())
+    loader = DataLoader(Slow(200, 0.002), batch_size=8, shuffle=True)
+    for i, _ in enumerate(loader):
+        if i == 2:
+            break
+    it = iter(loader)
+    next(it)
+    del it
+    with pytest.raises(RuntimeError, match="boom"):
+        for _ in loader:
+            raise RuntimeError("boom")
+    loader.close()
+    deadline = time.monotonic() + 5
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not set(threading.enumerate()) - before
+
+
+def test_timeout_raises() -> None:
+    loader = DataLoader(Slow(4, 1.0), batch_size=4, timeout=0.1)
+    with pytest.raises(RuntimeError, match=r"timed out after 0\.1"):
+        next(iter(loader))
+
+
+def test_worker_processes_yield_pytorch_batches_and_stop() -> None:
+    dataset = Nested(37)
+    kwargs: dict[str, Any] = {"batch_size": 4, "shuffle": True, "num_workers": 2}
+    torch.manual_seed(5)
+    theirs = list(TorchLoader(dataset, multiprocessing_context="spawn", **kwargs))
+    torch.manual_seed(5)
+    loader = DataLoader(dataset, persistent_workers=True, **kwargs)
+    ours = list(loader)
+    assert_same(ours, theirs)
+    assert len(multiprocessing.active_children()) == 2
+    partial = iter(loader)  # a second epoch, abandoned after one batch
+    next(partial)
+    del partial
+    assert len(list(loader)) == len(theirs)  # the workers serve the next epoch in full
+    loader.close()
+    assert multiprocessing.active_children() == []
+
+
+def test_items_are_fetched_in_the_workers() -> None:
+    import os
+
+    loader = DataLoader(Pid(), batch_size=10, num_workers=2)
+    pids = {int(p) for _, batch_pids in loader for p in batch_pids}
+    assert len(pids) == 2
+    assert os.getpid() not in pids
+    assert multiprocessing.active_children() == []  # not persistent: gone after the epoch
+
+
+def test_worker_failures_count_against_the_budget() -> None:
+    loader = DataLoader(Failing(12, {5}), batch_size=4, num_workers=2, max_failures=1)
+    assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 6, 7], [8, 9, 10, 11]]
+    strict = DataLoader(Failing(12, {5}), batch_size=4, num_workers=2)
+    with pytest.raises(PipelineFailure, match="cannot read sample 5"):
+        list(strict)
+    strict.close()
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_workers": 2, "multiprocessing_context": "fork"}, "forkserver"),
+        ({"fetch_concurrency": 0}, "fetch_concurrency"),
+        ({"max_failures": -1}, "max_failures"),
+        ({"pin_memory_device": "cuda:1"}, "pin_memory_device"),
+    ],
+)
+def test_arguments_it_cannot_honour_are_refused(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigurationError, match=match):
+        DataLoader(list(range(4)), **kwargs)
+
+
+def test_pytorch_validation_applies() -> None:
+    with pytest.raises(ValueError, match="sampler option is mutually exclusive with shuffle"):
+        DataLoader(list(range(4)), sampler=[0, 1], shuffle=True)
+    with pytest.raises(ConfigurationError, match="IterableDataset"):
+        DataLoader(Stream(4), num_workers=2)
+
+
+def test_pin_memory_without_cuda_warns_and_still_loads() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: pinning is tested on the GPU machine")
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        loader = DataLoader(list(range(4)), batch_size=2, pin_memory=True)
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+
+
+def test_exported_from_the_package() -> None:
+    assert feedline.DataLoader is DataLoader
+    assert feedline.PathList is PathList
