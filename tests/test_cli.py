@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -23,6 +24,18 @@ def test_bench_engine_quick_writes_json(tmp_path: Path, capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     assert "== engine ==" in out
     assert "feedline" in out
+    assert_png(tmp_path / "engine.png")
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.startswith("| scenario | case |")
+    assert "| engine | 3 sync no-op stages, concurrency 1 | feedline |" in summary
+
+
+def assert_png(path: Path) -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        return
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 5000  # a drawn chart, not an empty canvas
 
 
 def test_unknown_scenario_is_a_clear_error(
@@ -58,6 +71,7 @@ def test_bench_decode_quick(tmp_path: Path) -> None:
     code = main(["bench", "decode", "--quick", "--data", str(tmp_path / "data"), "--out", str(out)])
     assert code == 0
     data = json.loads((out / "decode.json").read_text())
+    assert_png(out / "decode.png")
     cases = {m["case"] for m in data["measurements"]}
     assert cases == {f"{k}, {t} thread(s)" for k in ("imagenet", "large") for t in (1, 2)}
     contenders = {m["contender"] for m in data["measurements"]}
@@ -68,3 +82,25 @@ def test_bench_decode_quick(tmp_path: Path) -> None:
     # The generated pictures are cached: a second call finds them.
     cached = sorted((tmp_path / "data").rglob("*.jpg"))
     assert len(cached) == 10
+
+
+@pytest.mark.parametrize("scenario", ["latency", "startup", "images", "memory"])
+def test_loader_scenarios_quick(scenario: str, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("PIL")
+    out = tmp_path / "out"
+    code = main(["bench", scenario, "--quick", "--data", str(tmp_path / "d"), "--out", str(out)])
+    assert code == 0
+    data = json.loads((out / f"{scenario}.json").read_text())
+    assert data["scenario"] == scenario
+    assert_png(out / f"{scenario}.png")
+    by_name = {m["contender"]: m for m in data["measurements"]}
+    ours = [m for name, m in by_name.items() if name.startswith("feedline")]
+    assert ours
+    assert all(m["items_per_s"] > 0 and m["ratio"] > 0 for m in ours)
+    assert any(name.startswith("PyTorch") for name in by_name)
+    if scenario == "memory":
+        assert all(m["extra"]["peak_pss_mib"] > 10 for m in data["measurements"])
+    if scenario == "images":
+        assert 0 < by_name["feedline pipeline"]["extra"]["of_bound"] < 2
+        assert "upper bound" in by_name

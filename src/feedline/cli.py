@@ -1,7 +1,8 @@
 """The ``feedline`` command.
 
-``feedline bench [SCENARIO ...] [--quick] [--out DIR]`` runs benchmarks that compare feedline
-with what users would otherwise run, prints a table per scenario and writes JSON results.
+``feedline bench [SCENARIO ...] [--quick] [--data DIR] [--out DIR]`` runs benchmarks that
+compare feedline with what users would otherwise run, prints a table per scenario and a
+headline table, and writes JSON results, PNG charts and ``summary.md``.
 """
 
 from __future__ import annotations
@@ -9,23 +10,79 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
 
-def _progress(message: str) -> None:
-    if sys.stderr.isatty():
-        sys.stderr.write(f"\r\033[K{time.strftime('%H:%M:%S')} {message}")
-    else:
-        sys.stderr.write(f"{time.strftime('%H:%M:%S')} {message}\n")
-    sys.stderr.flush()
+class _Progress:
+    """Progress on stderr: a rich display on a terminal (when rich is installed), else lines."""
+
+    def __init__(self, scenarios: list[str]) -> None:
+        self._scenarios = scenarios
+        self._rich: Any = None
+        if sys.stderr.isatty():
+            try:
+                from rich.console import Console
+                from rich.progress import (
+                    BarColumn,
+                    MofNCompleteColumn,
+                    Progress,
+                    SpinnerColumn,
+                    TextColumn,
+                    TimeElapsedColumn,
+                )
+            except ImportError:
+                pass
+            else:
+                self._rich = Progress(
+                    SpinnerColumn(),
+                    TextColumn("[bold]{task.fields[scenario]}"),
+                    BarColumn(),
+                    MofNCompleteColumn(),
+                    TimeElapsedColumn(),
+                    TextColumn("{task.description}"),
+                    console=Console(stderr=True),
+                )
+                self._task = self._rich.add_task("", total=len(scenarios), scenario="")
+
+    def __enter__(self) -> _Progress:
+        if self._rich is not None:
+            self._rich.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._rich is not None:
+            self._rich.stop()
+
+    def scenario(self, index: int) -> None:
+        """Scenario ``index`` starts."""
+        name = self._scenarios[index]
+        if self._rich is not None:
+            self._rich.update(self._task, completed=index, scenario=name, description="")
+        else:
+            self(f"scenario {index + 1}/{len(self._scenarios)}: {name}")
+
+    def done(self) -> None:
+        """All scenarios ran."""
+        if self._rich is not None:
+            self._rich.update(self._task, completed=len(self._scenarios), description="done")
+
+    def __call__(self, message: str) -> None:
+        if self._rich is not None:
+            self._rich.update(self._task, description=message)
+        else:
+            sys.stderr.write(f"{time.strftime('%H:%M:%S')} {message}\n")
+            sys.stderr.flush()
 
 
 def _bench(args: argparse.Namespace) -> int:
     from feedline.bench import SCENARIOS, BenchOptions, run_scenarios
+    from feedline.bench._report import headline, plot
 
-    names = args.scenarios or sorted(SCENARIOS)
+    names = args.scenarios or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         print(
@@ -35,18 +92,27 @@ def _bench(args: argparse.Namespace) -> int:
         )
         return 2
     out = Path(args.out)
-    options = BenchOptions(
-        quick=args.quick,
-        progress=_progress,
-        data_dir=Path(args.data) if args.data is not None else None,
-    )
-    results = run_scenarios(names, options=options, out=out)
-    if sys.stderr.isatty():
-        sys.stderr.write("\n")
+    # PyTorch warns whenever a loader has more workers than cores; the benchmark means to.
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
+    results = []
+    with _Progress(names) as progress:
+        options = BenchOptions(
+            quick=args.quick,
+            progress=progress,
+            data_dir=Path(args.data) if args.data is not None else None,
+        )
+        for i, name in enumerate(names):
+            progress.scenario(i)
+            results += run_scenarios([name], options=options, out=out)
+            plot(results[-1], out / f"{name}.png")
+        progress.done()
     for result in results:
         print(f"\n== {result.scenario} ==")
         print(result.table())
-    print(f"\nresults written to {out.resolve()}")
+    summary = headline(results)
+    (out / "summary.md").write_text(summary)
+    print("\n== headline (also in summary.md) ==\n" + summary)
+    print(f"results (JSON, PNG, summary.md) written to {out.resolve()}")
     return 0
 
 
@@ -67,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
         "scenarios",
         nargs="*",
         metavar="SCENARIO",
-        help=f"scenarios to run (default: all): {', '.join(sorted(SCENARIOS))}",
+        help="scenarios to run (default: all): "
+        + "; ".join(f"{name}: {what}" for name, what in SCENARIOS.items()),
     )
     bench.add_argument(
         "--quick",

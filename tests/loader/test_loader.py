@@ -313,3 +313,22 @@ def test_pin_memory_without_cuda_warns_and_still_loads() -> None:
 def test_exported_from_the_package() -> None:
     assert feedline.DataLoader is DataLoader
     assert feedline.PathList is PathList
+
+
+def test_two_iterators_without_workers_are_independent() -> None:
+    loader = DataLoader(list(range(6)), batch_size=2)
+    a, b = iter(loader), iter(loader)
+    assert [x.tolist() for x in a] == [[0, 1], [2, 3], [4, 5]]
+    assert [x.tolist() for x in b] == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_a_new_epoch_over_workers_stops_the_old_one_loudly() -> None:
+    loader = DataLoader(list(range(8)), batch_size=2, num_workers=1, persistent_workers=True)
+    old = iter(loader)
+    next(old)
+    new = iter(loader)
+    with pytest.raises(RuntimeError, match="new iteration over the loader started"):
+        next(old)
+    assert [x.tolist() for x in new] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    loader.close()
+    assert multiprocessing.active_children() == []

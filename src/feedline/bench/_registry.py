@@ -32,6 +32,10 @@ SCENARIOS: dict[str, str] = {
     "decode": "JPEG decode + resize per library, 1 and 2 threads",
     "engine": "pipeline overhead and hand-off latency against SPDL and a thread pool",
     "formats": "NPY / NPZ loading against numpy.load and SPDL",
+    "images": "JPEG files to batches: DataLoaders and pipelines against the machine's bound",
+    "latency": "DataLoader over reads that wait on a slow server, against PyTorch's",
+    "memory": "peak memory (PSS) of a DataLoader over 2 million file paths",
+    "startup": "time to the first batch, against PyTorch's DataLoader with workers",
 }
 """Scenario name -> one line on what it measures. The module of the same name runs it."""
 

@@ -164,7 +164,8 @@ class DataLoader(Generic[T]):
             worker_init_fn,
             multiprocessing_context,
             generator,
-            prefetch_factor=prefetch_factor,
+            # Without workers, PyTorch refuses prefetch_factor; here it sets batches in flight.
+            prefetch_factor=prefetch_factor if num_workers > 0 else None,
             persistent_workers=persistent_workers,
             in_order=in_order,
         )
@@ -195,6 +196,15 @@ class DataLoader(Generic[T]):
                 "max_failures must be an int >= 0 (a count), a float in [0, 1) (a fraction of "
                 f"items) or None (no limit), got {max_failures!r}"
             )
+        if prefetch_factor is not None and (
+            isinstance(prefetch_factor, bool)
+            or not isinstance(prefetch_factor, int)
+            or prefetch_factor < 1
+        ):
+            raise ConfigurationError(
+                f"prefetch_factor must be an int >= 1, got {prefetch_factor!r}"
+            )
+        self.prefetch_factor = prefetch_factor or 2
         self.fetch_concurrency = fetch_concurrency
         self.max_failures = max_failures
         self.mp_context = multiprocessing_context or "forkserver"
@@ -223,15 +233,15 @@ class DataLoader(Generic[T]):
     def in_flight(self) -> int:
         """Batches fetched ahead of the consumer."""
         loader = self._torch_loader
-        per = int(loader.prefetch_factor or 2)
+        per = self.prefetch_factor
         if loader.batch_size is None and loader.batch_sampler is None:
             return self.fetch_concurrency
         return per * max(1, int(loader.num_workers))
 
     def __iter__(self) -> Iterator[T]:
         previous = self._current() if self._current is not None else None
-        if previous is not None:
-            previous.close()  # one epoch at a time, as PyTorch's multi-worker iterator
+        if previous is not None and self._torch_loader.num_workers > 0:
+            previous.supersede()  # the workers serve one epoch at a time, as in PyTorch
         state, self._pending = self._pending, None
         iterator: _LoaderIter[T] = _LoaderIter(self, state)
         self._current = weakref.ref(iterator)
@@ -244,7 +254,7 @@ class DataLoader(Generic[T]):
                 loader.dataset,
                 num_workers=loader.num_workers,
                 concurrency=self.fetch_concurrency,
-                prefetch=loader.prefetch_factor or 2,
+                prefetch=self.prefetch_factor,
                 worker_init_fn=loader.worker_init_fn,
                 mp_context=self.mp_context,
                 timeout=loader.timeout or None,
@@ -321,20 +331,32 @@ class _Finisher:
     (no reference cycle to wait for the garbage collector).
     """
 
-    def __init__(self, tally: FailureTally, collate_fn: Callable[[Any], Any], auto: bool) -> None:
+    def __init__(
+        self,
+        tally: FailureTally,
+        collate_fn: Callable[[Any], Any],
+        auto: bool,
+        fetcher: BatchFetcher | None = None,
+    ) -> None:
         self._tally = tally
         self._collate_fn = collate_fn
         self._auto = auto
+        self.fetcher = fetcher  # told when the first batch is out, so the others may start
 
     def __call__(self, fetched: tuple[int, list[Any]]) -> Any:
         number, items = fetched
         try:
             good = self._tally.keep(items)
+            if not good:
+                return number, _SKIP
+            return number, self._collate_fn(good if self._auto else good[0])
         except PipelineFailure as failure:
             return _Abort(failure)
-        if not good:
-            return number, _SKIP
-        return number, self._collate_fn(good if self._auto else good[0])
+        finally:
+            fetcher = self.fetcher
+            if fetcher is not None and fetcher.loop is not None:
+                fetcher.first_delivered(fetcher.loop)
+                self.fetcher = None
 
 
 class _LoaderIter(Generic[T]):
@@ -359,6 +381,7 @@ class _LoaderIter(Generic[T]):
         self._loader_ref = weakref.ref(loader)
         self._timeout = tl.timeout or None
         self._closed = False
+        self._superseded = False
         self._lock = threading.Lock()
         # The same draws, in the same order, as PyTorch's iterator: sampler, then base seed.
         sampler_iter = iter(tl._index_sampler)
@@ -409,7 +432,10 @@ class _LoaderIter(Generic[T]):
         if tl.num_workers > 0:
             builder.add_source(loader._worker_set().epoch(list(tasks), base_seed))
         else:
-            self._fetcher = BatchFetcher(tl.dataset, loader.fetch_concurrency)
+            self._fetcher = BatchFetcher(
+                tl.dataset, loader.fetch_concurrency, wait_for_delivery=True
+            )
+            self._finish.fetcher = self._fetcher
             builder.add_source(tasks)
             builder.pipe(
                 self._fetcher.fetch,
@@ -435,6 +461,12 @@ class _LoaderIter(Generic[T]):
     def __next__(self) -> T:
         while True:
             if self._closed:
+                if self._superseded:
+                    raise RuntimeError(
+                        "this DataLoader iterator was stopped because a new iteration over the "
+                        "loader started, and its worker processes serve one at a time; finish "
+                        "(or drop) one loop before starting the next"
+                    )
                 raise StopIteration
             try:
                 item = self._pipeline.get_item(timeout=self._timeout)
@@ -472,6 +504,11 @@ class _LoaderIter(Generic[T]):
         while self.yielded in self.yielded_ahead:
             self.yielded_ahead.remove(self.yielded)
             self.yielded += 1
+
+    def supersede(self) -> None:
+        """Stop this epoch because a newer one needs the worker processes."""
+        self._superseded = True
+        self.close()
 
     def close(self) -> None:
         """Stop this epoch's threads (and its pass in the worker processes)."""

@@ -11,6 +11,7 @@ written on read, and it pickles as two buffers.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
 from typing import Any, overload
 
 import numpy as np
@@ -34,10 +35,21 @@ class PathList(Sequence[str]):
     __slots__ = ("_data", "_ends")
 
     def __init__(self, paths: Iterable[Any] = ()) -> None:
-        encoded = [str(p).encode("utf-8", "surrogateescape") for p in paths]
-        lengths = np.fromiter((len(b) for b in encoded), dtype=np.int64, count=len(encoded))
-        self._ends: np.ndarray[Any, Any] = np.cumsum(lengths, dtype=np.int64)
-        self._data: np.ndarray[Any, Any] = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+        # Encoded in chunks into one growing buffer, so that neither a list of the paths nor a
+        # second copy of the bytes ever exists: the peak is about the final size.
+        data = bytearray()
+        lengths: list[np.ndarray[Any, Any]] = []
+        iterator = iter(paths)
+        while True:
+            chunk = [str(p).encode("utf-8", "surrogateescape") for p in islice(iterator, 65536)]
+            if not chunk:
+                break
+            lengths.append(np.fromiter(map(len, chunk), dtype=np.int64, count=len(chunk)))
+            data += b"".join(chunk)
+        sizes = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+        self._ends: np.ndarray[Any, Any] = np.cumsum(sizes, dtype=np.int64)
+        self._data: np.ndarray[Any, Any] = np.frombuffer(data, dtype=np.uint8)
+        self._data.flags.writeable = False
 
     @classmethod
     def from_buffers(cls, data: np.ndarray[Any, Any], ends: np.ndarray[Any, Any]) -> PathList:

@@ -134,6 +134,7 @@ class AsyncStage(_AsyncProducer):
         self._concurrency = concurrency
         self._executor = executor
         self._ordered = ordered and concurrency > 1
+        self._ahead = 2 * concurrency  # how far an ordered stage runs ahead: see _threaded
         self._input = input
         self._init_output(output)
         self._data = LoopSignal(run)
@@ -176,7 +177,7 @@ class AsyncStage(_AsyncProducer):
         run = self.run
         kind = self._kind
         while not run.stopping:
-            while self._ordered and self._next_seq - self._next_emit >= self._concurrency:
+            while self._ordered and self._next_seq - self._next_emit >= self._ahead:
                 await self._window.wait()
             item = self._input.try_get()  # fast path: no coroutine when an item is waiting
             if item is EMPTY:

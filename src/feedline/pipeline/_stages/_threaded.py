@@ -176,6 +176,10 @@ class ThreadedStage(_PoolStage):
         self._executor = executor
         # With one slot, items are processed one at a time, so order is kept for free.
         self._ordered = ordered and concurrency > 1
+        # How far ahead of the oldest unsent item an ordered stage may take items. Twice the
+        # concurrency: with only ``concurrency``, a job that finished early would wait idle for
+        # one slow item (measured: 25% less throughput decoding JPEGs on two threads).
+        self._window = 2 * concurrency
         self._input = input
         self._output = output
         self._lock = self.counters.lock  # guards job counts, seq numbers, parked iterators
@@ -251,7 +255,7 @@ class ThreadedStage(_PoolStage):
                 return  # nothing can move until the output drains; on_space will call again
             waiting = len(self._input)
             if self._ordered:
-                window = self._concurrency - (self._next_seq - self._next_emit)
+                window = self._window - (self._next_seq - self._next_emit)
                 waiting = max(0, min(waiting, window))
             waiting += len(self._parked) + (1 if self._has_unsent() else 0)
             if self._input.exhausted and not self._finish_claimed:
@@ -313,7 +317,7 @@ class ThreadedStage(_PoolStage):
                     # The window check, the take and the numbering are one step: checked apart,
                     # two jobs could both pass the check and overfill the window.
                     with self._take_lock:
-                        if self._next_seq - self._next_emit >= self._concurrency:
+                        if self._next_seq - self._next_emit >= self._window:
                             return  # the reorder window is full; the next emit restarts us
                         item = self._input.try_get()
                         if item is not EMPTY:

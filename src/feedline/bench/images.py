@@ -1,0 +1,183 @@
+"""The ``images`` scenario: JPEG files to batches of 32 224x224 RGB arrays.
+
+Every contender reads the same ImageNet-like JPEGs from disk (page cache), decodes and resizes
+them to 224x224 and batches them by 32:
+
+* ``PyTorch + PIL, workers=N``: ``torch.utils.data.DataLoader`` over a dataset whose
+  ``__getitem__`` opens the file and runs Pillow (as torchvision users do); the baseline is
+  the best of N = 2 and 4 (this machine's cores, and twice that);
+* ``PyTorch + feedline decode, workers=N``: the same, with feedline's decode function;
+* ``feedline DataLoader``: ``feedline.DataLoader`` (threads, no processes) over the dataset
+  with feedline's decode function;
+* ``feedline pipeline``: a pipeline that decodes each picture straight into its slot of a
+  pooled batch buffer (no collation copy): what feedline is built for.
+
+The upper bound is the single-thread rate of the decode function on in-memory bytes times the
+number of cores: no contender can beat it on this machine. Each contender's share of it is in
+the table (``of_bound``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._common import Contender, Measurement, ScenarioResult, alternate, make_result, threaded_loop
+from ._data import jpeg_files
+from ._loaders import DECODERS, time_loader
+from ._registry import BenchOptions
+
+__all__ = ["FileDataset", "run"]
+
+BATCH = 32
+SIZE = (224, 224)
+
+
+class FileDataset:
+    """``dataset[i]``: read JPEG file ``i`` and decode it to 224x224 with ``decoder``."""
+
+    def __init__(self, paths: list[str], decoder: str) -> None:
+        self.paths = paths
+        self.decoder = decoder
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> Any:
+        with open(self.paths[i], "rb") as f:
+            return DECODERS[self.decoder](f.read())
+
+
+def _torch_loader(paths: list[str], decoder: str, workers: int) -> Any:
+    import torch.utils.data
+
+    dataset: Any = FileDataset(paths, decoder)
+    return torch.utils.data.DataLoader(dataset, batch_size=BATCH, num_workers=workers)
+
+
+def _feedline_loader(paths: list[str], threads: int) -> Any:
+    from feedline import DataLoader
+
+    return DataLoader(FileDataset(paths, "feedline"), batch_size=BATCH, fetch_concurrency=threads)
+
+
+class _PipelineLoader:
+    """Decode into slots of pooled batch buffers: one pipeline stage, ``threads`` wide."""
+
+    def __init__(self, paths: list[str], threads: int) -> None:
+        self.paths = paths
+        self.threads = threads
+
+    def __iter__(self) -> Iterator[Any]:
+        from feedline import PipelineBuilder
+        from feedline.io import BufferPool, decode_image
+
+        # Buffers in use at once: the one being filled, two in the sink, one with the consumer,
+        # and the next ones the decoders start on.
+        pool = BufferPool((BATCH, *SIZE, 3), count=8)
+        paths = self.paths
+
+        def slots() -> Iterator[tuple[Any, int, str]]:
+            for start in range(0, len(paths), BATCH):
+                chunk = paths[start : start + BATCH]
+                buffer = pool.acquire()[: len(chunk)]
+                for j, path in enumerate(chunk):
+                    yield buffer, j, path
+
+        def decode(task: tuple[Any, int, str]) -> Any:
+            buffer, j, path = task
+            with open(path, "rb") as f:
+                decode_image(f.read(), size=SIZE, out=buffer[j])
+            return buffer if j == len(buffer) - 1 else None
+
+        builder: PipelineBuilder[Any] = PipelineBuilder()
+        pipeline = (
+            builder.add_source(slots())
+            .pipe(decode, concurrency=self.threads, output_order="input", name="decode")
+            .pipe(_keep_batches, name="batch")
+            .add_sink(2)
+            .build(num_threads=self.threads + 1)
+        )
+        with pipeline.auto_stop():
+            yield from pipeline
+
+
+def _keep_batches(batch: Any) -> Iterator[Any]:
+    # Only the slot that completes a batch passes the batch on; the others yield nothing.
+    if batch is not None:
+        yield batch
+
+
+def _upper_bound(pictures: list[bytes], repeats: int, cores: int) -> float:
+    decode = DECODERS["feedline"]
+    rates = []
+    for _ in range(repeats):
+        items, seconds = threaded_loop(decode, pictures, 1)
+        rates.append(items / seconds)
+    return statistics.median(rates) * cores
+
+
+def run(options: BenchOptions) -> ScenarioResult:
+    """Run the images scenario; ``options.quick`` shrinks it to a smoke test."""
+    quick, progress = options.quick, options.progress
+    repeats = 1 if quick else 5
+    count = 64 if quick else 1024
+    cores = os.cpu_count() or 1
+    files = jpeg_files(count, "imagenet", options.data_dir, progress)
+    paths = [str(p) for p in files]
+    pictures = [Path(p).read_bytes() for p in paths]
+    bound = _upper_bound(pictures, 3 if quick else 7, cores)
+    extra: dict[str, dict[str, list[float]]] = {}
+
+    def timed(name: str, make: Any) -> tuple[int, float]:
+        result = time_loader(make, memory=True)
+        record = extra.setdefault(name, {})
+        record.setdefault("first_batch_ms", []).append(1000 * result.first_batch_s)
+        record.setdefault("cpu_s_per_1000", []).append(1000 * result.cpu_s / max(result.items, 1))
+        record.setdefault("peak_pss_mib", []).append(result.peak_pss / 2**20)
+        record.setdefault("peak_rss_mib", []).append(result.peak_rss / 2**20)
+        return result.steady()
+
+    setups: list[tuple[str, Any]] = []
+    for workers in (cores, 2 * cores):
+        for decoder, label in (("PIL", "PIL"), ("feedline", "feedline decode")):
+            setups.append(
+                (
+                    f"PyTorch + {label}, workers={workers}",
+                    functools.partial(_torch_loader, paths, decoder, workers),
+                )
+            )
+    setups.append(("feedline DataLoader", functools.partial(_feedline_loader, paths, cores)))
+    setups.append(("feedline pipeline", functools.partial(_PipelineLoader, paths, cores)))
+    contenders = [Contender(name, functools.partial(timed, name, make)) for name, make in setups]
+    case = f"{count} JPEGs -> batches of {BATCH}x224x224x3"
+    found = alternate(case, contenders, repeats, None, progress)
+    pil = [m for m in found if m.contender.startswith("PyTorch + PIL")]
+    best_pil = max(pil, key=lambda m: m.items_per_s)
+    for m in found:
+        m.ratio = m.items_per_s / best_pil.items_per_s
+        m.extra["of_bound"] = m.items_per_s / bound
+        for key, values in extra[m.contender].items():
+            m.extra[key] = statistics.median(values)
+    found.append(Measurement(case=case, contender="upper bound", items_per_s=bound, runs=[bound]))
+    found[-1].ratio = bound / best_pil.items_per_s
+    notes = [
+        f"{repeats} alternating run(s) per contender, medians; steady images/s (over the "
+        "last three quarters of a pass, so that prefetched batches do not count); ratio to "
+        "the best PyTorch + PIL configuration "
+        f"({best_pil.contender})",
+        f"upper bound: feedline's decode on one thread, in memory, x {cores} cores = "
+        f"{bound:,.0f} images/s; of_bound is each contender's share of it",
+        "SPDL is left out: spdl.io decodes images through FFmpeg shared libraries that "
+        "pip does not install",
+        f"{np.mean([len(p) for p in pictures]) / 1024:.0f} KiB per JPEG on average",
+        "peak PSS / RSS: this process and its children, sampled every 100 ms during a pass; "
+        "the benchmark's own process (Python, torch, OpenCV loaded) is in every figure",
+    ]
+    return make_result("images", "best PyTorch + PIL", found, notes, True)

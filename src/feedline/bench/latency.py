@@ -1,0 +1,158 @@
+"""The ``latency`` scenario: a dataset whose reads wait on a slow server.
+
+Three cases, batches of 32: ``dataset[i]`` sleeps 20 ms (pure waiting); it GETs picture ``i``
+from an HTTP server that waits 20 ms before replying, as object storage does; and it GETs with
+a 30 ms wait and then decodes and resizes the JPEG to 224x224. The server runs in its own
+process on asyncio (:mod:`._server`); each fetching thread keeps a keep-alive connection.
+Contenders: PyTorch's DataLoader with 2 and 4 worker processes (the baseline is 2), feedline's
+DataLoader (all reads of a batch at once, on threads), and a plain ``ThreadPoolExecutor.map``
+over the indices.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from ._common import (
+    Contender,
+    Measurement,
+    ScenarioResult,
+    alternate,
+    make_result,
+    threaded_loop,
+)
+from ._data import jpeg_files
+from ._loaders import HttpDataset, SleepDataset, time_loader
+from ._registry import BenchOptions
+from ._server import ServerProcess
+
+__all__ = ["run"]
+
+BATCH = 32
+FETCH_CONCURRENCY = 128
+
+
+def _torch(dataset: Any, workers: int) -> Any:
+    import torch.utils.data
+
+    return torch.utils.data.DataLoader(dataset, batch_size=BATCH, num_workers=workers)
+
+
+def _feedline(dataset: Any) -> Any:
+    from feedline import DataLoader
+
+    return DataLoader(
+        dataset, batch_size=BATCH, fetch_concurrency=FETCH_CONCURRENCY, prefetch_factor=4
+    )
+
+
+class _PoolLoader:
+    """Batches from ThreadPoolExecutor.map over the indices: what one writes by hand."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __iter__(self) -> Any:
+        with ThreadPoolExecutor(FETCH_CONCURRENCY) as pool:
+            batch: list[Any] = []
+            for item in pool.map(self.dataset.__getitem__, range(len(self.dataset))):
+                batch.append(item)
+                if len(batch) == BATCH:
+                    yield np.stack(batch)
+                    batch = []
+            if batch:
+                yield np.stack(batch)
+
+
+def _contenders(dataset: Any) -> list[Contender]:
+    def timed(make: Any) -> tuple[int, float]:
+        # The whole pass: a thread pool that submits every item at once would look
+        # infinitely fast if timed from its first batch.
+        result = time_loader(make)
+        return result.items, result.seconds
+
+    return [
+        Contender("PyTorch workers=2", functools.partial(timed, lambda: _torch(dataset, 2))),
+        Contender("PyTorch workers=4", functools.partial(timed, lambda: _torch(dataset, 4))),
+        Contender("feedline", functools.partial(timed, lambda: _feedline(dataset))),
+        Contender("ThreadPoolExecutor", functools.partial(timed, lambda: _PoolLoader(dataset))),
+    ]
+
+
+def _http_cpu_per_item(server: ServerProcess, dataset: Any) -> float:
+    """CPU seconds (this process and the server) per GET, measured over one feedline pass."""
+    self0, server0 = time.process_time(), server.cpu_seconds()
+    result = time_loader(lambda: _feedline(dataset))
+    spent = time.process_time() - self0 + server.cpu_seconds() - server0
+    return spent / max(result.items, 1)
+
+
+def _decode_cpu_per_item(pictures: list[bytes], repeats: int) -> float:
+    """Seconds per decode (to 224x224) on one thread, in memory: the median of runs."""
+    from ._loaders import DECODERS
+
+    decode = DECODERS["feedline"]
+    rates = []
+    for _ in range(max(3, repeats)):
+        items, seconds = threaded_loop(decode, pictures, 1)
+        rates.append(seconds / items)
+    return statistics.median(rates)
+
+
+def run(options: BenchOptions) -> ScenarioResult:
+    """Run the latency scenario; ``options.quick`` shrinks it to a smoke test."""
+    quick, progress = options.quick, options.progress
+    repeats = 1 if quick else 5
+    measurements: list[Measurement] = []
+    count = 64 if quick else 640
+    files = jpeg_files(8 if quick else 64, "imagenet", options.data_dir, progress)
+    cases: list[tuple[str, float, bool | None]] = [
+        ("20 ms sleep", 0.020, None),
+        ("20 ms GET", 0.020, False),
+        ("30 ms GET + decode", 0.030, True),
+    ]
+    http_cpu = 0.0
+    for label, delay, decode in cases:
+        case = f"{label}, batch {BATCH}"
+        if decode is None:
+            dataset: Any = SleepDataset(count, delay)
+            measurements += alternate(
+                case, _contenders(dataset), repeats, "PyTorch workers=2", progress
+            )
+            continue
+        with ServerProcess(files, delay) as server:
+            dataset = HttpDataset(server.url, count, decode=decode)
+            if not decode:
+                http_cpu = _http_cpu_per_item(server, dataset)
+            measurements += alternate(
+                case, _contenders(dataset), repeats, "PyTorch workers=2", progress
+            )
+    decode_cpu = _decode_cpu_per_item([f.read_bytes() for f in files], repeats)
+    cores = os.cpu_count() or 1
+    bound = cores / (decode_cpu + http_cpu)
+    last = measurements[-1].case
+    measurements.append(
+        Measurement(case=last, contender="machine bound", items_per_s=bound, runs=[bound])
+    )
+    base = next(m for m in measurements if m.case == last and m.contender == "PyTorch workers=2")
+    for m in measurements:
+        if m.case == last:
+            m.extra["of_bound"] = m.items_per_s / bound
+    measurements[-1].ratio = bound / base.items_per_s
+    notes = [
+        f"machine bound for GET + decode: {cores} cores / (decode {decode_cpu * 1e3:.2f} ms + "
+        f"HTTP client and server {http_cpu * 1e3:.2f} ms of CPU per item) = {bound:,.0f}/s; "
+        "of_bound is each contender's share of it",
+        f"{repeats} alternating run(s) per contender, medians; items/s over a whole pass of "
+        f"{count} items, from creating the loader to its last batch",
+        f"feedline: DataLoader(batch_size={BATCH}, fetch_concurrency={FETCH_CONCURRENCY}, "
+        "prefetch_factor=4), num_workers=0; the server is another process (asyncio, keep-alive)",
+    ]
+    return make_result("latency", "PyTorch workers=2", measurements, notes, True)

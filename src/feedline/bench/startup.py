@@ -1,0 +1,70 @@
+"""The ``startup`` scenario: time from creating a loader to holding its first batch.
+
+A training job waits this long at every start (and, without persistent workers, every
+epoch). The dataset decodes in-memory JPEGs to 224x224 with feedline's decoder; batches of 32.
+PyTorch's DataLoader starts its worker processes (with its default start method) before the
+first batch; feedline's starts threads. The baseline is PyTorch with 2 workers.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+from typing import Any
+
+from ._common import Contender, ScenarioResult, alternate, make_result
+from ._data import jpeg_files, read_all
+from ._loaders import DecodeDataset, time_loader
+from ._registry import BenchOptions
+
+__all__ = ["run"]
+
+BATCH = 32
+
+
+def _make(kind: str, workers: int, dataset: Any) -> Any:
+    if kind == "torch":
+        import torch.utils.data
+
+        return torch.utils.data.DataLoader(dataset, batch_size=BATCH, num_workers=workers)
+    from feedline import DataLoader
+
+    return DataLoader(dataset, batch_size=BATCH, num_workers=workers)
+
+
+def run(options: BenchOptions) -> ScenarioResult:
+    """Run the startup scenario; ``options.quick`` shrinks it to a smoke test."""
+    repeats = 1 if options.quick else 5
+    pictures = read_all(jpeg_files(32, "imagenet", options.data_dir, options.progress))
+    dataset = DecodeDataset(pictures, "feedline", length=BATCH * 2)
+    dataset[0]  # import the decoder's libraries now, not in whichever contender runs first
+    seconds: dict[str, list[float]] = {}
+
+    def first_batch(name: str, kind: str, workers: int) -> tuple[int, float]:
+        result = time_loader(functools.partial(_make, kind, workers, dataset), max_batches=1)
+        seconds.setdefault(name, []).append(result.first_batch_s)
+        return 1, result.first_batch_s
+
+    setups = [
+        ("PyTorch workers=0", "torch", 0),
+        ("PyTorch workers=2", "torch", 2),
+        ("PyTorch workers=4", "torch", 4),
+        ("feedline", "feedline", 0),
+        ("feedline workers=2", "feedline", 2),
+    ]
+    contenders = [
+        Contender(name, functools.partial(first_batch, name, kind, workers))
+        for name, kind, workers in setups
+    ]
+    found = alternate(
+        f"first batch of {BATCH}", contenders, repeats, "PyTorch workers=2", options.progress
+    )
+    for m in found:
+        m.extra["first_batch_ms"] = 1000 * statistics.median(seconds[m.contender])
+    notes = [
+        f"{repeats} alternating run(s) per contender, medians. items/s here is first batches "
+        "per second (1 / time to the first batch): a ratio of 2 is half PyTorch's wait",
+        "feedline workers=2 starts worker processes with forkserver (each imports the dataset "
+        "afresh), so it starts slower than its threads; use it for GIL-bound datasets",
+    ]
+    return make_result("startup", "PyTorch workers=2", found, notes, True)
