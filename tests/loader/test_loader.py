@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 import logging
 import multiprocessing
 import pickle
@@ -332,3 +333,33 @@ def test_a_new_epoch_over_workers_stops_the_old_one_loudly() -> None:
     assert [x.tolist() for x in new] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     loader.close()
     assert multiprocessing.active_children() == []
+
+
+def test_cpu_bound_items_get_few_calls_at_once_and_io_bound_many() -> None:
+    from feedline.loader._fetch import BatchFetcher
+
+    class Spin:  # CPU work that releases the GIL, as a decoder does
+        data = bytes(2**20)
+
+        def __len__(self) -> int:
+            return 10_000
+
+        def __getitem__(self, i: int) -> int:
+            for _ in range(2):
+                hashlib.sha256(self.data).digest()
+            return i
+
+    def limit_after(dataset: Any, batches: int) -> int:
+        loader = DataLoader(dataset, batch_size=16, fetch_concurrency=32)
+        it = iter(loader)
+        for _ in range(batches):
+            next(it)
+        fetcher = it._fetcher  # type: ignore[attr-defined]
+        assert isinstance(fetcher, BatchFetcher)
+        limit = fetcher._pool.limit
+        loader.close()
+        return int(limit)
+
+    cores = __import__("os").cpu_count() or 1
+    assert limit_after(Spin(), 60) <= max(cores + 1, 8)  # saturating the cores: few at once
+    assert limit_after(Slow(10_000, 0.02), 12) == 32  # waiting: all of them

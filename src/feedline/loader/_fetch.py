@@ -11,18 +11,20 @@ sample's index and the last error.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import os
 import threading
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from feedline.errors import PipelineFailure
 from feedline.pipeline._stages._common import FailureBudget
+
+from ._pool import LimitedPool
 
 __all__ = ["BatchFetcher", "FailedItem", "FailureTally", "Task"]
 
@@ -53,42 +55,6 @@ class FailedItem:
         return (FailedItem, (self.index, self.error_type, self.message, self.traceback, error))
 
 
-class _Gate:
-    """A counting semaphore whose limit can change, waking waiters first come, first served."""
-
-    def __init__(self, limit: int) -> None:
-        self._cond = threading.Condition()
-        self._limit = limit
-        self._active = 0
-        self._closed = False
-
-    def acquire(self) -> bool:
-        """Wait for a slot; False once the gate is closed."""
-        with self._cond:
-            while self._active >= self._limit and not self._closed:
-                self._cond.wait()
-            if self._closed:
-                return False
-            self._active += 1
-            return True
-
-    def release(self) -> None:
-        with self._cond:
-            self._active -= 1
-            self._cond.notify()
-
-    def set_limit(self, limit: int) -> None:
-        with self._cond:
-            if limit > self._limit:
-                self._cond.notify(limit - self._limit)
-            self._limit = limit
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-
 class BatchFetcher:
     """Fetches a batch's items on its own thread pool, at most ``concurrency`` calls at a time.
 
@@ -98,12 +64,11 @@ class BatchFetcher:
     * **Jobs per batch.** Items that take long (I/O) go one per job, for the most concurrency;
       items that take microseconds go in chunks of about :attr:`JOB_SECONDS`, so that the cost
       of a job (a queue hand-off, a thread wake-up) does not dwarf them.
-    * **Calls at once.** Little's law: to keep every core busy with items that use the CPU a
-      fraction *f* of their time, about ``cores / f`` must be in flight. The fetcher measures
-      *f* (thread CPU time over wall time, a running mean) and lets that many calls run (at
-      most ``concurrency``), first come first served. So I/O-bound items get every thread,
-      and CPU-bound ones run a few at a time, oldest batch first, instead of every batch in
-      flight sharing the cores and finishing late together.
+    * **Calls at once.** Every :attr:`ADJUST_SECONDS`, the fetcher looks at how busy this
+      process kept the cores. Saturated: it admits fewer calls at once (down to cores + 1);
+      cores idle while calls wait: more (up to ``concurrency``), first come first served. So
+      I/O-bound items get every thread, and CPU-bound ones run a few at a time, oldest batch
+      first, instead of every batch in flight sharing the cores and finishing late together.
     * **The first batch runs alone**, until it is fetched (or, with ``wait_for_delivery``,
       until :meth:`first_delivered` says it is collated), so that it comes as soon as it can.
 
@@ -115,16 +80,18 @@ class BatchFetcher:
     """
 
     JOB_SECONDS = 0.002
+    ADJUST_SECONDS = 0.05
 
     def __init__(self, dataset: Any, concurrency: int, *, wait_for_delivery: bool = False) -> None:
         self._dataset = dataset
         self._wait_for_delivery = wait_for_delivery
         self._concurrency = concurrency
-        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="feedline-fetch")
+        self._pool = LimitedPool(concurrency, "feedline-fetch")
         self._cores = os.cpu_count() or 1
-        self._gate = _Gate(concurrency)
         self._item_seconds: float | None = None  # running mean; None: assume slow
-        self._cpu_share: float | None = None  # running mean of CPU time / wall time
+        self._adjusting = threading.Lock()
+        self._window_start = time.perf_counter()
+        self._window_cpu = time.process_time()
         self._first: asyncio.Event | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._first_number: int | None = None
@@ -146,12 +113,24 @@ class BatchFetcher:
         wanted = math.ceil(count * mean / self.JOB_SECONDS)
         return max(1, min(most, max(wanted, self._cores)))
 
-    def _measured(self, per_item: float, cpu_share: float) -> None:
-        mean, share = self._item_seconds, self._cpu_share
+    def _measured(self, per_item: float) -> None:
+        mean = self._item_seconds
         self._item_seconds = per_item if mean is None else 0.8 * mean + 0.2 * per_item
-        self._cpu_share = cpu_share if share is None else 0.8 * share + 0.2 * cpu_share
-        wanted = math.ceil(self._cores / max(self._cpu_share, 1e-3)) + 1
-        self._gate.set_limit(max(self._cores, min(self._concurrency, wanted)))
+        now = time.perf_counter()
+        if now - self._window_start < self.ADJUST_SECONDS or not self._adjusting.acquire(False):
+            return
+        try:
+            cpu = time.process_time()
+            busy = (cpu - self._window_cpu) / (now - self._window_start) / self._cores
+            self._window_start, self._window_cpu = now, cpu
+            limit = self._pool.limit
+            if busy > 0.92:  # the cores are saturated: more calls at once would only queue
+                limit = max(self._cores + 1, int(limit * 0.8))
+            elif busy < 0.85 and self._pool.waiting:  # idle cores and calls waiting: admit
+                limit = min(self._concurrency, limit + max(1, limit // 4))
+            self._pool.set_limit(limit)
+        finally:
+            self._adjusting.release()
 
     async def fetch(self, task: Task) -> tuple[int, list[Any]]:
         """Return ``(batch number, items)``, a :class:`FailedItem` where a call raised."""
@@ -186,18 +165,12 @@ class BatchFetcher:
         jobs = self._split(count)
         left = [jobs]
         lock = threading.Lock()
-        gate = self._gate
 
         def run(start: int, stop: int) -> None:
-            if gate.acquire():
-                try:
-                    wall, cpu = time.perf_counter(), time.thread_time()
-                    for k in range(start, stop):
-                        items[k] = self._get(indices[k])
-                    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
-                finally:
-                    gate.release()
-                self._measured(wall / (stop - start), min(1.0, cpu / max(wall, 1e-9)))
+            wall = time.perf_counter()
+            for k in range(start, stop):
+                items[k] = self._get(indices[k])
+            self._measured((time.perf_counter() - wall) / (stop - start))
             with lock:
                 left[0] -= 1
                 last = left[0] == 0
@@ -206,14 +179,13 @@ class BatchFetcher:
 
         bounds = [count * j // jobs for j in range(jobs + 1)]
         for j in range(jobs):
-            self._pool.submit(run, bounds[j], bounds[j + 1])
+            self._pool.submit(functools.partial(run, bounds[j], bounds[j + 1]))
         await finished
         return items
 
     def close(self) -> None:
         """Stop the threads; calls not started yet are dropped."""
-        self._gate.close()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.close()
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

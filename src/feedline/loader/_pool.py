@@ -1,0 +1,117 @@
+"""A thread pool whose number of running jobs can change while it runs.
+
+The batch fetcher admits more or fewer ``dataset[i]`` calls at once as it learns whether they
+wait on I/O or use the CPU. Blocking surplus threads at a gate would cost a thread wake-up at
+every hand-over (50 to 400 µs on a small VM); here a thread that finishes a job takes the next
+one itself whenever the limit allows, and only threads beyond the limit sleep.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["LimitedPool"]
+
+_log = logging.getLogger("feedline.loader")
+
+
+class LimitedPool:
+    """Runs callables FIFO on up to ``max_threads`` threads, at most :attr:`limit` at once.
+
+    Args:
+        max_threads: Threads started at most (on demand).
+        name: Prefix of the threads' names.
+
+    """
+
+    def __init__(self, max_threads: int, name: str) -> None:
+        self.max_threads = max_threads
+        self._name = name
+        self._cond = threading.Condition()
+        self._jobs: collections.deque[Callable[[], Any]] = collections.deque()
+        self._threads: list[threading.Thread] = []
+        self._limit = max_threads
+        self._running = 0
+        self._idle = 0  # threads asleep
+        self._notified = 0  # of those, woken and not yet running
+        self._closed = False
+
+    @property
+    def limit(self) -> int:
+        """Jobs allowed to run at once."""
+        return self._limit
+
+    @property
+    def waiting(self) -> int:
+        """Jobs submitted and not started."""
+        return len(self._jobs)
+
+    def set_limit(self, limit: int) -> None:
+        """Change how many jobs may run at once (1 to ``max_threads``)."""
+        limit = max(1, min(self.max_threads, limit))
+        with self._cond:
+            raised = limit > self._limit
+            self._limit = limit
+            if raised:
+                self._wake_or_spawn()
+
+    def submit(self, job: Callable[[], Any]) -> None:
+        """Queue ``job()``; it runs when a slot is free."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the fetch pool is closed")
+            self._jobs.append(job)
+            self._wake_or_spawn()
+
+    def _wake_or_spawn(self) -> None:
+        # Called with the lock held: start what the limit allows, waking sleepers first.
+        starting = min(len(self._jobs), self._limit - self._running)
+        while starting > 0 and self._idle > self._notified:
+            self._cond.notify()
+            self._notified += 1  # a sleeper claimed, not yet awake
+            starting -= 1
+        while starting > 0 and len(self._threads) < self.max_threads:
+            thread = threading.Thread(
+                target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True
+            )
+            self._threads.append(thread)
+            thread.start()
+            starting -= 1
+
+    def _work(self) -> None:
+        cond = self._cond
+        with cond:
+            while True:
+                if self._closed:
+                    return
+                if self._jobs and self._running < self._limit:
+                    job = self._jobs.popleft()
+                    self._running += 1
+                    cond.release()
+                    try:
+                        job()
+                    except BaseException:  # jobs catch their own errors; this is a bug
+                        _log.exception("unexpected error in a feedline fetch thread")
+                    finally:
+                        cond.acquire()
+                        self._running -= 1
+                    continue
+                self._idle += 1
+                cond.wait()
+                self._idle -= 1
+                self._notified = max(0, self._notified - 1)
+
+    def close(self) -> None:
+        """Drop jobs not started, let running ones finish, and join the threads."""
+        with self._cond:
+            self._closed = True
+            self._jobs.clear()
+            self._cond.notify_all()
+            threads = list(self._threads)
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join()

@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from feedline.loader._pool import LimitedPool
+
+
+def test_runs_every_job_fifo_within_the_limit() -> None:
+    pool = LimitedPool(8, "test-pool")
+    pool.set_limit(3)
+    lock = threading.Lock()
+    running = peak = 0
+    order: list[int] = []
+
+    def job(i: int) -> None:
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+            order.append(i)
+        time.sleep(0.01)
+        with lock:
+            running -= 1
+
+    done = threading.Semaphore(0)
+    for i in range(30):
+        pool.submit(lambda i=i: (job(i), done.release()))  # type: ignore[misc]
+    for _ in range(30):
+        assert done.acquire(timeout=10)
+    pool.close()
+    assert peak == 3
+    assert order[:3] == sorted(order[:3])  # started first come, first served
+    assert sorted(order) == list(range(30))
+
+
+def test_raising_the_limit_starts_waiting_jobs() -> None:
+    pool = LimitedPool(4, "test-pool")
+    pool.set_limit(1)
+    release = threading.Event()
+    started = threading.Semaphore(0)
+
+    def job() -> None:
+        started.release()
+        release.wait(10)
+
+    for _ in range(4):
+        pool.submit(job)
+    assert started.acquire(timeout=5)
+    assert not started.acquire(timeout=0.1)  # the limit holds the others back
+    assert pool.waiting == 3
+    pool.set_limit(4)
+    for _ in range(3):
+        assert started.acquire(timeout=5)
+    release.set()
+    pool.close()
+
+
+def test_close_drops_queued_jobs_and_joins_threads() -> None:
+    pool = LimitedPool(2, "test-pool")
+    pool.set_limit(1)
+    ran: list[int] = []
+    gate = threading.Event()
+    pool.submit(lambda: (gate.wait(10), ran.append(0)))
+    pool.submit(lambda: ran.append(1))
+    time.sleep(0.05)
+    closer = threading.Thread(target=pool.close)
+    closer.start()
+    gate.set()
+    closer.join(5)
+    assert not closer.is_alive()
+    assert ran == [0]
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-pool")]
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.submit(lambda: None)
+
+
+def test_a_failing_job_is_logged_and_the_thread_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    pool = LimitedPool(1, "test-pool")
+    done = threading.Event()
+    pool.submit(lambda: 1 / 0)
+    pool.submit(done.set)
+    assert done.wait(5)
+    pool.close()
+    assert "unexpected error" in caplog.text
