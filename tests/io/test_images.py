@@ -299,3 +299,19 @@ def test_image_size_reads_the_header() -> None:
     assert image_size(encode(picture(33, 44), "PNG")) == (33, 44)
     with pytest.raises(ValueError, match="JPEG"):
         image_size(b"\xff\xd8\xff\x00")
+
+
+def test_concurrent_decodes_share_no_scratch_memory() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    pictures = [encode(picture(200 + 7 * i, 300 - 5 * i, seed=i), "JPEG") for i in range(12)]
+    expected = [decode_image(p, size=(64, 48)) for p in pictures]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            got = list(pool.map(lambda p: decode_image(p, size=(64, 48)), pictures))
+            for a, b in zip(got, expected, strict=True):
+                np.testing.assert_array_equal(a, b)
+    # A result never aliases a thread's scratch buffer: the next decode does not change it.
+    first = decode_image(pictures[0], size=(64, 48))
+    decode_image(pictures[1], size=(64, 48))
+    np.testing.assert_array_equal(first, expected[0])
