@@ -11,7 +11,7 @@ __all__ = ["headline", "plot"]
 
 
 def _best_feedline(ms: list[Measurement]) -> Measurement | None:
-    ours = [m for m in ms if m.contender.startswith("feedline") and m.ratio is not None]
+    ours = [m for m in ms if m.contender.startswith("feedline")]
     return max(ours, key=lambda m: m.items_per_s) if ours else None
 
 
@@ -27,8 +27,9 @@ def headline(results: Sequence[ScenarioResult]) -> str:
             cases.setdefault(m.case, []).append(m)
         for case, ms in cases.items():
             best = _best_feedline(ms)
-            if best is None or best.ratio is None:
+            if best is None:
                 continue
+            ratio = "- (baseline not installed)" if best.ratio is None else f"{best.ratio:.2f}x"
             if result.scenario == "memory":
                 value = f"{best.extra['peak_pss_mib']:,.0f} MiB PSS"
             elif result.scenario == "startup":
@@ -37,7 +38,7 @@ def headline(results: Sequence[ScenarioResult]) -> str:
                 value = f"{best.items_per_s:,.0f}"
             rows.append(
                 f"| {result.scenario} | {case} | {best.contender} | {value} | "
-                f"{result.baseline} | {best.ratio:.2f}x |"
+                f"{result.baseline} | {ratio} |"
             )
     return "\n".join(rows) + "\n"
 
