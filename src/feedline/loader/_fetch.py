@@ -11,6 +11,7 @@ sample's index and the last error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
@@ -18,6 +19,7 @@ import os
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +71,8 @@ class BatchFetcher:
       cores idle while calls wait: more (up to ``concurrency``), first come first served. So
       I/O-bound items get every thread, and CPU-bound ones run a few at a time, oldest batch
       first, instead of every batch in flight sharing the cores and finishing late together.
+    * **Slow start.** The first batch starts with cores + 1 calls at once, doubled every
+      :attr:`SLOW_START_SECONDS` while cores are idle and calls wait.
     * **The first batch runs alone**, until it is fetched (or, with ``wait_for_delivery``,
       until :meth:`first_delivered` says it is collated), so that it comes as soon as it can.
 
@@ -81,6 +85,7 @@ class BatchFetcher:
 
     JOB_SECONDS = 0.002
     ADJUST_SECONDS = 0.05
+    SLOW_START_SECONDS = 0.004
 
     def __init__(self, dataset: Any, concurrency: int, *, wait_for_delivery: bool = False) -> None:
         self._dataset = dataset
@@ -116,8 +121,11 @@ class BatchFetcher:
     def _measured(self, per_item: float) -> None:
         mean = self._item_seconds
         self._item_seconds = per_item if mean is None else 0.8 * mean + 0.2 * per_item
+        self._adjust(self.ADJUST_SECONDS, grow=lambda limit: limit + max(1, limit // 4))
+
+    def _adjust(self, window: float, grow: Callable[[int], int]) -> None:
         now = time.perf_counter()
-        if now - self._window_start < self.ADJUST_SECONDS or not self._adjusting.acquire(False):
+        if now - self._window_start < window or not self._adjusting.acquire(False):
             return
         try:
             cpu = time.process_time()
@@ -127,10 +135,22 @@ class BatchFetcher:
             if busy > 0.92:  # the cores are saturated: more calls at once would only queue
                 limit = max(self._cores + 1, int(limit * 0.8))
             elif busy < 0.85 and self._pool.waiting:  # idle cores and calls waiting: admit
-                limit = min(self._concurrency, limit + max(1, limit // 4))
+                limit = min(self._concurrency, grow(limit))
             self._pool.set_limit(limit)
         finally:
             self._adjusting.release()
+
+    def _slow_start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """While the first batch is fetched, double the calls at once if the cores are idle.
+
+        Every few ms: I/O-bound items reach full concurrency within about 20 ms, while
+        CPU-bound ones stay a few at a time and do not thrash the caches of the cores.
+        """
+        first = self._first
+        if first is None or first.is_set():
+            return
+        self._adjust(self.SLOW_START_SECONDS, grow=lambda limit: 2 * limit)
+        loop.call_later(self.SLOW_START_SECONDS, self._slow_start, loop)
 
     async def fetch(self, task: Task) -> tuple[int, list[Any]]:
         """Return ``(batch number, items)``, a :class:`FailedItem` where a call raised."""
@@ -138,6 +158,9 @@ class BatchFetcher:
         if self._first is None:
             self._first, self._first_number = asyncio.Event(), number
             self.loop = asyncio.get_running_loop()
+            self._pool.set_limit(self._cores + 1)
+            self._window_start, self._window_cpu = time.perf_counter(), time.process_time()
+            self.loop.call_later(self.SLOW_START_SECONDS, self._slow_start, self.loop)
         elif number != self._first_number:
             await self._first.wait()
         fetched = False
@@ -175,7 +198,8 @@ class BatchFetcher:
                 left[0] -= 1
                 last = left[0] == 0
             if last:
-                loop.call_soon_threadsafe(_resolve, finished)
+                with contextlib.suppress(RuntimeError):  # the loop closed: the epoch was stopped
+                    loop.call_soon_threadsafe(_resolve, finished)
 
         bounds = [count * j // jobs for j in range(jobs + 1)]
         for j in range(jobs):
