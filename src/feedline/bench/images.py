@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from ._common import Contender, Measurement, ScenarioResult, alternate, make_result, threaded_loop
+from ._common import Contender, Measurement, ScenarioResult, alternate, make_result
 from ._data import jpeg_files
-from ._loaders import DECODERS, time_loader
+from ._loaders import DECODERS, decode_seconds, time_loader
 from ._registry import BenchOptions
 
 __all__ = ["FileDataset", "run"]
@@ -114,15 +114,6 @@ def _keep_batches(batch: Any) -> Iterator[Any]:
         yield batch
 
 
-def _upper_bound(pictures: list[bytes], repeats: int, cores: int) -> float:
-    decode = DECODERS["feedline"]
-    rates = []
-    for _ in range(repeats):
-        items, seconds = threaded_loop(decode, pictures, 1)
-        rates.append(items / seconds)
-    return statistics.median(rates) * cores
-
-
 def run(options: BenchOptions) -> ScenarioResult:
     """Run the images scenario; ``options.quick`` shrinks it to a smoke test."""
     quick, progress = options.quick, options.progress
@@ -132,7 +123,7 @@ def run(options: BenchOptions) -> ScenarioResult:
     files = jpeg_files(count, "imagenet", options.data_dir, progress)
     paths = [str(p) for p in files]
     pictures = [Path(p).read_bytes() for p in paths]
-    bound = _upper_bound(pictures, 3 if quick else 7, cores)
+    bound = cores / decode_seconds(pictures, 3 if quick else 7)
     extra: dict[str, dict[str, list[float]]] = {}
 
     def timed(name: str, make: Any) -> tuple[int, float]:

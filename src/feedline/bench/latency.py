@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import os
-import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -26,10 +25,9 @@ from ._common import (
     ScenarioResult,
     alternate,
     make_result,
-    threaded_loop,
 )
 from ._data import jpeg_files
-from ._loaders import HttpDataset, SleepDataset, time_loader
+from ._loaders import HttpDataset, SleepDataset, decode_seconds, time_loader
 from ._registry import BenchOptions
 from ._server import ServerProcess
 
@@ -99,18 +97,6 @@ def _http_cpu_per_item(server: ServerProcess, dataset: Any) -> float:
     return spent / max(result.items, 1)
 
 
-def _decode_cpu_per_item(pictures: list[bytes], repeats: int) -> float:
-    """Seconds per decode (to 224x224) on one thread, in memory: the median of runs."""
-    from ._loaders import DECODERS
-
-    decode = DECODERS["feedline"]
-    rates = []
-    for _ in range(max(3, repeats)):
-        items, seconds = threaded_loop(decode, pictures, 1)
-        rates.append(seconds / items)
-    return statistics.median(rates)
-
-
 def run(options: BenchOptions) -> ScenarioResult:
     """Run the latency scenario; ``options.quick`` shrinks it to a smoke test."""
     quick, progress = options.quick, options.progress
@@ -141,7 +127,7 @@ def run(options: BenchOptions) -> ScenarioResult:
             measurements += alternate(
                 case, _contenders(dataset, big), repeats, "PyTorch workers=2", progress
             )
-    decode_cpu = _decode_cpu_per_item([f.read_bytes() for f in files], repeats)
+    decode_cpu = decode_seconds([f.read_bytes() for f in files], max(3, repeats))
     cores = os.cpu_count() or 1
     bound = cores / (decode_cpu + http_cpu)
     last = measurements[-1].case

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from feedline.errors import PipelineFailure
-from feedline.pipeline._stages._common import FailureBudget
+from feedline.pipeline._stages._common import FailureBudget, LogThrottle
 
 from ._pool import LimitedPool
 
@@ -172,11 +172,12 @@ class BatchFetcher:
             if number == self._first_number and not (fetched and self._wait_for_delivery):
                 self._first.set()
 
-    def first_delivered(self, loop: asyncio.AbstractEventLoop) -> None:
+    def first_delivered(self) -> None:
         """Let the other batches start: the first one is collated. Thread-safe."""
-        first = self._first
-        if first is not None and not first.is_set():
-            loop.call_soon_threadsafe(first.set)
+        first, loop = self._first, self.loop
+        if first is not None and loop is not None and not first.is_set():
+            with contextlib.suppress(RuntimeError):  # the loop closed: the epoch was stopped
+                loop.call_soon_threadsafe(first.set)
 
     async def _fetch(self, indices: list[Any]) -> list[Any]:
         count = len(indices)
@@ -224,8 +225,7 @@ class FailureTally:
         self._budget = FailureBudget(max_failures)
         self.failures = 0
         self.items = 0
-        self._last_log = 0.0
-        self._unlogged = 0
+        self._throttle = LogThrottle()
 
     def keep(self, items: list[Any]) -> list[Any]:
         """The items that did not fail; raises once failures exceed the budget."""
@@ -237,9 +237,8 @@ class FailureTally:
 
     def _record(self, failed: FailedItem) -> None:
         self.failures += 1
-        now = time.monotonic()
-        if self.failures == 1 or now - self._last_log >= 1.0:
-            more = f" ({self._unlogged} more since the last message)" if self._unlogged else ""
+        more = self._throttle.admit()
+        if more is not None:
             _log.warning(
                 "dataset[%r] failed and was skipped: %s: %s [%d failure(s) so far]%s%s",
                 failed.index,
@@ -249,9 +248,6 @@ class FailureTally:
                 more,
                 "\n" + failed.traceback if self.failures == 1 else "",
             )
-            self._last_log, self._unlogged = now, 0
-        else:
-            self._unlogged += 1
         if self._budget.exceeded(self.failures, self.items):
             error = failed.error or RuntimeError(f"{failed.error_type}: {failed.message}")
             failure = PipelineFailure(

@@ -355,7 +355,7 @@ class _Finisher:
         finally:
             fetcher = self.fetcher
             if fetcher is not None and fetcher.loop is not None:
-                fetcher.first_delivered(fetcher.loop)
+                fetcher.first_delivered()
                 self.fetcher = None
 
 

@@ -113,6 +113,32 @@ class FailureBudget:
         return failures > self._limit
 
 
+class LogThrottle:
+    """At most one message per ``interval`` seconds: the first at once, later ones counted.
+
+    Not locked: callers that log from several threads hold their own lock around :meth:`admit`.
+    """
+
+    __slots__ = ("_held", "_interval", "_last")
+
+    def __init__(self, interval: float = 1.0) -> None:
+        self._interval = interval
+        self._last: float | None = None
+        self._held = 0
+
+    def admit(self) -> str | None:
+        """Whether to log now: ``None`` to stay quiet (the message is counted).
+
+        Otherwise, a suffix to append that says how many were held back since the last one.
+        """
+        now = time.monotonic()
+        if self._last is not None and now - self._last < self._interval:
+            self._held += 1
+            return None
+        held, self._held, self._last = self._held, 0, now
+        return f" ({held} more since the last message)" if held else ""
+
+
 class StageBase:
     """Failure handling and statistics common to all stage runtimes."""
 
@@ -123,8 +149,7 @@ class StageBase:
         self.name = name
         self.counters = StageCounters(name, kind, concurrency)
         self._budget = budget
-        self._last_log = 0.0
-        self._unlogged = 0
+        self._throttle = LogThrottle()
 
     def record_failure(self, item: Any, error: Exception) -> None:
         """Count a failed item, log it (rate-limited), and stop the run past the budget."""
@@ -135,16 +160,8 @@ class StageBase:
             c.last_error = error
             c.last_sample = sample
             failures, items = c.failures, c.items_in
-            now = time.monotonic()
-            first = failures == 1
-            log_now = first or now - self._last_log >= 1.0
-            if log_now:
-                self._last_log = now
-                skipped, self._unlogged = self._unlogged, 0
-            else:
-                self._unlogged += 1
-        if log_now:
-            more = f" ({skipped} more since the last message)" if skipped else ""
+            more = self._throttle.admit()
+        if more is not None:
             _log.warning(
                 "stage %r failed on sample %s: %s: %s [%d failure(s) so far]%s",
                 self.name,
@@ -153,7 +170,7 @@ class StageBase:
                 error,
                 failures,
                 more,
-                exc_info=error if first else None,
+                exc_info=error if failures == 1 else None,
             )
         if self._budget.exceeded(failures, items):
             failure = PipelineFailure(
