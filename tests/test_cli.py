@@ -99,8 +99,13 @@ def test_loader_scenarios_quick(scenario: str, tmp_path: Path) -> None:
     assert ours
     assert all(m["items_per_s"] > 0 and m["ratio"] > 0 for m in ours)
     assert any(name.startswith("PyTorch") for name in by_name)
-    if scenario == "memory":
-        assert all(m["extra"]["peak_pss_mib"] > 10 for m in data["measurements"])
+    # Every contender reports what it cost: memory (children included) and CPU time.
+    contenders = [m for m in data["measurements"] if "bound" not in m["contender"]]
+    assert all(m["extra"]["peak_pss_mib"] > 10 for m in contenders)
+    assert all(m["extra"]["peak_rss_mib"] >= m["extra"]["peak_pss_mib"] for m in contenders)
+    if scenario != "memory":
+        assert all(m["extra"]["cpu_s_per_1000"] > 0 for m in contenders)
+        assert all(m["extra"]["first_batch_ms"] > 0 for m in contenders)
     if scenario == "images":
         assert 0 < by_name["feedline pipeline"]["extra"]["of_bound"] < 2
         assert "upper bound" in by_name

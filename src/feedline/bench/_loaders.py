@@ -5,13 +5,12 @@ Datasets live at module level so that PyTorch's worker processes can unpickle th
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,9 +20,11 @@ import numpy as np
 __all__ = [
     "DecodeDataset",
     "HttpDataset",
+    "LoaderCosts",
     "LoaderRun",
     "MemorySampler",
     "PathsDataset",
+    "SlotPipeline",
     "SleepDataset",
     "decode_seconds",
     "process_tree_memory",
@@ -98,7 +99,8 @@ class HttpDataset:
     def __len__(self) -> int:
         return self.length
 
-    def _get(self, i: int) -> bytes:
+    def get(self, i: int) -> bytes:
+        """The encoded picture ``i``, fetched over this thread's connection."""
         connection = getattr(self._local, "connection", None)
         if connection is None:
             host, port = self.url.removeprefix("http://").split(":")
@@ -111,8 +113,87 @@ class HttpDataset:
         return data
 
     def __getitem__(self, i: int) -> Any:
-        data = self._get(i)
+        data = self.get(i)
         return _decode_feedline(data) if self.decode else np.frombuffer(data, np.uint8)[:16].copy()
+
+
+class SlotPipeline:
+    """Batches of pictures decoded straight into slots of pooled batch buffers: feedline's way.
+
+    Each pass builds a pipeline over ``keys``: ``read(key)`` gives a picture's bytes, decoded
+    to 224x224 into its slot of a ``(batch, 224, 224, 3)`` buffer from a
+    :class:`~feedline.io.BufferPool` (no collation copy). With ``read_concurrency``, reads are
+    their own stage that many wide (reads that wait on a server), ahead of a decode stage
+    ``decode_concurrency`` wide (about the number of cores: more decoding threads than cores
+    only evict each other's caches); without it, each decode task reads its own file.
+    """
+
+    def __init__(
+        self,
+        keys: Sequence[Any],
+        read: Callable[[Any], bytes],
+        batch: int,
+        decode_concurrency: int,
+        read_concurrency: int | None = None,
+    ) -> None:
+        self.keys = keys
+        self.read = read
+        self.batch = batch
+        self.decode_concurrency = decode_concurrency
+        self.read_concurrency = read_concurrency
+
+    def __len__(self) -> int:
+        return -(-len(self.keys) // self.batch)
+
+    def __iter__(self) -> Iterator[Any]:
+        from feedline import PipelineBuilder
+        from feedline.io import BufferPool, decode_image
+
+        # Buffers in use at once: the ones being filled, two in the sink, one with the
+        # consumer, and the next ones the decoders start on.
+        pool = BufferPool((self.batch, *SIZE, 3), count=8)
+        keys, read, batch = self.keys, self.read, self.batch
+
+        def slots() -> Iterator[list[Any]]:
+            for start in range(0, len(keys), batch):
+                chunk = keys[start : start + batch]
+                buffer = pool.acquire()[: len(chunk)]
+                for j, key in enumerate(chunk):
+                    yield [buffer, j, key]
+
+        def fetch(task: list[Any]) -> list[Any]:
+            task[2] = read(task[2])
+            return task
+
+        def decode(task: list[Any]) -> Any:
+            buffer, j, data = task
+            decode_image(data if self.read_concurrency else read(data), size=SIZE, out=buffer[j])
+            return buffer if j == len(buffer) - 1 else None
+
+        builder: PipelineBuilder[Any] = PipelineBuilder()
+        builder.add_source(slots())
+        threads = self.decode_concurrency + 1
+        if self.read_concurrency:
+            builder.pipe(
+                fetch, concurrency=self.read_concurrency, output_order="input", name="read"
+            )
+            threads += self.read_concurrency
+        pipeline = (
+            builder.pipe(
+                decode, concurrency=self.decode_concurrency, output_order="input", name="decode"
+            )
+            .pipe(_full_batches, name="batch")
+            .add_sink(2)
+            .build(num_threads=threads)
+        )
+        with pipeline.auto_stop():
+            yield from pipeline
+
+
+def _full_batches(batch: Any) -> Iterator[Any]:
+    # Only the slot that completes a batch passes the batch on; the others yield nothing.
+    if batch is not None:
+        yield batch
 
 
 class SleepDataset:
@@ -184,13 +265,18 @@ class MemorySampler:
         self.peak_pss = self.peak_rss = 0
         self._interval = interval
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="bench-memory", daemon=True)
 
-    def _run(self) -> None:
-        pid = os.getpid()
-        while True:
-            pss, rss = process_tree_memory(pid)
+    def sample(self) -> None:
+        """Take a sample now (also done every ``interval`` s by the sampling thread)."""
+        pss, rss = process_tree_memory(os.getpid())
+        with self._lock:
             self.peak_pss, self.peak_rss = max(self.peak_pss, pss), max(self.peak_rss, rss)
+
+    def _run(self) -> None:
+        while True:
+            self.sample()
             if self._stop.wait(self._interval):
                 return
 
@@ -234,17 +320,23 @@ def time_loader(
 ) -> LoaderRun:
     """Build a loader with ``make()``, iterate it, and time the pass (building included).
 
-    With ``memory``, also sample the peak PSS and RSS of this process and its children.
+    With ``memory``, also sample the peak PSS and RSS of this process and its children: every
+    100 ms, and once when the first batch has arrived (after its time is taken), so that a
+    short pass is sampled with its workers running.
     """
-    sampler = MemorySampler() if memory else contextlib.nullcontext()
-    with sampler:
-        run = _time_loader(make, max_batches)
-    if isinstance(sampler, MemorySampler):
-        run.peak_pss, run.peak_rss = sampler.peak_pss, sampler.peak_rss
+    if not memory:
+        return _time_loader(make, max_batches, None)
+    with MemorySampler() as sampler:
+        run = _time_loader(make, max_batches, sampler.sample)
+    run.peak_pss, run.peak_rss = sampler.peak_pss, sampler.peak_rss
     return run
 
 
-def _time_loader(make: Callable[[], Iterable[Any]], max_batches: int | None) -> LoaderRun:
+def _time_loader(
+    make: Callable[[], Iterable[Any]],
+    max_batches: int | None,
+    on_first_batch: Callable[[], None] | None,
+) -> LoaderRun:
     def cpu() -> float:
         t = os.times()  # children's CPU counts once they are waited for
         return t.user + t.system + t.children_user + t.children_system
@@ -257,6 +349,8 @@ def _time_loader(make: Callable[[], Iterable[Any]], max_batches: int | None) -> 
     for i, batch in enumerate(loader):
         times.append(time.perf_counter() - t0)
         sizes.append(len(batch))
+        if i == 0 and on_first_batch is not None:
+            on_first_batch()
         if max_batches is not None and i + 1 >= max_batches:
             break
     close = getattr(loader, "close", None)
@@ -266,3 +360,43 @@ def _time_loader(make: Callable[[], Iterable[Any]], max_batches: int | None) -> 
     seconds = time.perf_counter() - t0
     first = times[0] if times else seconds
     return LoaderRun(sum(sizes), seconds, first, cpu() - cpu0, times, sizes)
+
+
+class LoaderCosts:
+    """Times loaders with :func:`time_loader` and keeps what each contender's runs cost.
+
+    :meth:`attach` writes the medians into each measurement's ``extra``: ``first_batch_ms``,
+    ``cpu_s_per_1000`` (this process and its children), and with ``memory`` the peak
+    ``peak_pss_mib`` and ``peak_rss_mib`` (children included), sampled every 100 ms.
+    """
+
+    def __init__(self, memory: bool = True) -> None:
+        self.memory = memory
+        self._runs: dict[tuple[str, str], dict[str, list[float]]] = {}
+
+    def time(
+        self,
+        case: str,
+        contender: str,
+        make: Callable[[], Iterable[Any]],
+        max_batches: int | None = None,
+    ) -> LoaderRun:
+        """One timed pass of ``make()``'s loader, recorded under ``(case, contender)``."""
+        result = time_loader(make, max_batches, memory=self.memory)
+        record = self._runs.setdefault((case, contender), {})
+        costs = {
+            "first_batch_ms": 1000 * result.first_batch_s,
+            "cpu_s_per_1000": 1000 * result.cpu_s / max(result.items, 1),
+        }
+        if self.memory:
+            costs["peak_pss_mib"] = result.peak_pss / 2**20
+            costs["peak_rss_mib"] = result.peak_rss / 2**20
+        for key, value in costs.items():
+            record.setdefault(key, []).append(value)
+        return result
+
+    def attach(self, measurements: Iterable[Any]) -> None:
+        """Put the median of each recorded cost into the matching measurements' ``extra``."""
+        for m in measurements:
+            for key, values in self._runs.get((m.case, m.contender), {}).items():
+                m.extra[key] = statistics.median(values)

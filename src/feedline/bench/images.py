@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import functools
 import os
-import statistics
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +28,7 @@ import numpy as np
 
 from ._common import Contender, Measurement, ScenarioResult, alternate, make_result
 from ._data import jpeg_files
-from ._loaders import DECODERS, decode_seconds, time_loader
+from ._loaders import DECODERS, LoaderCosts, SlotPipeline, decode_seconds
 from ._registry import BenchOptions
 
 __all__ = ["FileDataset", "run"]
@@ -67,51 +65,9 @@ def _feedline_loader(paths: list[str], threads: int) -> Any:
     return DataLoader(FileDataset(paths, "feedline"), batch_size=BATCH, fetch_concurrency=threads)
 
 
-class _PipelineLoader:
-    """Decode into slots of pooled batch buffers: one pipeline stage, ``threads`` wide."""
-
-    def __init__(self, paths: list[str], threads: int) -> None:
-        self.paths = paths
-        self.threads = threads
-
-    def __iter__(self) -> Iterator[Any]:
-        from feedline import PipelineBuilder
-        from feedline.io import BufferPool, decode_image
-
-        # Buffers in use at once: the one being filled, two in the sink, one with the consumer,
-        # and the next ones the decoders start on.
-        pool = BufferPool((BATCH, *SIZE, 3), count=8)
-        paths = self.paths
-
-        def slots() -> Iterator[tuple[Any, int, str]]:
-            for start in range(0, len(paths), BATCH):
-                chunk = paths[start : start + BATCH]
-                buffer = pool.acquire()[: len(chunk)]
-                for j, path in enumerate(chunk):
-                    yield buffer, j, path
-
-        def decode(task: tuple[Any, int, str]) -> Any:
-            buffer, j, path = task
-            with open(path, "rb") as f:
-                decode_image(f.read(), size=SIZE, out=buffer[j])
-            return buffer if j == len(buffer) - 1 else None
-
-        builder: PipelineBuilder[Any] = PipelineBuilder()
-        pipeline = (
-            builder.add_source(slots())
-            .pipe(decode, concurrency=self.threads, output_order="input", name="decode")
-            .pipe(_keep_batches, name="batch")
-            .add_sink(2)
-            .build(num_threads=self.threads + 1)
-        )
-        with pipeline.auto_stop():
-            yield from pipeline
-
-
-def _keep_batches(batch: Any) -> Iterator[Any]:
-    # Only the slot that completes a batch passes the batch on; the others yield nothing.
-    if batch is not None:
-        yield batch
+def _read_file(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def run(options: BenchOptions) -> ScenarioResult:
@@ -124,16 +80,11 @@ def run(options: BenchOptions) -> ScenarioResult:
     paths = [str(p) for p in files]
     pictures = [Path(p).read_bytes() for p in paths]
     bound = cores / decode_seconds(pictures, 3 if quick else 7)
-    extra: dict[str, dict[str, list[float]]] = {}
+    case = f"{count} JPEGs -> batches of {BATCH}x224x224x3"
+    costs = LoaderCosts()
 
     def timed(name: str, make: Any) -> tuple[int, float]:
-        result = time_loader(make, memory=True)
-        record = extra.setdefault(name, {})
-        record.setdefault("first_batch_ms", []).append(1000 * result.first_batch_s)
-        record.setdefault("cpu_s_per_1000", []).append(1000 * result.cpu_s / max(result.items, 1))
-        record.setdefault("peak_pss_mib", []).append(result.peak_pss / 2**20)
-        record.setdefault("peak_rss_mib", []).append(result.peak_rss / 2**20)
-        return result.steady()
+        return costs.time(case, name, make).steady()
 
     setups: list[tuple[str, Any]] = []
     for workers in (cores, 2 * cores):
@@ -145,17 +96,17 @@ def run(options: BenchOptions) -> ScenarioResult:
                 )
             )
     setups.append(("feedline DataLoader", functools.partial(_feedline_loader, paths, cores)))
-    setups.append(("feedline pipeline", functools.partial(_PipelineLoader, paths, cores)))
+    setups.append(
+        ("feedline pipeline", functools.partial(SlotPipeline, paths, _read_file, BATCH, cores))
+    )
     contenders = [Contender(name, functools.partial(timed, name, make)) for name, make in setups]
-    case = f"{count} JPEGs -> batches of {BATCH}x224x224x3"
     found = alternate(case, contenders, repeats, None, progress)
     pil = [m for m in found if m.contender.startswith("PyTorch + PIL")]
     best_pil = max(pil, key=lambda m: m.items_per_s)
     for m in found:
         m.ratio = m.items_per_s / best_pil.items_per_s
         m.extra["of_bound"] = m.items_per_s / bound
-        for key, values in extra[m.contender].items():
-            m.extra[key] = statistics.median(values)
+    costs.attach(found)
     found.append(Measurement(case=case, contender="upper bound", items_per_s=bound, runs=[bound]))
     found[-1].ratio = bound / best_pil.items_per_s
     notes = [

@@ -5,8 +5,10 @@ from an HTTP server that waits 20 ms before replying, as object storage does; an
 a 30 ms wait and then decodes and resizes the JPEG to 224x224. The server runs in its own
 process on asyncio (:mod:`._server`); each fetching thread keeps a keep-alive connection.
 Contenders: PyTorch's DataLoader with 2 and 4 worker processes (the baseline is 2), feedline's
-DataLoader (all reads of a batch at once, on threads), and a plain ``ThreadPoolExecutor.map``
-over the indices.
+DataLoader (all reads of a batch at once, on threads), a plain ``ThreadPoolExecutor.map`` over
+the indices, and with decoding a feedline pipeline: GETs in a stage of their own, 48 wide, and
+decoding into pooled batch buffers in a stage as wide as the cores, so that only as many
+threads decode as there are cores.
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ from ._common import (
     make_result,
 )
 from ._data import jpeg_files
-from ._loaders import HttpDataset, SleepDataset, decode_seconds, time_loader
+from ._loaders import (
+    HttpDataset,
+    LoaderCosts,
+    SleepDataset,
+    SlotPipeline,
+    decode_seconds,
+    time_loader,
+)
 from ._registry import BenchOptions
 from ._server import ServerProcess
 
@@ -35,6 +44,9 @@ __all__ = ["run"]
 
 BATCH = 32
 FETCH_CONCURRENCY = 128
+# GETs in flight in the pipeline's read stage: about twice the rate the cores can decode times
+# the wait (here 2 cores x 400/s x 31 ms).
+READS = 48
 
 
 def _torch(dataset: Any, workers: int) -> Any:
@@ -69,24 +81,38 @@ class _PoolLoader:
                 yield np.stack(batch)
 
 
-def _contenders(dataset: Any, big: Any) -> list[Contender]:
+def _contenders(
+    case: str, dataset: Any, big: Any, costs: LoaderCosts, decode: bool
+) -> list[Contender]:
     """PyTorch over ``dataset``; the thread-based loaders over ``big``.
 
-    ``big`` has more items, so that a faster loader's pass is not mostly its start-up.
+    ``big`` has more items, so that a faster loader's pass is not mostly its start-up. With
+    ``decode``, a feedline pipeline (GETs in one stage, decoding in another) joins them.
     """
 
-    def timed(make: Any) -> tuple[int, float]:
+    def timed(name: str, make: Any) -> tuple[int, float]:
         # The whole pass: a thread pool that submits every item at once would look
         # infinitely fast if timed from its first batch.
-        result = time_loader(make)
+        result = costs.time(case, name, make)
         return result.items, result.seconds
 
-    return [
-        Contender("PyTorch workers=2", functools.partial(timed, lambda: _torch(dataset, 2))),
-        Contender("PyTorch workers=4", functools.partial(timed, lambda: _torch(dataset, 4))),
-        Contender("feedline", functools.partial(timed, lambda: _feedline(big))),
-        Contender("ThreadPoolExecutor", functools.partial(timed, lambda: _PoolLoader(big))),
+    setups: list[tuple[str, Any]] = [
+        ("PyTorch workers=2", lambda: _torch(dataset, 2)),
+        ("PyTorch workers=4", lambda: _torch(dataset, 4)),
+        ("feedline", lambda: _feedline(big)),
+        ("ThreadPoolExecutor", lambda: _PoolLoader(big)),
     ]
+    if decode:
+        cores = os.cpu_count() or 1
+        keys = range(len(big))
+        setups.insert(
+            3,
+            (
+                "feedline pipeline",
+                lambda: SlotPipeline(keys, big.get, BATCH, cores, read_concurrency=READS),
+            ),
+        )
+    return [Contender(name, functools.partial(timed, name, make)) for name, make in setups]
 
 
 def _http_cpu_per_item(server: ServerProcess, dataset: Any) -> float:
@@ -110,13 +136,18 @@ def run(options: BenchOptions) -> ScenarioResult:
         ("30 ms GET + decode", 0.030, True),
     ]
     http_cpu = 0.0
+    costs = LoaderCosts()
     for label, delay, decode in cases:
         case = f"{label}, batch {BATCH}"
         if decode is None:
             dataset: Any = SleepDataset(count, delay)
             big: Any = SleepDataset(count * 5, delay)
             measurements += alternate(
-                case, _contenders(dataset, big), repeats, "PyTorch workers=2", progress
+                case,
+                _contenders(case, dataset, big, costs, bool(decode)),
+                repeats,
+                "PyTorch workers=2",
+                progress,
             )
             continue
         with ServerProcess(files, delay) as server:
@@ -125,8 +156,13 @@ def run(options: BenchOptions) -> ScenarioResult:
             if not decode:
                 http_cpu = _http_cpu_per_item(server, big)
             measurements += alternate(
-                case, _contenders(dataset, big), repeats, "PyTorch workers=2", progress
+                case,
+                _contenders(case, dataset, big, costs, bool(decode)),
+                repeats,
+                "PyTorch workers=2",
+                progress,
             )
+    costs.attach(measurements)
     decode_cpu = decode_seconds([f.read_bytes() for f in files], max(3, repeats))
     cores = os.cpu_count() or 1
     bound = cores / (decode_cpu + http_cpu)
@@ -148,5 +184,9 @@ def run(options: BenchOptions) -> ScenarioResult:
         "the thread-based loaders (2x with decoding), so that start-up weighs alike",
         f"feedline: DataLoader(batch_size={BATCH}, fetch_concurrency={FETCH_CONCURRENCY}, "
         "prefetch_factor=4), num_workers=0; the server is another process (asyncio, keep-alive)",
+        f"feedline pipeline: a read stage {READS} wide, then a decode stage {cores} wide "
+        "writing into pooled batch buffers (feedline.io.BufferPool)",
+        "CPU s per 1000 items: this process and its worker processes, not the server's; peak "
+        "PSS / RSS: this process and its children, sampled every 100 ms",
     ]
     return make_result("latency", "PyTorch workers=2", measurements, notes, True)

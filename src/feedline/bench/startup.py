@@ -9,12 +9,11 @@ first batch; feedline's starts threads. The baseline is PyTorch with 2 workers.
 from __future__ import annotations
 
 import functools
-import statistics
 from typing import Any
 
 from ._common import Contender, ScenarioResult, alternate, make_result
 from ._data import jpeg_files, read_all
-from ._loaders import DecodeDataset, time_loader
+from ._loaders import DecodeDataset, LoaderCosts
 from ._registry import BenchOptions
 
 __all__ = ["run"]
@@ -38,11 +37,12 @@ def run(options: BenchOptions) -> ScenarioResult:
     pictures = read_all(jpeg_files(32, "imagenet", options.data_dir, options.progress))
     dataset = DecodeDataset(pictures, "feedline", length=BATCH * 2)
     dataset[0]  # import the decoder's libraries now, not in whichever contender runs first
-    seconds: dict[str, list[float]] = {}
+    case = f"first batch of {BATCH}"
+    costs = LoaderCosts()
 
     def first_batch(name: str, kind: str, workers: int) -> tuple[int, float]:
-        result = time_loader(functools.partial(_make, kind, workers, dataset), max_batches=1)
-        seconds.setdefault(name, []).append(result.first_batch_s)
+        make = functools.partial(_make, kind, workers, dataset)
+        result = costs.time(case, name, make, max_batches=1)
         return 1, result.first_batch_s
 
     setups = [
@@ -56,15 +56,15 @@ def run(options: BenchOptions) -> ScenarioResult:
         Contender(name, functools.partial(first_batch, name, kind, workers))
         for name, kind, workers in setups
     ]
-    found = alternate(
-        f"first batch of {BATCH}", contenders, repeats, "PyTorch workers=2", options.progress
-    )
-    for m in found:
-        m.extra["first_batch_ms"] = 1000 * statistics.median(seconds[m.contender])
+    found = alternate(case, contenders, repeats, "PyTorch workers=2", options.progress)
+    costs.attach(found)
     notes = [
         f"{repeats} alternating run(s) per contender, medians. items/s here is first batches "
         "per second (1 / time to the first batch): a ratio of 2 is half PyTorch's wait",
         "feedline workers=2 starts worker processes with forkserver (each imports the dataset "
         "afresh), so it starts slower than its threads; use it for GIL-bound datasets",
+        "CPU s per 1000 items: creating the loader, its first batch and shutting it down "
+        "(worker processes included), over the 32 items of that batch; peak PSS / RSS: this "
+        "process and its children, sampled every 100 ms",
     ]
     return make_result("startup", "PyTorch workers=2", found, notes, True)
