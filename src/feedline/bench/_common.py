@@ -93,7 +93,9 @@ def alternate(
     """Run each contender ``repeats`` times, round-robin, and summarise by the median.
 
     Alternating spreads the noise of a shared machine over every contender instead of
-    letting it land on whichever ran during a busy moment.
+    letting it land on whichever ran during a busy moment. The ratio to ``baseline`` is the
+    median of the per-round ratios (each run against the baseline's run of the same round),
+    so that a machine whose speed drifts between rounds does not skew it.
     """
     rates: dict[str, list[float]] = {c.name: [] for c in contenders}
     for r in range(repeats):
@@ -106,10 +108,10 @@ def alternate(
         Measurement(case=case, contender=name, items_per_s=statistics.median(v), runs=v)
         for name, v in rates.items()
     ]
-    base = next((m for m in out if m.contender == baseline), None)
-    if base is not None and base.items_per_s > 0:
+    base = rates.get(baseline) if baseline is not None else None
+    if base is not None and all(b > 0 for b in base):
         for m in out:
-            m.ratio = m.items_per_s / base.items_per_s
+            m.ratio = statistics.median(r / b for r, b in zip(m.runs, base, strict=True))
     return out
 
 

@@ -115,7 +115,7 @@ def _available(name: str, fn: Callable[[bytes], Any], probe: bytes) -> str | Non
 def run(options: BenchOptions) -> ScenarioResult:
     """Run the decode scenario; ``options.quick`` shrinks it to a smoke test."""
     quick, progress, data_dir = options.quick, options.progress, options.data_dir
-    repeats = 1 if quick else 5
+    repeats = 1 if quick else 9
     notes = [
         f"{repeats} alternating run(s) per contender, medians; pictures/s to a 224x224x3 array",
         "each thread loops over its share of in-memory bytes: no pool, no file reads",
