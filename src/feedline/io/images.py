@@ -28,6 +28,7 @@ Pillow's ``Image.open`` does.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from typing import Any, Literal
@@ -161,6 +162,26 @@ def _is_box(kernel: np.ndarray[Any, Any] | None) -> bool:
     return kernel is None or bool(np.all(kernel == kernel[0]))
 
 
+@functools.lru_cache(maxsize=4096)
+def _prefilters(src_h: int, src_w: int, dst_h: int, dst_w: int) -> tuple[str, Any]:
+    """How to prefilter a ``src`` picture before shrinking it to ``dst``.
+
+    ``("none", None)``, ``("box", (kx, ky))`` (widths for ``cv2.blur``) or ``("sep", (kx, ky))``
+    (read-only kernels for ``cv2.sepFilter2D``). Cached: datasets repeat a few picture sizes.
+    """
+    kx = _prefilter(src_w / dst_w)
+    ky = _prefilter(src_h / dst_h)
+    if kx is None and ky is None:
+        return "none", None
+    if _is_box(kx) and _is_box(ky):  # the common case: OpenCV's running-sum box filter
+        return "box", (1 if kx is None else kx.size, 1 if ky is None else ky.size)
+    one = np.ones(1, np.float32)
+    kernels = (one if kx is None else kx, one if ky is None else ky)
+    for kernel in kernels:
+        kernel.flags.writeable = False
+    return "sep", kernels
+
+
 def _resize(
     cv2: Any, src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any], antialias: bool
 ) -> None:
@@ -170,17 +191,13 @@ def _resize(
     if single and src.ndim == 3:
         src = src[:, :, 0]
     target = dst[:, :, 0] if single else dst
-    kx = _prefilter(src.shape[1] / width) if antialias else None
-    ky = _prefilter(src.shape[0] / height) if antialias else None
-    if kx is not None or ky is not None:
+    how, filters = _prefilters(src.shape[0], src.shape[1], height, width)
+    if antialias and how != "none":
         blurred = _scratch_array("blurred", src.shape)
-        if _is_box(kx) and _is_box(ky):  # the common case: OpenCV's running-sum box filter
-            box = (1 if kx is None else kx.size, 1 if ky is None else ky.size)
-            src = cv2.blur(src, box, dst=blurred)
+        if how == "box":
+            src = cv2.blur(src, filters, dst=blurred)
         else:
-            one = np.ones(1, np.float32)
-            kernels = (one if kx is None else kx, one if ky is None else ky)
-            src = cv2.sepFilter2D(src, -1, *kernels, dst=blurred)
+            src = cv2.sepFilter2D(src, -1, *filters, dst=blurred)
     result = cv2.resize(src, (width, height), dst=target, interpolation=cv2.INTER_LINEAR)
     if not np.shares_memory(result, dst):  # pragma: no cover - OpenCV honours dst of this shape
         target[...] = result
