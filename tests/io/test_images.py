@@ -320,9 +320,18 @@ def test_concurrent_decodes_share_no_scratch_memory() -> None:
     np.testing.assert_array_equal(first, expected[0])
 
 
-@pytest.mark.parametrize("ratio", [1.0, 1.19, 1.2, 1.4, 1.58, 1.67, 2.0, 2.23, 3.0, 5.7, 8.0])
-def test_prefilter_spreads_like_pillows_triangle(ratio: float) -> None:
-    kernel = _prefilter(ratio)
+RATIOS = [1.0, 1.19, 1.2, 1.4, 1.58, 1.59, 1.674, 2.0, 2.232, 2.236, 2.24, 2.9, 3.0, 5.7, 8.0]
+
+
+def _variance(kernel: np.ndarray[Any, Any]) -> float:
+    taps = np.arange(kernel.size) - kernel.size // 2
+    return float(np.sum(kernel.astype(np.float64) * taps**2))
+
+
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_prefilter_spreads_like_pillows_triangle(ratio: float, exact: bool) -> None:
+    kernel = _prefilter(ratio, exact)
     if ratio < 1.2:
         assert kernel is None
         return
@@ -330,12 +339,43 @@ def test_prefilter_spreads_like_pillows_triangle(ratio: float) -> None:
     assert kernel.size % 2 == 1  # centred: no half-pixel shift
     np.testing.assert_allclose(kernel, kernel[::-1])
     assert kernel.sum() == pytest.approx(1.0, abs=1e-6)
-    taps = np.arange(kernel.size) - kernel.size // 2
-    variance = float(np.sum(kernel * taps**2))
-    # Prefilter plus bilinear sample (1/6) against Pillow's triangle (ratio**2 / 6): exact for
-    # the 3-tap kernel, within the rounding of the box to an odd width above it.
-    wanted = (ratio * ratio - 1) / 6
-    if kernel.size == 3 and kernel[0] != kernel[1]:
-        assert variance == pytest.approx(wanted, rel=1e-4)
+    # Pillow's triangle has variance ratio**2 / 6; the bilinear sample adds 1/6 on average,
+    # and at integer ratios 1/4 (even: always halfway) or 0 (odd: always on a pixel).
+    sample = (0.25 if ratio % 2 == 0 else 0.0) if ratio == int(ratio) else 1 / 6
+    wanted = ratio * ratio / 6 - sample
+    if exact:
+        assert _variance(kernel) == pytest.approx(wanted, rel=1e-4)
+    elif kernel.size >= 3 and np.all(kernel == kernel[0]):
+        # The fast box: the odd width nearest that of a box of the wanted variance.
+        assert abs(kernel.size - np.sqrt(12 * wanted + 1)) <= 1.0
     else:
-        assert abs(np.sqrt(12 * variance + 1) - np.sqrt(12 * wanted + 1)) <= 1.0
+        assert kernel.size == 3
+        assert _variance(kernel) == pytest.approx(wanted, rel=1e-4)
+
+
+def test_exact_prefilter_varies_smoothly_with_the_ratio() -> None:
+    # No jumps where the kernel changes shape (3-tap to box, box to wider box). Integer
+    # ratios are left out: there the bilinear sample's share changes, and the kernel with it.
+    ratios = [r for r in np.linspace(1.2, 6.0, 400) if r != int(r)]
+    variances = [_variance(k) for r in ratios if (k := _prefilter(float(r), True)) is not None]
+    steps = np.diff(variances)
+    assert np.all(steps >= 0)
+    assert steps.max() < 0.2
+
+
+@pytest.mark.parametrize("grayscale", [False, True])
+@pytest.mark.parametrize("mode", ["fast", "exact"])
+def test_small_shrink_uses_the_3_tap_filter_and_tracks_pillow(grayscale: bool, mode: str) -> None:
+    # 375x500 -> 300x400 is a 1.25x shrink on both axes: the 3-tap kernel, not a box.
+    kernel = _prefilter(1.25, mode == "exact")
+    assert kernel is not None
+    assert kernel.size == 3
+    assert kernel[0] != kernel[1]
+    data = encode(picture(375, 500, seed=4), "PNG")
+    ours = decode_image(data, size=(300, 400), grayscale=grayscale, mode=mode)  # type: ignore[arg-type]
+    ref = pil_decode(data, (300, 400), mode="L" if grayscale else "RGB")
+    ref = ref[:, :, None] if grayscale else ref
+    plain = decode_image(data, size=(300, 400), grayscale=grayscale, antialias=False)
+    assert ours.shape == ref.shape == plain.shape
+    assert psnr(ours, ref) >= RESIZE_PSNR_DB
+    assert psnr(ours, ref) > psnr(plain, ref)

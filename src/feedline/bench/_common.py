@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import platform
 import statistics
 import sys
@@ -20,6 +21,7 @@ __all__ = [
     "alternate",
     "machine_info",
     "make_result",
+    "paired_ratio",
     "threaded_loop",
 ]
 
@@ -98,6 +100,8 @@ def alternate(
     so that a machine whose speed drifts between rounds does not skew it.
     """
     rates: dict[str, list[float]] = {c.name: [] for c in contenders}
+    if len(rates) != len(contenders):
+        raise ValueError(f"contender names must be unique: {[c.name for c in contenders]}")
     for r in range(repeats):
         for c in contenders:
             if progress is not None:
@@ -109,10 +113,24 @@ def alternate(
         for name, v in rates.items()
     ]
     base = rates.get(baseline) if baseline is not None else None
-    if base is not None and all(b > 0 for b in base):
+    if base is not None:
         for m in out:
-            m.ratio = statistics.median(r / b for r, b in zip(m.runs, base, strict=True))
+            m.ratio = paired_ratio(m.runs, base)
     return out
+
+
+def paired_ratio(runs: Sequence[float], base: Sequence[float]) -> float | None:
+    """The median over rounds of ``runs[i] / base[i]``, skipping rounds without a valid pair.
+
+    Each round's runs were taken moments apart, so a machine that drifts between rounds
+    cancels out. ``None`` if no round has a finite rate and a positive finite baseline.
+    """
+    pairs = [
+        r / b
+        for r, b in zip(runs, base, strict=True)
+        if math.isfinite(r) and math.isfinite(b) and b > 0
+    ]
+    return statistics.median(pairs) if pairs else None
 
 
 def make_result(

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import http.client
 import os
+import resource
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,10 @@ class SlotPipeline:
     their own stage that many wide (reads that wait on a server), ahead of a decode stage
     ``decode_concurrency`` wide (about the number of cores: more decoding threads than cores
     only evict each other's caches); without it, each decode task reads its own file.
+
+    A batch is handed on when its last slot is written (the decode stage keeps input order,
+    so every earlier slot is written by then). That needs every read and decode to succeed:
+    the pipeline has no failure budget, and a failure ends the pass with ``PipelineFailure``.
     """
 
     def __init__(
@@ -149,9 +154,11 @@ class SlotPipeline:
         from feedline import PipelineBuilder
         from feedline.io import BufferPool, decode_image
 
-        # Buffers in use at once: the ones being filled, two in the sink, one with the
-        # consumer, and the next ones the decoders start on.
-        pool = BufferPool((self.batch, *SIZE, 3), count=8)
+        # Buffers in use at once: the one with the consumer, two in the sink, and those with
+        # slots in flight: up to twice each stage's concurrency ahead (ordered stages) plus
+        # the queues between them.
+        in_flight = 3 * ((self.read_concurrency or 0) + self.decode_concurrency)
+        pool = BufferPool((self.batch, *SIZE, 3), count=4 + -(-in_flight // self.batch))
         keys, read, batch = self.keys, self.read, self.batch
 
         def slots() -> Iterator[list[Any]]:
@@ -172,7 +179,7 @@ class SlotPipeline:
 
         builder: PipelineBuilder[Any] = PipelineBuilder()
         builder.add_source(slots())
-        threads = self.decode_concurrency + 1
+        threads = self.decode_concurrency + 2  # and one each for the source and batching
         if self.read_concurrency:
             builder.pipe(
                 fetch, concurrency=self.read_concurrency, output_order="input", name="read"
@@ -239,12 +246,17 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def process_tree_memory(pid: int) -> tuple[int, int]:
-    """(PSS, RSS) in bytes of ``pid`` and all its descendants (Linux ``/proc``)."""
+def process_tree_memory(pid: int, exclude: Collection[int] = ()) -> tuple[int, int]:
+    """(PSS, RSS) in bytes of ``pid`` and all its descendants but ``exclude`` (Linux ``/proc``).
+
+    ``exclude``: processes left out with their descendants (a benchmark's helper server).
+    """
     pss = rss = 0
     todo = [pid]
     while todo:
         current = todo.pop()
+        if current in exclude:
+            continue
         try:
             text = Path(f"/proc/{current}/smaps_rollup").read_text()
         except OSError:
@@ -259,34 +271,46 @@ def process_tree_memory(pid: int) -> tuple[int, int]:
 
 
 class MemorySampler:
-    """Samples the PSS and RSS of this process and its children every ``interval`` s."""
+    """Samples the PSS and RSS of this process and its children.
 
-    def __init__(self, interval: float = 0.1) -> None:
+    Every ``interval`` seconds from a thread of its own (``None``: only when :meth:`sample` is
+    called), leaving out the processes in ``exclude``. ``cpu_s`` is the CPU time the samples
+    took (reading ``/proc`` is not free), for the caller to subtract from what it measures.
+    """
+
+    def __init__(self, interval: float | None = 0.1, exclude: Collection[int] = ()) -> None:
         self.peak_pss = self.peak_rss = 0
+        self.cpu_s = 0.0
         self._interval = interval
+        self._exclude = frozenset(exclude)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="bench-memory", daemon=True)
 
     def sample(self) -> None:
-        """Take a sample now (also done every ``interval`` s by the sampling thread)."""
-        pss, rss = process_tree_memory(os.getpid())
+        """Take a sample now, on the calling thread."""
+        t0 = time.thread_time()
+        pss, rss = process_tree_memory(os.getpid(), self._exclude)
         with self._lock:
             self.peak_pss, self.peak_rss = max(self.peak_pss, pss), max(self.peak_rss, rss)
+            self.cpu_s += time.thread_time() - t0
 
     def _run(self) -> None:
-        while True:
+        assert self._interval is not None
+        # The first sample waits one interval: at the start it would only slow the loader
+        # being timed, and the process has not grown yet.
+        while not self._stop.wait(self._interval):
             self.sample()
-            if self._stop.wait(self._interval):
-                return
 
     def __enter__(self) -> MemorySampler:
-        self._thread.start()
+        if self._interval is not None:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 @dataclass
@@ -316,19 +340,25 @@ class LoaderRun:
 
 
 def time_loader(
-    make: Callable[[], Iterable[Any]], max_batches: int | None = None, memory: bool = False
+    make: Callable[[], Iterable[Any]],
+    max_batches: int | None = None,
+    memory: bool = False,
+    periodic: bool = True,
+    exclude: Collection[int] = (),
 ) -> LoaderRun:
     """Build a loader with ``make()``, iterate it, and time the pass (building included).
 
-    With ``memory``, also sample the peak PSS and RSS of this process and its children: every
-    100 ms, and once when the first batch has arrived (after its time is taken), so that a
-    short pass is sampled with its workers running.
+    With ``memory``, also sample the peak PSS and RSS of this process and its children but
+    ``exclude``: once when the first batch has arrived (after its time is taken), so that a
+    short pass is sampled with its workers running, and with ``periodic`` every 100 ms. The
+    CPU time the sampling takes is not counted in ``cpu_s``.
     """
     if not memory:
         return _time_loader(make, max_batches, None)
-    with MemorySampler() as sampler:
+    with MemorySampler(0.1 if periodic else None, exclude) as sampler:
         run = _time_loader(make, max_batches, sampler.sample)
     run.peak_pss, run.peak_rss = sampler.peak_pss, sampler.peak_rss
+    run.cpu_s -= sampler.cpu_s
     return run
 
 
@@ -338,8 +368,10 @@ def _time_loader(
     on_first_batch: Callable[[], None] | None,
 ) -> LoaderRun:
     def cpu() -> float:
-        t = os.times()  # children's CPU counts once they are waited for
-        return t.user + t.system + t.children_user + t.children_system
+        # Children's CPU counts once they are waited for (a loader's close() joins its workers).
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
     cpu0 = cpu()
     t0 = time.perf_counter()
@@ -367,11 +399,14 @@ class LoaderCosts:
 
     :meth:`attach` writes the medians into each measurement's ``extra``: ``first_batch_ms``,
     ``cpu_s_per_1000`` (this process and its children), and with ``memory`` the peak
-    ``peak_pss_mib`` and ``peak_rss_mib`` (children included), sampled every 100 ms.
+    ``peak_pss_mib`` and ``peak_rss_mib`` (children included, ``exclude`` left out), sampled
+    when the first batch arrives and, with ``periodic``, every 100 ms.
     """
 
-    def __init__(self, memory: bool = True) -> None:
+    def __init__(self, memory: bool = True, periodic: bool = True) -> None:
         self.memory = memory
+        self.periodic = periodic
+        self.exclude: set[int] = set()  # processes whose memory is not the contenders' (a server)
         self._runs: dict[tuple[str, str], dict[str, list[float]]] = {}
 
     def time(
@@ -382,7 +417,7 @@ class LoaderCosts:
         max_batches: int | None = None,
     ) -> LoaderRun:
         """One timed pass of ``make()``'s loader, recorded under ``(case, contender)``."""
-        result = time_loader(make, max_batches, memory=self.memory)
+        result = time_loader(make, max_batches, self.memory, self.periodic, self.exclude)
         record = self._runs.setdefault((case, contender), {})
         costs = {
             "first_batch_ms": 1000 * result.first_batch_s,

@@ -56,6 +56,7 @@ class ServerProcess:
             self.close()
             raise RuntimeError("the benchmark's HTTP server did not start")
         self.url = f"http://127.0.0.1:{port}"
+        self.pid = self._process.pid
 
     def cpu_seconds(self) -> float:
         """CPU time the server process has used so far (Linux ``/proc``)."""

@@ -27,7 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from ._common import Contender, ScenarioResult, alternate, make_result, threaded_loop
+from ._common import (
+    Contender,
+    ScenarioResult,
+    alternate,
+    make_result,
+    paired_ratio,
+    threaded_loop,
+)
 from ._data import jpeg_files
 from ._loaders import DECODERS, LoaderCosts, SlotPipeline
 from ._registry import BenchOptions
@@ -115,17 +122,18 @@ def run(options: BenchOptions) -> ScenarioResult:
     found = alternate(case, contenders, repeats, BOUND, progress)
     bound = next(m for m in found if m.contender == BOUND)
     for m in found:
-        m.extra["of_bound"] = m.ratio if m.ratio is not None else m.items_per_s / bound.items_per_s
+        if m.ratio is not None:
+            m.extra["of_bound"] = m.ratio
     pil = [m for m in found if m.contender.startswith("PyTorch + PIL")]
     best_pil = max(pil, key=lambda m: m.items_per_s)
     for m in found:
-        m.ratio = m.items_per_s / best_pil.items_per_s
+        m.ratio = paired_ratio(m.runs, best_pil.runs)
     costs.attach(found)
     notes = [
         f"{repeats} alternating run(s) per contender, medians; steady images/s (over the "
         "last three quarters of a pass, so that prefetched batches do not count); ratio to "
-        "the best PyTorch + PIL configuration "
-        f"({best_pil.contender})",
+        f"the best PyTorch + PIL configuration ({best_pil.contender}), the median of the "
+        "per-round ratios",
         f"upper bound: feedline's decode on one thread, in memory, x {cores} cores = "
         f"{bound.items_per_s:,.0f} images/s (median; measured in every round); of_bound is "
         "each contender's share of it, the median of its per-round shares",

@@ -6,9 +6,9 @@ a 30 ms wait and then decodes and resizes the JPEG to 224x224. The server runs i
 process on asyncio (:mod:`._server`); each fetching thread keeps a keep-alive connection.
 Contenders: PyTorch's DataLoader with 2 and 4 worker processes (the baseline is 2), feedline's
 DataLoader (all reads of a batch at once, on threads), a plain ``ThreadPoolExecutor.map`` over
-the indices, and with decoding a feedline pipeline: GETs in a stage of their own, 48 wide, and
-decoding into pooled batch buffers in a stage as wide as the cores, so that only as many
-threads decode as there are cores.
+the indices, and with decoding a feedline pipeline: GETs in a stage of their own, 24 wide per
+core, and decoding into pooled batch buffers in a stage as wide as the cores, so that only as
+many threads decode as there are cores.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ __all__ = ["run"]
 
 BATCH = 32
 FETCH_CONCURRENCY = 128
-# GETs in flight in the pipeline's read stage: about twice the rate the cores can decode times
-# the wait (here 2 cores x 400/s x 31 ms).
-READS = 48
+# GETs in flight in the pipeline's read stage, per core: twice what one core's decode rate
+# (about 400/s here) times the wait (31 ms) needs, so that reads never hold the decoders back.
+READS_PER_CORE = 24
 
 
 def _torch(dataset: Any, workers: int) -> Any:
@@ -109,7 +109,9 @@ def _contenders(
             3,
             (
                 "feedline pipeline",
-                lambda: SlotPipeline(keys, big.get, BATCH, cores, read_concurrency=READS),
+                lambda: SlotPipeline(
+                    keys, big.get, BATCH, cores, read_concurrency=READS_PER_CORE * cores
+                ),
             ),
         )
     return [Contender(name, functools.partial(timed, name, make)) for name, make in setups]
@@ -151,6 +153,7 @@ def run(options: BenchOptions) -> ScenarioResult:
             )
             continue
         with ServerProcess(files, delay) as server:
+            costs.exclude = {server.pid}  # the object store's memory is not the loaders'
             dataset = HttpDataset(server.url, count, decode=decode)
             big = HttpDataset(server.url, count * (2 if decode else 5), decode=decode)
             if not decode:
@@ -184,9 +187,9 @@ def run(options: BenchOptions) -> ScenarioResult:
         "the thread-based loaders (2x with decoding), so that start-up weighs alike",
         f"feedline: DataLoader(batch_size={BATCH}, fetch_concurrency={FETCH_CONCURRENCY}, "
         "prefetch_factor=4), num_workers=0; the server is another process (asyncio, keep-alive)",
-        f"feedline pipeline: a read stage {READS} wide, then a decode stage {cores} wide "
-        "writing into pooled batch buffers (feedline.io.BufferPool)",
+        f"feedline pipeline: a read stage {READS_PER_CORE * cores} wide, then a decode stage "
+        f"{cores} wide writing into pooled batch buffers (feedline.io.BufferPool)",
         "CPU s per 1000 items: this process and its worker processes, not the server's; peak "
-        "PSS / RSS: this process and its children, sampled every 100 ms",
+        "PSS / RSS: this process and its children but the server, sampled every 100 ms",
     ]
     return make_result("latency", "PyTorch workers=2", measurements, notes, True)

@@ -38,7 +38,7 @@ def run(options: BenchOptions) -> ScenarioResult:
     dataset = DecodeDataset(pictures, "feedline", length=BATCH * 2)
     dataset[0]  # import the decoder's libraries now, not in whichever contender runs first
     case = f"first batch of {BATCH}"
-    costs = LoaderCosts()
+    costs = LoaderCosts(periodic=False)  # one sample, once the batch is there: none timed
 
     def first_batch(name: str, kind: str, workers: int) -> tuple[int, float]:
         make = functools.partial(_make, kind, workers, dataset)
@@ -65,6 +65,6 @@ def run(options: BenchOptions) -> ScenarioResult:
         "afresh), so it starts slower than its threads; use it for GIL-bound datasets",
         "CPU s per 1000 items: creating the loader, its first batch and shutting it down "
         "(worker processes included), over the 32 items of that batch; peak PSS / RSS: this "
-        "process and its children, sampled every 100 ms",
+        "process and its children when the first batch has arrived",
     ]
     return make_result("startup", "PyTorch workers=2", found, notes, True)

@@ -10,20 +10,20 @@ Two modes, chosen by measurement (see ``feedline bench images`` and the package 
   decodes at a reduced DCT scale (1/2, 1/4 or 1/8: only powers of two, since the other factors
   cost more than a full decode on ImageNet-sized pictures), so no full-size array is ever made.
   When the picture is then shrunk by 1.5x or more, libjpeg-turbo's fast integer IDCT and plain
-  chroma upsampling are used too (about 8% faster; about 45 dB from the exact decode, since
-  the shrink averages their small errors away).
-* ``"exact"``: a full-size, full-precision decode, then the same resize. It is the reference
-  the fast mode is measured against (PSNR >= 30 dB is the bar; see the tests).
+  chroma upsampling are used too (about 0.15 ms less per ImageNet picture; the shrink averages
+  their small errors away). The antialiasing filter is the cheaper box (below).
+* ``"exact"``: a full-size, full-precision decode, then the exact antialiasing filter below.
+  It is the reference the fast mode is measured against (see the tests and ``feedline bench
+  decode``).
 
 Resizing is bilinear with antialiasing (``antialias=False`` turns it off). A bilinear sample
 alone averages only the two nearest source pixels, so a shrink by ``r`` aliases; Pillow filters
-with a triangle ``r`` pixels wide instead. Here each axis shrunk by 1.2x or more is first
-filtered so that filter plus bilinear sample spread a pixel as far as Pillow's triangle does
-(equal variance): from 1.58x on by a box of the odd width nearest ``sqrt(2 r^2 - 1)``
-(OpenCV's ``blur``, a running sum), below that by a 3-tap kernel. That is about 39 dB from
-Pillow's ``resize`` on ImageNet-like pictures (a plain bilinear ``cv2.resize`` is 29 dB) for
-about 0.2 ms per picture. EXIF orientation is ignored, as
-Pillow's ``Image.open`` does.
+with a triangle of half-width ``r`` instead. Here each axis shrunk by 1.2x or more is first
+filtered so that filter plus bilinear sample spread a pixel about as far as Pillow's triangle
+(see :func:`_prefilter`): in ``"exact"`` mode with a kernel of exactly the missing variance
+(about 45 dB from Pillow's ``resize`` on ImageNet-like pictures); in ``"fast"`` mode with the
+nearest odd box (OpenCV's ``blur``, a running sum: about 0.1 ms cheaper, about 39 dB). A plain
+bilinear ``cv2.resize`` is 29 dB. EXIF orientation is ignored, as Pillow's ``Image.open`` does.
 """
 
 from __future__ import annotations
@@ -137,25 +137,55 @@ def _scratch_array(slot: str, shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
     return buffer[:nbytes].reshape(shape)
 
 
-def _prefilter(ratio: float) -> np.ndarray[Any, Any] | None:
+def _bilinear_variance(ratio: float) -> float:
+    """The variance a bilinear sample adds when shrinking by ``ratio`` (source pixels squared).
+
+    A sample at fraction ``t`` between two pixels has variance ``t (1 - t)``; over the spread
+    of positions of a non-integer ratio that averages 1/6. At an integer ratio OpenCV samples
+    every output at the same fraction: halfway (1/4) for an even ratio, on a pixel (0) for an
+    odd one.
+    """
+    if ratio == int(ratio):
+        return 0.25 if int(ratio) % 2 == 0 else 0.0
+    return 1.0 / 6.0
+
+
+def _prefilter(ratio: float, exact: bool) -> np.ndarray[Any, Any] | None:
     """The 1-D kernel that, followed by a bilinear shrink by ``ratio``, filters like Pillow.
 
-    Pillow's antialiased bilinear filter is a triangle ``ratio`` source pixels wide, of variance
-    ``ratio**2 / 6``; a bilinear sample contributes ``1 / 6`` of it, so the prefilter must add
-    ``(ratio**2 - 1) / 6``. From a shrink of 1.58x on, that is a box of the odd width nearest
-    ``sqrt(2 ratio**2 - 1)`` (a box of ``k`` pixels has variance ``(k**2 - 1) / 12``), which
-    OpenCV sums in constant time per pixel. Below it, a 3-tap ``[a, 1, a]`` of that variance.
+    Pillow's antialiased bilinear filter is a triangle of half-width ``ratio`` source pixels,
+    of variance ``ratio**2 / 6``. The prefilter supplies what the bilinear sample does not:
+    ``v = ratio**2 / 6 - _bilinear_variance(ratio)``.
+
+    * ``exact``: a kernel of variance ``v``. Up to ``v = 2/3`` that is ``[a, 1, a]`` with
+      ``a = v / (2 (1 - v))`` (``a = 1``: the 3-pixel box); above, the widest odd box that does
+      not exceed ``v`` plus one fractional tap at each end.
+    * fast: a box (OpenCV's ``blur``: a running sum, the cheapest filter it has) of the odd
+      width nearest ``sqrt(12 v + 1)``, the width of a box of variance ``v``; below width 3
+      (shrinks under about 1.6x) the 3-tap kernel. Within about 2.7x of ``v``: fast, and
+      about 39 dB from Pillow on ImageNet-like pictures where the exact kernel is about 45.
+
     Returns ``None`` when the shrink is too small to alias (under 1.2x).
     """
     if ratio < 1.2:
         return None
-    variance = (ratio * ratio - 1.0) / 6.0
-    width = 2 * round((math.sqrt(12.0 * variance + 1.0) - 1.0) / 2.0) + 1
-    if width >= 3:
-        return np.full(width, 1.0 / width, np.float32)
-    a = variance / (2.0 * (1.0 - variance))
-    kernel: np.ndarray[Any, Any] = np.array([a, 1.0, a], np.float32) / (1.0 + 2.0 * a)
-    return kernel.astype(np.float32)
+    v = max(ratio * ratio / 6.0 - _bilinear_variance(ratio), 0.0)
+    if not exact:
+        width = 2 * math.floor((math.sqrt(12.0 * v + 1.0) - 1.0) / 2.0 + 0.5) + 1
+        if width >= 3:
+            return np.full(width, 1.0 / width, np.float32)
+    if v <= 2.0 / 3.0:
+        a = v / (2.0 * (1.0 - v))
+        weights = [a, 1.0, a]
+    else:
+        half = int((math.sqrt(12.0 * v + 1.0) - 1.0) / 2.0)  # widest box 2*half+1 within v
+        inner = sum(x * x for x in range(-half, half + 1))
+        k = 2 * half + 1
+        f = (v * k - inner) / (2.0 * ((half + 1) ** 2 - v))  # end taps bring it to v
+        weights = [f] + [1.0] * k + [f]
+    kernel = np.array(weights, np.float64)
+    result: np.ndarray[Any, Any] = (kernel / kernel.sum()).astype(np.float32)
+    return result
 
 
 def _is_box(kernel: np.ndarray[Any, Any] | None) -> bool:
@@ -163,17 +193,17 @@ def _is_box(kernel: np.ndarray[Any, Any] | None) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _prefilters(src_h: int, src_w: int, dst_h: int, dst_w: int) -> tuple[str, Any]:
+def _prefilters(src_h: int, src_w: int, dst_h: int, dst_w: int, exact: bool) -> tuple[str, Any]:
     """How to prefilter a ``src`` picture before shrinking it to ``dst``.
 
     ``("none", None)``, ``("box", (kx, ky))`` (widths for ``cv2.blur``) or ``("sep", (kx, ky))``
     (read-only kernels for ``cv2.sepFilter2D``). Cached: datasets repeat a few picture sizes.
     """
-    kx = _prefilter(src_w / dst_w)
-    ky = _prefilter(src_h / dst_h)
+    kx = _prefilter(src_w / dst_w, exact)
+    ky = _prefilter(src_h / dst_h, exact)
     if kx is None and ky is None:
         return "none", None
-    if _is_box(kx) and _is_box(ky):  # the common case: OpenCV's running-sum box filter
+    if _is_box(kx) and _is_box(ky):  # OpenCV's running-sum box filter: the cheapest
         return "box", (1 if kx is None else kx.size, 1 if ky is None else ky.size)
     one = np.ones(1, np.float32)
     kernels = (one if kx is None else kx, one if ky is None else ky)
@@ -183,7 +213,11 @@ def _prefilters(src_h: int, src_w: int, dst_h: int, dst_w: int) -> tuple[str, An
 
 
 def _resize(
-    cv2: Any, src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any], antialias: bool
+    cv2: Any,
+    src: np.ndarray[Any, Any],
+    dst: np.ndarray[Any, Any],
+    antialias: bool,
+    exact: bool,
 ) -> None:
     """Bilinear resize of ``src`` into ``dst`` (both HWC uint8), antialiased if asked."""
     height, width = dst.shape[:2]
@@ -191,13 +225,14 @@ def _resize(
     if single and src.ndim == 3:
         src = src[:, :, 0]
     target = dst[:, :, 0] if single else dst
-    how, filters = _prefilters(src.shape[0], src.shape[1], height, width)
-    if antialias and how != "none":
-        blurred = _scratch_array("blurred", src.shape)
-        if how == "box":
-            src = cv2.blur(src, filters, dst=blurred)
-        else:
-            src = cv2.sepFilter2D(src, -1, *filters, dst=blurred)
+    if antialias:
+        how, filters = _prefilters(src.shape[0], src.shape[1], height, width, exact)
+        if how != "none":
+            blurred = _scratch_array("blurred", src.shape)
+            if how == "box":
+                src = cv2.blur(src, filters, dst=blurred)
+            else:
+                src = cv2.sepFilter2D(src, -1, *filters, dst=blurred)
     result = cv2.resize(src, (width, height), dst=target, interpolation=cv2.INTER_LINEAR)
     if not np.shares_memory(result, dst):  # pragma: no cover - OpenCV honours dst of this shape
         target[...] = result
@@ -209,6 +244,7 @@ def _finish(
     size: tuple[int, int] | None,
     out: np.ndarray[Any, Any] | None,
     antialias: bool,
+    exact: bool,
 ) -> np.ndarray[Any, Any]:
     if image.ndim == 2:
         image = image[:, :, None]
@@ -224,7 +260,7 @@ def _finish(
         if not np.shares_memory(image, out):
             np.copyto(out, image)
     else:
-        _resize(cv2, image, out, antialias)
+        _resize(cv2, image, out, antialias, exact)
     return out
 
 
@@ -264,7 +300,7 @@ def _decode_jpeg(
         )
     except ValueError as exc:
         raise ValueError(f"could not decode the JPEG ({height}x{width}): {exc}") from None
-    return _finish(cv2, image.reshape(dh, dw, channels), size, out, antialias)
+    return _finish(cv2, image.reshape(dh, dw, channels), size, out, antialias, mode == "exact")
 
 
 def decode_image(
@@ -333,7 +369,7 @@ def decode_image(
             f"could not decode {raw.size} bytes starting {head!r} as an image: {reason}; "
             "supported: JPEG, PNG, WebP, BMP"
         )
-    return _finish(cv2, image, size, out, antialias)
+    return _finish(cv2, image, size, out, antialias, mode == "exact")
 
 
 def image_size(data: Buffer) -> tuple[int, int]:
