@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
-from feedline.bench._common import Contender, alternate
+from feedline.bench._common import Contender, alternate, paired_ratio
 
 
 def _rates(values: list[float]) -> Callable[[], tuple[int, float]]:
@@ -41,6 +42,27 @@ def test_alternate_runs_round_robin_and_pairs_ratios_by_round() -> None:
     assert by_name["fast"].runs == [150, 120, 200]
     assert by_name["base"].ratio == 1.0
     assert by_name["fast"].ratio == pytest.approx(2.0)
+    # Each run's CPU time per 1000 items is measured too (these runs only return numbers).
+    assert all(0 <= m.extra["cpu_s_per_1000"] < 1 for m in found)
+
+
+def test_alternate_measures_cpu_per_item() -> None:
+    def busy() -> tuple[int, float]:
+        t0 = time.process_time()
+        while time.process_time() - t0 < 0.05:  # 50 ms of CPU for 10 items
+            pass
+        return 10, 0.05
+
+    found = alternate("case", [Contender("busy", busy)], 3, None)
+    # 5 CPU-seconds per 1000 items, within the clock's granularity.
+    assert found[0].extra["cpu_s_per_1000"] == pytest.approx(5.0, rel=0.3)
+
+
+def test_alternate_refuses_duplicate_names_and_skips_invalid_rounds() -> None:
+    with pytest.raises(ValueError, match="unique"):
+        alternate("case", [Contender("a", _rates([1])), Contender("a", _rates([1]))], 1, None)
+    assert paired_ratio([2.0, 4.0, float("nan")], [1.0, 0.0, 1.0]) == 2.0
+    assert paired_ratio([1.0], [0.0]) is None
 
 
 def test_alternate_without_a_baseline_leaves_ratios_unset() -> None:

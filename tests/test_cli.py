@@ -62,6 +62,7 @@ def test_bench_formats_quick(tmp_path: Path) -> None:
     ours = [m for m in data["measurements"] if m["contender"] == "feedline"]
     assert len(ours) == 9
     assert all(m["ratio"] > 0 for m in ours)
+    assert all(m["extra"]["cpu_s_per_1000"] >= 0 for m in data["measurements"])
 
 
 def test_bench_decode_quick(tmp_path: Path) -> None:
@@ -78,6 +79,8 @@ def test_bench_decode_quick(tmp_path: Path) -> None:
     assert {"PIL", "OpenCV", "feedline fast", "feedline exact"} <= contenders
     two = [m for m in data["measurements"] if m["case"].endswith("2 thread(s)")]
     assert all(m["extra"]["scaling"] > 0 for m in two)
+    # CPU per picture, per contender: decoding is CPU work, so never nothing.
+    assert all(m["extra"]["cpu_s_per_1000"] > 0 for m in data["measurements"])
     assert any("PSNR fast vs exact" in n for n in data["notes"])
     # The generated pictures are cached: a second call finds them.
     cached = sorted((tmp_path / "data").rglob("*.jpg"))

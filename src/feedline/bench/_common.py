@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import resource
 import statistics
 import sys
 import threading
@@ -22,6 +23,7 @@ __all__ = [
     "machine_info",
     "make_result",
     "paired_ratio",
+    "process_cpu_seconds",
     "threaded_loop",
 ]
 
@@ -97,19 +99,31 @@ def alternate(
     Alternating spreads the noise of a shared machine over every contender instead of
     letting it land on whichever ran during a busy moment. The ratio to ``baseline`` is the
     median of the per-round ratios (each run against the baseline's run of the same round),
-    so that a machine whose speed drifts between rounds does not skew it.
+    so that a machine whose speed drifts between rounds does not skew it. Each measurement's
+    ``extra["cpu_s_per_1000"]`` is the median CPU time per 1000 items (this process and the
+    children it has waited for) of its runs.
     """
     rates: dict[str, list[float]] = {c.name: [] for c in contenders}
+    cpu: dict[str, list[float]] = {c.name: [] for c in contenders}
     if len(rates) != len(contenders):
         raise ValueError(f"contender names must be unique: {[c.name for c in contenders]}")
     for r in range(repeats):
         for c in contenders:
             if progress is not None:
                 progress(f"{case}: {c.name} (run {r + 1}/{repeats})")
+            cpu0 = process_cpu_seconds()
             items, seconds = c.run()
+            spent = process_cpu_seconds() - cpu0
             rates[c.name].append(items / seconds if seconds > 0 else float("nan"))
+            cpu[c.name].append(1000 * spent / items if items > 0 else float("nan"))
     out = [
-        Measurement(case=case, contender=name, items_per_s=statistics.median(v), runs=v)
+        Measurement(
+            case=case,
+            contender=name,
+            items_per_s=statistics.median(v),
+            runs=v,
+            extra={"cpu_s_per_1000": statistics.median(cpu[name])},
+        )
         for name, v in rates.items()
     ]
     base = rates.get(baseline) if baseline is not None else None
@@ -117,6 +131,13 @@ def alternate(
         for m in out:
             m.ratio = paired_ratio(m.runs, base)
     return out
+
+
+def process_cpu_seconds() -> float:
+    """CPU seconds of this process and of the children it has waited for (user + system)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def paired_ratio(runs: Sequence[float], base: Sequence[float]) -> float | None:

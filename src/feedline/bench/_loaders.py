@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import http.client
 import os
-import resource
 import statistics
 import threading
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ._common import process_cpu_seconds, threaded_loop
 
 __all__ = [
     "DecodeDataset",
@@ -49,8 +50,6 @@ def _decode_pil(data: bytes) -> np.ndarray[Any, Any]:
 
 def decode_seconds(pictures: list[bytes], repeats: int) -> float:
     """Seconds per picture of feedline's decode on one thread, in memory (median of runs)."""
-    from ._common import threaded_loop
-
     runs = []
     for _ in range(repeats):
         items, seconds = threaded_loop(_decode_feedline, pictures, 1)
@@ -367,12 +366,8 @@ def _time_loader(
     max_batches: int | None,
     on_first_batch: Callable[[], None] | None,
 ) -> LoaderRun:
-    def cpu() -> float:
-        # Children's CPU counts once they are waited for (a loader's close() joins its workers).
-        own = resource.getrusage(resource.RUSAGE_SELF)
-        children = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
+    # Children's CPU counts once they are waited for (a loader's close() joins its workers).
+    cpu = process_cpu_seconds
     cpu0 = cpu()
     t0 = time.perf_counter()
     loader = make()

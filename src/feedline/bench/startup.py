@@ -65,6 +65,8 @@ def run(options: BenchOptions) -> ScenarioResult:
         "afresh), so it starts slower than its threads; use it for GIL-bound datasets",
         "CPU s per 1000 items: creating the loader, its first batch and shutting it down "
         "(worker processes included), over the 32 items of that batch; peak PSS / RSS: this "
-        "process and its children when the first batch has arrived",
+        "process and its children when the first batch has arrived. feedline workers=2: "
+        "its workers are the forkserver's children, whose CPU is counted only when the "
+        "forkserver exits, so their CPU is missing from the figure",
     ]
     return make_result("startup", "PyTorch workers=2", found, notes, True)
