@@ -328,6 +328,37 @@ def _variance(kernel: np.ndarray[Any, Any]) -> float:
     return float(np.sum(kernel.astype(np.float64) * taps**2))
 
 
+def _operator_variance(columns: list[np.ndarray[Any, Any]]) -> float:
+    """Mean spread (variance, in source pixels) of the rows of a linear 1-D resize operator.
+
+    ``columns[i]`` is the resize of an impulse at source pixel ``i``; outputs near the edges
+    (where borders are handled differently) are left out.
+    """
+    weights = np.stack(columns, axis=1).astype(np.float64)[6:-6]
+    position = np.arange(weights.shape[1])
+    total = weights.sum(axis=1)
+    mean = weights @ position / total
+    return float(np.mean((weights * (position - mean[:, None]) ** 2).sum(axis=1) / total))
+
+
+def _spreads(ratio: float, exact: bool) -> tuple[float, float]:
+    """(Pillow's, ours): the mean variance of an antialiased bilinear shrink by ``ratio``."""
+    cv2 = pytest.importorskip("cv2")
+    n_dst = 40
+    n_src = round(ratio * n_dst)
+    kernel = _prefilter(n_src / n_dst, exact)
+    pillow, ours = [], []
+    for i in range(n_src):
+        impulse = np.zeros((1, n_src), np.float32)
+        impulse[0, i] = 1.0
+        image = Image.fromarray(impulse, "F").resize((n_dst, 1), Image.Resampling.BILINEAR)
+        pillow.append(np.asarray(image)[0])
+        if kernel is not None:
+            impulse = np.convolve(impulse[0], kernel, mode="same")[None].astype(np.float32)
+        ours.append(cv2.resize(impulse, (n_dst, 1), interpolation=cv2.INTER_LINEAR)[0])
+    return _operator_variance(pillow), _operator_variance(ours)
+
+
 @pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize("ratio", RATIOS)
 def test_prefilter_spreads_like_pillows_triangle(ratio: float, exact: bool) -> None:
@@ -339,28 +370,26 @@ def test_prefilter_spreads_like_pillows_triangle(ratio: float, exact: bool) -> N
     assert kernel.size % 2 == 1  # centred: no half-pixel shift
     np.testing.assert_allclose(kernel, kernel[::-1])
     assert kernel.sum() == pytest.approx(1.0, abs=1e-6)
-    # Pillow's triangle has variance ratio**2 / 6; the bilinear sample adds 1/6 on average,
-    # and at integer ratios 1/4 (even: always halfway) or 0 (odd: always on a pixel).
-    sample = (0.25 if ratio % 2 == 0 else 0.0) if ratio == int(ratio) else 1 / 6
-    wanted = ratio * ratio / 6 - sample
-    if exact:
-        assert _variance(kernel) == pytest.approx(wanted, rel=1e-4)
-    elif kernel.size >= 3 and np.all(kernel == kernel[0]):
-        # The fast box: the odd width nearest that of a box of the wanted variance.
-        assert abs(kernel.size - np.sqrt(12 * wanted + 1)) <= 1.0
+    # Measured on the operators themselves: Pillow's resize against prefilter + cv2.resize.
+    pillow, ours = _spreads(ratio, exact)
+    if exact or (kernel.size == 3 and kernel[0] != kernel[1]):
+        assert ours == pytest.approx(pillow, rel=0.02, abs=0.01)
     else:
-        assert kernel.size == 3
-        assert _variance(kernel) == pytest.approx(wanted, rel=1e-4)
+        # The fast box: the odd width nearest that of a box of the missing variance, which
+        # spreads a pixel between half and twice as far as Pillow (0.59x to 1.95x measured
+        # over ratios 1.2 to 8).
+        wanted = (ratio * ratio - 1) / 6
+        assert abs(kernel.size - np.sqrt(12 * wanted + 1)) <= 1.0
+        assert 0.5 <= ours / pillow <= 2.0
 
 
 def test_exact_prefilter_varies_smoothly_with_the_ratio() -> None:
-    # No jumps where the kernel changes shape (3-tap to box, box to wider box). Integer
-    # ratios are left out: there the bilinear sample's share changes, and the kernel with it.
-    ratios = [r for r in np.linspace(1.2, 6.0, 400) if r != int(r)]
+    # No jumps where the kernel changes shape (3-tap to box, box to wider box).
+    ratios = np.linspace(1.2, 6.0, 481)  # integer ratios included
     variances = [_variance(k) for r in ratios if (k := _prefilter(float(r), True)) is not None]
     steps = np.diff(variances)
     assert np.all(steps >= 0)
-    assert steps.max() < 0.2
+    assert steps.max() < 0.05
 
 
 @pytest.mark.parametrize("grayscale", [False, True])

@@ -115,6 +115,8 @@ def alternate(
             items, seconds = c.run()
             spent = process_cpu_seconds() - cpu0
             rates[c.name].append(items / seconds if seconds > 0 else float("nan"))
+            # Per item of the pass; scenarios that count items otherwise (a steady window,
+            # one first batch) overwrite it with their own figure (LoaderCosts.attach).
             cpu[c.name].append(1000 * spent / items if items > 0 else float("nan"))
     out = [
         Measurement(

@@ -137,39 +137,30 @@ def _scratch_array(slot: str, shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
     return buffer[:nbytes].reshape(shape)
 
 
-def _bilinear_variance(ratio: float) -> float:
-    """The variance a bilinear sample adds when shrinking by ``ratio`` (source pixels squared).
-
-    A sample at fraction ``t`` between two pixels has variance ``t (1 - t)``; over the spread
-    of positions of a non-integer ratio that averages 1/6. At an integer ratio OpenCV samples
-    every output at the same fraction: halfway (1/4) for an even ratio, on a pixel (0) for an
-    odd one.
-    """
-    if ratio == int(ratio):
-        return 0.25 if int(ratio) % 2 == 0 else 0.0
-    return 1.0 / 6.0
-
-
 def _prefilter(ratio: float, exact: bool) -> np.ndarray[Any, Any] | None:
     """The 1-D kernel that, followed by a bilinear shrink by ``ratio``, filters like Pillow.
 
     Pillow's antialiased bilinear filter is a triangle of half-width ``ratio`` source pixels,
-    of variance ``ratio**2 / 6``. The prefilter supplies what the bilinear sample does not:
-    ``v = ratio**2 / 6 - _bilinear_variance(ratio)``.
+    sampled at the output's position: variance ``(ratio**2 - 1) / 6 + t (1 - t)`` for an
+    output that falls at fraction ``t`` between two source pixels. A bilinear sample at the
+    same position has variance ``t (1 - t)``, so the prefilter supplies the rest,
+    ``v = (ratio**2 - 1) / 6``, whatever the phase (at integer ratios every output has the
+    same ``t``; over the others it averages 1/6).
 
     * ``exact``: a kernel of variance ``v``. Up to ``v = 2/3`` that is ``[a, 1, a]`` with
       ``a = v / (2 (1 - v))`` (``a = 1``: the 3-pixel box); above, the widest odd box that does
       not exceed ``v`` plus one fractional tap at each end.
     * fast: a box (OpenCV's ``blur``: a running sum, the cheapest filter it has) of the odd
       width nearest ``sqrt(12 v + 1)``, the width of a box of variance ``v``; below width 3
-      (shrinks under about 1.6x) the 3-tap kernel. Within about 2.7x of ``v``: fast, and
-      about 39 dB from Pillow on ImageNet-like pictures where the exact kernel is about 45.
+      (shrinks under about 1.6x) the 3-tap kernel. With the bilinear sample it spreads a pixel
+      between half and twice as far as Pillow does: cheap, and about 39 dB from Pillow on
+      ImageNet-like pictures where the exact kernel is about 45.
 
     Returns ``None`` when the shrink is too small to alias (under 1.2x).
     """
     if ratio < 1.2:
         return None
-    v = max(ratio * ratio / 6.0 - _bilinear_variance(ratio), 0.0)
+    v = (ratio * ratio - 1.0) / 6.0
     if not exact:
         width = 2 * math.floor((math.sqrt(12.0 * v + 1.0) - 1.0) / 2.0 + 0.5) + 1
         if width >= 3:
