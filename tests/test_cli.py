@@ -109,6 +109,9 @@ def test_loader_scenarios_quick(scenario: str, tmp_path: Path) -> None:
     if scenario != "memory":
         assert all(m["extra"]["cpu_s_per_1000"] > 0 for m in contenders)
         assert all(m["extra"]["first_batch_ms"] > 0 for m in contenders)
+    if scenario == "startup":
+        summary = (out / "summary.md").read_text()
+        assert "x the wait |" in summary
     if scenario == "images":
         assert 0 < by_name["feedline pipeline"]["extra"]["of_bound"] < 2
         assert "upper bound" in by_name

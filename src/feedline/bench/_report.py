@@ -30,6 +30,8 @@ def headline(results: Sequence[ScenarioResult]) -> str:
             if best is None:
                 continue
             ratio = "- (baseline not installed)" if best.ratio is None else f"{best.ratio:.2f}x"
+            if result.scenario == "startup" and best.ratio:  # a rate of first batches: as a wait
+                ratio = f"{1 / best.ratio:.2f}x the wait"
             if result.scenario == "memory":
                 value = f"{best.extra['peak_pss_mib']:,.0f} MiB PSS"
             elif result.scenario == "startup":
