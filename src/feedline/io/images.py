@@ -312,8 +312,11 @@ def decode_image(
             bytes, bytearray, memoryview, mmap or a 1-D uint8 array. Not copied.
         size: ``(height, width)`` to resize to (aspect ratio not kept), or ``None`` for the
             image's own size.
-        mode: ``"fast"`` decodes large JPEGs at a reduced DCT scale before resizing;
-            ``"exact"`` always decodes at full size. Other formats decode the same either way.
+        mode: ``"fast"`` decodes large JPEGs at a reduced DCT scale (and with libjpeg-turbo's
+            fast IDCT when a shrink follows) and antialiases with a box filter; ``"exact"``
+            always decodes at full size and precision and antialiases with a kernel matched
+            to Pillow's (45 dB from it on ImageNet-like pictures, against 39 for ``"fast"``).
+            Other formats decode the same either way; only the antialiasing differs.
         grayscale: One channel (luma) instead of RGB; the result is ``(H, W, 1)``.
         antialias: Filter over the source pixels each output pixel covers when shrinking by
             1.2x or more (like Pillow and torchvision). ``False`` samples bilinearly, like a
