@@ -14,7 +14,7 @@ Image = pytest.importorskip("PIL.Image")
 
 from feedline.errors import ConfigurationError  # noqa: E402
 from feedline.io import decode_image, image_size  # noqa: E402
-from feedline.io.images import _prefilter, _reduction  # noqa: E402
+from feedline.io.images import _SCRATCH, _prefilter, _reduction, _ScratchPool  # noqa: E402
 
 # Tolerances, stated once. Both libraries decode JPEG with libjpeg-turbo, but may pick
 # different IDCT / upsampling settings: a pixel may differ by a few levels, the mean by < 1.
@@ -318,6 +318,40 @@ def test_concurrent_decodes_share_no_scratch_memory() -> None:
     first = decode_image(pictures[0], size=(64, 48))
     decode_image(pictures[1], size=(64, 48))
     np.testing.assert_array_equal(first, expected[0])
+
+
+def test_scratch_buffers_are_lent_per_decode_and_reused_across_threads() -> None:
+    import threading
+
+    data = encode(picture(375, 500, seed=3), "JPEG")
+    decode_image(data, size=(224, 224))  # a set exists and is idle now
+    before = {id(s) for s in _SCRATCH._idle}
+    assert before
+    seen: list[set[int]] = []
+
+    def decode_on_a_new_thread() -> None:
+        decode_image(data, size=(224, 224))
+        seen.append({id(s) for s in _SCRATCH._idle})
+
+    thread = threading.Thread(target=decode_on_a_new_thread)
+    thread.start()
+    thread.join()
+    # A thread that never decoded before borrowed an idle set instead of allocating its own.
+    assert seen == [before]
+
+
+def test_scratch_pool_lends_distinct_sets_at_once_and_keeps_a_bounded_number() -> None:
+    pool = _ScratchPool(keep=2)
+    with pool.borrow() as a, pool.borrow() as b, pool.borrow() as c:
+        assert len({id(a), id(b), id(c)}) == 3  # concurrent decodes never share buffers
+        x = a.array("decoded", (10, 10, 3))
+        y = b.array("decoded", (10, 10, 3))
+        assert not np.shares_memory(x, y)
+    assert len(pool._idle) == 2  # the third set is dropped, not kept
+    with pool.borrow() as again:
+        assert again in (a, b, c)  # and idle sets are lent again
+        big = again.array("decoded", (2000, 1000, 3))  # grows past its first 1 MiB
+        assert big.shape == (2000, 1000, 3)
 
 
 RATIOS = [1.0, 1.19, 1.2, 1.4, 1.58, 1.59, 1.674, 2.0, 2.232, 2.236, 2.24, 2.9, 3.0, 5.7, 8.0]
