@@ -124,10 +124,13 @@ def alternate(
             contender=name,
             items_per_s=statistics.median(v),
             runs=v,
-            extra={"cpu_s_per_1000": statistics.median(cpu[name])},
         )
         for name, v in rates.items()
     ]
+    for m in out:
+        per_run = [c for c in cpu[m.contender] if math.isfinite(c)]  # runs with items
+        if per_run:
+            m.extra["cpu_s_per_1000"] = statistics.median(per_run)
     base = rates.get(baseline) if baseline is not None else None
     if base is not None:
         for m in out:
