@@ -13,6 +13,7 @@ many threads decode as there are cores.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -141,30 +142,19 @@ def run(options: BenchOptions) -> ScenarioResult:
     costs = LoaderCosts()
     for label, delay, decode in cases:
         case = f"{label}, batch {BATCH}"
-        if decode is None:
-            dataset: Any = SleepDataset(count, delay)
-            big: Any = SleepDataset(count * 5, delay)
-            measurements += alternate(
-                case,
-                _contenders(case, dataset, big, costs, bool(decode)),
-                repeats,
-                "PyTorch workers=2",
-                progress,
-            )
-            continue
-        with ServerProcess(files, delay) as server:
-            costs.exclude = {server.pid}  # the object store's memory is not the loaders'
-            dataset = HttpDataset(server.url, count, decode=decode)
-            big = HttpDataset(server.url, count * (2 if decode else 5), decode=decode)
-            if not decode:
-                http_cpu = _http_cpu_per_item(server, big)
-            measurements += alternate(
-                case,
-                _contenders(case, dataset, big, costs, bool(decode)),
-                repeats,
-                "PyTorch workers=2",
-                progress,
-            )
+        with contextlib.ExitStack() as stack:
+            if decode is None:
+                dataset: Any = SleepDataset(count, delay)
+                big: Any = SleepDataset(count * 5, delay)
+            else:
+                server = stack.enter_context(ServerProcess(files, delay))
+                costs.exclude = {server.pid}  # the object store's memory is not the loaders'
+                dataset = HttpDataset(server.url, count, decode=decode)
+                big = HttpDataset(server.url, count * (2 if decode else 5), decode=decode)
+                if not decode:
+                    http_cpu = _http_cpu_per_item(server, big)
+            contenders = _contenders(case, dataset, big, costs, bool(decode))
+            measurements += alternate(case, contenders, repeats, "PyTorch workers=2", progress)
     costs.attach(measurements)
     decode_cpu = decode_seconds([f.read_bytes() for f in files], max(3, repeats))
     cores = os.cpu_count() or 1
