@@ -113,8 +113,22 @@ class Run:
             inp.connect(producers[-1], stage)
             producers.append(stage)
             self.stages.append(stage)
-        self._sink = SinkReader(out, lambda: self.pull(producers[-1]))
+        self._sink = SinkReader(out, lambda: self.pull(producers[-1]), self._kick_threaded)
         out.connect(producers[-1], self._sink)
+        self._link(producers)
+
+    @staticmethod
+    def _link(producers: list[Any]) -> None:
+        # Tell each threaded stage who feeds it and which threaded stages lead to the sink.
+        chain: tuple[Any, ...] | None = ()
+        for i in range(len(producers) - 1, -1, -1):
+            stage = producers[i]
+            if isinstance(stage, ThreadedStage | ThreadedSource):
+                stage.upstream = producers[i - 1] if i > 0 else None
+                stage.sink_chain = chain
+                chain = None if chain is None else (stage, *chain)
+            else:
+                chain = None
 
     def _make_stage(
         self, cfg: Any, inp: Channel, out: Channel, budget: FailureBudget, upstream: Any
@@ -204,7 +218,8 @@ class Run:
 
         Called by a consumer that has nothing to do: the user's thread when the sink is empty,
         or the event loop when an async stage's input is. Only stages of the default pool whose
-        op is cheap qualify, so the caller is held for a short burst at most.
+        op is cheap qualify, so the caller is held for a short burst at most. If ``stage`` has
+        nothing to do, the stage feeding it is tried, and so on up the cheap stages.
 
         A stage that turns slow holds the caller for one call of its op at most (see
         ``INLINE_ABORT``).
@@ -218,15 +233,37 @@ class Run:
         if not self._job_begin():  # counted like a pool job, so that stop() waits for it
             return False
         tls = self._tls
-        outer, ctx = tls.ctx, JobContext(self._pool)
+        outer, ctx = tls.ctx, JobContext(self._pool, inline=True)
         tls.ctx = ctx
         try:
-            ran = stage.run_inline(ctx, kick=False)
+            ran = False
+            while not ran and isinstance(stage, ThreadedStage | ThreadedSource):
+                if not stage.cheap_on(self._pool):
+                    break
+                ran = stage.run_inline(ctx, kick=False)
+                stage = stage.upstream
             ctx.run_deferred()
         finally:
             tls.ctx = outer
             self._job_done()
         return ran
+
+    @property
+    def consumer_hungry(self) -> bool:
+        """Whether the consumer waits for the sink (and pulls cheap stages itself meanwhile)."""
+        return self._sink.hungry
+
+    def wake_consumer(self) -> None:
+        """Wake a consumer sleeping on the sink, so that it pulls again."""
+        self._sink.on_data()
+
+    def _kick_threaded(self) -> None:
+        # Before the consumer sleeps: make sure no threaded stage holds work without a job
+        # (one that stepped aside for the consumer, whose pull then found the stage no
+        # longer cheap). A kick with nothing to do returns at once.
+        for stage in self.stages:
+            if isinstance(stage, ThreadedStage | ThreadedSource) and not self._stopping:
+                stage.kick()
 
     async def call_in_executor(self, executor: Any, fn: Callable[[Any], Any], item: Any) -> Any:
         """Run ``fn(item)`` in a non-thread executor (a process pool) and await the result.

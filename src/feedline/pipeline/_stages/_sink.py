@@ -29,9 +29,13 @@ class SinkReader:
     check of the channel.
     """
 
-    def __init__(self, channel: Channel, pull: Callable[[], bool]) -> None:
+    def __init__(
+        self, channel: Channel, pull: Callable[[], bool], before_sleep: Callable[[], None]
+    ) -> None:
         self._channel = channel
         self._pull = pull  # runs a cheap upstream job here rather than sleeping
+        self._before_sleep = before_sleep  # makes sure some job will produce what we wait for
+        self.hungry = False  # inside get() with nothing to take: cheap pool jobs step aside
         self._signal = threading.Lock()
         self._signal.acquire()
         self._waiting = False
@@ -70,14 +74,18 @@ class SinkReader:
 
         """
         channel = self._channel
-        deadline = None if timeout is None else time.monotonic() + timeout
         item = channel.try_get()
         if item is not EMPTY or channel.exhausted or self._interrupted:
             return item
-        if self._pull():
-            item = channel.try_get()
-            if item is not EMPTY or channel.exhausted or self._interrupted:
-                return item
+        self.hungry = True
+        try:
+            return self._wait(timeout)
+        finally:
+            self.hungry = False
+
+    def _wait(self, timeout: float | None) -> Any:
+        channel = self._channel
+        deadline = None if timeout is None else time.monotonic() + timeout
         started = time.perf_counter()
         spin_until = started + _SPIN if self._delay < _SPIN else 0.0
         while True:
@@ -87,6 +95,8 @@ class SinkReader:
                     delay = max(0.0, channel.last_put - started)
                     self._delay += 0.25 * (delay - self._delay)
                 return item
+            if self._pull():
+                continue
             if spin_until and time.perf_counter() < spin_until:
                 time.sleep(0)
                 continue
@@ -94,6 +104,7 @@ class SinkReader:
             if len(channel) or channel.closed or self._interrupted:
                 self._waiting = False
                 continue
+            self._before_sleep()
             if deadline is None:
                 self._signal.acquire()
             else:
