@@ -221,11 +221,15 @@ def _fuzz_op(kind: str, delay: float) -> Any:
     return op
 
 
-@pytest.mark.parametrize("seed", range(int(os.environ.get("FUZZ_SEEDS", "24"))))
+_FUZZ_SEEDS = int(os.environ.get("FEEDLINE_FUZZ_SEEDS", "24"))  # more for a longer hunt
+
+
+@pytest.mark.parametrize("seed", range(_FUZZ_SEEDS))
 def test_random_pipelines_deliver_every_item_once(seed: int) -> None:
     # Random mixes of cheap and slow, sync, async and generator stages, ordered or not, with
     # a consumer that sometimes dawdles: every item arrives exactly once, in order where every
-    # stage keeps it, and nothing hangs (each get has a deadline).
+    # stage keeps it, and nothing hangs (each get has a deadline). FEEDLINE_FUZZ_SEEDS=400
+    # runs more (about 30 s); after an engine change, run it so.
     rng = random.Random(seed)
     n = rng.choice([0, 1, 7, 200, 600])
     b: PipelineBuilder[Any] = PipelineBuilder().add_source(range(n))
@@ -257,3 +261,28 @@ def test_random_pipelines_deliver_every_item_once(seed: int) -> None:
         assert got == list(range(n))
     else:
         assert sorted(got) == list(range(n))
+
+
+def test_a_consumer_waiting_behind_a_slow_stage_sleeps() -> None:
+    # The consumer pulls cheap stages while it waits, but only as long as that moves items:
+    # behind a slow stage it must sleep, not spin on pulls that do nothing.
+    def slow(x: int) -> int:
+        time.sleep(0.03)
+        return x
+
+    p = (
+        PipelineBuilder()
+        .add_source(range(12))
+        .pipe(_helpers.identity)
+        .pipe(slow)
+        .pipe(_helpers.identity)
+        .add_sink(3)
+        .build()
+    )
+    with p.auto_stop():
+        p.get_item(timeout=5)
+        cpu, wall = time.process_time(), time.monotonic()
+        rest = [p.get_item(timeout=5) for _ in range(11)]
+        cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+    assert sorted(rest) == list(range(1, 12))
+    assert cpu < 0.1 * wall, f"{cpu:.3f} s of CPU in {wall:.3f} s of waiting"

@@ -119,16 +119,14 @@ class Run:
 
     @staticmethod
     def _link(producers: list[Any]) -> None:
-        # Tell each threaded stage who feeds it and which threaded stages lead to the sink.
-        chain: tuple[Any, ...] | None = ()
-        for i in range(len(producers) - 1, -1, -1):
-            stage = producers[i]
+        # Tell each threaded stage who feeds it, and, if every stage from the source to the
+        # sink is threaded, the whole chain (which a waiting consumer could run by itself).
+        threaded = all(isinstance(s, ThreadedStage | ThreadedSource) for s in producers)
+        for i, stage in enumerate(producers):
             if isinstance(stage, ThreadedStage | ThreadedSource):
                 stage.upstream = producers[i - 1] if i > 0 else None
-                stage.sink_chain = chain
-                chain = None if chain is None else (stage, *chain)
-            else:
-                chain = None
+                stage.chain = tuple(producers) if threaded else None
+                stage.feeds_sink = i == len(producers) - 1
 
     def _make_stage(
         self, cfg: Any, inp: Channel, out: Channel, budget: FailureBudget, upstream: Any
@@ -235,6 +233,7 @@ class Run:
         tls = self._tls
         outer, ctx = tls.ctx, JobContext(self._pool, inline=True)
         tls.ctx = ctx
+        before = self._progress()
         try:
             ran = False
             while not ran and isinstance(stage, ThreadedStage | ThreadedSource):
@@ -246,7 +245,14 @@ class Run:
         finally:
             tls.ctx = outer
             self._job_done()
-        return ran
+        # A job may run and move nothing (its output full, its reorder window full): only
+        # movement counts, or a waiting consumer would pull in a busy loop.
+        return ran and self._progress() != before
+
+    def _progress(self) -> int:
+        # Grows whenever an item enters a channel or a channel closes (reads without locks:
+        # only a change matters, and a torn read merely costs one more pull).
+        return sum(ch.puts + ch.closed for ch in self.channels)
 
     @property
     def consumer_hungry(self) -> bool:

@@ -219,6 +219,11 @@ class Channel:
         self._producer.on_space()
 
     @property
+    def puts(self) -> int:
+        """Items put so far."""
+        return self._puts
+
+    @property
     def closed(self) -> bool:
         """Whether the producer is done (items may remain)."""
         return self._closed

@@ -95,7 +95,11 @@ class SinkReader:
                     delay = max(0.0, channel.last_put - started)
                     self._delay += 0.25 * (delay - self._delay)
                 return item
-            if self._pull():
+            pulled = self._pull()  # moved items (here or upstream)?
+            late = deadline is not None and time.monotonic() >= deadline
+            if late and not len(channel) and not channel.closed:
+                raise TimeoutError(f"no item arrived from the pipeline within {timeout} s")
+            if pulled:
                 continue
             if spin_until and time.perf_counter() < spin_until:
                 time.sleep(0)

@@ -116,9 +116,10 @@ class _PoolStage(StageBase):
     _executor: Any
     loop_pulls: bool  # set when the consumer is an event-loop stage that pulls this stage
     upstream: Any = None  # the stage feeding this one (None for the source)
-    # The stages between this one and the sink, if all are threaded (None otherwise): the
-    # chain a waiting consumer could run itself (see _steps_aside).
-    sink_chain: tuple[_PoolStage, ...] | None = None
+    # Every stage from the source to the sink, if all are threaded (None otherwise): the chain
+    # a waiting consumer could run by itself (see _steps_aside).
+    chain: tuple[_PoolStage, ...] | None = None
+    feeds_sink = False  # the last stage: the consumer takes its outputs
 
     def _kick(self) -> None:
         raise NotImplementedError
@@ -151,7 +152,7 @@ class _PoolStage(StageBase):
         pool = self.run.default_pool
         if self.loop_pulls and self.run.on_loop_thread() and self.cheap_on(pool):
             return  # our event-loop consumer runs our cheap job itself when it needs items
-        if self.sink_chain == () and self.cheap_on(pool) and self.run.pull(self):
+        if self.feeds_sink and self.cheap_on(pool) and self.run.pull(self):
             return  # the consumer drained the sink: it refills it with our cheap job itself
         if not self._defer():
             self._kick()
@@ -162,17 +163,18 @@ class _PoolStage(StageBase):
         A chain of cheap stages runs fastest on one thread. When a pool thread runs it while
         the consumer waits for the sink, every hand-over to the consumer is a GIL switch
         between two threads (measured: about 8,000 items/s through three no-op stages,
-        against 19,000 when the consumer runs the chain itself). So a pool job of a cheap
-        stage whose whole way to the sink is cheap ends as soon as the consumer waits; the
-        consumer then pulls the chain (:meth:`Run.pull <._engine.Run.pull>` walks upstream).
+        against 19,000 when the consumer runs the chain itself). So when every stage from the
+        source to the sink is cheap, a pool job ends as soon as the consumer waits, and the
+        consumer pulls the chain (:meth:`Run.pull <._engine.Run.pull>` walks upstream). With
+        an expensive stage anywhere, items cross threads anyway: jobs keep going.
         """
         if ctx is None or ctx.inline or not self.run.consumer_hungry:
             return False
-        chain = self.sink_chain
+        chain = self.chain
         if chain is None:
             return False
         pool = self.run.default_pool
-        return self.cheap_on(pool) and all(stage.cheap_on(pool) for stage in chain)
+        return all(stage.cheap_on(pool) for stage in chain)
 
     def _wind_down(self, stepped_aside: bool) -> None:
         # After a job: catch wake-ups that arrived while it wound down; or, if it stepped
