@@ -113,7 +113,12 @@ class Run:
             inp.connect(producers[-1], stage)
             producers.append(stage)
             self.stages.append(stage)
-        self._sink = SinkReader(out, lambda: self.pull(producers[-1]), self._kick_threaded)
+        self._sink = SinkReader(
+            out,
+            lambda: self.pull(producers[-1]),
+            self._kick_threaded,
+            spin=isinstance(producers[-1], AsyncStage | AsyncSource),
+        )
         out.connect(producers[-1], self._sink)
         self._link(producers)
 

@@ -17,7 +17,10 @@ _SPIN = 100e-6
 Waking a sleeping thread costs 50-400 us on virtual machines; a producer that is mid-burst
 delivers the next item well within this time, so a short spin saves a sleep and a wake. The
 consumer spins only while items have recently arrived within that time after it began to wait:
-when they take longer, spinning would only take CPU from the stages."""
+when they take longer, spinning would only take CPU from the stages. And it spins only behind an
+event-loop stage: a cheap threaded chain it runs itself, and behind an expensive one the cores
+are busy with the stage's threads, whose CPU a spin would take (measured: SHA-256 on 4 threads
+over 2 cores went from 0.89x to 0.94x ``ThreadPoolExecutor.map`` without the spin)."""
 
 
 class SinkReader:
@@ -30,9 +33,14 @@ class SinkReader:
     """
 
     def __init__(
-        self, channel: Channel, pull: Callable[[], bool], before_sleep: Callable[[], None]
+        self,
+        channel: Channel,
+        pull: Callable[[], bool],
+        before_sleep: Callable[[], None],
+        spin: bool,
     ) -> None:
         self._channel = channel
+        self._spin = spin  # whether to yield a while before sleeping (see _SPIN)
         self._pull = pull  # runs a cheap upstream job here rather than sleeping
         self._before_sleep = before_sleep  # makes sure some job will produce what we wait for
         self.hungry = False  # inside get() with nothing to take: cheap pool jobs step aside
@@ -87,7 +95,7 @@ class SinkReader:
         channel = self._channel
         deadline = None if timeout is None else time.monotonic() + timeout
         started = time.perf_counter()
-        spin_until = started + _SPIN if self._delay < _SPIN else 0.0
+        spin_until = started + _SPIN if self._spin and self._delay < _SPIN else 0.0
         while True:
             item = channel.try_get()
             if item is not EMPTY or channel.exhausted or self._interrupted:
