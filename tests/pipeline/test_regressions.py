@@ -201,6 +201,8 @@ def _fuzz_op(kind: str, delay: float) -> Any:
         async def aop(x: int) -> int:
             if delay:
                 await asyncio.sleep(delay)
+            elif x % 97 == 96:
+                await asyncio.sleep(0)  # a cheap coroutine that suspends once in a while
             return x
 
         return aop
@@ -235,7 +237,7 @@ def test_random_pipelines_deliver_every_item_once(seed: int) -> None:
     b: PipelineBuilder[Any] = PipelineBuilder().add_source(range(n))
     ordered = True
     for _ in range(rng.randint(1, 4)):
-        kind = rng.choice(["sync", "sync", "async", "gen"])
+        kind = rng.choice(["sync", "sync", "async", "async", "gen"])
         delay = rng.choice([0.0, 0.0, 0.0005])
         order = rng.choice(["input", "completion"])
         conc = rng.choice([1, 2, 8])
