@@ -272,6 +272,35 @@ def test_items_are_fetched_in_the_workers() -> None:
     assert multiprocessing.active_children() == []  # not persistent: gone after the epoch
 
 
+def test_a_loader_dropped_at_once_keeps_its_workers_for_the_epoch() -> None:
+    # ``for batch in DataLoader(...)`` keeps only the iterator: the workers must not close.
+    batches = [b.tolist() for b in DataLoader(list(range(8)), batch_size=2, num_workers=2)]
+    assert batches == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert multiprocessing.active_children() == []
+
+
+def test_workers_are_forked_with_torch_already_imported() -> None:
+    # Each worker importing torch anew cost about 2 s before its first batch; the fork server
+    # imports it once. A fresh interpreter, so that its fork server starts with our preload.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "from feedline import DataLoader\n"
+        "from tests.loader._plain import TorchAtStart\n"
+        "if __name__ == '__main__':\n"
+        "    print([b.tolist() for b in DataLoader(TorchAtStart(4), batch_size=2, "
+        "num_workers=2)])\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[[1, 1], [1, 1]]"
+
+
 def test_worker_failures_count_against_the_budget() -> None:
     loader = DataLoader(Failing(12, {5}), batch_size=4, num_workers=2, max_failures=1)
     assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 6, 7], [8, 9, 10, 11]]

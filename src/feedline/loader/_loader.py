@@ -378,7 +378,9 @@ class _LoaderIter(Generic[T]):
         self.yielded = skip  # every batch numbered below this was handed out
         self.yielded_ahead: set[int] = set() if state is None else set(state["yielded_ahead"])
         self.finished = False
-        self._loader_ref = weakref.ref(loader)
+        # A strong reference: ``for batch in DataLoader(...)`` drops the loader at once, and
+        # its worker processes must live until the epoch ends.
+        self._loader = loader
         self._timeout = tl.timeout or None
         self._closed = False
         self._superseded = False
@@ -517,9 +519,7 @@ class _LoaderIter(Generic[T]):
                 return
             self._closed = True
         self._finalizer()
-        loader = self._loader_ref()
-        if loader is not None:
-            loader._epoch_ended()
+        self._loader._epoch_ended()
 
     @staticmethod
     def _shutdown(
