@@ -87,3 +87,18 @@ class Pid(Dataset[int]):
         import os
 
         return i, os.getpid()
+
+
+class Stamped(Dataset[int]):
+    """Records when each ``dataset[i]`` began (``perf_counter``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.started: dict[int, float] = {}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        self.started[i] = time.perf_counter()
+        return i

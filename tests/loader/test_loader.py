@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 import feedline  # noqa: E402
 from feedline import ConfigurationError, DataLoader, PathList, PipelineFailure  # noqa: E402
 
-from ._datasets import Failing, Nested, Pid, Slow, Stream  # noqa: E402
+from ._datasets import Failing, Nested, Pid, Slow, Stamped, Stream  # noqa: E402
 
 
 def assert_same(a: Any, b: Any) -> None:
@@ -270,6 +270,21 @@ def test_items_are_fetched_in_the_workers() -> None:
     assert len(pids) == 2
     assert os.getpid() not in pids
     assert multiprocessing.active_children() == []  # not persistent: gone after the epoch
+
+
+def test_later_batches_start_once_the_consumer_holds_the_first() -> None:
+    # The first batch is fetched alone, and the others start only once the consumer has it,
+    # so that their threads do not slow its collation and hand-over. A consumer that comes
+    # late finds the first batch waiting and nothing else fetched.
+    dataset = Stamped(12)
+    it = iter(DataLoader(dataset, batch_size=4))
+    time.sleep(0.2)  # the first batch is fetched and collated meanwhile
+    asked = time.perf_counter()
+    assert next(it).tolist() == [0, 1, 2, 3]
+    rest = [b.tolist() for b in it]
+    assert rest == [[4, 5, 6, 7], [8, 9, 10, 11]]
+    assert max(dataset.started[i] for i in range(4)) < asked
+    assert min(dataset.started[i] for i in range(4, 12)) > asked
 
 
 def test_a_loader_dropped_at_once_keeps_its_workers_for_the_epoch() -> None:

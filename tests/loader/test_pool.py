@@ -36,6 +36,23 @@ def test_runs_every_job_fifo_within_the_limit() -> None:
     assert sorted(order) == list(range(30))
 
 
+def test_a_burst_of_submits_starts_only_as_many_threads_as_the_limit() -> None:
+    # Threads started but not yet running a job count: each submit of a burst used to start
+    # another thread (21 threads for a limit of 3).
+    pool = LimitedPool(64, "test-pool")
+    pool.set_limit(3)
+    gate = threading.Event()
+    done = threading.Semaphore(0)
+    for _ in range(32):
+        pool.submit(lambda: (gate.wait(10), done.release()))  # type: ignore[func-returns-value]
+    started = [t for t in threading.enumerate() if t.name.startswith("test-pool")]
+    gate.set()
+    for _ in range(32):
+        assert done.acquire(timeout=10)
+    pool.close()
+    assert len(started) == 3
+
+
 def test_raising_the_limit_starts_waiting_jobs() -> None:
     pool = LimitedPool(4, "test-pool")
     pool.set_limit(1)

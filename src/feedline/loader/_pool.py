@@ -38,6 +38,7 @@ class LimitedPool:
         self._running = 0
         self._idle = 0  # threads asleep
         self._notified = 0  # of those, woken and not yet running
+        self._spawned = 0  # threads started that have not yet looked for a job
         self._closed = False
 
     @property
@@ -69,7 +70,10 @@ class LimitedPool:
 
     def _wake_or_spawn(self) -> None:
         # Called with the lock held: start what the limit allows, waking sleepers first.
-        starting = min(len(self._jobs), self._limit - self._running)
+        # Threads already woken or started, on their way to a job, count: a burst of submits
+        # would otherwise start a thread per submit (measured: 21 threads for a limit of 3).
+        on_the_way = self._notified + self._spawned
+        starting = min(len(self._jobs), self._limit - self._running) - on_the_way
         while starting > 0 and self._idle > self._notified:
             self._cond.notify()
             self._notified += 1  # a sleeper claimed, not yet awake
@@ -79,12 +83,14 @@ class LimitedPool:
                 target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True
             )
             self._threads.append(thread)
+            self._spawned += 1
             thread.start()
             starting -= 1
 
     def _work(self) -> None:
         cond = self._cond
         with cond:
+            self._spawned -= 1
             while True:
                 if self._closed:
                     return
