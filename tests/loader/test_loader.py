@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 
 import feedline  # noqa: E402
 from feedline import ConfigurationError, DataLoader, PathList, PipelineFailure  # noqa: E402
+from feedline.loader._fetch import BatchFetcher  # noqa: E402
 
 from ._datasets import Failing, Nested, Pid, Slow, Stamped, Stream  # noqa: E402
 
@@ -272,19 +273,36 @@ def test_items_are_fetched_in_the_workers() -> None:
     assert multiprocessing.active_children() == []  # not persistent: gone after the epoch
 
 
-def test_later_batches_start_once_the_consumer_holds_the_first() -> None:
+def test_later_batches_start_once_the_consumer_holds_the_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # The first batch is fetched alone, and the others start only once the consumer has it,
-    # so that their threads do not slow its collation and hand-over. A consumer that comes
-    # late finds the first batch waiting and nothing else fetched.
+    # so that their threads do not slow its collation and hand-over.
+    monkeypatch.setattr(BatchFetcher, "DELIVERY_GRACE_SECONDS", 30.0)
     dataset = Stamped(12)
     it = iter(DataLoader(dataset, batch_size=4))
+    _wait_until(lambda: len(dataset.started) >= 4)
     time.sleep(0.2)  # the first batch is fetched and collated meanwhile
     asked = time.perf_counter()
     assert next(it).tolist() == [0, 1, 2, 3]
-    rest = [b.tolist() for b in it]
-    assert rest == [[4, 5, 6, 7], [8, 9, 10, 11]]
-    assert max(dataset.started[i] for i in range(4)) < asked
+    assert [b.tolist() for b in it] == [[4, 5, 6, 7], [8, 9, 10, 11]]
     assert min(dataset.started[i] for i in range(4, 12)) > asked
+
+
+def test_a_late_consumer_finds_the_next_batches_under_way() -> None:
+    # A consumer still setting up its model when the first batch is ready must not lose the
+    # prefetching of the others: they start after a short grace.
+    dataset = Stamped(12)
+    it = iter(DataLoader(dataset, batch_size=4))
+    _wait_until(lambda: len(dataset.started) == 12)
+    assert [b.tolist() for b in it] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def _wait_until(condition: Any, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
 
 
 def test_a_loader_dropped_at_once_keeps_its_workers_for_the_epoch() -> None:

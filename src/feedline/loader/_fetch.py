@@ -87,6 +87,11 @@ class BatchFetcher:
     JOB_SECONDS = 0.002
     ADJUST_SECONDS = 0.05
     SLOW_START_SECONDS = 0.004
+    DELIVERY_GRACE_SECONDS = 0.05
+    """With ``wait_for_delivery``: how long the other batches wait for :meth:`first_delivered`
+    once the first batch is fetched. Collation and hand-over take a few ms; a consumer that
+    comes later (still setting up its model) finds the next batches under way, as it would
+    without the wait."""
 
     def __init__(self, dataset: Any, concurrency: int, *, wait_for_delivery: bool = False) -> None:
         self._dataset = dataset
@@ -102,6 +107,7 @@ class BatchFetcher:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._first_number: int | None = None
         self._running = False  # a call of dataset[i] has begun (see _begin_window)
+        self._first_fetched = False  # the first batch's items are all in
 
     def _get(self, index: Any) -> Any:
         try:
@@ -160,7 +166,7 @@ class BatchFetcher:
         CPU-bound ones stay a few at a time and do not thrash the caches of the cores.
         """
         first = self._first
-        if first is None or first.is_set():
+        if first is None or first.is_set() or self._first_fetched:
             return
         if self._running:
             self._adjust(self.SLOW_START_SECONDS, grow=lambda limit: 2 * limit)
@@ -183,8 +189,14 @@ class BatchFetcher:
             fetched = True
             return number, items
         finally:
-            if number == self._first_number and not (fetched and self._wait_for_delivery):
-                self._first.set()
+            if number == self._first_number:
+                self._first_fetched = True
+                if fetched and self._wait_for_delivery:
+                    asyncio.get_running_loop().call_later(
+                        self.DELIVERY_GRACE_SECONDS, self._first.set
+                    )
+                else:
+                    self._first.set()
 
     def first_delivered(self) -> None:
         """Let the other batches start: the consumer holds the first one. Thread-safe."""

@@ -368,7 +368,7 @@ class _LoaderIter(Generic[T]):
         self.finished = False
         # A strong reference: ``for batch in DataLoader(...)`` drops the loader at once, and
         # its worker processes must live until the epoch ends.
-        self._loader = loader
+        self._loader: DataLoader[T] | None = loader
         self._timeout = tl.timeout or None
         self._closed = False
         self._superseded = False
@@ -515,7 +515,9 @@ class _LoaderIter(Generic[T]):
                 return
             self._closed = True
         self._finalizer()
-        self._loader._epoch_ended()
+        loader, self._loader = self._loader, None  # a closed iterator kept alive keeps no loader
+        if loader is not None:
+            loader._epoch_ended()
 
     @staticmethod
     def _shutdown(

@@ -82,9 +82,13 @@ class LimitedPool:
             thread = threading.Thread(
                 target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True
             )
-            self._threads.append(thread)
             self._spawned += 1
-            thread.start()
+            try:
+                thread.start()
+            except BaseException:  # e.g. "can't start new thread": nothing is on its way
+                self._spawned -= 1
+                raise
+            self._threads.append(thread)
             starting -= 1
 
     def _work(self) -> None:

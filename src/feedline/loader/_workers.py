@@ -82,12 +82,15 @@ batch after 2.0-2.7 s, each worker importing torch anew; with the preload, after
 the second loader of the process on; the first one pays the server's own imports)."""
 
 
-def _preload_forkserver(dataset: Any) -> None:
+def _preload_forkserver() -> None:
     """Have the fork server import what the workers need, if it has not started yet.
 
     Adds to the server's preload list (``"__main__"`` by default, or what the user set with
-    ``set_forkserver_preload``): this package's worker module, torch, and the module that
-    defines the dataset's class. Once the server runs, its list no longer matters.
+    ``set_forkserver_preload``) this package's worker module and torch. Not the dataset's
+    module: the server survives only an ``ImportError`` in a preload, so a module that exits
+    or raises anything else at import would take the server down, and with it every worker
+    start, where a worker importing it reports the error plainly. Once the server runs, its
+    list no longer matters.
     """
     from multiprocessing import forkserver
 
@@ -95,8 +98,7 @@ def _preload_forkserver(dataset: Any) -> None:
     if server is None or getattr(server, "_forkserver_pid", 0) is not None:
         return  # not CPython's fork server, or it already runs
     current = list(getattr(server, "_preload_modules", ["__main__"]))
-    wanted = [*_PRELOAD, type(dataset).__module__]
-    extra = [m for m in wanted if m not in current and m != "__main__"]
+    extra = [m for m in _PRELOAD if m not in current]
     if extra:
         forkserver.set_forkserver_preload(current + extra)
 
@@ -140,7 +142,7 @@ class WorkerSet:
 
         ctx = mp.get_context(mp_context)
         if mp_context == "forkserver":
-            _preload_forkserver(dataset)
+            _preload_forkserver()
         self._queues = [ctx.Queue() for _ in range(num_workers)]
         self._workers: list[SubprocessIterable[tuple[int, list[Any]]]] = [
             # Built directly: the task queue pickles only while the process starts, so the
