@@ -121,6 +121,7 @@ class Run:
         )
         out.connect(producers[-1], self._sink)
         self._link(producers)
+        self._threaded = [s for s in producers if isinstance(s, ThreadedStage | ThreadedSource)]
 
     @staticmethod
     def _link(producers: list[Any]) -> None:
@@ -272,9 +273,10 @@ class Run:
         # Before the consumer sleeps: make sure no threaded stage holds work without a job
         # (one that stepped aside for the consumer, whose pull then found the stage no
         # longer cheap). A kick with nothing to do returns at once.
-        for stage in self.stages:
-            if isinstance(stage, ThreadedStage | ThreadedSource) and not self._stopping:
-                stage.kick()
+        for stage in self._threaded:
+            if self._stopping:
+                return
+            stage.kick()
 
     async def call_in_executor(self, executor: Any, fn: Callable[[Any], Any], item: Any) -> Any:
         """Run ``fn(item)`` in a non-thread executor (a process pool) and await the result.

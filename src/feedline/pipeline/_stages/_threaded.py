@@ -168,10 +168,8 @@ class _PoolStage(StageBase):
         consumer pulls the chain (:meth:`Run.pull <._engine.Run.pull>` walks upstream). With
         an expensive stage anywhere, items cross threads anyway: jobs keep going.
         """
-        if ctx is None or ctx.inline or not self.run.consumer_hungry:
-            return False
-        chain = self.chain
-        if chain is None:
+        chain = self.chain  # fixed for the run: the cheapest test first, on every item
+        if chain is None or ctx is None or ctx.inline or not self.run.consumer_hungry:
             return False
         pool = self.run.default_pool
         return all(stage.cheap_on(pool) for stage in chain)
