@@ -59,7 +59,7 @@ class RunContext(Protocol):
 
     @property
     def consumer_hungry(self) -> bool:
-        """Whether the consumer waits for the sink (and pulls cheap stages itself meanwhile)."""
+        """Whether the consumer waits for the sink and would run the whole cheap chain itself."""
 
     def wake_consumer(self) -> None:
         """Wake a consumer sleeping on the sink, so that it pulls again."""

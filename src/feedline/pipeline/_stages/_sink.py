@@ -39,12 +39,16 @@ class SinkReader:
         pull: Callable[[], bool],
         before_sleep: Callable[[], None],
         spin: bool,
+        runs_chain: Callable[[], bool] | None = None,
     ) -> None:
         self._channel = channel
         self._spin = spin  # whether to yield a while before sleeping (see _SPIN)
         self._pull = pull  # runs a cheap upstream job here rather than sleeping
         self._before_sleep = before_sleep  # makes sure some job will produce what we wait for
-        self.hungry = False  # inside get() with nothing to take: cheap pool jobs step aside
+        # Whether a waiting consumer would run the whole chain (every stage cheap and
+        # threaded): asked once per wait, so that pool jobs need not check on every item.
+        self._runs_chain = runs_chain
+        self.hungry = False  # waiting, and runs_chain said yes: cheap pool jobs step aside
         self._signal = threading.Lock()
         self._signal.acquire()
         self._waiting = False
@@ -86,7 +90,7 @@ class SinkReader:
         item = channel.try_get()
         if item is not EMPTY or channel.exhausted or self._interrupted:
             return item
-        self.hungry = True
+        self.hungry = self._runs_chain is not None and self._runs_chain()
         try:
             return self._wait(timeout)
         finally:

@@ -116,9 +116,6 @@ class _PoolStage(StageBase):
     _executor: Any
     loop_pulls: bool  # set when the consumer is an event-loop stage that pulls this stage
     upstream: Any = None  # the stage feeding this one (None for the source)
-    # Every stage from the source to the sink, if all are threaded (None otherwise): the chain
-    # a waiting consumer could run by itself (see _steps_aside).
-    chain: tuple[_PoolStage, ...] | None = None
     feeds_sink = False  # the last stage: the consumer takes its outputs
 
     def _kick(self) -> None:
@@ -166,13 +163,10 @@ class _PoolStage(StageBase):
         against 19,000 when the consumer runs the chain itself). So when every stage from the
         source to the sink is cheap, a pool job ends as soon as the consumer waits, and the
         consumer pulls the chain (:meth:`Run.pull <._engine.Run.pull>` walks upstream). With
-        an expensive stage anywhere, items cross threads anyway: jobs keep going.
+        an expensive stage anywhere, items cross threads anyway: jobs keep going. The
+        consumer checks the chain when it starts to wait (``consumer_hungry`` says both).
         """
-        chain = self.chain  # fixed for the run: the cheapest test first, on every item
-        if chain is None or ctx is None or ctx.inline or not self.run.consumer_hungry:
-            return False
-        pool = self.run.default_pool
-        return all(stage.cheap_on(pool) for stage in chain)
+        return ctx is not None and not ctx.inline and self.run.consumer_hungry
 
     def _wind_down(self, stepped_aside: bool) -> None:
         # After a job: catch wake-ups that arrived while it wound down; or, if it stepped
@@ -243,6 +237,10 @@ class ThreadedStage(_PoolStage):
 
     def on_data(self) -> None:
         """Input arrived or closed: start jobs if there is room for them."""
+        if self._active >= self._concurrency:
+            # Every slot has a job, which will take the item. (Read without the lock: a job
+            # that ends lowers the count under the lock and then kicks, seeing this item.)
+            return
         if not self._defer():
             self._kick()
 
