@@ -86,7 +86,10 @@ class Run:
         self._async_stages: list[AsyncStage | AsyncSource] = []
 
         concurrency = [getattr(cfg, "concurrency", 1) for cfg in config.stages]
-        first_capacity = max(2, concurrency[0]) if config.stages else config.sink.buffer_size
+        # The source's queue holds two items per slot of the first stage: the source job
+        # refills it from its low-water mark (half full), so each refill moves a slot's worth
+        # of items rather than one item per job.
+        first_capacity = max(4, 2 * concurrency[0]) if config.stages else config.sink.buffer_size
         src_cfg = config.source
         out = Channel(f"{src_cfg.name}->", first_capacity)
         self.channels.append(out)
