@@ -8,6 +8,7 @@ headline table, and writes JSON results, PNG charts and ``summary.md``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import warnings
@@ -78,6 +79,33 @@ class _Progress:
             sys.stderr.flush()
 
 
+_SPDL_DECODES = ("decode", "images")  # scenarios with an SPDL image-decoding contender
+
+
+def _restart_for_spdl(args: argparse.Namespace, names: list[str]) -> None:
+    """Restart this command so that SPDL finds PyAV's FFmpeg, if that is what it lacks.
+
+    Only a command started from the shell restarts (``args.may_restart``): ``main([...])``
+    called from Python, as the tests do, must not replace its process.
+    """
+    if not args.may_restart or not any(n in _SPDL_DECODES for n in names):
+        return
+    from feedline.bench._data import cache_dir
+    from feedline.bench._ffmpeg import MARKER, spdl_env
+
+    env = spdl_env(cache_dir(args.data))
+    if env is None:
+        return
+    print(
+        "feedline bench: SPDL's wheel ships no FFmpeg; restarting with PyAV's FFmpeg on "
+        f"LD_LIBRARY_PATH (links in {env[MARKER]})",
+        file=sys.stderr,
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "feedline", *sys.argv[1:]], env)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from feedline.bench import SCENARIOS, BenchOptions, run_scenarios
     from feedline.bench._report import headline, plot
@@ -91,6 +119,7 @@ def _bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    _restart_for_spdl(args, names)
     out = Path(args.out)
     # PyTorch warns whenever a loader has more workers than cores; the benchmark means to.
     warnings.filterwarnings("ignore", message="This DataLoader will create")
@@ -162,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``feedline`` command."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.may_restart = argv is None  # started from the shell, not called from Python
     code: int = args.func(args)
     return code
 

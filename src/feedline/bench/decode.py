@@ -32,7 +32,7 @@ from ._common import Contender, Measurement, ScenarioResult, alternate, make_res
 from ._data import jpeg_files, read_all
 from ._registry import BenchOptions
 
-__all__ = ["pil_decode", "psnr", "run"]
+__all__ = ["pil_decode", "psnr", "run", "spdl_decoder"]
 
 SIZE = (224, 224)
 
@@ -77,7 +77,8 @@ def _opencv(data: bytes) -> Any:
     return cv2.resize(image, SIZE[::-1], interpolation=cv2.INTER_LINEAR)
 
 
-def _spdl() -> tuple[Callable[[bytes], Any] | None, str | None]:
+def spdl_decoder() -> tuple[Callable[[bytes], Any] | None, str | None]:
+    """SPDL's decode + resize to 224x224 RGB, or ``None`` and why it cannot run here."""
     try:
         import spdl.io as sio
 
@@ -133,7 +134,7 @@ def run(options: BenchOptions) -> ScenarioResult:
         if missing is not None:
             notes.append(missing)
             del contenders_fn[name]
-    spdl, why = _spdl()
+    spdl, why = spdl_decoder()
     if spdl is not None:
         contenders_fn["SPDL"] = spdl
     elif why is not None:

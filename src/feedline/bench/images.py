@@ -10,7 +10,11 @@ them to 224x224 and batches them by 32:
 * ``feedline DataLoader``: ``feedline.DataLoader`` (threads, no processes) over the dataset
   with feedline's decode function;
 * ``feedline pipeline``: a pipeline that decodes each picture straight into its slot of a
-  pooled batch buffer (no collation copy): what feedline is built for.
+  pooled batch buffer (no collation copy): what feedline is built for;
+* ``SPDL pipeline`` (when ``spdl.io`` can decode here; see :mod:`._ffmpeg`): SPDL's own way,
+  as its examples write it: an ``spdl.pipeline`` that demuxes and decodes each file with
+  FFmpeg's scale filter to 224x224 RGB in a stage as wide as the cores, groups 32 frames and
+  converts them to one batch array.
 
 The upper bound is the single-thread rate of the decode function on in-memory bytes times the
 number of cores: no contender can beat it on this machine. It is measured in every round, beside
@@ -38,8 +42,9 @@ from ._common import (
 from ._data import jpeg_files
 from ._loaders import DECODERS, LoaderCosts, SlotPipeline
 from ._registry import BenchOptions
+from .decode import spdl_decoder
 
-__all__ = ["FileDataset", "run"]
+__all__ = ["FileDataset", "SpdlPipeline", "run"]
 
 BATCH = 32
 SIZE = (224, 224)
@@ -71,6 +76,44 @@ def _feedline_loader(paths: list[str], threads: int) -> Any:
     from feedline import DataLoader
 
     return DataLoader(FileDataset(paths, "feedline"), batch_size=BATCH, fetch_concurrency=threads)
+
+
+class SpdlPipeline:
+    """Batches from an ``spdl.pipeline`` decoding with ``spdl.io``, as SPDL's examples do."""
+
+    def __init__(self, paths: list[str], batch: int, concurrency: int) -> None:
+        self.paths = paths
+        self.batch = batch
+        self.concurrency = concurrency
+
+    def __len__(self) -> int:
+        return -(-len(self.paths) // self.batch)
+
+    def __iter__(self) -> Any:
+        import spdl.io as sio
+        from spdl.pipeline import PipelineBuilder as SpdlBuilder
+
+        scale = sio.get_video_filter_desc(
+            scale_width=SIZE[1], scale_height=SIZE[0], pix_fmt="rgb24"
+        )
+
+        def decode(path: str) -> Any:
+            return sio.decode_packets(sio.demux_image(path), filter_desc=scale)
+
+        def batchify(frames: list[Any]) -> Any:
+            return sio.to_numpy(sio.convert_frames(frames))
+
+        builder: Any = SpdlBuilder()
+        pipeline = (
+            builder.add_source(self.paths)
+            .pipe(decode, concurrency=self.concurrency)
+            .aggregate(self.batch)
+            .pipe(batchify)
+            .add_sink(3)
+            .build(num_threads=self.concurrency)
+        )
+        with pipeline.auto_stop():
+            yield from pipeline
 
 
 BOUND = "upper bound"
@@ -115,6 +158,9 @@ def run(options: BenchOptions) -> ScenarioResult:
     setups.append(
         ("feedline pipeline", functools.partial(SlotPipeline, paths, _read_file, BATCH, cores))
     )
+    spdl_missing = spdl_decoder()[1]  # why SPDL cannot decode here, if it cannot
+    if spdl_missing is None:
+        setups.append(("SPDL pipeline", functools.partial(SpdlPipeline, paths, BATCH, cores)))
     contenders = [Contender(name, functools.partial(timed, name, make)) for name, make in setups]
     # The bound is measured in every round too, so that each contender's share of it compares
     # runs taken minutes apart at most, on a machine whose speed drifts.
@@ -127,8 +173,12 @@ def run(options: BenchOptions) -> ScenarioResult:
             m.extra["of_bound"] = m.ratio
     pil = [m for m in found if m.contender.startswith("PyTorch + PIL")]
     best_pil = max(pil, key=lambda m: m.items_per_s)
+    spdl = next((m for m in found if m.contender == "SPDL pipeline"), None)
     for m in found:
         m.ratio = paired_ratio(m.runs, best_pil.runs)
+        vs_spdl = paired_ratio(m.runs, spdl.runs) if spdl is not None else None
+        if vs_spdl is not None and m.contender != BOUND:
+            m.extra["vs_spdl"] = vs_spdl
     costs.attach(found)
     notes = [
         f"{repeats} alternating run(s) per contender, medians; steady images/s (over the "
@@ -138,8 +188,9 @@ def run(options: BenchOptions) -> ScenarioResult:
         f"upper bound: feedline's decode on one thread, in memory, x {cores} cores = "
         f"{bound.items_per_s:,.0f} images/s (median; measured in every round); of_bound is "
         "each contender's share of it, the median of its per-round shares",
-        "SPDL is left out: spdl.io decodes images through FFmpeg shared libraries that "
-        "pip does not install",
+        spdl_missing
+        or f"SPDL pipeline: spdl.io demux + decode with FFmpeg's scale filter, {cores} wide, "
+        f"then aggregate({BATCH}) and convert_frames to one array (SPDL's own pattern)",
         f"{np.mean([len(p) for p in pictures]) / 1024:.0f} KiB per JPEG on average",
         "peak PSS / RSS: this process and its children, sampled every 100 ms during a pass; "
         "the benchmark's own process (Python, torch, OpenCV loaded) is in every figure",
