@@ -195,6 +195,24 @@ def test_a_cheap_stage_that_turns_slow_while_the_consumer_waits_keeps_going() ->
     assert sorted(got) == list(range(400))
 
 
+def test_a_stage_that_turns_slow_and_emits_nothing_while_the_consumer_waits() -> None:
+    # The consumer decides when it starts to wait whether jobs step aside for it. A stage
+    # that turned expensive during that wait, and sent nothing to the sink (its slow items
+    # failed), once left its items to pulls that no longer ran it: the pool job stepped
+    # aside, the consumer kicked a new one, which stepped aside again, forever.
+    def slow_failures(x: int) -> int:
+        if x % 25 == 24:
+            time.sleep(0.003)
+            raise ValueError(f"item {x}")
+        return x
+
+    p = PipelineBuilder().add_source(range(1500)).pipe(slow_failures).add_sink(3)
+    pipeline = p.build(max_failures=None)
+    with pipeline.auto_stop():
+        got = [pipeline.get_item(timeout=5) for _ in range(1500 - 1500 // 25)]
+    assert got == [x for x in range(1500) if x % 25 != 24]
+
+
 def _fuzz_op(kind: str, delay: float) -> Any:
     if kind == "async":
 

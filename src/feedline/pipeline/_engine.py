@@ -142,8 +142,9 @@ class Run:
 
     def _chain_cheap(self) -> bool:
         # Whether every stage from the source to the sink is threaded and cheap: then pool
-        # jobs step aside for a waiting consumer (see _PoolStage._steps_aside). Evaluated once
-        # each time the consumer starts to wait, not on every item of every job.
+        # jobs step aside for a waiting consumer (see _PoolStage._steps_aside). Evaluated when
+        # the consumer starts to wait and again whenever its pull finds nothing to run (a
+        # stage that turned expensive), not on every item of every job.
         pool = self._pool
         return self._chain is not None and all(s.cheap_on(pool) for s in self._chain)
 
@@ -275,7 +276,7 @@ class Run:
 
     @property
     def consumer_hungry(self) -> bool:
-        """Whether the consumer waits for the sink and would run the whole cheap chain itself."""
+        """Whether the consumer waits for the sink and found every stage cheap when it looked."""
         return self._sink.hungry
 
     def wake_consumer(self) -> None:

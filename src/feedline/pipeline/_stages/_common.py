@@ -59,10 +59,10 @@ class RunContext(Protocol):
 
     @property
     def consumer_hungry(self) -> bool:
-        """Whether the consumer waits for the sink and would run the whole cheap chain itself."""
+        """Whether the consumer waits for the sink and found every stage cheap when it looked."""
 
     def wake_consumer(self) -> None:
-        """Wake a consumer sleeping on the sink, so that it pulls again."""
+        """Wake a consumer sleeping on the sink (a job stepped aside for it): it pulls again."""
 
     async def call_in_executor(self, executor: Any, fn: Callable[[Any], Any], item: Any) -> Any:
         """Await ``fn(item)`` run in a non-thread executor; stop() waits for such calls."""

@@ -114,6 +114,11 @@ class SinkReader:
                 raise TimeoutError(f"no item arrived from the pipeline within {timeout} s")
             if pulled:
                 continue
+            if self.hungry:
+                # The pull found nothing to run: a stage may have turned expensive since the
+                # wait began, and then jobs must stop stepping aside for us (they would leave
+                # its items to a pull that no longer runs it, over and over).
+                self.hungry = self._runs_chain is not None and self._runs_chain()
             if spin_until and time.perf_counter() < spin_until:
                 time.sleep(0)
                 continue

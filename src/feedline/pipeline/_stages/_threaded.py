@@ -164,7 +164,9 @@ class _PoolStage(StageBase):
         source to the sink is cheap, a pool job ends as soon as the consumer waits, and the
         consumer pulls the chain (:meth:`Run.pull <._engine.Run.pull>` walks upstream). With
         an expensive stage anywhere, items cross threads anyway: jobs keep going. The
-        consumer checks the chain when it starts to wait (``consumer_hungry`` says both).
+        consumer checks the chain (``consumer_hungry`` says both) when it starts to wait and
+        again when a pull finds nothing to run: a stage that turned expensive meanwhile
+        stops the stepping aside after one such pull.
         """
         return ctx is not None and not ctx.inline and self.run.consumer_hungry
 
@@ -239,7 +241,9 @@ class ThreadedStage(_PoolStage):
         """Input arrived or closed: start jobs if there is room for them."""
         if self._active >= self._concurrency:
             # Every slot has a job, which will take the item. (Read without the lock: a job
-            # that ends lowers the count under the lock and then kicks, seeing this item.)
+            # that ends lowers the count under the lock and then either kicks, seeing this
+            # item, or steps aside: it flags that for the consumer, which kicks before it
+            # sleeps.)
             return
         if not self._defer():
             self._kick()
