@@ -3,7 +3,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import multiprocessing
+import os
 import pickle
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -426,6 +429,38 @@ def test_cpu_bound_items_get_few_calls_at_once_and_io_bound_many() -> None:
     assert limit_after(Spin(), 60) <= max(cores + 1, 8)  # saturating the cores: few at once
     # Waiting on I/O: about as many at once as there are calls to make (2 batches of 16).
     assert limit_after(Slow(10_000, 0.02), 12) >= 16
+
+
+@pytest.mark.slow
+def test_cpu_bound_items_stay_few_at_once_while_other_processes_load_the_cores() -> None:
+    # Other processes on the cores make this one look idle (its CPU time over the wall time
+    # drops), which once made the fetcher double the calls at once every few ms: 16 threads
+    # decoding a first batch on 2 cores, each picture taking twice as long. The calls' own
+    # threads still spend most of their time on a CPU: they compute, so no more are admitted.
+    cores = os.cpu_count() or 1
+    threads: set[str] = set()
+
+    class Spin:  # CPU work that releases the GIL, as a decoder does
+        data = bytes(2**21)
+
+        def __len__(self) -> int:
+            return 96
+
+        def __getitem__(self, i: int) -> int:
+            threads.add(threading.current_thread().name)
+            hashlib.sha256(self.data).digest()
+            return i
+
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        time.sleep(0.2)  # let them take the cores
+        batches = list(DataLoader(Spin(), batch_size=32, fetch_concurrency=64))
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    assert sum(len(b) for b in batches) == 96
+    assert len(threads) <= cores + 1, sorted(threads)
 
 
 def test_calls_still_running_when_the_epoch_stops_log_nothing(

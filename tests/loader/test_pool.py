@@ -102,3 +102,29 @@ def test_a_failing_job_is_logged_and_the_thread_goes_on(caplog: pytest.LogCaptur
     assert done.wait(5)
     pool.close()
     assert "unexpected error" in caplog.text
+
+
+def test_busy_seconds_counts_computing_threads_not_waiting_ones() -> None:
+    # The fetcher's signal for "more calls at once would help": threads that sleep (I/O)
+    # score nothing, threads that compute score their time.
+    pool = LimitedPool(4, "test-busy")
+    pool.set_limit(2)
+    try:
+        done = threading.Barrier(3)
+        pool.submit(lambda: (time.sleep(0.2), done.wait()))
+        pool.submit(lambda: (_spin(0.2), done.wait()))
+        start = pool.busy_seconds()
+        if start is None:  # pragma: no cover - a platform without per-thread clocks
+            pytest.skip("no per-thread CPU accounting here")
+        done.wait(timeout=10)
+        spent = pool.busy_seconds()
+        assert spent is not None
+        assert 0.15 <= spent - start <= 0.3  # the spinning thread's 0.2 s, the sleeper's ~0
+    finally:
+        pool.close()
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass

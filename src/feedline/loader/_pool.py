@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +42,12 @@ class LimitedPool:
         self._notified = 0  # of those, woken and not yet running
         self._spawned = 0  # threads started that have not yet looked for a job
         self._closed = False
+        # Per thread: its id for /proc/self/task/ID/schedstat (Linux), and its CPU clock
+        # (where the platform has one): see busy_seconds.
+        self._tids: list[int] = []
+        self._clocks: list[int] = []
+        self._schedstat = os.path.exists("/proc/self/task")
+        self._no_clocks = not hasattr(time, "pthread_getcpuclockid")
 
     @property
     def limit(self) -> int:
@@ -50,6 +58,38 @@ class LimitedPool:
     def waiting(self) -> int:
         """Jobs submitted and not started."""
         return len(self._jobs)
+
+    def busy_seconds(self) -> float | None:
+        """Seconds the pool's threads have spent on a CPU or runnable and waiting for one.
+
+        What is left of their time they spent blocked: on I/O, a sleep, a lock, or idle in
+        the pool. So over a window in which every thread runs a call, a low figure means the
+        calls wait on I/O and more of them at once would help; calls that compute score near
+        1 per thread even when other processes crowd the cores (which makes this process's
+        own CPU time look idle). Read from ``/proc/self/task/*/schedstat`` on Linux; where
+        that is missing, only the threads' CPU time (a computing call on crowded cores then
+        scores its share of a core); None where neither can be read.
+        """
+        if self._schedstat:
+            total = 0
+            try:
+                for tid in list(self._tids):
+                    with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+                        on_cpu, runnable = f.read().split()[:2]
+                    total += int(on_cpu) + int(runnable)
+            except (OSError, ValueError):  # pragma: no cover - a kernel without schedstat
+                self._schedstat = False
+            else:
+                return total / 1e9
+        if self._no_clocks:
+            return None
+        seconds = 0.0
+        for clock in list(self._clocks):
+            try:
+                seconds += time.clock_gettime(clock)
+            except OSError:  # pragma: no cover - a thread that exited (only at close)
+                continue
+        return seconds
 
     def set_limit(self, limit: int) -> None:
         """Change how many jobs may run at once (1 to ``max_threads``)."""
@@ -92,6 +132,12 @@ class LimitedPool:
             starting -= 1
 
     def _work(self) -> None:
+        self._tids.append(threading.get_native_id())
+        if not self._no_clocks:
+            try:
+                self._clocks.append(time.pthread_getcpuclockid(threading.get_ident()))
+            except OSError:  # pragma: no cover - a kernel without per-thread clocks
+                self._no_clocks = True
         cond = self._cond
         with cond:
             self._spawned -= 1
