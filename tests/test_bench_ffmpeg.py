@@ -26,14 +26,21 @@ def test_link_folder_maps_sonames_to_bundled_ffmpeg(tmp_path: Path) -> None:
         "libavcodec-5e6b81c2.so.62.28.102",
         "libavutil-5809ad29.so.60.26.102",
         "libswscale-88e9f973.so.9.5.102",
+        "libpostproc-0a1b2c3d.so.59.1.100",
         "libdrm-b0291a67.so.2.4.0",  # not FFmpeg's: no link
+        "libavif-1a2b3c4d.so.16.0.1",  # not FFmpeg's either, whatever its prefix
         "libavformat.so.62",  # not a bundled name: no link
     ):
         (libs / name).write_bytes(b"")
     folder = _ffmpeg._link_folder(libs, tmp_path / "cache")
     assert folder is not None
     links = {p.name: p for p in folder.iterdir()}
-    assert sorted(links) == ["libavcodec.so.62", "libavutil.so.60", "libswscale.so.9"]
+    assert sorted(links) == [
+        "libavcodec.so.62",
+        "libavutil.so.60",
+        "libpostproc.so.59",
+        "libswscale.so.9",
+    ]
     assert links["libavcodec.so.62"].resolve() == (libs / "libavcodec-5e6b81c2.so.62.28.102")
     # Made again (a second run, or one racing it): the same links, nothing else left behind.
     again = _ffmpeg._link_folder(libs, tmp_path / "cache")
@@ -47,6 +54,15 @@ def test_link_folder_without_ffmpeg_is_none(tmp_path: Path) -> None:
     (libs / "libz-1a2b3c4d.so.1.2.3").write_bytes(b"")
     assert _ffmpeg._link_folder(libs, tmp_path / "cache") is None
     assert not (tmp_path / "cache").exists()
+
+
+def test_an_unwritable_cache_leaves_spdl_out(tmp_path: Path) -> None:
+    libs = tmp_path / "av.libs"
+    libs.mkdir()
+    (libs / "libavutil-5809ad29.so.60.26.102").write_bytes(b"")
+    not_a_folder = tmp_path / "cache"
+    not_a_folder.write_bytes(b"")  # mkdir under it fails, as in a read-only cache
+    assert _ffmpeg._link_folder(libs, not_a_folder) is None
 
 
 def test_restarted_process_is_not_restarted_again(

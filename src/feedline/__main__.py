@@ -2,6 +2,6 @@
 
 import sys
 
-from feedline.cli import main
+from feedline.cli import console
 
-sys.exit(main())
+sys.exit(console())

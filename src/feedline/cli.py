@@ -85,8 +85,9 @@ _SPDL_DECODES = ("decode", "images")  # scenarios with an SPDL image-decoding co
 def _restart_for_spdl(args: argparse.Namespace, names: list[str]) -> None:
     """Restart this command so that SPDL finds PyAV's FFmpeg, if that is what it lacks.
 
-    Only a command started from the shell restarts (``args.may_restart``): ``main([...])``
-    called from Python, as the tests do, must not replace its process.
+    Only the ``feedline`` command and ``python -m feedline`` restart (:func:`console`):
+    :func:`main` called from Python, as the tests do, never replaces its process. The
+    restart runs the same interpreter with the same arguments and flags (``sys.orig_argv``).
     """
     if not args.may_restart or not any(n in _SPDL_DECODES for n in names):
         return
@@ -103,7 +104,7 @@ def _restart_for_spdl(args: argparse.Namespace, names: list[str]) -> None:
     )
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "feedline", *sys.argv[1:]], env)
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -187,14 +188,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``feedline`` command."""
+def main(argv: list[str] | None = None, *, may_restart: bool = False) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
+
+    Args:
+        argv: The arguments after the program name.
+        may_restart: Whether ``feedline bench`` may restart the process so that SPDL finds
+            an FFmpeg (see :mod:`feedline.bench._ffmpeg`); only :func:`console` sets it.
+
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.may_restart = argv is None  # started from the shell, not called from Python
+    args.may_restart = may_restart
     code: int = args.func(args)
     return code
 
 
+def console() -> int:
+    """Entry point of the ``feedline`` command and of ``python -m feedline``."""
+    return main(may_restart=True)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())

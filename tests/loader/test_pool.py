@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import hashlib
+import os
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -104,27 +107,31 @@ def test_a_failing_job_is_logged_and_the_thread_goes_on(caplog: pytest.LogCaptur
     assert "unexpected error" in caplog.text
 
 
-def test_busy_seconds_counts_computing_threads_not_waiting_ones() -> None:
-    # The fetcher's signal for "more calls at once would help": threads that sleep (I/O)
-    # score nothing, threads that compute score their time.
-    pool = LimitedPool(4, "test-busy")
-    pool.set_limit(2)
-    try:
-        done = threading.Barrier(3)
-        pool.submit(lambda: (time.sleep(0.2), done.wait()))
-        pool.submit(lambda: (_spin(0.2), done.wait()))
-        start = pool.busy_seconds()
-        if start is None:  # pragma: no cover - a platform without per-thread clocks
-            pytest.skip("no per-thread CPU accounting here")
-        done.wait(timeout=10)
-        spent = pool.busy_seconds()
-        assert spent is not None
-        assert 0.15 <= spent - start <= 0.3  # the spinning thread's 0.2 s, the sleeper's ~0
-    finally:
-        pool.close()
+def test_queued_seconds_grows_when_threads_crowd_the_cores_not_when_they_sleep() -> None:
+    # The fetcher's signal that more calls at once would only queue for the cores.
+    cores = os.cpu_count() or 1
+    jobs = 2 * cores + 1
 
+    def measure(job: Any) -> float:
+        pool = LimitedPool(jobs, "test-queued")
+        try:
+            done = threading.Barrier(jobs + 1)
+            for _ in range(jobs):
+                pool.submit(lambda: (job(), done.wait()))
+            done.wait(timeout=30)
+            queued = pool.queued_seconds()
+        finally:
+            pool.close()
+        if queued is None:  # pragma: no cover - not Linux
+            pytest.skip("no per-thread run-queue accounting here")
+        return queued
 
-def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+    data = bytes(2**20)
+
+    def compute() -> None:  # releases the GIL: the threads compete for cores only
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:
+            hashlib.sha256(data).digest()
+
+    assert measure(compute) > 0.1  # jobs > cores: about half of them queue at any time
+    assert measure(lambda: time.sleep(0.3)) < 0.05

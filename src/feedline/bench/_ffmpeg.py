@@ -15,6 +15,7 @@ Nothing changes for SPDL when it already loads, or when PyAV is not installed.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import re
@@ -26,7 +27,8 @@ MARKER = "FEEDLINE_SPDL_FFMPEG"
 """Set in the environment of a restarted ``feedline bench``: it restarts only once."""
 
 # libavcodec-5e6b81c2.so.62.28.102 -> libavcodec.so.62 (FFmpeg's libraries only)
-_BUNDLED = re.compile(r"^(lib(?:av|sw|postproc)[a-z]+)-[0-9a-f]{8}\.so\.(\d+)(?:\.\d+)*$")
+_FFMPEG = "avcodec|avdevice|avfilter|avformat|avutil|postproc|swresample|swscale"
+_BUNDLED = re.compile(rf"^(lib(?:{_FFMPEG}))-[0-9a-f]{{8}}\.so\.(\d+)(?:\.\d+)*$")
 
 
 def _spdl_loads() -> bool:
@@ -50,7 +52,10 @@ def _pyav_libs() -> Path | None:
 
 
 def _link_folder(libs: Path, cache: Path) -> Path | None:
-    """A folder of ``soname -> PyAV's file`` links (made once, reused); None if PyAV has none."""
+    """A folder of ``soname -> PyAV's file`` links (made once, reused).
+
+    None if PyAV bundles no FFmpeg, or the folder cannot be written (a read-only cache).
+    """
     links = {}
     for path in libs.iterdir():
         match = _BUNDLED.match(path.name)
@@ -58,16 +63,21 @@ def _link_folder(libs: Path, cache: Path) -> Path | None:
             links[f"{match[1]}.so.{match[2]}"] = path.resolve()
     if not links:
         return None
-    folder = cache / "spdl-ffmpeg" / re.sub(r"[^\w.-]", "_", str(libs.resolve()))[-100:]
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, target in links.items():
-        link = folder / name
-        if link.is_symlink() and Path(os.readlink(link)) == target:
-            continue
-        tmp = folder / f".{name}.{os.getpid()}"
-        tmp.unlink(missing_ok=True)
-        tmp.symlink_to(target)
-        tmp.replace(link)  # atomic: another run may be making the same folder
+    # One folder per PyAV installation: two environments never overwrite each other's links.
+    key = hashlib.sha256(str(libs.resolve()).encode()).hexdigest()[:16]
+    folder = cache / "spdl-ffmpeg" / key
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, target in links.items():
+            link = folder / name
+            if link.is_symlink() and Path(os.readlink(link)) == target:
+                continue
+            tmp = folder / f".{name}.{os.getpid()}"
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to(target)
+            tmp.replace(link)  # atomic: another run may be making the same folder
+    except OSError:
+        return None
     return folder
 
 

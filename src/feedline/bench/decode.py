@@ -82,7 +82,13 @@ def spdl_decoder() -> tuple[Callable[[bytes], Any] | None, str | None]:
     try:
         import spdl.io as sio
 
-        desc = sio.get_video_filter_desc(scale_width=SIZE[1], scale_height=SIZE[0], pix_fmt="rgb24")
+        desc = sio.get_video_filter_desc(
+            scale_width=SIZE[1],
+            scale_height=SIZE[0],
+            scale_algo="bilinear",  # as the other contenders resize: bilinear, stretched
+            scale_mode=None,
+            pix_fmt="rgb24",
+        )
 
         def fn(data: bytes) -> Any:
             return sio.to_numpy(sio.load_image(data, filter_desc=desc))

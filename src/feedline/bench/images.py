@@ -96,7 +96,11 @@ class SpdlPipeline:
         from spdl.pipeline import PipelineBuilder as SpdlBuilder
 
         scale = sio.get_video_filter_desc(
-            scale_width=SIZE[1], scale_height=SIZE[0], pix_fmt="rgb24"
+            scale_width=SIZE[1],
+            scale_height=SIZE[0],
+            scale_algo="bilinear",  # as the other contenders resize: bilinear, stretched
+            scale_mode=None,
+            pix_fmt="rgb24",
         )
 
         def decode(path: str) -> Any:
@@ -191,8 +195,9 @@ def run(options: BenchOptions) -> ScenarioResult:
         f"{bound.items_per_s:,.0f} images/s (median; measured in every round); of_bound is "
         "each contender's share of it, the median of its per-round shares",
         spdl_missing
-        or f"SPDL pipeline: spdl.io demux + decode with FFmpeg's scale filter, {cores} wide, "
-        f"then aggregate({BATCH}) and convert_frames to one array (SPDL's own pattern)",
+        or f"SPDL pipeline: spdl.io demux + decode with FFmpeg's bilinear scale filter, "
+        f"{cores} wide, then aggregate({BATCH}) and convert_frames to one array (SPDL's own "
+        "pattern; its stages pass items on in completion order, feedline's in input order)",
         f"{np.mean([len(p) for p in pictures]) / 1024:.0f} KiB per JPEG on average",
         "peak PSS / RSS: this process and its children, sampled every 100 ms during a pass; "
         "the benchmark's own process (Python, torch, OpenCV loaded) is in every figure",

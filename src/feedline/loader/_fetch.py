@@ -67,13 +67,13 @@ class BatchFetcher:
       items that take microseconds go in chunks of about :attr:`JOB_SECONDS`, so that the cost
       of a job (a queue hand-off, a thread wake-up) does not dwarf them.
     * **Calls at once.** Every :attr:`ADJUST_SECONDS`, the fetcher looks at how busy this
-      process kept the cores. Saturated: it admits fewer calls at once (down to cores + 1);
-      cores idle while calls wait, and the running calls mostly wait too (their threads were
-      on a CPU, or waiting for one, under :attr:`WAITING_SHARE` of the time): more (up to
-      ``concurrency``), first come first served. So I/O-bound items get every thread, and
-      CPU-bound ones run a few at a time, oldest batch first, instead of every batch in
-      flight sharing the cores and finishing late together; also when other processes keep
-      the cores busy, which makes this process look idle.
+      process kept the cores, and how long the calls' threads queued for a core.
+      Saturated, or the calls queued over :attr:`QUEUED_SHARE` of the time (the cores are
+      full, also when other processes fill them, which makes this process look idle): it
+      admits fewer calls at once (down to cores + 1). Cores idle while calls wait: more (up
+      to ``concurrency``), first come first served. So I/O-bound items get every thread,
+      and CPU-bound ones run a few at a time, oldest batch first, instead of every batch in
+      flight sharing the cores and finishing late together.
     * **Slow start.** The first batch starts with cores + 1 calls at once, doubled every
       :attr:`SLOW_START_SECONDS` while cores are idle and calls wait.
     * **The first batch runs alone**, until it is fetched (or, with ``wait_for_delivery``,
@@ -90,10 +90,12 @@ class BatchFetcher:
     JOB_SECONDS = 0.002
     ADJUST_SECONDS = 0.05
     SLOW_START_SECONDS = 0.004
-    WAITING_SHARE = 0.3
-    """Calls whose threads spent less than this share of the time on a CPU or waiting for
-    one wait on I/O: more of them at once would help. A call that computes scores about 1,
-    however crowded the cores (see :meth:`LimitedPool.busy_seconds`)."""
+    QUEUED_SHARE = 0.25
+    """Calls whose threads spent more than this share of a window runnable but waiting for a
+    core (:meth:`LimitedPool.queued_seconds`) find the cores full: more of them at once
+    would only queue. Measured on 2 cores: three CPU-bound calls alone queue about a third
+    of the time, and about 60% with two other processes spinning; calls waiting on I/O
+    hardly at all."""
     DELIVERY_GRACE_SECONDS = 0.05
     """With ``wait_for_delivery``: how long the other batches wait for :meth:`first_delivered`
     once the first batch is fetched. Collation and hand-over take a few ms; a consumer that
@@ -110,7 +112,7 @@ class BatchFetcher:
         self._adjusting = threading.Lock()
         self._window_start = time.perf_counter()
         self._window_cpu = time.process_time()
-        self._window_calls_busy = self._pool.busy_seconds()
+        self._window_queued = self._pool.queued_seconds()
         self._first: asyncio.Event | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._first_number: int | None = None
@@ -144,21 +146,20 @@ class BatchFetcher:
         if now - self._window_start < window or not self._adjusting.acquire(False):
             return
         try:
-            cpu, calls_busy = time.process_time(), self._pool.busy_seconds()
+            cpu, queued = time.process_time(), self._pool.queued_seconds()
             wall = now - self._window_start
             busy = (cpu - self._window_cpu) / wall / self._cores
             limit = self._pool.limit
-            # With calls waiting, every admitted slot ran a call through the window.
-            waits = (
-                calls_busy is None
-                or self._window_calls_busy is None
-                or ((calls_busy - self._window_calls_busy) < self.WAITING_SHARE * wall * limit)
+            full = (
+                queued is not None
+                and self._window_queued is not None
+                and queued - self._window_queued > self.QUEUED_SHARE * wall * limit
             )
             self._window_start, self._window_cpu = now, cpu
-            self._window_calls_busy = calls_busy
-            if busy > 0.92:  # the cores are saturated: more calls at once would only queue
+            self._window_queued = queued
+            if busy > 0.92 or full:  # more calls at once would only queue for the cores
                 limit = max(self._cores + 1, int(limit * 0.8))
-            elif busy < 0.85 and waits and self._pool.waiting:  # idle cores, calls wait: admit
+            elif busy < 0.85 and self._pool.waiting:  # idle cores and calls waiting: admit
                 limit = min(self._concurrency, grow(limit))
             self._pool.set_limit(limit)
         finally:
@@ -173,7 +174,7 @@ class BatchFetcher:
         with self._adjusting:
             if not self._running:
                 self._window_start, self._window_cpu = now, time.process_time()
-                self._window_calls_busy = self._pool.busy_seconds()
+                self._window_queued = self._pool.queued_seconds()
                 self._running = True
 
     def _slow_start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -197,7 +198,7 @@ class BatchFetcher:
             self.loop = asyncio.get_running_loop()
             self._pool.set_limit(self._cores + 1)
             self._window_start, self._window_cpu = time.perf_counter(), time.process_time()
-            self._window_calls_busy = self._pool.busy_seconds()
+            self._window_queued = self._pool.queued_seconds()
             self.loop.call_later(self.SLOW_START_SECONDS, self._slow_start, self.loop)
         elif number != self._first_number:
             await self._first.wait()

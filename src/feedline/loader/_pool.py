@@ -12,7 +12,6 @@ import collections
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,12 +41,8 @@ class LimitedPool:
         self._notified = 0  # of those, woken and not yet running
         self._spawned = 0  # threads started that have not yet looked for a job
         self._closed = False
-        # Per thread: its id for /proc/self/task/ID/schedstat (Linux), and its CPU clock
-        # (where the platform has one): see busy_seconds.
-        self._tids: list[int] = []
-        self._clocks: list[int] = []
-        self._schedstat = os.path.exists("/proc/self/task")
-        self._no_clocks = not hasattr(time, "pthread_getcpuclockid")
+        self._tids: list[int] = []  # the threads' ids, for their schedstat (queued_seconds)
+        self._schedstat = os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat")
 
     @property
     def limit(self) -> int:
@@ -59,37 +54,28 @@ class LimitedPool:
         """Jobs submitted and not started."""
         return len(self._jobs)
 
-    def busy_seconds(self) -> float | None:
-        """Seconds the pool's threads have spent on a CPU or runnable and waiting for one.
+    def queued_seconds(self) -> float | None:
+        """Seconds the pool's threads have spent runnable but waiting for a core.
 
-        What is left of their time they spent blocked: on I/O, a sleep, a lock, or idle in
-        the pool. So over a window in which every thread runs a call, a low figure means the
-        calls wait on I/O and more of them at once would help; calls that compute score near
-        1 per thread even when other processes crowd the cores (which makes this process's
-        own CPU time look idle). Read from ``/proc/self/task/*/schedstat`` on Linux; where
-        that is missing, only the threads' CPU time (a computing call on crowded cores then
-        scores its share of a core); None where neither can be read.
+        The kernel's run-queue delay per thread (``/proc/self/task/*/schedstat``, Linux). It
+        grows when the cores are full, of this pool's calls or of other processes, and not
+        when calls wait on I/O, a sleep, a lock or the GIL: so it tells "more calls at once
+        would only queue" apart from "calls wait on something else", which this process's
+        CPU time cannot when other processes share the cores. A thread's delay is added when
+        it gets a core, so a window of a few ms may miss some. None where it cannot be read.
         """
-        if self._schedstat:
-            total = 0
-            try:
-                for tid in list(self._tids):
-                    with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
-                        on_cpu, runnable = f.read().split()[:2]
-                    total += int(on_cpu) + int(runnable)
-            except (OSError, ValueError):  # pragma: no cover - a kernel without schedstat
-                self._schedstat = False
-            else:
-                return total / 1e9
-        if self._no_clocks:
+        if not self._schedstat:
             return None
-        seconds = 0.0
-        for clock in list(self._clocks):
+        total = 0
+        for tid in list(self._tids):
             try:
-                seconds += time.clock_gettime(clock)
-            except OSError:  # pragma: no cover - a thread that exited (only at close)
+                with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+                    total += int(f.read().split()[1])
+            except FileNotFoundError:  # pragma: no cover - a thread that exited (at close)
                 continue
-        return seconds
+            except (OSError, ValueError, IndexError):  # e.g. out of file descriptors
+                return None
+        return total / 1e9
 
     def set_limit(self, limit: int) -> None:
         """Change how many jobs may run at once (1 to ``max_threads``)."""
@@ -133,11 +119,6 @@ class LimitedPool:
 
     def _work(self) -> None:
         self._tids.append(threading.get_native_id())
-        if not self._no_clocks:
-            try:
-                self._clocks.append(time.pthread_getcpuclockid(threading.get_ident()))
-            except OSError:  # pragma: no cover - a kernel without per-thread clocks
-                self._no_clocks = True
         cond = self._cond
         with cond:
             self._spawned -= 1
