@@ -32,7 +32,7 @@ from ._common import Contender, Measurement, ScenarioResult, alternate, make_res
 from ._data import jpeg_files, read_all
 from ._registry import BenchOptions
 
-__all__ = ["pil_decode", "psnr", "run", "spdl_decoder"]
+__all__ = ["pil_decode", "psnr", "run", "spdl_decoder", "spdl_scale_filter"]
 
 SIZE = (224, 224)
 
@@ -77,18 +77,27 @@ def _opencv(data: bytes) -> Any:
     return cv2.resize(image, SIZE[::-1], interpolation=cv2.INTER_LINEAR)
 
 
+def spdl_scale_filter() -> str:
+    """FFmpeg's filter for SPDL to resize as the other contenders do: bilinear, stretched."""
+    import spdl.io as sio
+
+    desc = sio.get_video_filter_desc(
+        scale_width=SIZE[1],
+        scale_height=SIZE[0],
+        scale_algo="bilinear",
+        scale_mode=None,  # SPDL's default pads to keep the aspect ratio
+        pix_fmt="rgb24",
+    )
+    assert desc is not None  # a scale was asked for
+    return desc
+
+
 def spdl_decoder() -> tuple[Callable[[bytes], Any] | None, str | None]:
     """SPDL's decode + resize to 224x224 RGB, or ``None`` and why it cannot run here."""
     try:
         import spdl.io as sio
 
-        desc = sio.get_video_filter_desc(
-            scale_width=SIZE[1],
-            scale_height=SIZE[0],
-            scale_algo="bilinear",  # as the other contenders resize: bilinear, stretched
-            scale_mode=None,
-            pix_fmt="rgb24",
-        )
+        desc = spdl_scale_filter()
 
         def fn(data: bytes) -> Any:
             return sio.to_numpy(sio.load_image(data, filter_desc=desc))

@@ -42,7 +42,7 @@ from ._common import (
 from ._data import jpeg_files
 from ._loaders import DECODERS, LoaderCosts, SlotPipeline
 from ._registry import BenchOptions
-from .decode import spdl_decoder
+from .decode import spdl_decoder, spdl_scale_filter
 
 __all__ = ["FileDataset", "SpdlPipeline", "run"]
 
@@ -95,13 +95,7 @@ class SpdlPipeline:
         import spdl.io as sio
         from spdl.pipeline import PipelineBuilder as SpdlBuilder
 
-        scale = sio.get_video_filter_desc(
-            scale_width=SIZE[1],
-            scale_height=SIZE[0],
-            scale_algo="bilinear",  # as the other contenders resize: bilinear, stretched
-            scale_mode=None,
-            pix_fmt="rgb24",
-        )
+        scale = spdl_scale_filter()
 
         def decode(path: str) -> Any:
             return sio.decode_packets(sio.demux_image(path), filter_desc=scale)
