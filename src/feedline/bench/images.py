@@ -19,7 +19,9 @@ them to 224x224 and batches them by 32:
 The upper bound is the single-thread rate of the decode function on in-memory bytes times the
 number of cores: no contender can beat it on this machine. It is measured in every round, beside
 the contenders, and each contender's share of it (``of_bound``) is the median of its per-round
-shares.
+shares. It assumes the cores scale perfectly; ``decode alone, N threads`` (the same decode on
+one thread per core, in memory) shows what they give, and ``of_decode_alone`` each contender's
+share of that: how much the loading around the decode costs.
 """
 
 from __future__ import annotations
@@ -125,6 +127,11 @@ def _bound_run(pictures: list[bytes], cores: int) -> tuple[int, float]:
     return items * cores, seconds
 
 
+def _threads_run(pictures: list[bytes], cores: int) -> tuple[int, float]:
+    # The decoder alone on one thread per core, in memory: what the cores really give it.
+    return threaded_loop(DECODERS["feedline"], pictures, cores)
+
+
 def _read_file(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
@@ -165,6 +172,8 @@ def run(options: BenchOptions) -> ScenarioResult:
     # The bound is measured in every round too, so that each contender's share of it compares
     # runs taken minutes apart at most, on a machine whose speed drifts.
     contenders.append(Contender(BOUND, functools.partial(_bound_run, pictures, cores)))
+    threads_ref = f"decode alone, {cores} threads"
+    contenders.append(Contender(threads_ref, functools.partial(_threads_run, pictures, cores)))
     found = alternate(case, contenders, repeats, BOUND, progress)
     bound = next(m for m in found if m.contender == BOUND)
     del bound.extra["cpu_s_per_1000"]  # its items are scaled by the cores: not a cost
@@ -174,11 +183,17 @@ def run(options: BenchOptions) -> ScenarioResult:
     pil = [m for m in found if m.contender.startswith("PyTorch + PIL")]
     best_pil = max(pil, key=lambda m: m.items_per_s)
     spdl = next((m for m in found if m.contender == "SPDL pipeline"), None)
+    alone = next(m for m in found if m.contender == threads_ref)
     for m in found:
         m.ratio = paired_ratio(m.runs, best_pil.runs)
+        if m.contender in (BOUND, threads_ref):
+            continue
         vs_spdl = paired_ratio(m.runs, spdl.runs) if spdl is not None else None
-        if vs_spdl is not None and m.contender != BOUND:
+        if vs_spdl is not None:
             m.extra["vs_spdl"] = vs_spdl
+        of_alone = paired_ratio(m.runs, alone.runs)
+        if of_alone is not None:
+            m.extra["of_decode_alone"] = of_alone
     costs.attach(found)
     notes = [
         f"{repeats} alternating run(s) per contender, medians; steady images/s (over the "
@@ -188,6 +203,9 @@ def run(options: BenchOptions) -> ScenarioResult:
         f"upper bound: feedline's decode on one thread, in memory, x {cores} cores = "
         f"{bound.items_per_s:,.0f} images/s (median; measured in every round); of_bound is "
         "each contender's share of it, the median of its per-round shares",
+        f"{threads_ref}: the same decode on {cores} threads, in memory, each looping over its "
+        f"share ({alone.items_per_s:,.0f} images/s, {alone.extra.get('of_bound', 0):.0%} of "
+        "the bound: how the cores scale); of_decode_alone is each contender's share of it",
         spdl_missing
         or f"SPDL pipeline: spdl.io demux + decode with FFmpeg's bilinear scale filter, "
         f"{cores} wide, then aggregate({BATCH}) and convert_frames to one array (SPDL's own "
