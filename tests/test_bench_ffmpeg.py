@@ -117,3 +117,43 @@ def test_bench_command_restarts_once_and_compares_with_spdl(tmp_path: Path) -> N
         m["contender"] for m in json.loads((out / "decode.json").read_text())["measurements"]
     }
     assert "SPDL" in contenders
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_only_the_command_restarts_and_with_the_same_interpreter_arguments(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import feedline.bench
+    from feedline import cli
+
+    restarts: list[tuple[str, list[str], dict[str, str]]] = []
+
+    def execve(exe: str, args: list[str], env: dict[str, str]) -> None:
+        restarts.append((exe, args, env))
+        raise _Stop("restarted")
+
+    def ran(*args: object, **kwargs: object) -> None:
+        raise _Stop("ran in this process")
+
+    env = {_ffmpeg.MARKER: "/links", "LD_LIBRARY_PATH": "/links"}
+    monkeypatch.setattr(_ffmpeg, "spdl_env", lambda cache: env)
+    monkeypatch.setattr(cli.os, "execve", execve)
+    monkeypatch.setattr(feedline.bench, "run_scenarios", ran)
+    command = ["bench", "decode", "--quick"]
+    monkeypatch.setattr(sys, "argv", ["feedline", *command])
+    monkeypatch.setattr(sys, "orig_argv", ["python", "-X", "dev", "/venv/bin/feedline", *command])
+
+    with pytest.raises(_Stop, match="ran in this process"):  # called from Python: no restart
+        cli.main(command)
+    assert restarts == []
+    with pytest.raises(_Stop, match="restarted"):  # the command: restarts, flags and all
+        cli.console()
+    assert restarts == [
+        (sys.executable, [sys.executable, "-X", "dev", "/venv/bin/feedline", *command], env)
+    ]
+    with pytest.raises(_Stop, match="ran in this process"):  # scenarios without SPDL: no restart
+        cli.main(["bench", "engine"], may_restart=True)
+    assert len(restarts) == 1

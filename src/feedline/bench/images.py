@@ -21,7 +21,9 @@ number of cores: no contender can beat it on this machine. It is measured in eve
 the contenders, and each contender's share of it (``of_bound``) is the median of its per-round
 shares. It assumes the cores scale perfectly; ``decode alone, N threads`` (the same decode on
 one thread per core, in memory) shows what they give, and ``of_decode_alone`` each contender's
-share of that: how much the loading around the decode costs.
+share of that: for those that decode with feedline's function, what reading, batching and
+handing over leave of the decoder's rate (the reference is timed over a whole pass, the
+loaders over their steady part).
 """
 
 from __future__ import annotations
