@@ -137,3 +137,19 @@ def test_queued_seconds_grows_when_threads_crowd_the_cores_not_when_they_sleep()
     sleeping = measure(lambda: time.sleep(0.3))
     assert computing > 0.1
     assert sleeping < computing / 4
+
+
+def test_queued_seconds_reads_a_bounded_sample_of_threads() -> None:
+    # Reading a file per thread of a 128-thread pool took about 1 ms per check.
+    pool = LimitedPool(LimitedPool.SAMPLED_THREADS + 8, "test-sample")
+    release = threading.Event()
+    try:
+        for _ in range(pool.max_threads):
+            pool.submit(release.wait)
+        deadline = time.monotonic() + 10
+        while pool.sampled_threads < LimitedPool.SAMPLED_THREADS and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.sampled_threads == LimitedPool.SAMPLED_THREADS
+    finally:
+        release.set()
+        pool.close()

@@ -150,10 +150,11 @@ class BatchFetcher:
             wall = now - self._window_start
             busy = (cpu - self._window_cpu) / wall / self._cores
             limit = self._pool.limit
+            sampled = min(limit, self._pool.sampled_threads)  # threads read that ran calls
             full = (
                 queued is not None
                 and self._window_queued is not None
-                and queued - self._window_queued > self.QUEUED_SHARE * wall * limit
+                and queued - self._window_queued > self.QUEUED_SHARE * wall * sampled
             )
             self._window_start, self._window_cpu = now, cpu
             self._window_queued = queued

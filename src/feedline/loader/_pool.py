@@ -54,20 +54,30 @@ class LimitedPool:
         """Jobs submitted and not started."""
         return len(self._jobs)
 
+    SAMPLED_THREADS = 32
+    """How many threads :meth:`queued_seconds` reads (a file each: about 12 µs here)."""
+
+    @property
+    def sampled_threads(self) -> int:
+        """How many threads :meth:`queued_seconds` reads now: the first ones started."""
+        return min(len(self._tids), self.SAMPLED_THREADS)
+
     def queued_seconds(self) -> float | None:
-        """Seconds the pool's threads have spent runnable but waiting for a core.
+        """Seconds the pool's first :attr:`sampled_threads` have spent runnable, waiting for a core.
 
         The kernel's run-queue delay per thread (``/proc/self/task/*/schedstat``, Linux). It
         grows when the cores are full, of this pool's calls or of other processes, and not
         when calls wait on I/O, a sleep, a lock or the GIL: so it tells "more calls at once
         would only queue" apart from "calls wait on something else", which this process's
         CPU time cannot when other processes share the cores. A thread's delay is added when
-        it gets a core, so a window of a few ms may miss some. None where it cannot be read.
+        it gets a core, so a window of a few ms may miss some. Only a sample of the threads
+        is read (they all run the same calls): reading 128 took about 1 ms. None where it
+        cannot be read.
         """
         if not self._schedstat:
             return None
         total = 0
-        for tid in list(self._tids):
+        for tid in self._tids[: self.SAMPLED_THREADS]:
             try:
                 with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
                     total += int(f.read().split()[1])
