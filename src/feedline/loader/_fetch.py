@@ -110,9 +110,10 @@ class BatchFetcher:
         self._cores = os.cpu_count() or 1
         self._item_seconds: float | None = None  # running mean; None: assume slow
         self._adjusting = threading.Lock()
-        self._window_start = time.perf_counter()
-        self._window_cpu = time.process_time()
-        self._window_queued = self._pool.queued_seconds()
+        self._window_start = 0.0  # the measuring window: its start, and this process's CPU
+        self._window_cpu = 0.0  # time and the calls' run-queue time at that start
+        self._window_queued: float | None = None
+        self._new_window(time.perf_counter())
         self._first: asyncio.Event | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._first_number: int | None = None
@@ -156,8 +157,7 @@ class BatchFetcher:
                 and self._window_queued is not None
                 and queued - self._window_queued > self.QUEUED_SHARE * wall * sampled
             )
-            self._window_start, self._window_cpu = now, cpu
-            self._window_queued = queued
+            self._window_start, self._window_cpu, self._window_queued = now, cpu, queued
             if busy > 0.92 or full:  # more calls at once would only queue for the cores
                 limit = max(self._cores + 1, int(limit * 0.8))
             elif busy < 0.85 and self._pool.waiting:  # idle cores and calls waiting: admit
@@ -165,6 +165,11 @@ class BatchFetcher:
             self._pool.set_limit(limit)
         finally:
             self._adjusting.release()
+
+    def _new_window(self, now: float) -> None:
+        # Start measuring how busy the cores are, and how long the calls queue, from now.
+        self._window_start, self._window_cpu = now, time.process_time()
+        self._window_queued = self._pool.queued_seconds()
 
     def _begin_window(self, now: float) -> None:
         # The first call began: measure how busy the cores are from here, not from when the
@@ -174,8 +179,7 @@ class BatchFetcher:
         # while 3 threads decoded).
         with self._adjusting:
             if not self._running:
-                self._window_start, self._window_cpu = now, time.process_time()
-                self._window_queued = self._pool.queued_seconds()
+                self._new_window(now)
                 self._running = True
 
     def _slow_start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -198,8 +202,7 @@ class BatchFetcher:
             self._first, self._first_number = asyncio.Event(), number
             self.loop = asyncio.get_running_loop()
             self._pool.set_limit(self._cores + 1)
-            self._window_start, self._window_cpu = time.perf_counter(), time.process_time()
-            self._window_queued = self._pool.queued_seconds()
+            self._new_window(time.perf_counter())
             self.loop.call_later(self.SLOW_START_SECONDS, self._slow_start, self.loop)
         elif number != self._first_number:
             await self._first.wait()

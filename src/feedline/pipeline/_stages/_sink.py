@@ -75,6 +75,10 @@ class SinkReader:
         self._waiting = True
         self._wake()
 
+    def _chain_runs_here(self) -> bool:
+        # Whether this consumer, waiting, would run the whole (cheap, threaded) chain itself.
+        return self._runs_chain is not None and self._runs_chain()
+
     def get(self, timeout: float | None) -> Any:
         """Take the next item.
 
@@ -90,7 +94,7 @@ class SinkReader:
         item = channel.try_get()
         if item is not EMPTY or channel.exhausted or self._interrupted:
             return item
-        self.hungry = self._runs_chain is not None and self._runs_chain()
+        self.hungry = self._chain_runs_here()
         try:
             return self._wait(timeout)
         finally:
@@ -118,7 +122,7 @@ class SinkReader:
                 # The pull found nothing to run: a stage may have turned expensive since the
                 # wait began, and then jobs must stop stepping aside for us (they would leave
                 # its items to a pull that no longer runs it, over and over).
-                self.hungry = self._runs_chain is not None and self._runs_chain()
+                self.hungry = self._chain_runs_here()
             if spin_until and time.perf_counter() < spin_until:
                 time.sleep(0)
                 continue
