@@ -63,6 +63,7 @@ class Run:
     def __init__(self, config: PipelineConfig, source_wrapper: Callable[[Any, Run], Any]) -> None:
         self.config = config
         self.loop = asyncio.new_event_loop()
+        self._loop_ident: int | None = None
         self._pool = WorkerPool(config.num_threads, "feedline-worker")
         self.default_pool = self._pool
         self._thread = threading.Thread(
@@ -206,7 +207,7 @@ class Run:
 
     def on_loop_thread(self) -> bool:
         """Whether the caller runs on the event-loop thread."""
-        return threading.current_thread() is self._thread
+        return threading.get_ident() == self._loop_ident
 
     def submit(self, executor: Submitter, fn: Callable[[], None]) -> bool:
         """Run ``fn`` in ``executor``, counted so that ``stop`` can wait for it."""
@@ -362,6 +363,7 @@ class Run:
             self._source.start()
 
     def _loop_main(self) -> None:
+        self._loop_ident = threading.get_ident()
         asyncio.set_event_loop(self.loop)
         try:
             self.loop.run_until_complete(self._main())
@@ -371,6 +373,7 @@ class Run:
                 self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             finally:
                 asyncio.set_event_loop(None)
+                self._loop_ident = None  # thread ids are reused once a thread ends
 
     async def _main(self) -> None:
         self._stop_event = asyncio.Event()

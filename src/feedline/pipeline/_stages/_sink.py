@@ -139,3 +139,6 @@ class SinkReader:
                     self._waiting = False
                     if not len(channel) and not channel.closed:
                         raise TimeoutError(f"no item arrived from the pipeline within {timeout} s")
+            # Woken, or the lock held a spare release and returned at once: lower the flag
+            # either way, or every later put would release the lock again for nothing.
+            self._waiting = False
