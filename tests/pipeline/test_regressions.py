@@ -306,3 +306,26 @@ def test_a_consumer_waiting_behind_a_slow_stage_sleeps() -> None:
         cpu, wall = time.process_time() - cpu, time.monotonic() - wall
     assert sorted(rest) == list(range(1, 12))
     assert cpu < 0.1 * wall, f"{cpu:.3f} s of CPU in {wall:.3f} s of waiting"
+
+
+@pytest.mark.parametrize("sink", [1, 2, 3])
+def test_async_workers_waiting_for_room_behind_a_small_sink_are_all_woken(sink: int) -> None:
+    # Waiting workers are woken one at a time, each passing the wake-up on. A worker that
+    # filled the output's last slot once passed nothing on, and no one asked the channel to
+    # report the next drain: the workers still waiting slept forever (a hang here).
+    async def anoop(x: int) -> int:
+        return x
+
+    for _ in range(20):
+        b: PipelineBuilder[Any] = PipelineBuilder().add_source(range(300))
+        for _ in range(3):
+            b = b.pipe(anoop, concurrency=8)
+        p = b.add_sink(sink).build(num_threads=4)
+        got = []
+        with p.auto_stop():
+            while True:
+                try:
+                    got.append(p.get_item(timeout=10))
+                except EOFError:
+                    break
+        assert sorted(got) == list(range(300))
