@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -133,3 +134,14 @@ def process_exits(pid: int, within: float) -> bool:
 
 def identity(x: object) -> object:
     return x
+
+
+def drain_with_deadline(pipeline: Any, deadline: float = 10.0) -> list[Any]:
+    """Every item of one epoch; each wait has a deadline, so a hang fails with TimeoutError."""
+    got = []
+    with pipeline.auto_stop():
+        while True:
+            try:
+                got.append(pipeline.get_item(timeout=deadline))
+            except EOFError:
+                return got

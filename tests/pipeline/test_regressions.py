@@ -320,12 +320,5 @@ def test_async_workers_waiting_for_room_behind_a_small_sink_are_all_woken(sink: 
         b: PipelineBuilder[Any] = PipelineBuilder().add_source(range(300))
         for _ in range(3):
             b = b.pipe(anoop, concurrency=8)
-        p = b.add_sink(sink).build(num_threads=4)
-        got = []
-        with p.auto_stop():
-            while True:
-                try:
-                    got.append(p.get_item(timeout=10))
-                except EOFError:
-                    break
+        got = _helpers.drain_with_deadline(b.add_sink(sink).build(num_threads=4))
         assert sorted(got) == list(range(300))
