@@ -437,6 +437,7 @@ class _LoaderIter(Generic[T]):
                 concurrency=loader.in_flight,
                 output_order=order,
                 name="fetch",
+                buffer_size=max(2, loader.in_flight),  # whole batches: keep this queue short
             )
         builder.pipe(self._finish, name="collate_fn")
 
