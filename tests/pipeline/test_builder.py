@@ -1,12 +1,15 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import AsyncIterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
 from feedline import ConfigurationError, PipelineBuilder
+
+from . import _helpers
 
 
 def ident(x: Any) -> Any:
@@ -100,3 +103,26 @@ def test_build_starts_no_thread() -> None:
     p = PipelineBuilder().add_source(range(3)).pipe(ident).build()
     assert threading.active_count() == before
     assert list(p) == [0, 1, 2]
+
+
+def test_the_queue_after_a_stage_defaults_by_where_its_op_runs() -> None:
+    async def coroutine(x: int) -> int:
+        return x
+
+    async def agen(x: int) -> AsyncIterator[int]:
+        yield x
+
+    p = (
+        PipelineBuilder()
+        .add_source(range(3))
+        .pipe(_helpers.identity)
+        .pipe(coroutine)
+        .pipe(agen)
+        .pipe(coroutine, concurrency=16)
+        .pipe(_helpers.identity, concurrency=5)
+        .pipe(coroutine, buffer_size=1)
+        .build()
+    )
+    assert [s.buffer_size for s in p._config.stages] == [2, 8, 8, 16, 5, 1]
+    with p.auto_stop():
+        assert sorted(p) == [0, 1, 2]
