@@ -105,24 +105,28 @@ def test_build_starts_no_thread() -> None:
     assert list(p) == [0, 1, 2]
 
 
-def test_the_queue_after_a_stage_defaults_by_where_its_op_runs() -> None:
+def test_the_queue_after_a_stage_defaults_by_the_kind_of_its_op() -> None:
+    # Coroutine and async-generator ops get a longer queue; a sync op gets the short one,
+    # also in an executor of its own. (The last stage's size is the sink's, whatever it says.)
     async def coroutine(x: int) -> int:
         return x
 
     async def agen(x: int) -> AsyncIterator[int]:
         yield x
 
-    p = (
-        PipelineBuilder()
-        .add_source(range(3))
-        .pipe(_helpers.identity)
-        .pipe(coroutine)
-        .pipe(agen)
-        .pipe(coroutine, concurrency=16)
-        .pipe(_helpers.identity, concurrency=5)
-        .pipe(coroutine, buffer_size=1)
-        .build()
-    )
-    assert [s.buffer_size for s in p._config.stages] == [2, 8, 8, 16, 5, 1]
-    with p.auto_stop():
-        assert sorted(p) == [0, 1, 2]
+    with ThreadPoolExecutor(1) as own:
+        p = (
+            PipelineBuilder()
+            .add_source(range(3))
+            .pipe(_helpers.identity)
+            .pipe(coroutine)
+            .pipe(agen)
+            .pipe(coroutine, concurrency=16)
+            .pipe(_helpers.identity, concurrency=5)
+            .pipe(coroutine, buffer_size=1)
+            .pipe(_helpers.identity, executor=own)
+            .build()
+        )
+        assert [s.buffer_size for s in p._config.stages] == [2, 8, 8, 16, 5, 1, 2]
+        with p.auto_stop():
+            assert sorted(p) == [0, 1, 2]

@@ -197,7 +197,9 @@ def run(options: BenchOptions) -> ScenarioResult:
     measurements += _gil_free(n_hash, repeats, progress)
     notes = [
         f"{repeats} alternating run(s) per contender, medians; no-op cases move {n_items} items "
-        f"with add_sink(buffer_size={sink}) and num_threads=max(8, concurrency)",
+        f"with add_sink(buffer_size={sink}) and num_threads=max(8, concurrency); the queues "
+        "between stages are each library's defaults (feedline: max(2, concurrency) after a "
+        "sync stage, max(8, concurrency) after an async one)",
         "hand-off latency: items/s column is 1/p50; ratio is SPDL's p50 / ours (higher is better)",
         "sha256: ThreadPoolExecutor.map keeps every result; a pipeline bounds its output buffer "
         "(add_sink(3), or two results per slot), and pays a wake-up to restart a stage that "
