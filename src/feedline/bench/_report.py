@@ -55,6 +55,7 @@ def plot(result: ScenarioResult, path: Path) -> Path | None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, MaxNLocator
     except ImportError:
         return None
     cases: dict[str, list[Measurement]] = {}
@@ -92,6 +93,11 @@ def plot(result: ScenarioResult, path: Path) -> Path | None:
         ax.text(m.items_per_s, yy, note, va="center", fontsize=7)
     ax.set_yticks(ys, labels, fontsize=7)
     ax.invert_yaxis()
+    top = max((m.items_per_s for m in flat), default=0.0)
+    if top > 0:
+        ax.set_xlim(0, top * 1.35)  # room for the figures written after the longest bar
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=4))  # few ticks: they never run together
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
     ax.set_xlabel("items/s (higher is better)")
     ax.set_title(f"{result.scenario}: throughput", fontsize=9)
     titles = {
