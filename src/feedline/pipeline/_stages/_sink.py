@@ -132,13 +132,12 @@ class SinkReader:
                 continue
             self._before_sleep()
             if deadline is None:
-                self._signal.acquire()
+                woken = self._signal.acquire()
             else:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._signal.acquire(timeout=remaining):
-                    self._waiting = False
-                    if not len(channel) and not channel.closed:
-                        raise TimeoutError(f"no item arrived from the pipeline within {timeout} s")
-            # Woken, or the lock held a spare release and returned at once: lower the flag
-            # either way, or every later put would release the lock again for nothing.
+                woken = remaining > 0 and self._signal.acquire(timeout=remaining)
+            # Woken, timed out, or the lock held a spare release and returned at once: lower
+            # the flag in every case, or every later put would release the lock for nothing.
             self._waiting = False
+            if not woken and not len(channel) and not channel.closed:
+                raise TimeoutError(f"no item arrived from the pipeline within {timeout} s")
