@@ -436,8 +436,10 @@ def test_cpu_bound_items_stay_few_at_once_while_other_processes_load_the_cores()
     # Other processes on the cores make this one look idle (its CPU time over the wall time
     # drops), which once made the fetcher double the calls at once every few ms: 20 to 27
     # threads for 96 calls on 2 cores. The calls' threads queue for the cores, which says
-    # more at once would not help (3 to 6 threads now: a thread's queueing is counted when it
-    # gets a core, so a 4 ms window of the slow start can miss it and double the calls once).
+    # more at once would not help. A thread's queueing is counted when it gets a core, so a
+    # 4 ms window of the slow start could miss it (21 threads once, on a loaded CI machine):
+    # the fetcher now also sees the threads on a core or queued for one before it admits
+    # more (3 threads, beside 2 to 8 spinning processes).
     cores = os.cpu_count() or 1
     threads: set[str] = set()
 

@@ -139,6 +139,40 @@ def test_queued_seconds_grows_when_threads_crowd_the_cores_not_when_they_sleep()
     assert sleeping < computing / 4
 
 
+def test_running_on_cores_counts_computing_threads_not_sleeping_ones() -> None:
+    # The fetcher's instant check before it admits more calls: the run-queue delay is only
+    # added when a thread gets a core, so a short window can miss it.
+    data = bytes(2**20)
+    for job, expected in (("compute", 3), ("sleep", 0)):
+        pool = LimitedPool(3, "test-on-cores")
+        stop = threading.Event()
+        started = threading.Barrier(4)
+
+        def run(
+            job: str = job, stop: threading.Event = stop, started: threading.Barrier = started
+        ) -> None:
+            started.wait()
+            while not stop.is_set():
+                if job == "compute":
+                    hashlib.sha256(data).digest()  # releases the GIL
+                else:
+                    time.sleep(0.05)
+
+        try:
+            for _ in range(3):
+                pool.submit(run)
+            started.wait(timeout=10)
+            time.sleep(0.02)
+            counts = [pool.running_on_cores() for _ in range(20)]
+        finally:
+            stop.set()
+            pool.close()
+        if counts[0] is None:  # pragma: no cover - not Linux
+            pytest.skip("no per-thread scheduler state here")
+        # A snapshot may catch a thread between two calls, or asleep on the GIL: the median.
+        assert sorted(c or 0 for c in counts)[10] == expected, counts
+
+
 def test_queued_seconds_reads_a_bounded_sample_of_threads() -> None:
     # Reading a file per thread of a 128-thread pool took about 1 ms per check.
     pool = LimitedPool(LimitedPool.SAMPLED_THREADS + 8, "test-sample")

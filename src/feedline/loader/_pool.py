@@ -13,11 +13,13 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["LimitedPool"]
 
 _log = logging.getLogger("feedline.loader")
+
+T = TypeVar("T")
 
 
 class LimitedPool:
@@ -54,6 +56,11 @@ class LimitedPool:
         """Jobs submitted and not started."""
         return len(self._jobs)
 
+    @property
+    def running(self) -> int:
+        """Jobs running now."""
+        return self._running
+
     SAMPLED_THREADS = 32
     """How many threads :meth:`queued_seconds` reads (a file each: about 12 µs here)."""
 
@@ -74,18 +81,36 @@ class LimitedPool:
         is read (they all run the same calls): reading 128 took about 1 ms. None where it
         cannot be read.
         """
+        delays = self._read_threads("schedstat", lambda text: int(text.split()[1]))
+        return None if delays is None else sum(delays) / 1e9
+
+    def running_on_cores(self) -> int | None:
+        """How many of the first :attr:`sampled_threads` are on a core or waiting for one now.
+
+        The threads' scheduler state (``R`` in ``/proc/self/task/*/stat``, Linux), read at this
+        instant. A thread waiting on I/O, a sleep, a lock or the GIL is not counted. More of
+        them than cores says the calls already queue for the cores, also where other processes
+        hold the cores and :meth:`queued_seconds` has not been updated yet (a thread's delay is
+        added only when it gets a core). None where it cannot be read.
+        """
+        # "pid (name) S ...": the name may hold spaces and parentheses.
+        states = self._read_threads("stat", lambda text: text[text.rfind(b")") + 2 :][:1])
+        return None if states is None else states.count(b"R")
+
+    def _read_threads(self, name: str, parse: Callable[[bytes], T]) -> list[T] | None:
+        # parse(/proc/self/task/<tid>/<name>) for the sampled threads; None if unreadable.
         if not self._schedstat:
             return None
-        total = 0
+        values = []
         for tid in self._tids[: self.SAMPLED_THREADS]:
             try:
-                with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
-                    total += int(f.read().split()[1])
+                with open(f"/proc/self/task/{tid}/{name}", "rb") as f:
+                    values.append(parse(f.read()))
             except FileNotFoundError:  # pragma: no cover - a thread that exited (at close)
                 continue
             except (OSError, ValueError, IndexError):  # e.g. out of file descriptors
                 return None
-        return total / 1e9
+        return values
 
     def set_limit(self, limit: int) -> None:
         """Change how many jobs may run at once (1 to ``max_threads``)."""
