@@ -12,15 +12,20 @@ Two kinds of pictures: ImageNet-like (about 500x375, about 110 KB) and large pho
 * ``SPDL``: ``spdl.io.load_image`` with a scale filter, when spdl and its FFmpeg libraries load.
 
 Each thread loops over its share of the pictures (no pool in between), so the 2-thread rate
-over the 1-thread rate is the library's own scaling. The notes give the PSNR of the fast path
-against the exact path.
+over the 1-thread rate is the library's own scaling. ``feedline fast, 2 processes`` runs the
+same loop in two processes instead (no GIL shared): the cores' own scaling, the most any
+threaded or multi-process loader can reach on this machine. The notes give the PSNR of the
+fast path against the exact path.
 """
 
 from __future__ import annotations
 
 import functools
 import io
+import multiprocessing
+import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -58,6 +63,49 @@ def _feedline(mode: ImageMode, antialias: bool = True) -> Callable[[bytes], Any]
         return decode_image(data, size=SIZE, mode=mode, antialias=antialias, out=batch[local.i])
 
     return fn
+
+
+_CHILD_SAMPLES: list[bytes] = []
+
+
+def _keep_samples(samples: list[bytes]) -> None:
+    _CHILD_SAMPLES[:] = samples  # the worker process's copy, set once
+
+
+def _decode_share(first: int, step: int) -> tuple[float, float]:
+    # In a worker process: decode every step-th sample from first; (start, end) on the
+    # system-wide monotonic clock, which the parent compares across processes.
+    fn = _feedline("fast")
+    start = time.perf_counter()
+    for data in _CHILD_SAMPLES[first::step]:
+        fn(data)
+    return start, time.perf_counter()
+
+
+class ProcessLoop:
+    """``feedline fast`` looping over shares of the samples in ``processes`` worker processes.
+
+    The processes start (and receive the samples) once; each call times one pass, from the
+    first worker's start to the last one's end.
+    """
+
+    def __init__(self, samples: list[bytes], processes: int) -> None:
+        self.samples, self.processes = samples, processes
+        context = multiprocessing.get_context("spawn")  # no fork of a threaded process
+        self._pool = ProcessPoolExecutor(
+            processes, mp_context=context, initializer=_keep_samples, initargs=(samples,)
+        )
+        self()  # start the workers and warm them up
+
+    def __call__(self) -> tuple[int, float]:
+        """Decode every sample once; return (items, seconds)."""
+        spans = [self._pool.submit(_decode_share, i, self.processes) for i in range(self.processes)]
+        times = [future.result() for future in spans]
+        return len(self.samples), max(t[1] for t in times) - min(t[0] for t in times)
+
+    def close(self) -> None:
+        """Stop the worker processes."""
+        self._pool.shutdown()
 
 
 def pil_decode(data: bytes) -> Any:
@@ -135,6 +183,9 @@ def run(options: BenchOptions) -> ScenarioResult:
     notes = [
         f"{repeats} alternating run(s) per contender, medians; pictures/s to a 224x224x3 array",
         "each thread loops over its share of in-memory bytes: no pool, no file reads",
+        "feedline fast, 2 processes: the same loop in 2 worker processes (spawned once per "
+        "case): how far the cores themselves scale; scaling is against feedline fast on "
+        "1 thread",
     ]
     contenders_fn: dict[str, Callable[[bytes], Any]] = {
         "PIL": pil_decode,
@@ -172,13 +223,24 @@ def run(options: BenchOptions) -> ScenarioResult:
                 Contender(name, functools.partial(threaded_loop, fn, samples, threads))
                 for name, fn in contenders_fn.items()
             ]
+            processes = ProcessLoop(samples, threads) if threads > 1 else None
+            if processes is not None:
+                contenders.append(Contender(f"feedline fast, {threads} processes", processes))
             baseline = "PIL" if "PIL" in contenders_fn else None
-            found = alternate(
-                f"{kind}, {threads} thread(s)", contenders, repeats, baseline, progress
-            )
+            try:
+                found = alternate(
+                    f"{kind}, {threads} thread(s)", contenders, repeats, baseline, progress
+                )
+            finally:
+                if processes is not None:
+                    processes.close()
             per_thread[threads] = found
             measurements += found
-        for one, two in zip(per_thread[1], per_thread[2], strict=True):
-            if one.items_per_s > 0:
-                two.extra["scaling"] = two.items_per_s / one.items_per_s
+        single = {m.contender: m.items_per_s for m in per_thread[1]}
+        for two in per_thread[2]:
+            one = single.get(two.contender.replace(", 2 processes", ""), 0.0)
+            if one > 0:
+                two.extra["scaling"] = two.items_per_s / one
+            if two.contender.endswith("processes"):  # its CPU time is the workers'
+                two.extra.pop("cpu_s_per_1000", None)
     return make_result("decode", "PIL", measurements, notes, True)
