@@ -126,6 +126,10 @@ def _stream(torch: Any, device: Any) -> Any:
 def transfer(batch: Any, device: Any = "cuda") -> Any:
     """Copy a batch to a CUDA device on this thread's own stream and wait until it is there.
 
+    The tensors are marked as used by the device's default stream (``record_stream``), where
+    training loops run. A loop that runs on a stream of its own should call
+    ``tensor.record_stream(its_stream)`` on the batch it receives.
+
     Args:
         batch: An array, a tensor, or a dict / list / tuple of them (nested); other leaves
             pass through unchanged.
@@ -163,9 +167,15 @@ def transfer(batch: Any, device: Any = "cuda") -> Any:
             tensor = to_torch(obj)
             if tensor.device.type == "cpu" and not tensor.is_pinned():
                 tensor = tensor.pin_memory()  # an async copy needs page-locked memory
-            return tensor.to(target, non_blocking=True)
+            moved = tensor.to(target, non_blocking=True)
+            # Allocated on this thread's stream but used on the training loop's: tell the
+            # caching allocator, so that once the loop drops the batch, its memory is not
+            # handed to the next copy while the loop's queued kernels still read it.
+            moved.record_stream(consumer)
+            return moved
         return obj
 
+    consumer = torch.cuda.default_stream(target)
     with torch.cuda.stream(stream):
         out = move(batch)
     stream.synchronize()
