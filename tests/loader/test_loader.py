@@ -347,10 +347,24 @@ def test_worker_failures_count_against_the_budget() -> None:
     assert multiprocessing.active_children() == []
 
 
+def test_a_multiprocessing_context_object_is_taken_as_pytorch_takes_it() -> None:
+    context = multiprocessing.get_context("spawn")
+    loader = DataLoader(
+        list(range(6)), batch_size=3, num_workers=1, multiprocessing_context=context
+    )
+    assert [b.tolist() for b in loader] == [[0, 1, 2], [3, 4, 5]]
+    loader.close()
+    assert multiprocessing.active_children() == []
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
         ({"num_workers": 2, "multiprocessing_context": "fork"}, "forkserver"),
+        (
+            {"num_workers": 2, "multiprocessing_context": multiprocessing.get_context("fork")},
+            "forkserver",
+        ),
         ({"fetch_concurrency": 0}, "fetch_concurrency"),
         ({"max_failures": -1}, "max_failures"),
         ({"pin_memory_device": "cuda:1"}, "pin_memory_device"),

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -73,6 +74,20 @@ def test_executor_with_async_op_is_rejected() -> None:
 def test_generator_in_process_pool_is_rejected() -> None:
     with ProcessPoolExecutor(1) as ex, pytest.raises(ConfigurationError, match="generator"):
         PipelineBuilder().add_source([1]).pipe(gen, executor=ex)
+
+
+def test_an_op_a_process_pool_cannot_receive_is_rejected_at_once() -> None:
+    # Once, every item failed at run time, and the error advised raising the budget.
+    held = threading.Lock()
+    with ProcessPoolExecutor(1) as ex:
+        with pytest.raises(ConfigurationError, match="module level"):
+            PipelineBuilder().add_source([1]).pipe(lambda x: x, executor=ex)
+        with pytest.raises(ConfigurationError, match="cannot be sent"):
+            PipelineBuilder().add_source([1]).pipe(functools.partial(max, held), executor=ex)
+        # A module-level function goes, and a lambda is fine on threads.
+        PipelineBuilder().add_source([1]).pipe(abs, executor=ex)
+        with ThreadPoolExecutor(1) as threads:
+            PipelineBuilder().add_source([1]).pipe(lambda x: x, executor=threads)
 
 
 def test_ordered_generator_needs_concurrency_one() -> None:

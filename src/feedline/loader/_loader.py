@@ -93,8 +93,9 @@ class DataLoader(Generic[T]):
         pin_memory: Pin batches in a dedicated thread (when CUDA is available).
         timeout: Seconds to wait for a batch (``0``: no limit); a longer wait raises.
         worker_init_fn: Called with the worker id in each worker process, once at its start.
-        multiprocessing_context: Start method of worker processes; ``None`` means
-            ``"forkserver"``. ``"fork"`` is refused: this process runs threads.
+        multiprocessing_context: Start method of worker processes, by name or as a
+            ``multiprocessing`` context; ``None`` means ``"forkserver"``. ``"fork"`` is
+            refused: this process runs threads.
         prefetch_factor: Batches in flight per worker (per loader when ``num_workers=0``);
             default 2.
         persistent_workers: Keep worker processes between epochs.
@@ -144,6 +145,8 @@ class DataLoader(Generic[T]):
                 "pin_memory_device is deprecated in PyTorch and not supported: batches are "
                 "pinned for the current CUDA device; move them with batch.to(device)"
             )
+        if hasattr(multiprocessing_context, "get_start_method"):  # a context object
+            multiprocessing_context = multiprocessing_context.get_start_method()
         if multiprocessing_context == "fork":
             raise ConfigurationError(
                 "multiprocessing_context='fork' is unsafe here: feedline runs threads, and a "

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import pickle
 from collections.abc import AsyncIterable, Callable, Iterable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
 from feedline.errors import ConfigurationError
@@ -33,6 +34,20 @@ def _check_positive_int(what: str, value: object, hint: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigurationError(f"{what} must be an int >= 1, got {value!r}. {hint}")
     return value
+
+
+def _check_picklable(stage: str, op: Callable[..., Any]) -> None:
+    # Each call sends the op to a worker process by pickle: refuse one that cannot go, now,
+    # rather than fail every item at run time.
+    try:
+        pickle.dumps(op)
+    except Exception as error:
+        raise ConfigurationError(
+            f"stage {stage!r}: the op {_op_name(op)!r} cannot be sent to a "
+            f"ProcessPoolExecutor's workers ({type(error).__name__}: {error}); define it at "
+            "module level (not a lambda or a nested function), make what it holds picklable, "
+            "or use a ThreadPoolExecutor"
+        ) from error
 
 
 def _op_name(op: Callable[..., Any]) -> str:
@@ -194,6 +209,8 @@ class PipelineBuilder(Generic[T]):
                     f"{type(executor).__name__} (generators do not cross process boundaries); "
                     "make it a function that returns a list, or use a ThreadPoolExecutor"
                 )
+            if isinstance(executor, ProcessPoolExecutor):
+                _check_picklable(stage_name, op)
         if (
             output_order == "input"
             and concurrency > 1
@@ -290,7 +307,9 @@ class PipelineBuilder(Generic[T]):
                 in (0, 1) is a fraction of the stage's items, taken of at least 100 items so
                 that early failures do not stop a run; ``None`` skips failures without limit.
                 Failures are always logged and counted (see :meth:`Pipeline.stats`).
-            report_stats_interval: If set, log the statistics table every this many seconds.
+            report_stats_interval: If set, log the statistics table every this many seconds,
+                at INFO level on the ``feedline.pipeline`` logger (Python shows only warnings
+                unless told: ``logging.basicConfig(level=logging.INFO)``).
 
         Raises:
             ConfigurationError: If the definition cannot run, saying how to fix it.
