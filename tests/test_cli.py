@@ -80,7 +80,8 @@ def test_bench_decode_quick(tmp_path: Path) -> None:
     two = [m for m in data["measurements"] if m["case"].endswith("2 thread(s)")]
     assert all(m["extra"]["scaling"] > 0 for m in two)
     processes = [m for m in two if m["contender"] == "feedline fast, 2 processes"]
-    assert len(processes) == 2 and all(m["items_per_s"] > 0 for m in processes)
+    assert len(processes) == 2
+    assert all(m["items_per_s"] > 0 for m in processes)
     # CPU per picture, per contender: decoding is CPU work, so never nothing (the processes'
     # CPU is their own, not this process's: not reported).
     threaded = [m for m in data["measurements"] if m not in processes]

@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["build_parser", "console", "main"]
 
 
 class _Progress:
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         default="bench-results",
         metavar="DIR",
-        help="where to write JSON results (default: ./bench-results)",
+        help="where to write the results: JSON, PNG plots, summary.md (default: ./bench-results)",
     )
     bench.set_defaults(func=_bench)
     return parser

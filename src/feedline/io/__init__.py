@@ -2,8 +2,8 @@
 
 Each function is stateless and thread-safe, and avoids copies: ``load_npy`` returns a view of
 the bytes it is given, ``load_npz`` views stored members in place and inflates compressed ones
-with zlib (which releases the GIL while it works); ``decode_image`` decodes and resizes pictures
-straight into a slot of a batch buffer with libjpeg-turbo and OpenCV.
+with ISA-L or zlib (which release the GIL while they work); ``decode_image`` decodes and
+resizes pictures straight into a slot of a batch buffer with libjpeg-turbo and OpenCV.
 """
 
 from __future__ import annotations

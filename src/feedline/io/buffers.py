@@ -63,9 +63,9 @@ class BufferPool:
     Example::
 
         pool = BufferPool((32, 224, 224, 3), count=3)
-        batch = pool.acquire()              # (32, 224, 224, 3) uint8, contents undefined
-        decode_into(data, out=batch[i])     # from many threads, one slot each
-        ...                                 # drop `batch` and its memory is reused
+        batch = pool.acquire()  # (32, 224, 224, 3) uint8, contents undefined
+        decode_image(data, size=(224, 224), out=batch[i])  # many threads, a slot each
+        ...  # drop `batch` and its memory is reused
 
     """
 
