@@ -102,3 +102,36 @@ class Stamped(Dataset[int]):
     def __getitem__(self, i: int) -> int:
         self.started[i] = time.perf_counter()
         return i
+
+
+_DRAWN: dict[str, Any] = {}
+
+
+def draw_at_init(worker_id: int) -> None:
+    """A ``worker_init_fn``: draw from each generator PyTorch seeds, and read the worker info."""
+    import random
+
+    import numpy as np
+
+    info = torch.utils.data.get_worker_info()
+    _DRAWN["init"] = (
+        worker_id,
+        None if info is None else (info.id, info.num_workers, info.seed),
+        random.random(),
+        float(np.random.rand()),
+        float(torch.rand(())),
+    )
+
+
+class WorkerView(Dataset[Any]):
+    """``dataset[i]``: what ``worker_init_fn`` saw, and the worker info here."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> Any:
+        info = torch.utils.data.get_worker_info()
+        return {
+            "init": repr(_DRAWN.get("init")),
+            "info": None if info is None else repr((info.id, info.num_workers, info.seed)),
+        }

@@ -22,7 +22,16 @@ import feedline  # noqa: E402
 from feedline import ConfigurationError, DataLoader, PathList, PipelineFailure  # noqa: E402
 from feedline.loader._fetch import BatchFetcher  # noqa: E402
 
-from ._datasets import Failing, Nested, Pid, Slow, Stamped, Stream  # noqa: E402
+from ._datasets import (  # noqa: E402
+    Failing,
+    Nested,
+    Pid,
+    Slow,
+    Stamped,
+    Stream,
+    WorkerView,
+    draw_at_init,
+)
 
 
 def assert_same(a: Any, b: Any) -> None:
@@ -274,6 +283,30 @@ def test_items_are_fetched_in_the_workers() -> None:
     assert len(pids) == 2
     assert os.getpid() not in pids
     assert multiprocessing.active_children() == []  # not persistent: gone after the epoch
+
+
+def test_workers_are_seeded_and_described_as_pytorch_does_it() -> None:
+    # worker_init_fn runs after the seeding and sees get_worker_info(), as do the items:
+    # datasets that open a file per worker, or draw augmentations, depend on it.
+    def run(loader_class: Any) -> list[Any]:
+        loader = loader_class(
+            WorkerView(),
+            batch_size=2,
+            num_workers=2,
+            worker_init_fn=draw_at_init,
+            generator=torch.Generator().manual_seed(7),
+        )
+        return [(b["init"], b["info"]) for b in loader]
+
+    ours, theirs = run(DataLoader), run(TorchLoader)
+    assert ours == theirs
+    inits = {init for batch_inits, _ in ours for init in batch_inits}
+    infos = {info for _, batch_infos in ours for info in batch_infos}
+    assert len(inits) == 2  # it ran in each worker, and saw its info there
+    assert all("None" not in init for init in inits)
+    assert len(infos) == 2  # get_worker_info() in __getitem__ too
+    assert "None" not in infos
+    assert multiprocessing.active_children() == []
 
 
 def test_later_batches_start_once_the_consumer_holds_the_first(

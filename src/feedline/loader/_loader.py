@@ -92,7 +92,8 @@ class DataLoader(Generic[T]):
             whose ``__getitem__`` holds the GIL. The dataset is sent to each worker once.
         pin_memory: Pin batches in a dedicated thread (when CUDA is available).
         timeout: Seconds to wait for a batch (``0``: no limit); a longer wait raises.
-        worker_init_fn: Called with the worker id in each worker process, once at its start.
+        worker_init_fn: Called with the worker id in each worker process, once, after it is
+            seeded (as in PyTorch; it sees ``torch.utils.data.get_worker_info()``).
         multiprocessing_context: Start method of worker processes, by name or as a
             ``multiprocessing`` context; ``None`` means ``"forkserver"``. ``"fork"`` is
             refused: this process runs threads.

@@ -28,25 +28,29 @@ class _WorkerIterable:
     """Lives in the child: one pass per epoch over the tasks the parent sent for it."""
 
     def __init__(
-        self, dataset: Any, tasks: Any, worker_id: int, concurrency: int, in_flight: int
+        self,
+        dataset: Any,
+        tasks: Any,
+        worker_id: int,
+        num_workers: int,
+        concurrency: int,
+        in_flight: int,
+        worker_init_fn: Callable[[int], None] | None,
     ) -> None:
         self._dataset = dataset
         self._tasks = tasks
         self._worker_id = worker_id
+        self._num_workers = num_workers
         self._concurrency = concurrency
         self._in_flight = in_flight
+        self._worker_init_fn = worker_init_fn  # called once, after the first seeding
 
     def __iter__(self) -> Iterator[tuple[int, list[Any]]]:
         base_seed, tasks = self._tasks.get()
-        seed = base_seed + self._worker_id
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        try:
-            import torch
-
-            torch.manual_seed(seed)
-        except ImportError:  # pragma: no cover - the loader needs torch
-            pass
+        _seed_like_pytorch(base_seed, self._worker_id, self._num_workers, self._dataset)
+        init, self._worker_init_fn = self._worker_init_fn, None
+        if init is not None:
+            init(self._worker_id)
         fetcher = BatchFetcher(self._dataset, self._concurrency)
         pipeline = (
             PipelineBuilder()
@@ -62,17 +66,28 @@ class _WorkerIterable:
             fetcher.close()
 
 
-def _make_worker(
-    dataset: Any,
-    tasks: Any,
-    worker_id: int,
-    concurrency: int,
-    in_flight: int,
-    worker_init_fn: Callable[[int], None] | None,
-) -> _WorkerIterable:
-    if worker_init_fn is not None:
-        worker_init_fn(worker_id)
-    return _WorkerIterable(dataset, tasks, worker_id, concurrency, in_flight)
+def _seed_like_pytorch(base_seed: int, worker_id: int, num_workers: int, dataset: Any) -> None:
+    """Seed ``random``, NumPy and torch, and set ``get_worker_info()``, as PyTorch's workers do.
+
+    Every epoch (PyTorch seeds once per worker process; these processes may serve several
+    epochs, and a resumed epoch must draw the same numbers). ``worker_init_fn`` runs after
+    the first seeding, as in PyTorch, and sees :func:`torch.utils.data.get_worker_info`.
+    """
+    seed = base_seed + worker_id
+    random.seed(seed)
+    try:
+        import torch
+        from torch.utils.data._utils import worker
+    except ImportError:  # pragma: no cover - the loader needs torch
+        np.random.seed(seed % 2**32)
+        return
+    torch.manual_seed(seed)
+    generate = getattr(worker, "_generate_state", None)  # PyTorch's NumPy seed for a worker
+    np.random.seed(generate(base_seed, worker_id) if generate else seed % 2**32)
+    if hasattr(worker, "_worker_info") and hasattr(worker, "WorkerInfo"):
+        worker._worker_info = worker.WorkerInfo(
+            id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset
+        )
 
 
 _PRELOAD = ("feedline.loader._workers", "torch")
@@ -121,7 +136,8 @@ class WorkerSet:
         num_workers: How many processes.
         concurrency: Threads fetching items in each worker.
         prefetch: Batches each worker may have ready or in flight.
-        worker_init_fn: Called with the worker id in each worker, once, at its start.
+        worker_init_fn: Called with the worker id in each worker, once, before its first
+            epoch and after the seeding (as in PyTorch).
         mp_context: Start method (``"spawn"`` or ``"forkserver"``).
         timeout: Seconds to wait for a batch (None: no limit).
 
@@ -149,7 +165,14 @@ class WorkerSet:
             # up-front pickling check of iterate_in_subprocess would refuse it.
             SubprocessIterable(
                 functools.partial(
-                    _make_worker, dataset, q, wid, concurrency, prefetch, worker_init_fn
+                    _WorkerIterable,
+                    dataset,
+                    q,
+                    wid,
+                    num_workers,
+                    concurrency,
+                    prefetch,
+                    worker_init_fn,
                 ),
                 buffer_size=prefetch,
                 timeout=timeout,
