@@ -77,16 +77,23 @@ class PipelineFailure(FeedlineError):
 class SubprocessFailure(PipelineFailure):
     """A pipeline or iterable running in a child process failed or the child died.
 
-    The message carries the child's traceback (as text) when the child could send it.
+    The message carries the child's traceback (as text) when the child could send it. When
+    the child's pipeline gave up on a stage's failure budget, ``stage``, ``num_failures``,
+    ``num_items``, ``sample`` and ``last_error`` are that stage's, as the child saw them;
+    otherwise ``stage`` is ``"<subprocess>"``.
     """
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, origin: BaseException | None = None) -> None:
         Exception.__init__(self, message)
         self.stage = "<subprocess>"
         self.num_failures = 1
         self.num_items = 0
-        self.sample = None
-        self.last_error = None
+        self.sample: str | None = None
+        self.last_error: BaseException | None = origin
+        if isinstance(origin, PipelineFailure):
+            self.stage, self.num_failures = origin.stage, origin.num_failures
+            self.num_items, self.sample = origin.num_items, origin.sample
+            self.last_error = origin.last_error
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (str(self),))
+        return (type(self), (str(self), self.__cause__))

@@ -63,9 +63,15 @@ def test_early_break_then_next_epoch() -> None:
 def test_error_in_child_pipeline_is_raised() -> None:
     with (
         run_pipeline_in_subprocess(_helpers.failing_builder(10)) as it,
-        pytest.raises(SubprocessFailure, match="three is not allowed"),
+        pytest.raises(SubprocessFailure, match="three is not allowed") as info,
     ):
         list(it)
+    # Where it failed travels with it: the child's stage, its count and the sample.
+    failure = info.value
+    assert failure.stage == "fail_on_three"
+    assert failure.num_failures == 1
+    assert failure.sample == "3"
+    assert isinstance(failure.last_error, ValueError)
 
 
 def test_factory_error_is_raised() -> None:

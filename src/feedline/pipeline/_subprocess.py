@@ -198,7 +198,7 @@ class SubprocessIterable(Generic[T]):
     @staticmethod
     def _raise(message: tuple[Any, ...], when: str) -> None:
         _, error, text = message
-        failure = SubprocessFailure(f"error {when}:\n{text}")
+        failure = SubprocessFailure(f"error {when}:\n{text}", error)
         raise failure from error
 
     def __iter__(self) -> Iterator[T]:
