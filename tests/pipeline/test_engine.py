@@ -301,6 +301,35 @@ def test_stats_name_the_consumer_when_it_is_slowest() -> None:
         assert p.stats().bottleneck == "consumer"
 
 
+def test_stats_since_an_earlier_snapshot_name_the_bottleneck_of_that_window() -> None:
+    # The op is slow for the first 60 items, then the consumer is: over the whole run the op
+    # was busier, but since the earlier snapshot the consumer limits the pipeline.
+    def op(x: int) -> int:
+        if x < 60:
+            time.sleep(0.01)
+        return x
+
+    p = PipelineBuilder().add_source(range(80)).pipe(op, name="op").add_sink(2).build()
+    with p.auto_stop():
+        for _ in range(60):
+            p.get_item(timeout=10)
+        before = p.stats()
+        for _ in range(15):
+            time.sleep(0.02)
+            p.get_item(timeout=10)
+        after = p.stats()
+    recent = after.since(before)
+    assert after.bottleneck == "op", str(after)
+    assert recent.bottleneck == "consumer", str(recent)
+    assert recent["op"].blocked > 0.5
+    assert recent["op"].busy < after["op"].busy
+    assert recent.elapsed == pytest.approx(after.elapsed - before.elapsed)
+    assert recent["op"].items_in == after["op"].items_in - before["op"].items_in
+    assert 0 < recent.items_out <= 15 + 2  # what the consumer took, and the sink refilled
+    with pytest.raises(ValueError, match="earlier snapshot"):
+        before.since(after)
+
+
 def test_report_stats_interval_logs(caplog: pytest.LogCaptureFixture) -> None:
     def slow(x: int) -> int:
         time.sleep(0.01)
@@ -309,7 +338,10 @@ def test_report_stats_interval_logs(caplog: pytest.LogCaptureFixture) -> None:
     p = PipelineBuilder().add_source(range(30)).pipe(slow).build(report_stats_interval=0.05)
     with caplog.at_level("INFO", logger="feedline.pipeline"):
         assert len(list(p)) == 30
-    assert any("pipeline statistics" in r.message for r in caplog.records)
+    reports = [r.getMessage() for r in caplog.records if "pipeline statistics" in r.message]
+    assert reports
+    assert "over the last" in reports[0]
+    assert "bottleneck: slow" in reports[0]
 
 
 @pytest.mark.parametrize("concurrency", [2, 4])

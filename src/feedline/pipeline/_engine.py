@@ -396,9 +396,18 @@ class Run:
             self.fail(task.exception())  # type: ignore[arg-type]
 
     async def _report(self, interval: float) -> None:
+        # Each report covers the interval since the last one, so that it names the stage
+        # limiting the pipeline now, not on average since the start.
+        previous = self.stats()
         while True:
             await asyncio.sleep(interval)
-            _log.info("pipeline statistics:\n%s", self.stats())
+            current = self.stats()
+            _log.info(
+                "pipeline statistics over the last %.3g s:\n%s",
+                current.elapsed - previous.elapsed,
+                current.since(previous),
+            )
+            previous = current
 
     def get(self, timeout: float | None) -> Any:
         """Next item for the consumer.

@@ -64,6 +64,8 @@ class ChannelStats:
             consumer had nothing to do because of upstream.
         full_fraction: Share of the channel's life it was full: the producer could not hand
             over results because of downstream.
+        life: Seconds the shares above are over: since the channel was made, or, for a
+            snapshot from :meth:`since`, between the two snapshots.
 
     """
 
@@ -74,6 +76,34 @@ class ChannelStats:
     mean_occupancy: float
     empty_fraction: float
     full_fraction: float
+    life: float
+
+    def since(self, earlier: ChannelStats) -> ChannelStats:
+        """The same figures over the time between ``earlier`` (a snapshot) and this one."""
+        return ChannelStats(
+            capacity=self.capacity,
+            size=self.size,
+            puts=self.puts - earlier.puts,
+            gets=self.gets - earlier.gets,
+            mean_occupancy=window_share(
+                self.mean_occupancy, self.life, earlier.mean_occupancy, earlier.life
+            ),
+            empty_fraction=window_share(
+                self.empty_fraction, self.life, earlier.empty_fraction, earlier.life
+            ),
+            full_fraction=window_share(
+                self.full_fraction, self.life, earlier.full_fraction, earlier.life
+            ),
+            life=self.life - earlier.life,
+        )
+
+
+def window_share(share: float, life: float, earlier_share: float, earlier_life: float) -> float:
+    """A share of time (0 to 1) over the window between two snapshots of shares over a life."""
+    span = life - earlier_life
+    if span <= 0:
+        return share
+    return min(1.0, max(0.0, (share * life - earlier_share * earlier_life) / span))
 
 
 class Channel:
@@ -250,4 +280,5 @@ class Channel:
                 mean_occupancy=self._occ_integral / life / self.capacity,
                 empty_fraction=self._empty_time / life,
                 full_fraction=self._full_time / life,
+                life=life,
             )

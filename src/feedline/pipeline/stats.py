@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ._queue import ChannelStats
+from ._queue import ChannelStats, window_share
 
 __all__ = ["PipelineStats", "StageStats"]
 
@@ -110,6 +110,7 @@ class StageCounters:
                 starved=in_q.empty_fraction if in_q is not None else 0.0,
                 blocked=out_q.full_fraction,
                 queue=out_q,
+                life=life,
             )
 
 
@@ -135,6 +136,8 @@ class StageStats:
         starved: Share of time the stage's input queue was empty: waiting on upstream.
         blocked: Share of time the stage's output queue was full: waiting on downstream.
         queue: Statistics of the queue after this stage.
+        life: Seconds the shares above are over: since the stage started, or, for a
+            snapshot from :meth:`PipelineStats.since`, between the two snapshots.
 
     """
 
@@ -154,6 +157,26 @@ class StageStats:
     starved: float
     blocked: float
     queue: ChannelStats
+    life: float
+
+    def since(self, earlier: StageStats) -> StageStats:
+        """The counts and shares between ``earlier`` (a snapshot) and this one.
+
+        Task times stay those of the last 2048 calls; ``in_flight`` and ``max_in_flight``
+        stay this snapshot's.
+        """
+        life, then = self.life, earlier.life
+        return replace(
+            self,
+            items_in=self.items_in - earlier.items_in,
+            items_out=self.items_out - earlier.items_out,
+            failures=self.failures - earlier.failures,
+            busy=window_share(self.busy, life, earlier.busy, then),
+            starved=window_share(self.starved, life, earlier.starved, then),
+            blocked=window_share(self.blocked, life, earlier.blocked, then),
+            queue=self.queue.since(earlier.queue),
+            life=life - then,
+        )
 
 
 @dataclass(frozen=True)
@@ -161,7 +184,8 @@ class PipelineStats:
     """A snapshot of a whole pipeline.
 
     Attributes:
-        elapsed: Seconds since the current (or last) run started.
+        elapsed: Seconds since the current (or last) run started (for a snapshot from
+            :meth:`since`: between the two snapshots).
         stages: One :class:`StageStats` per stage, source first.
         bottleneck: The name of the stage that limits throughput, or ``"consumer"`` when the
             pipeline produces faster than it is consumed (the goal).
@@ -173,6 +197,32 @@ class PipelineStats:
     stages: tuple[StageStats, ...]
     bottleneck: str
     reason: str
+
+    def since(self, earlier: PipelineStats) -> PipelineStats:
+        """What happened between ``earlier`` and this snapshot, and the bottleneck then.
+
+        The whole-run shares of a snapshot hide a bottleneck that moved (a cache that warmed
+        up, a consumer that slowed down); the shares over a recent window show it::
+
+            before = pipeline.stats()
+            ...                                  # a few seconds of training
+            print(pipeline.stats().since(before))
+
+        Raises:
+            ValueError: ``earlier`` is not an earlier snapshot of the same run.
+
+        """
+        names = [s.name for s in self.stages]
+        if [s.name for s in earlier.stages] != names or earlier.elapsed > self.elapsed:
+            raise ValueError(
+                "since() needs an earlier snapshot of the same pipeline run: take it with "
+                "pipeline.stats() before this one, in the same epoch"
+            )
+        stages = tuple(s.since(e) for s, e in zip(self.stages, earlier.stages, strict=True))
+        name, reason = find_bottleneck(stages)
+        return PipelineStats(
+            elapsed=self.elapsed - earlier.elapsed, stages=stages, bottleneck=name, reason=reason
+        )
 
     def __getitem__(self, name: str) -> StageStats:
         """Return the stage called ``name``."""
