@@ -4,6 +4,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from feedline.cli import main
@@ -91,6 +92,33 @@ def test_bench_decode_quick(tmp_path: Path) -> None:
     # The generated pictures are cached: a second call finds them.
     cached = sorted((tmp_path / "data").rglob("*.jpg"))
     assert len(cached) == 10
+
+
+def test_bench_uses_a_folder_of_your_own_jpegs_and_writes_nothing_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cv2 = pytest.importorskip("cv2")
+    pytest.importorskip("PIL")
+    mine = tmp_path / "mine"
+    (mine / "b").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in ("a.jpg", "b/c.JPEG"):
+        picture = rng.integers(0, 255, (300, 400, 3), dtype=np.uint8)
+        assert cv2.imwrite(str(mine / name), picture)
+    (mine / "b" / "broken.jpg").write_bytes(b"\xff\xd8\xff not a picture")
+    (mine / "notes.txt").write_text("not a picture")
+    before = sorted(mine.rglob("*"))
+    monkeypatch.setenv("FEEDLINE_BENCH_DATA", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    assert main(["bench", "decode", "--quick", "--data", str(mine), "--out", str(out)]) == 0
+    data = json.loads((out / "decode.json").read_text())
+    assert any(f"your JPEGs from {mine}" in n for n in data["notes"])
+    # Its two readable pictures, in turn: the mean size is theirs, not a generated one's.
+    sizes = [(mine / n).stat().st_size for n in ("a.jpg", "b/c.JPEG")]
+    mean = f"imagenet: 8 JPEGs, mean {np.mean(sizes) / 1024:.0f} KiB"
+    assert mean in data["notes"]
+    assert sorted(mine.rglob("*")) == before  # generated data went to the cache instead
+    assert list((tmp_path / "cache").rglob("*.jpg"))
 
 
 @pytest.mark.parametrize("scenario", ["latency", "startup", "images", "memory"])

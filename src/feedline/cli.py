@@ -175,8 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--data",
         default=None,
         metavar="DIR",
-        help="where generated datasets are cached (default: $FEEDLINE_BENCH_DATA or "
-        "~/.cache/feedline/bench)",
+        help="a folder of your own JPEGs (searched recursively) for the picture scenarios "
+        "instead of generated ImageNet-like ones, or where generated datasets are cached "
+        "(default: $FEEDLINE_BENCH_DATA or ~/.cache/feedline/bench)",
     )
     bench.add_argument(
         "--out",

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["cache_dir", "jpeg_files", "natural_image", "read_all"]
+__all__ = ["cache_dir", "jpeg_files", "jpeg_source", "natural_image", "read_all", "user_jpegs"]
 
 # Side lengths drawn for ImageNet-like pictures: ImageNet's median is 500x375 (or 375x500).
 _IMAGENET_WIDTHS = (400, 600)
@@ -22,9 +22,68 @@ _ASPECTS = (0.62, 0.85)
 _QUALITY = 90
 
 
+_JPEG_SUFFIXES = (".jpg", ".jpeg")
+_USER_SCAN_LIMIT = 4096  # files of a user's folder looked at, at most (ImageNet has 1.3 M)
+
+
+def user_jpegs(directory: str | Path | None) -> list[Path]:
+    """The user's own JPEGs under ``directory`` (recursively, sorted), if it holds any.
+
+    Folders this module generates (``jpeg-*-v1``) do not count. At most the first 4096
+    files found are returned, so that a whole dataset is not listed.
+    """
+    if directory is None or not Path(directory).is_dir():
+        return []
+    root = Path(directory)
+    found: list[Path] = []
+    for folder, subfolders, files in os.walk(root):
+        if Path(folder) == root:
+            subfolders[:] = [s for s in subfolders if not _generated(s)]
+        subfolders.sort()
+        for name in sorted(files):
+            if name.lower().endswith(_JPEG_SUFFIXES):
+                found.append(Path(folder) / name)
+                if len(found) >= _USER_SCAN_LIMIT:
+                    return found
+    return found
+
+
+def _generated(name: str) -> bool:
+    return name.startswith("jpeg-") and name.endswith("-v1")
+
+
+def _readable(paths: list[Path], progress: Any) -> list[Path]:
+    # The user's files whose JPEG header reads; the others are left out, and said so.
+    from feedline.io import image_size
+
+    good = []
+    for path in paths:
+        try:
+            image_size(path.read_bytes())
+        except (OSError, ValueError) as error:
+            if progress is not None:
+                progress(f"leaving out {path}: {error}")
+            continue
+        good.append(path)
+    if paths and not good:
+        raise ValueError(f"none of the JPEGs under {paths[0].parent} could be read")
+    return good
+
+
+def jpeg_source(directory: str | Path | None) -> str:
+    """A note saying which pictures the image scenarios use."""
+    if user_jpegs(directory):
+        return f"pictures: your JPEGs from {directory} (the first ones, sorted by path)"
+    return "pictures: generated ImageNet-like JPEGs (deterministic, cached)"
+
+
 def cache_dir(override: str | Path | None = None) -> Path:
-    """Where generated data lives: ``override``, ``$FEEDLINE_BENCH_DATA`` or ~/.cache."""
-    if override is not None:
+    """Where generated data lives: ``override``, ``$FEEDLINE_BENCH_DATA`` or ~/.cache.
+
+    A folder of the user's own JPEGs is never written to: generated data then goes to the
+    default place.
+    """
+    if override is not None and not user_jpegs(override):
         return Path(override)
     env = os.environ.get("FEEDLINE_BENCH_DATA")
     if env:
@@ -86,15 +145,21 @@ def jpeg_files(
 ) -> list[Path]:
     """Paths of ``count`` deterministic JPEGs of ``kind``, generating the missing ones.
 
+    Where ``directory`` holds JPEGs of the user's own (:func:`user_jpegs`), ``"imagenet"``
+    pictures are those instead, repeated in turn if there are fewer than ``count``.
+
     Args:
         count: How many files.
         kind: ``"imagenet"`` (varied sizes around 500x375) or ``"large"`` (1280x960 photos).
-        directory: The cache root (see :func:`cache_dir`).
+        directory: The cache root (see :func:`cache_dir`), or a folder of the user's JPEGs.
         progress: Called with a message before generating, when anything is missing.
 
     """
     if kind not in ("imagenet", "large"):
         raise ValueError(f"kind must be 'imagenet' or 'large', got {kind!r}")
+    own = _readable(user_jpegs(directory)[:count], progress) if kind == "imagenet" else []
+    if own:
+        return [own[i % len(own)] for i in range(count)]
     folder = cache_dir(directory) / f"jpeg-{kind}-v1"
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / f"{i:07d}.jpg" for i in range(count)]

@@ -19,7 +19,8 @@ class BenchOptions:
     Attributes:
         quick: Tiny sizes and one repeat: a smoke test, not a measurement.
         progress: Called with a one-line message as work advances.
-        data_dir: Where generated datasets are cached (None: the default cache).
+        data_dir: Where generated datasets are cached (None: the default cache), or a folder
+            of the user's JPEGs for the picture scenarios (see :func:`._data.user_jpegs`).
 
     """
 

@@ -34,7 +34,7 @@ from feedline.io import decode_image
 from feedline.io.images import ImageMode
 
 from ._common import Contender, Measurement, ScenarioResult, alternate, make_result, threaded_loop
-from ._data import jpeg_files, read_all
+from ._data import jpeg_files, jpeg_source, read_all
 from ._registry import BenchOptions
 
 __all__ = ["pil_decode", "psnr", "run", "spdl_decoder", "spdl_scale_filter"]
@@ -181,6 +181,7 @@ def run(options: BenchOptions) -> ScenarioResult:
     quick, progress, data_dir = options.quick, options.progress, options.data_dir
     repeats = 1 if quick else 9
     notes = [
+        jpeg_source(options.data_dir),
         f"{repeats} alternating run(s) per contender, medians; pictures/s to a 224x224x3 array",
         "each thread loops over its share of in-memory bytes: no pool, no file reads",
         "feedline fast, 2 processes: the same loop in 2 worker processes (spawned once per "

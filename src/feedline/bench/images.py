@@ -43,7 +43,7 @@ from ._common import (
     paired_ratio,
     threaded_loop,
 )
-from ._data import jpeg_files
+from ._data import jpeg_files, jpeg_source
 from ._loaders import DECODERS, LoaderCosts, SlotPipeline
 from ._registry import BenchOptions
 from .decode import spdl_decoder, spdl_scale_filter
@@ -198,6 +198,7 @@ def run(options: BenchOptions) -> ScenarioResult:
             m.extra["of_decode_alone"] = of_alone
     costs.attach(found)
     notes = [
+        jpeg_source(options.data_dir),
         f"{repeats} alternating run(s) per contender, medians; steady images/s (over the "
         "last three quarters of a pass, so that prefetched batches do not count); ratio to "
         f"the best PyTorch + PIL configuration ({best_pil.contender}), the median of the "

@@ -29,7 +29,7 @@ from ._common import (
     alternate,
     make_result,
 )
-from ._data import jpeg_files
+from ._data import jpeg_files, jpeg_source
 from ._loaders import (
     HttpDataset,
     LoaderCosts,
@@ -169,6 +169,7 @@ def run(options: BenchOptions) -> ScenarioResult:
             m.extra["of_bound"] = m.items_per_s / bound
     measurements[-1].ratio = bound / base.items_per_s
     notes = [
+        jpeg_source(options.data_dir),
         f"machine bound for GET + decode: {cores} cores / (decode {decode_cpu * 1e3:.2f} ms + "
         f"HTTP client and server {http_cpu * 1e3:.2f} ms of CPU per item) = {bound:,.0f}/s; "
         "of_bound is each contender's share of it",

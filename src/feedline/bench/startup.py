@@ -12,7 +12,7 @@ import functools
 from typing import Any
 
 from ._common import Contender, ScenarioResult, alternate, make_result
-from ._data import jpeg_files, read_all
+from ._data import jpeg_files, jpeg_source, read_all
 from ._loaders import DecodeDataset, LoaderCosts
 from ._registry import BenchOptions
 
@@ -59,6 +59,7 @@ def run(options: BenchOptions) -> ScenarioResult:
     found = alternate(case, contenders, repeats, "PyTorch workers=2", options.progress)
     costs.attach(found)
     notes = [
+        jpeg_source(options.data_dir),
         f"{repeats} alternating run(s) per contender, medians. items/s here is first batches "
         "per second (1 / time to the first batch): a ratio of 2 is half PyTorch's wait",
         "feedline workers=2 starts worker processes with forkserver (each imports the dataset "
