@@ -254,6 +254,10 @@ class PipelineBuilder(Generic[T]):
             drop_last: Drop a last group that is smaller than ``num_items``.
             name: Name in statistics; defaults to ``aggregate(N)``.
 
+        Raises:
+            ConfigurationError: ``num_items`` is not a positive int, the name is taken, or
+                the sink was already added.
+
         """
         self._check_open("aggregate()")
         num_items = _check_positive_int("num_items", num_items, "It is the group size.")
@@ -268,7 +272,15 @@ class PipelineBuilder(Generic[T]):
         return self  # type: ignore[return-value]  # the item type changes to a list
 
     def disaggregate(self, *, name: str | None = None) -> PipelineBuilder[Any]:
-        """Pass on the elements of each incoming iterable one by one (undo :meth:`aggregate`)."""
+        """Pass on the elements of each incoming iterable one by one (undo :meth:`aggregate`).
+
+        Args:
+            name: Name in statistics; defaults to ``disaggregate``.
+
+        Raises:
+            ConfigurationError: The name is taken, or the sink was already added.
+
+        """
         self._check_open("disaggregate()")
         self._stages.append(
             DisaggregateConfig(name=self._claim(name, "disaggregate"), buffer_size=2)
@@ -278,7 +290,17 @@ class PipelineBuilder(Generic[T]):
     def add_sink(self, buffer_size: int = 3) -> PipelineBuilder[T]:
         """Set how many finished items may wait for the consumer (>= 1).
 
-        Optional: a pipeline without an explicit sink gets ``buffer_size=3``.
+        Optional: a pipeline without an explicit sink gets ``buffer_size=3``. A longer buffer
+        rides out a consumer's pauses (a checkpoint, an evaluation) at the cost of holding
+        more finished items in memory.
+
+        Args:
+            buffer_size: The most finished items held for the consumer.
+
+        Raises:
+            ConfigurationError: ``buffer_size`` is not a positive int, or a sink was already
+                added.
+
         """
         self._check_open("add_sink()")
         buffer_size = _check_positive_int(
