@@ -97,11 +97,12 @@ def test_spdl_decodes_with_pyav_ffmpeg(tmp_path: Path) -> None:
 
 @needs_spdl_and_av
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # a subprocess that imports torch and runs a scenario
 def test_bench_command_restarts_once_and_compares_with_spdl(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != _ffmpeg.MARKER}
     env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
     out = tmp_path / "out"
-    args = ["decode", "images", "--quick", "--data", str(tmp_path / "data"), "--out", str(out)]
+    args = ["decode", "--quick", "--data", str(tmp_path / "data"), "--out", str(out)]
     done = subprocess.run(
         [sys.executable, "-m", "feedline", "bench", *args],
         env=env,

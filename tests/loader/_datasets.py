@@ -135,3 +135,31 @@ class WorkerView(Dataset[Any]):
             "init": repr(_DRAWN.get("init")),
             "info": None if info is None else repr((info.id, info.num_workers, info.seed)),
         }
+
+
+class Gathered(Dataset[int]):
+    """``dataset[i]`` waits until ``parties`` calls are in flight at once (10 s at most).
+
+    A fetcher that never runs that many at once fails the call (``BrokenBarrierError``).
+    """
+
+    def __init__(self, n: int, parties: int) -> None:
+        self.n = n
+        self.barrier = threading.Barrier(parties, timeout=10)
+        self.lock = threading.Lock()
+        self.active = 0
+        self.peak = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        with self.lock:
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+        try:
+            self.barrier.wait()
+        finally:
+            with self.lock:
+                self.active -= 1
+        return i

@@ -82,10 +82,10 @@ def test_close_drops_queued_jobs_and_joins_threads() -> None:
     pool = LimitedPool(2, "test-pool")
     pool.set_limit(1)
     ran: list[int] = []
-    gate = threading.Event()
-    pool.submit(lambda: (gate.wait(10), ran.append(0)))
+    gate, started = threading.Event(), threading.Event()
+    pool.submit(lambda: (started.set(), gate.wait(10), ran.append(0)))
     pool.submit(lambda: ran.append(1))
-    time.sleep(0.05)
+    assert started.wait(5)
     closer = threading.Thread(target=pool.close)
     closer.start()
     gate.set()

@@ -74,6 +74,18 @@ def make_slow(n: int, delay: float) -> SlowRange:
     return SlowRange(n, delay)
 
 
+class Stalling:
+    """Yields 0 at once, then nothing for ``delay`` seconds, then 1."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def __iter__(self) -> Iterator[int]:
+        yield 0
+        time.sleep(self.delay)
+        yield 1
+
+
 def crash(n: int) -> Iterator[int]:
     yield 1
     os._exit(7)

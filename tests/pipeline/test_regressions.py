@@ -122,7 +122,7 @@ def slow_tail(x: int) -> Any:
         yield x
         return
     for i in range(5):
-        time.sleep(0.05)
+        time.sleep(0.15)
         yield ("slow", i, time.perf_counter())
 
 
@@ -140,7 +140,9 @@ def test_outputs_of_a_stage_that_turns_slow_are_not_held_back() -> None:
     )
     delays = [time.perf_counter() - x[2] for x in p if isinstance(x, tuple)]
     assert len(delays) == 5
-    assert max(delays) < 0.04, delays
+    # Held back, the first would wait 0.6 s for the last; 0.1 s leaves room for a machine
+    # that stalls the process now and then.
+    assert max(delays) < 0.1, delays
 
 
 def test_release_removes_packed_segments() -> None:

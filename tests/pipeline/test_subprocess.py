@@ -90,9 +90,14 @@ def test_child_crash_is_reported() -> None:
 
 
 def test_timeout() -> None:
-    slow = functools.partial(_helpers.make_slow, 3, 2.0)
-    with iterate_in_subprocess(slow, timeout=0.3) as it, pytest.raises(TimeoutError):
-        list(it)
+    # The first item comes at once, the next after 5 s: with a 2 s limit, the wait that
+    # times out is the one for the second item, not the child's start-up.
+    got: list[int] = []
+    stalling = functools.partial(_helpers.Stalling, 5.0)
+    with iterate_in_subprocess(stalling, timeout=2.0) as it, pytest.raises(TimeoutError):
+        for item in it:
+            got.append(item)
+    assert got == [0]
 
 
 def test_unpicklable_factory_is_rejected() -> None:

@@ -41,6 +41,7 @@ T = TypeVar("T")
 
 _POLL = 0.2  # seconds between liveness checks while waiting
 _DEFAULT_SHM_MIN = 64 * 1024
+_STARTUP_SECONDS = 120.0  # the least a child gets to start and make its iterable
 
 
 def _watch_parent() -> None:
@@ -169,7 +170,10 @@ class SubprocessIterable(Generic[T]):
         )
         process.start()
         self._child.process = process
-        message = self._receive(self._timeout)
+        # Start-up (the interpreter, imports, the factory) is not an item: a per-item limit
+        # tuned for a steady stream would fail it on a slow or busy machine.
+        startup = None if self._timeout is None else max(self._timeout, _STARTUP_SECONDS)
+        message = self._receive(startup)
         if message[0] != "ready":
             self.close()
             self._raise(message, "while creating the iterable in the child process")
@@ -271,8 +275,9 @@ def iterate_in_subprocess(
             returns the iterable. It is called once, in the child; each epoch iterates the
             iterable again.
         buffer_size: Items that may wait in the inter-process queue.
-        timeout: Seconds to wait for any one item (``None``: no limit). The child's liveness
-            is checked while waiting either way.
+        timeout: Seconds to wait for any one item (``None``: no limit). The child's start-up
+            (imports, ``factory()``) gets at least 120 s. The child's liveness is checked
+            while waiting either way.
         mp_context: The multiprocessing start method. ``"spawn"`` (default) and
             ``"forkserver"`` are safe in a process that runs threads; ``"fork"`` is not.
         shm_min_bytes: NumPy arrays at least this large travel through shared memory.
