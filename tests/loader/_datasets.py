@@ -57,10 +57,15 @@ class Slow(Dataset[int]):
         with self.lock:
             self.active += 1
             self.peak = max(self.peak, self.active)
-        time.sleep(self.delay)
-        with self.lock:
-            self.active -= 1
+        try:
+            self.wait()
+        finally:
+            with self.lock:
+                self.active -= 1
         return i
+
+    def wait(self) -> None:
+        time.sleep(self.delay)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"n": self.n, "delay": self.delay}
@@ -137,29 +142,15 @@ class WorkerView(Dataset[Any]):
         }
 
 
-class Gathered(Dataset[int]):
+class Gathered(Slow):
     """``dataset[i]`` waits until ``parties`` calls are in flight at once (10 s at most).
 
     A fetcher that never runs that many at once fails the call (``BrokenBarrierError``).
     """
 
     def __init__(self, n: int, parties: int) -> None:
-        self.n = n
+        super().__init__(n, 0.0)
         self.barrier = threading.Barrier(parties, timeout=10)
-        self.lock = threading.Lock()
-        self.active = 0
-        self.peak = 0
 
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        with self.lock:
-            self.active += 1
-            self.peak = max(self.peak, self.active)
-        try:
-            self.barrier.wait()
-        finally:
-            with self.lock:
-                self.active -= 1
-        return i
+    def wait(self) -> None:
+        self.barrier.wait()
