@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from feedline.io import load_npy, to_jax, to_numpy, to_torch, transfer
+from feedline.io import BufferPool, load_npy, to_jax, to_numpy, to_torch, transfer
 
 
 def npy(array: np.ndarray) -> bytes:
@@ -101,3 +101,18 @@ def test_to_jax_converts_or_says_how_to_install() -> None:
             to_jax(array)
         return
     assert np.asarray(to_jax(array)).tolist() == array.tolist()
+
+
+def test_to_jax_shares_aligned_memory_and_copies_read_only_arrays() -> None:
+    jax = pytest.importorskip("jax")
+    pool = BufferPool((4, 8), np.float32, count=1)
+    batch = pool.acquire()
+    batch[...] = np.arange(32, dtype=np.float32).reshape(4, 8)
+    shared = to_jax(batch)
+    assert isinstance(shared, jax.Array)
+    assert shared.unsafe_buffer_pointer() == batch.ctypes.data  # the batch's own memory
+    frozen = load_npy(npy(np.arange(5, dtype=np.int64)))
+    assert not frozen.flags.writeable
+    assert np.asarray(to_jax(frozen)).tolist() == [0, 1, 2, 3, 4]  # copied, not refused
+    tensor = torch.arange(6, dtype=torch.float32)
+    assert np.asarray(to_jax(tensor)).tolist() == tensor.tolist()

@@ -98,17 +98,27 @@ def to_torch(x: Any, *, copy: bool | None = None) -> Any:
 
 
 def to_jax(x: Any) -> Any:
-    """Return ``x`` as a JAX array (through DLPack: no copy for suitably aligned CPU data).
+    """Return ``x`` as a JAX array, through DLPack where it can go without a copy.
+
+    JAX shares the memory of a writable array or tensor aligned to 64 bytes (a
+    :class:`~feedline.io.BufferPool` batch, most large NumPy arrays) and of a tensor on a
+    device JAX uses; it copies anything else: read-only arrays (which DLPack cannot mark as
+    such), unaligned memory, and other array-likes (converted with :func:`to_numpy` first).
 
     Raises:
         ImportError: JAX is not installed (pip install jax).
 
     """
     try:
+        import jax
         import jax.numpy as jnp
     except ImportError:
         raise ImportError("this needs JAX: pip install jax") from None
-    return jnp.asarray(to_numpy(x))
+    source = x if hasattr(x, "__dlpack__") else to_numpy(x)
+    try:
+        return jax.dlpack.from_dlpack(source)
+    except (BufferError, TypeError, ValueError, RuntimeError):
+        return jnp.asarray(to_numpy(x))  # read-only, or nothing DLPack carries: a copy
 
 
 _local = threading.local()
