@@ -155,4 +155,5 @@ def test_loader_scenarios_quick(scenario: str, tmp_path: Path) -> None:
         assert 0 < by_name["feedline pipeline"]["extra"]["of_bound"] < 2
         assert "upper bound" in by_name
         assert any(name.startswith("decode alone") for name in by_name)
+        assert by_name["ThreadPoolExecutor.map"]["items_per_s"] > 0  # the hand-written way
         assert all(0 < m["extra"]["of_decode_alone"] < 3 for m in contenders)

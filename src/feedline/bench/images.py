@@ -11,6 +11,8 @@ them to 224x224 and batches them by 32:
   over the dataset with feedline's decode function;
 * ``feedline pipeline``: a pipeline that decodes each picture straight into its slot of a
   pooled batch buffer (no collation copy): what feedline is built for;
+* ``ThreadPoolExecutor.map``: the plain thread pool a user would write by hand, one thread
+  per core mapping the same ``dataset[i]`` in order, ``np.stack`` by 32;
 * ``SPDL pipeline`` (when ``spdl.io`` can decode here; see :mod:`._ffmpeg`): SPDL's own way,
   as its examples write it: an ``spdl.pipeline`` that demuxes and decodes each file with
   FFmpeg's scale filter to 224x224 RGB in a stage as wide as the cores, groups 32 frames and
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +51,7 @@ from ._loaders import DECODERS, LoaderCosts, SlotPipeline
 from ._registry import BenchOptions
 from .decode import spdl_decoder, spdl_scale_filter
 
-__all__ = ["FileDataset", "SpdlPipeline", "run"]
+__all__ = ["FileDataset", "SpdlPipeline", "ThreadPoolBatches", "run"]
 
 BATCH = 32
 SIZE = (224, 224)
@@ -120,6 +123,36 @@ class SpdlPipeline:
             yield from pipeline
 
 
+class ThreadPoolBatches:
+    """Batches of ``ThreadPoolExecutor.map`` over ``dataset[i]``, stacked: the hand-written way.
+
+    ``map`` submits every item at once and keeps every result until it is taken, as users'
+    code does; the pool's pending work is cancelled if the consumer stops early.
+    """
+
+    def __init__(self, paths: list[str], batch: int, threads: int) -> None:
+        self.dataset = FileDataset(paths, "feedline")
+        self.batch = batch
+        self.threads = threads
+
+    def __len__(self) -> int:
+        return -(-len(self.dataset) // self.batch)
+
+    def __iter__(self) -> Any:
+        pool = ThreadPoolExecutor(self.threads)
+        try:
+            group: list[Any] = []
+            for item in pool.map(self.dataset.__getitem__, range(len(self.dataset))):
+                group.append(item)
+                if len(group) == self.batch:
+                    yield np.stack(group)
+                    group = []
+            if group:
+                yield np.stack(group)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
 BOUND = "upper bound"
 
 
@@ -166,6 +199,9 @@ def run(options: BenchOptions) -> ScenarioResult:
     setups.append(("feedline DataLoader", functools.partial(_feedline_loader, paths)))
     setups.append(
         ("feedline pipeline", functools.partial(SlotPipeline, paths, _read_file, BATCH, cores))
+    )
+    setups.append(
+        ("ThreadPoolExecutor.map", functools.partial(ThreadPoolBatches, paths, BATCH, cores))
     )
     spdl_missing = spdl_decoder()[1]  # why SPDL cannot decode here, if it cannot
     if spdl_missing is None:
