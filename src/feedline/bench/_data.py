@@ -8,6 +8,7 @@ fields, a few textured objects with sharp edges, and a little sensor grain. Enco
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -30,10 +31,16 @@ def user_jpegs(directory: str | Path | None) -> list[Path]:
     """The user's own JPEGs under ``directory`` (recursively, sorted), if it holds any.
 
     Folders this module generates (``jpeg-*-v1``) do not count. At most the first 4096
-    files found are returned, so that a whole dataset is not listed.
+    files found are returned, so that a whole dataset is not listed. A folder is scanned
+    once per process: every scenario asks.
     """
     if directory is None or not Path(directory).is_dir():
         return []
+    return list(_scan(str(Path(directory).resolve())))
+
+
+@functools.lru_cache(maxsize=8)
+def _scan(directory: str) -> tuple[Path, ...]:
     root = Path(directory)
     found: list[Path] = []
     for folder, subfolders, files in os.walk(root):
@@ -44,8 +51,8 @@ def user_jpegs(directory: str | Path | None) -> list[Path]:
             if name.lower().endswith(_JPEG_SUFFIXES):
                 found.append(Path(folder) / name)
                 if len(found) >= _USER_SCAN_LIMIT:
-                    return found
-    return found
+                    return tuple(found)
+    return tuple(found)
 
 
 def _generated(name: str) -> bool:
