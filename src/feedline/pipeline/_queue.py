@@ -19,6 +19,8 @@ from typing import Any, Protocol
 
 __all__ = ["EMPTY", "Channel", "ChannelStats", "Endpoint"]
 
+_now = time.perf_counter
+
 
 class _Empty:
     __slots__ = ()
@@ -118,18 +120,20 @@ class Channel:
     __slots__ = (
         "_closed",
         "_consumer",
+        "_empty_since",
         "_empty_time",
+        "_full_since",
         "_full_time",
+        "_get_sum",
         "_gets",
         "_items",
         "_lock",
         "_low",
-        "_occ_integral",
         "_producer",
         "_producer_refused",
+        "_put_sum",
         "_puts",
         "_t0",
-        "_t_last",
         "capacity",
         "last_put",
         "name",
@@ -149,11 +153,16 @@ class Channel:
         self._producer_refused = False
         self._consumer: Endpoint = _Nobody()
         self._producer: Endpoint = _Nobody()
-        now = time.perf_counter()
+        now = _now()
         self._t0 = now
-        self._t_last = now
         self.last_put = now  # perf_counter() of the latest put
-        self._occ_integral = 0.0
+        # Statistics are kept by events, not integrated on every call: the time-integral of
+        # the fill level is the sum of each item's stay, that is (sum of get times) - (sum of
+        # put times) + (items held) * now. Times are taken relative to _t0.
+        self._put_sum = 0.0
+        self._get_sum = 0.0
+        self._empty_since: float | None = 0.0  # when it last became empty (None: not empty)
+        self._full_since: float | None = None  # when it last became full (None: not full)
         self._empty_time = 0.0
         self._full_time = 0.0
         self._puts = 0
@@ -163,18 +172,6 @@ class Channel:
         """Set who is told about data (``consumer``) and space (``producer``)."""
         self._producer = producer
         self._consumer = consumer
-
-    def _account(self, now: float) -> None:
-        # Integrate the state held since the last change; called with the lock held.
-        dt = now - self._t_last
-        n = len(self._items)
-        self._occ_integral += n * dt
-        if n == 0:
-            if not self._closed:
-                self._empty_time += dt
-        elif n >= self.capacity:
-            self._full_time += dt
-        self._t_last = now
 
     def try_put(self, item: Any) -> bool:
         """Append ``item`` unless the channel is full; never blocks.
@@ -188,26 +185,51 @@ class Channel:
         with self._lock:
             if self._closed:
                 return False
-            if len(self._items) >= self.capacity:
+            items = self._items
+            n = len(items)
+            if n >= self.capacity:
                 self._producer_refused = True
                 return False
-            now = time.perf_counter()
-            self._account(now)
+            now = _now()
+            t = now - self._t0
+            if n == 0 and self._empty_since is not None:
+                self._empty_time += t - self._empty_since
+                self._empty_since = None
+            if n + 1 == self.capacity:
+                self._full_since = t
+            self._put_sum += t
             self.last_put = now
-            self._items.append(item)
+            items.append(item)
             self._puts += 1
         self._consumer.on_data()
         return True
 
+    def _take_time(self, t: float, n: int) -> None:
+        # One item leaves a channel holding n, at time t; called with the lock held.
+        self._get_sum += t
+        if self._full_since is not None:
+            self._full_time += t - self._full_since
+            self._full_since = None
+        if n == 1 and not self._closed:
+            self._empty_since = t
+
+    def _close_time(self, t: float) -> None:
+        # The channel closes at time t: it no longer counts as starving its consumer.
+        if self._empty_since is not None:
+            self._empty_time += t - self._empty_since
+            self._empty_since = None
+
     def try_get(self) -> Any:
         """Take the oldest item, or return :data:`EMPTY` at once if there is none."""
         with self._lock:
-            if not self._items:
+            items = self._items
+            if not items:
                 return EMPTY
-            self._account(time.perf_counter())
-            item = self._items.popleft()
+            t = _now() - self._t0
+            self._take_time(t, len(items))
+            item = items.popleft()
             self._gets += 1
-            wake = self._producer_refused and len(self._items) <= self._low
+            wake = self._producer_refused and len(items) <= self._low
             if wake:
                 self._producer_refused = False
         if wake:
@@ -234,14 +256,21 @@ class Channel:
         with self._lock:
             if self._closed:
                 return
-            self._account(time.perf_counter())
+            self._close_time(_now() - self._t0)
             self._closed = True
         self._consumer.on_data()
 
     def abort(self) -> None:
         """Close the channel and drop what it holds (used when the pipeline stops)."""
         with self._lock:
-            self._account(time.perf_counter())
+            t = _now() - self._t0
+            n = len(self._items)
+            if n:  # the dropped items leave now
+                self._get_sum += n * t
+                if self._full_since is not None:
+                    self._full_time += t - self._full_since
+                    self._full_since = None
+            self._close_time(t)
             self._closed = True
             self._items.clear()
             self._producer_refused = False
@@ -269,16 +298,23 @@ class Channel:
     def stats(self) -> ChannelStats:
         """Return a snapshot of the channel's statistics."""
         with self._lock:
-            now = time.perf_counter()
-            self._account(now)
-            life = max(now - self._t0, 1e-9)
+            t = _now() - self._t0
+            life = max(t, 1e-9)
+            n = len(self._items)
+            occupancy = self._get_sum + n * t - self._put_sum
+            empty = self._empty_time
+            if self._empty_since is not None:
+                empty += t - self._empty_since
+            full = self._full_time
+            if self._full_since is not None:
+                full += t - self._full_since
             return ChannelStats(
                 capacity=self.capacity,
-                size=len(self._items),
+                size=n,
                 puts=self._puts,
                 gets=self._gets,
-                mean_occupancy=self._occ_integral / life / self.capacity,
-                empty_fraction=self._empty_time / life,
-                full_fraction=self._full_time / life,
+                mean_occupancy=min(1.0, max(0.0, occupancy / life / self.capacity)),
+                empty_fraction=min(1.0, empty / life),
+                full_fraction=min(1.0, full / life),
                 life=life,
             )

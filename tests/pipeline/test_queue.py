@@ -1,0 +1,128 @@
+"""The channel between stages: bounds, wake-ups and the statistics it keeps."""
+
+from __future__ import annotations
+
+import pytest
+
+from feedline.pipeline import _queue
+from feedline.pipeline._queue import EMPTY, Channel
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class _Ends:
+    def __init__(self) -> None:
+        self.data = 0
+        self.space = 0
+
+    def on_data(self) -> None:
+        self.data += 1
+
+    def on_space(self) -> None:
+        self.space += 1
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    c = _Clock()
+    monkeypatch.setattr(_queue, "_now", c)
+    return c
+
+
+def test_fill_level_and_shares_follow_the_items_held_over_time(clock: _Clock) -> None:
+    ch = Channel("q", 2)
+    # t=0..1 empty, 1..3 one item, 3..4 full (two), 4..6 one, 6..8 empty, closed at 8,
+    # then 2 more seconds closed and empty (not counted as starving the consumer).
+    clock.t += 1
+    assert ch.try_put("a")
+    clock.t += 2
+    assert ch.try_put("b")
+    assert not ch.try_put("c")  # full
+    clock.t += 1
+    assert ch.try_get() == "a"
+    clock.t += 2
+    assert ch.try_get() == "b"
+    assert ch.try_get() is EMPTY
+    clock.t += 2
+    ch.close()
+    clock.t += 2
+    s = ch.stats()
+    assert s.life == pytest.approx(10.0)
+    # items held over time: 1 for 2 s, 2 for 1 s, 1 for 2 s = 6 item-seconds
+    assert s.mean_occupancy == pytest.approx(6.0 / 10.0 / 2)
+    assert s.empty_fraction == pytest.approx((1.0 + 2.0) / 10.0)
+    assert s.full_fraction == pytest.approx(1.0 / 10.0)
+    assert (s.puts, s.gets, s.size) == (2, 2, 0)
+
+
+def test_shares_count_up_to_the_snapshot_while_a_state_lasts(clock: _Clock) -> None:
+    ch = Channel("q", 1)
+    clock.t += 3  # empty and open for 3 s
+    assert ch.stats().empty_fraction == pytest.approx(1.0)
+    ch.try_put(1)
+    clock.t += 1  # full for 1 s, and still full when the snapshot is taken
+    s = ch.stats()
+    assert s.empty_fraction == pytest.approx(0.75)
+    assert s.full_fraction == pytest.approx(0.25)
+    assert s.mean_occupancy == pytest.approx(0.25)
+    assert s.size == 1
+
+
+def test_abort_drops_the_items_and_ends_every_state(clock: _Clock) -> None:
+    ch = Channel("q", 2)
+    ends = _Ends()
+    ch.connect(ends, ends)
+    ch.try_put(1)
+    ch.try_put(2)
+    clock.t += 2
+    ch.abort()
+    clock.t += 2
+    s = ch.stats()
+    assert ch.exhausted
+    assert ch.try_get() is EMPTY
+    assert s.mean_occupancy == pytest.approx(2 * 2 / 4 / 2)  # held two items for 2 of 4 s
+    assert s.full_fraction == pytest.approx(0.5)
+    assert s.empty_fraction == 0.0
+    assert (ends.space, ends.data) == (1, 3)  # two puts, then the abort
+
+
+def test_since_gives_the_window_between_two_snapshots(clock: _Clock) -> None:
+    ch = Channel("q", 1)
+    clock.t += 4  # empty
+    first = ch.stats()
+    ch.try_put(1)
+    clock.t += 4  # full
+    window = ch.stats().since(first)
+    assert window.life == pytest.approx(4.0)
+    assert window.empty_fraction == pytest.approx(0.0)
+    assert window.full_fraction == pytest.approx(1.0)
+    assert window.mean_occupancy == pytest.approx(1.0)
+    assert (window.puts, window.gets) == (1, 0)
+
+
+def test_a_refused_producer_is_told_once_the_channel_drains_to_half() -> None:
+    ch = Channel("q", 4)
+    ends = _Ends()
+    ch.connect(ends, ends)
+    for i in range(4):
+        assert ch.try_put(i)
+    assert not ch.try_put(4)
+    assert (ch.try_get(), ends.space) == (0, 0)  # three left: above half
+    assert (ch.try_get(), ends.space) == (1, 1)  # two left: half
+    assert (ch.try_get(), ends.space) == (2, 1)  # told once per refusal
+    assert ch.request_space()  # at most half full: room now, no call to come
+
+
+def test_closed_channel_refuses_puts_and_capacity_must_be_positive() -> None:
+    ch = Channel("q", 1)
+    ch.close()
+    assert not ch.try_put(1)
+    assert ch.exhausted
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        Channel("bad", 0)
