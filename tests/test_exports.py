@@ -8,10 +8,11 @@ import feedline
 import feedline.io
 import feedline.loader
 import feedline.pipeline
+import feedline.source
 
 
 def test_all_is_sorted_and_complete() -> None:
-    for module in (feedline, feedline.pipeline, feedline.io, feedline.loader):
+    for module in (feedline, feedline.pipeline, feedline.io, feedline.loader, feedline.source):
         names = list(module.__all__)
         assert names == sorted(names), f"{module.__name__}.__all__ is not sorted"
         for name in names:
@@ -35,7 +36,8 @@ def test_public_objects_have_docstrings() -> None:
 def test_import_needs_only_numpy() -> None:
     code = (
         "import sys, feedline; "
-        "heavy = [m for m in ('torch', 'jax', 'PIL', 'cv2', 'av', 'aiohttp') if m in sys.modules]; "
+        "heavy = ('torch', 'jax', 'PIL', 'cv2', 'av', 'aiohttp', 'obstore'); "
+        "heavy = [m for m in heavy if m in sys.modules]; "
         "print(heavy)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

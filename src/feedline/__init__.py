@@ -7,7 +7,14 @@ between, and I/O functions that release the GIL. Start with :class:`PipelineBuil
 
 from __future__ import annotations
 
-from .errors import ConfigurationError, FeedlineError, PipelineFailure, SubprocessFailure
+from .errors import (
+    ConfigurationError,
+    FeedlineError,
+    PipelineFailure,
+    RemoteNotFoundError,
+    RemoteReadError,
+    SubprocessFailure,
+)
 from .loader import DataLoader, PathList
 from .pipeline import (
     Pipeline,
@@ -18,6 +25,7 @@ from .pipeline import (
     iterate_in_subprocess,
     run_pipeline_in_subprocess,
 )
+from .source import RemoteStore
 
 __version__ = "0.1.0"
 
@@ -30,6 +38,9 @@ __all__ = [
     "PipelineBuilder",
     "PipelineFailure",
     "PipelineStats",
+    "RemoteNotFoundError",
+    "RemoteReadError",
+    "RemoteStore",
     "StageStats",
     "SubprocessFailure",
     "SubprocessIterable",

@@ -4,8 +4,11 @@ Every error feedline raises on its own account derives from :class:`FeedlineErro
 
     FeedlineError
     ├── ConfigurationError (also ValueError)   a pipeline or argument that cannot work
-    └── PipelineFailure                        a running pipeline gave up
-        └── SubprocessFailure                  ... in a child process
+    ├── PipelineFailure                        a running pipeline gave up
+    │   └── SubprocessFailure                  ... in a child process
+    └── RemoteReadError (also OSError)         a read from object storage failed
+        └── RemoteNotFoundError                ... because the object does not exist
+                                               (also FileNotFoundError)
 
 Errors raised by user code travel unchanged where that is what a user would expect (an exception
 in the source of a pipeline is re-raised as it is); errors that a pipeline *absorbs* (failures of
@@ -16,7 +19,14 @@ last and the last exception (also available as ``__cause__``).
 
 from __future__ import annotations
 
-__all__ = ["ConfigurationError", "FeedlineError", "PipelineFailure", "SubprocessFailure"]
+__all__ = [
+    "ConfigurationError",
+    "FeedlineError",
+    "PipelineFailure",
+    "RemoteNotFoundError",
+    "RemoteReadError",
+    "SubprocessFailure",
+]
 
 
 class FeedlineError(Exception):
@@ -97,3 +107,28 @@ class SubprocessFailure(PipelineFailure):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (str(self), self.__cause__))
+
+
+class RemoteReadError(FeedlineError, OSError):
+    """A read from object storage failed, after the retries the error allowed.
+
+    Attributes:
+        url: The store's URL.
+        key: The object's key under it.
+
+    """
+
+    def __init__(self, url: str, key: str, message: str) -> None:
+        Exception.__init__(self, message)
+        self.url = url
+        self.key = key
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.url, self.key, self.args[0]))
+
+
+class RemoteNotFoundError(RemoteReadError, FileNotFoundError):
+    """The object to read does not exist (never retried)."""

@@ -10,7 +10,7 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,7 +125,9 @@ class SlotPipeline:
     :class:`~feedline.io.BufferPool` (no collation copy). With ``read_concurrency``, reads are
     their own stage that many wide (reads that wait on a server), ahead of a decode stage
     ``decode_concurrency`` wide (about the number of cores: more decoding threads than cores
-    only evict each other's caches); without it, each decode task reads its own file.
+    only evict each other's caches); without it, each decode task reads its own file. With
+    ``aread`` (a coroutine function, such as :meth:`feedline.RemoteStore.read`), the read
+    stage awaits it on the event loop instead of calling ``read`` on threads.
 
     A batch is handed on when its last slot is written (the decode stage keeps input order,
     so every earlier slot is written by then). That needs every read and decode to succeed:
@@ -139,9 +141,11 @@ class SlotPipeline:
         batch: int,
         decode_concurrency: int,
         read_concurrency: int | None = None,
+        aread: Callable[[Any], Awaitable[Any]] | None = None,
     ) -> None:
         self.keys = keys
         self.read = read
+        self.aread = aread
         self.batch = batch
         self.decode_concurrency = decode_concurrency
         self.read_concurrency = read_concurrency
@@ -171,6 +175,16 @@ class SlotPipeline:
             task[2] = read(task[2])
             return task
 
+        fetch_op: Callable[[list[Any]], Any] = fetch
+        aread = self.aread
+        if aread is not None:
+
+            async def afetch(task: list[Any]) -> list[Any]:
+                task[2] = await aread(task[2])
+                return task
+
+            fetch_op = afetch
+
         def decode(task: list[Any]) -> Any:
             buffer, j, data = task
             decode_image(data if self.read_concurrency else read(data), size=SIZE, out=buffer[j])
@@ -181,9 +195,13 @@ class SlotPipeline:
         threads = self.decode_concurrency + 2  # and one each for the source and batching
         if self.read_concurrency:
             builder.pipe(
-                fetch, concurrency=self.read_concurrency, output_order="input", name="read"
+                fetch_op,
+                concurrency=self.read_concurrency,
+                output_order="input",
+                name="read",
             )
-            threads += self.read_concurrency
+            if aread is None:
+                threads += self.read_concurrency
         pipeline = (
             builder.pipe(
                 decode, concurrency=self.decode_concurrency, output_order="input", name="decode"

@@ -8,7 +8,8 @@ Contenders: PyTorch's DataLoader with 2 and 4 worker processes (the baseline is 
 DataLoader (all reads of a batch at once, on threads), a plain ``ThreadPoolExecutor.map`` over
 the indices, and with decoding a feedline pipeline: GETs in a stage of their own, 24 wide per
 core, and decoding into pooled batch buffers in a stage as wide as the cores, so that only as
-many threads decode as there are cores.
+many threads decode as there are cores; and the same pipeline with its reads done by
+:class:`feedline.RemoteStore` (obstore) on the event loop, when obstore is installed.
 """
 
 from __future__ import annotations
@@ -115,7 +116,33 @@ def _contenders(
                 ),
             ),
         )
+        store = _remote_store(big.url)
+        if store is not None:
+            setups.insert(
+                4,
+                (
+                    "feedline pipeline, RemoteStore",
+                    lambda: SlotPipeline(
+                        [str(k) for k in keys],
+                        big.get,
+                        BATCH,
+                        cores,
+                        read_concurrency=READS_PER_CORE * cores,
+                        aread=store.read,
+                    ),
+                ),
+            )
     return [Contender(name, functools.partial(timed, name, make)) for name, make in setups]
+
+
+def _remote_store(url: str) -> Any:
+    """A :class:`feedline.RemoteStore` on the server, or ``None`` without obstore."""
+    try:
+        from feedline import RemoteStore
+
+        return RemoteStore(url, retries=0)
+    except ImportError:
+        return None
 
 
 def _http_cpu_per_item(server: ServerProcess, dataset: Any) -> float:
@@ -179,7 +206,9 @@ def run(options: BenchOptions) -> ScenarioResult:
         f"feedline: DataLoader(batch_size={BATCH}, fetch_concurrency={FETCH_CONCURRENCY}, "
         "prefetch_factor=4), num_workers=0; the server is another process (asyncio, keep-alive)",
         f"feedline pipeline: a read stage {READS_PER_CORE * cores} wide, then a decode stage "
-        f"{cores} wide writing into pooled batch buffers (feedline.io.BufferPool)",
+        f"{cores} wide writing into pooled batch buffers (feedline.io.BufferPool); with "
+        "RemoteStore, the reads are feedline.RemoteStore.read (obstore) awaited on the event "
+        "loop instead of http.client calls on threads",
         "CPU s per 1000 items: this process and its worker processes, not the server's; peak "
         "PSS / RSS: this process and its children but the server, sampled every 100 ms",
     ]

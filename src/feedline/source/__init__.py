@@ -1,0 +1,12 @@
+"""Where a pipeline's data comes from: object storage (S3, GCS, Azure, HTTP, local files).
+
+:class:`RemoteStore` reads objects with many requests in flight, retries and timeouts; its
+``read`` is meant for an async stage of a pipeline, ``read_sync`` for a dataset's
+``__getitem__``. It needs the ``remote`` extra (``pip install 'feedline[remote]'``).
+"""
+
+from __future__ import annotations
+
+from .remote import RemoteStats, RemoteStore
+
+__all__ = ["RemoteStats", "RemoteStore"]

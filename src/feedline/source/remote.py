@@ -1,0 +1,307 @@
+"""Reads from object storage (S3, GCS, Azure, HTTP(S), local files) for a pipeline stage.
+
+:class:`RemoteStore` stands on obstore, the Python face of the Rust ``object_store`` crate:
+requests run on its own runtime, outside the GIL, over pooled keep-alive connections, and it
+retries what is worth retrying (server errors, dropped connections, timed-out reads) with
+exponential backoff and jitter. This module picks defaults for training data (short timeouts,
+a few retries, bounded in-flight reads), counts what it reads, and turns failures into errors
+that name the object and say what to change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from feedline.errors import ConfigurationError, RemoteNotFoundError, RemoteReadError
+
+__all__ = ["RemoteStats", "RemoteStore"]
+
+_MESSAGE_CHARS = 300  # of the store's own message, which may carry a whole XML error body
+
+
+@dataclass(frozen=True)
+class RemoteStats:
+    """What a :class:`RemoteStore` has read so far.
+
+    Attributes:
+        reads: Reads that returned data.
+        bytes: Bytes those reads returned.
+        failures: Reads that raised (after the store's retries).
+        in_flight: Reads under way now.
+
+    """
+
+    reads: int
+    bytes: int
+    failures: int
+    in_flight: int
+
+
+def _obstore() -> Any:
+    try:
+        import obstore
+    except ImportError as error:
+        raise ImportError("RemoteStore needs obstore: pip install 'feedline[remote]'") from error
+    return obstore
+
+
+def _positive(name: str, value: float, integer: bool = False) -> None:
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+        what = "a positive int" if integer else "a positive number of seconds"
+        raise ConfigurationError(f"RemoteStore({name}=...) must be {what}, got {value!r}")
+
+
+class RemoteStore:
+    """Reads objects under one URL, from coroutines (``read``) or threads (``read_sync``).
+
+    Use ``read`` as an async stage: the event loop keeps many reads in flight at no thread
+    cost, and the stage's ``concurrency`` says how many::
+
+        store = RemoteStore("s3://bucket/train", region="us-east-1")
+        pipeline = (
+            PipelineBuilder()
+            .add_source(keys)
+            .pipe(store.read, concurrency=64)  # waits on the network, on the loop
+            .pipe(decode, concurrency=2)  # uses the cores, in threads
+            .aggregate(32)
+            .build()
+        )
+
+    A ``Dataset.__getitem__`` (for :class:`feedline.DataLoader`) calls ``read_sync``. The
+    store can be pickled (it is rebuilt from its arguments), so datasets holding one work
+    with worker processes.
+
+    Args:
+        url: Where the objects are: ``s3://bucket/prefix``, ``gs://...``, ``az://...``,
+            ``https://host/prefix``, ``file:///path`` or ``memory:///``. Keys are relative
+            to it.
+        max_in_flight: The most reads at once, per event loop for ``read`` and across
+            threads for ``read_sync``; further reads wait their turn.
+        timeout: Seconds one request may take, from connecting to the last byte.
+        connect_timeout: Seconds to establish a connection.
+        retries: How many times a failed request is retried (0: never). Only errors that
+            may pass are retried: server errors (5xx), dropped connections, timeouts. A
+            missing object or a refused credential fails at once.
+        retry_timeout: Seconds after the first attempt past which no retry starts.
+        backoff: Seconds before the first retry; each later one waits up to twice as long
+            (with random jitter), up to ``max_backoff``.
+        max_backoff: The longest wait between two attempts.
+        **options: Passed to ``obstore.store.from_url``: the store's settings (``region``,
+            ``endpoint``, ``access_key_id``, ``skip_signature``, ...) and, if needed,
+            ``client_options`` (merged over the timeouts above). HTTP without TLS is allowed
+            when the URL or ``endpoint`` starts with ``http://``.
+
+    Raises:
+        ConfigurationError: An argument is out of range, or obstore refused the URL or an
+            option (its message is included).
+        ImportError: obstore is not installed (``pip install 'feedline[remote]'``).
+
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        max_in_flight: int = 256,
+        timeout: float = 30.0,
+        connect_timeout: float = 5.0,
+        retries: int = 5,
+        retry_timeout: float = 120.0,
+        backoff: float = 0.1,
+        max_backoff: float = 5.0,
+        **options: Any,
+    ) -> None:
+        if not isinstance(url, str) or "://" not in url:
+            raise ConfigurationError(
+                f"RemoteStore(url=...) must be a URL such as 's3://bucket/prefix' or "
+                f"'file:///data', got {url!r}"
+            )
+        _positive("max_in_flight", max_in_flight, integer=True)
+        for name, value in (
+            ("timeout", timeout),
+            ("connect_timeout", connect_timeout),
+            ("retry_timeout", retry_timeout),
+            ("backoff", backoff),
+            ("max_backoff", max_backoff),
+        ):
+            _positive(name, value)
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ConfigurationError(
+                f"RemoteStore(retries=...) must be an int >= 0, got {retries!r}"
+            )
+        self.url = url
+        self.retries = retries
+        self.retry_timeout = retry_timeout
+        self._args: dict[str, Any] = {
+            "max_in_flight": max_in_flight,
+            "timeout": timeout,
+            "connect_timeout": connect_timeout,
+            "retries": retries,
+            "retry_timeout": retry_timeout,
+            "backoff": backoff,
+            "max_backoff": max_backoff,
+            **options,
+        }
+        self._ob = _obstore()
+        from obstore.store import from_url as _from_url
+
+        from_url: Any = _from_url  # its overloads, one per scheme, cannot see our **options
+
+        options = dict(options)
+        plain_http = url.startswith("http://") or str(options.get("endpoint", "")).startswith(
+            "http://"
+        )
+        client = {
+            "timeout": timedelta(seconds=timeout),
+            "connect_timeout": timedelta(seconds=connect_timeout),
+            "allow_http": plain_http,
+            **options.pop("client_options", {}),
+        }
+        retry = {
+            "max_retries": retries,
+            "retry_timeout": timedelta(seconds=retry_timeout),
+            "backoff": {
+                "init_backoff": timedelta(seconds=backoff),
+                "max_backoff": timedelta(seconds=max(backoff, max_backoff)),
+                "base": 2,
+            },
+        }
+        try:
+            self._store = from_url(url, client_options=client, retry_config=retry, **options)
+        except Exception as error:
+            raise ConfigurationError(
+                f"obstore could not open {url!r}: {type(error).__name__}: "
+                f"{str(error)[:_MESSAGE_CHARS]}. Check the URL's scheme and the options "
+                "passed on to obstore.store.from_url"
+            ) from error
+        self._max_in_flight = max_in_flight
+        self._lock = threading.Lock()
+        self._loop_limits: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]
+        self._loop_limits = weakref.WeakKeyDictionary()
+        self._thread_limit = threading.BoundedSemaphore(max_in_flight)
+        self._reads = 0
+        self._bytes = 0
+        self._failures = 0
+        self._in_flight = 0
+
+    def __repr__(self) -> str:
+        return f"RemoteStore({self.url!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (self.url, self._args))
+
+    async def read(
+        self, key: str, *, start: int | None = None, end: int | None = None
+    ) -> memoryview:
+        """Read one object (or the bytes ``start`` to ``end`` of it) from a coroutine.
+
+        Args:
+            key: The object's path under the store's URL.
+            start: First byte to read (default: the beginning).
+            end: Byte after the last to read (default: the end of the object).
+
+        Returns:
+            The bytes, without a copy (a view of the buffer obstore filled).
+
+        Raises:
+            RemoteNotFoundError: There is no such object (also a ``FileNotFoundError``).
+            RemoteReadError: The read failed after the retries; names the key and the cause.
+            ValueError: ``start`` or ``end`` is negative, or ``end`` is not past ``start``.
+
+        """
+        options = _range_options(start, end)
+        async with self._loop_limit():
+            self._begin()
+            try:
+                result = await self._ob.get_async(self._store, key, options=options)
+                data = await result.bytes_async()
+            except Exception as error:
+                raise self._failed(key, error) from error
+            return self._done(data)
+
+    def read_sync(
+        self, key: str, *, start: int | None = None, end: int | None = None
+    ) -> memoryview:
+        """Read one object, blocking the calling thread (not the GIL) until it arrives.
+
+        Same arguments, result and errors as :meth:`read`.
+        """
+        options = _range_options(start, end)
+        with self._thread_limit:
+            self._begin()
+            try:
+                data = self._ob.get(self._store, key, options=options).bytes()
+            except Exception as error:
+                raise self._failed(key, error) from error
+            return self._done(data)
+
+    def stats(self) -> RemoteStats:
+        """How many reads and bytes so far, how many failed, how many are under way."""
+        with self._lock:
+            return RemoteStats(self._reads, self._bytes, self._failures, self._in_flight)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _loop_limit(self) -> asyncio.Semaphore:
+        # A semaphore belongs to one event loop; each pipeline run has its own loop.
+        loop = asyncio.get_running_loop()
+        limit = self._loop_limits.get(loop)
+        if limit is None:
+            with self._lock:
+                limit = self._loop_limits.setdefault(loop, asyncio.Semaphore(self._max_in_flight))
+        return limit
+
+    def _begin(self) -> None:
+        with self._lock:
+            self._in_flight += 1
+
+    def _done(self, data: Any) -> memoryview:
+        view = memoryview(data)
+        with self._lock:
+            self._in_flight -= 1
+            self._reads += 1
+            self._bytes += view.nbytes
+        return view
+
+    def _failed(self, key: str, error: Exception) -> RemoteReadError:
+        with self._lock:
+            self._in_flight -= 1
+            self._failures += 1
+        cause = f"{type(error).__name__}: {str(error)[:_MESSAGE_CHARS]}"
+        if isinstance(error, FileNotFoundError):
+            return RemoteNotFoundError(
+                self.url,
+                key,
+                f"no object {key!r} under {self.url} ({cause}). Check the key and the URL's "
+                "prefix: keys are relative to it",
+            )
+        return RemoteReadError(
+            self.url,
+            key,
+            f"reading {key!r} from {self.url} failed ({cause}). The store retried up to "
+            f"{self.retries} time(s) within {self.retry_timeout:g} s where the error could "
+            "pass; if the store is slow rather than down, raise timeout=, retries= or "
+            "retry_timeout=",
+        )
+
+
+def _range_options(start: int | None, end: int | None) -> Any:
+    if start is None and end is None:
+        return None
+    first = 0 if start is None else start
+    if first < 0 or (end is not None and end <= first):
+        raise ValueError(
+            f"a byte range needs 0 <= start < end, got start={start!r}, end={end!r} "
+            "(leave end out to read to the end of the object)"
+        )
+    return {"range": {"offset": first} if end is None else (first, end)}
+
+
+def _rebuild(url: str, args: dict[str, Any]) -> RemoteStore:
+    return RemoteStore(url, **args)

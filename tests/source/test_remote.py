@@ -1,0 +1,264 @@
+"""RemoteStore against real servers on loopback: moto's S3 and a small HTTP server that fails."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.server
+import pickle
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+from feedline import (
+    ConfigurationError,
+    PipelineBuilder,
+    PipelineFailure,
+    RemoteNotFoundError,
+    RemoteReadError,
+    RemoteStore,
+)
+
+pytest.importorskip("obstore")
+moto_server = pytest.importorskip("moto.server")
+
+BUCKET = "feedline-test"
+CREDENTIALS = {"access_key_id": "test", "secret_access_key": "test", "region": "us-east-1"}
+
+
+def _body(i: int) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, 1000 + 37 * i, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[str]:
+    """A moto S3 server on loopback holding 40 objects ``data/<i>``; yields its endpoint."""
+    import boto3
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id="test",
+            aws_secret_access_key="test",
+            region_name="us-east-1",
+        )
+        client.create_bucket(Bucket=BUCKET)
+        for i in range(40):
+            client.put_object(Bucket=BUCKET, Key=f"data/{i}", Body=_body(i))
+        yield endpoint
+    finally:
+        server.stop()
+
+
+def _store(endpoint: str, **kwargs: Any) -> RemoteStore:
+    return RemoteStore(f"s3://{BUCKET}/data", endpoint=endpoint, **CREDENTIALS, **kwargs)
+
+
+def test_async_stage_reads_every_object_in_order(s3: str) -> None:
+    store = _store(s3)
+    p = (
+        PipelineBuilder()
+        .add_source(str(i) for i in range(40))
+        .pipe(store.read, concurrency=16, output_order="input")
+        .pipe(bytes)
+        .build()
+    )
+    assert list(p) == [_body(i) for i in range(40)]
+    stats = store.stats()
+    assert (stats.reads, stats.failures, stats.in_flight) == (40, 0, 0)
+    assert stats.bytes == sum(len(_body(i)) for i in range(40))
+
+
+def test_read_sync_and_byte_ranges(s3: str) -> None:
+    store = _store(s3)
+    assert bytes(store.read_sync("7")) == _body(7)
+    assert bytes(store.read_sync("7", start=10, end=50)) == _body(7)[10:50]
+    assert bytes(asyncio.run(store.read("7", start=100))) == _body(7)[100:]
+    assert bytes(asyncio.run(store.read("7", end=5))) == _body(7)[:5]
+    with pytest.raises(ValueError, match="0 <= start < end"):
+        store.read_sync("7", start=5, end=5)
+
+
+def test_reads_from_many_threads_share_one_store(s3: str) -> None:
+    store = _store(s3, max_in_flight=3)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda i: bytes(store.read_sync(str(i))), range(40)))
+    assert got == [_body(i) for i in range(40)]
+    assert store.stats().in_flight == 0
+
+
+def test_missing_object_is_skipped_and_named_then_the_budget_raises(s3: str) -> None:
+    store = _store(s3)
+    keys = ["1", "missing-a", "2", "missing-b", "3"]
+    ok = PipelineBuilder().add_source(keys).pipe(store.read, name="read").build(max_failures=2)
+    assert [bytes(b) for b in ok] == [_body(1), _body(2), _body(3)]
+    assert store.stats().failures == 2
+
+    strict = PipelineBuilder().add_source(keys).pipe(store.read, name="read").build(max_failures=1)
+    with pytest.raises(PipelineFailure) as info:
+        list(strict)
+    assert info.value.stage == "read"
+    assert info.value.sample is not None
+    assert "missing-b" in info.value.sample
+    assert isinstance(info.value.last_error, RemoteNotFoundError)
+    assert isinstance(info.value.last_error, FileNotFoundError)
+    assert info.value.last_error.key == "missing-b"
+    assert "Check the key" in str(info.value.last_error)
+
+
+def test_store_pickles_for_worker_processes(s3: str) -> None:
+    store = _store(s3, retries=2)
+    clone = pickle.loads(pickle.dumps(store))
+    assert clone.url == store.url
+    assert clone.retries == 2
+    assert bytes(clone.read_sync("3")) == _body(3)
+
+
+def test_local_files_through_the_same_interface(tmp_path: Any) -> None:
+    (tmp_path / "a.bin").write_bytes(b"local bytes")
+    store = RemoteStore(tmp_path.as_uri())
+    assert bytes(store.read_sync("a.bin")) == b"local bytes"
+    with pytest.raises(RemoteNotFoundError, match=r"no object 'b\.bin'"):
+        store.read_sync("b.bin")
+
+
+# -- a server that fails -----------------------------------------------------------------------
+
+
+class _Flaky(http.server.BaseHTTPRequestHandler):
+    """``/flaky-*`` fails twice (503) then answers, ``/down`` always fails, ``/slow`` stalls."""
+
+    attempts: ClassVar[Counter[str]] = Counter()
+    release: ClassVar[threading.Event] = threading.Event()
+
+    def do_GET(self) -> None:
+        self.attempts[self.path] += 1
+        if self.path == "/down" or (
+            self.path.startswith("/flaky") and self.attempts[self.path] <= 2
+        ):
+            self._reply(503, b"try later")
+        elif self.path == "/slow":
+            self.release.wait(10)
+            self._reply(200, b"late")
+        else:
+            self._reply(200, b"ok:" + self.path.encode())
+
+    def _reply(self, code: int, body: bytes) -> None:
+        with contextlib.suppress(OSError):  # the client gave up on a stalled reply
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def flaky() -> Iterator[str]:
+    _Flaky.attempts.clear()
+    _Flaky.release.clear()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        _Flaky.release.set()
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+def test_server_errors_are_retried_until_the_read_succeeds(flaky: str) -> None:
+    store = RemoteStore(flaky, retries=3, backoff=0.01)
+    assert bytes(store.read_sync("flaky-1")) == b"ok:/flaky-1"
+    assert bytes(asyncio.run(store.read("flaky-2"))) == b"ok:/flaky-2"
+    assert _Flaky.attempts["/flaky-1"] == 3  # two failures, then the answer
+    assert _Flaky.attempts["/flaky-2"] == 3
+
+
+def test_a_server_that_stays_down_gives_an_error_naming_key_and_retries(flaky: str) -> None:
+    store = RemoteStore(flaky, retries=2, backoff=0.01)
+    with pytest.raises(RemoteReadError) as info:
+        store.read_sync("down")
+    assert not isinstance(info.value, FileNotFoundError)
+    assert info.value.key == "down"
+    assert "retried up to 2 time(s)" in str(info.value)
+    assert _Flaky.attempts["/down"] == 3
+    assert store.stats().failures == 1
+
+
+def test_no_retries_means_one_attempt(flaky: str) -> None:
+    store = RemoteStore(flaky, retries=0)
+    with pytest.raises(RemoteReadError):
+        store.read_sync("flaky-3")
+    assert _Flaky.attempts["/flaky-3"] == 1
+
+
+def test_a_stalled_read_times_out(flaky: str) -> None:
+    store = RemoteStore(flaky, timeout=0.3, retries=0)
+    t0 = time.monotonic()
+    with pytest.raises(RemoteReadError, match="raise timeout="):
+        asyncio.run(store.read("slow"))
+    assert time.monotonic() - t0 < 9  # well before the server's own 10 s stall ends
+
+
+def test_in_flight_reads_are_capped_per_event_loop(flaky: str) -> None:
+    store = RemoteStore(flaky, max_in_flight=2, timeout=20)
+    peak = 0
+
+    async def main() -> list[bytes]:
+        nonlocal peak
+
+        async def watch() -> None:
+            nonlocal peak
+            while not _Flaky.release.is_set():
+                peak = max(peak, store.stats().in_flight)
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.ensure_future(watch())
+        reads = [asyncio.ensure_future(store.read("slow")) for _ in range(5)]
+        await asyncio.sleep(0.3)
+        _Flaky.release.set()
+        got = await asyncio.gather(*reads)
+        await watcher
+        return [bytes(g) for g in got]
+
+    assert asyncio.run(main()) == [b"late"] * 5
+    assert peak == 2
+    # a second event loop gets its own limit (a semaphore belongs to one loop)
+    assert bytes(asyncio.run(store.read("ok"))) == b"ok:/ok"
+
+
+def test_bad_arguments_say_what_to_pass() -> None:
+    with pytest.raises(ConfigurationError, match="must be a URL"):
+        RemoteStore("bucket/prefix")
+    with pytest.raises(ConfigurationError, match="max_in_flight"):
+        RemoteStore("memory:///", max_in_flight=0)
+    with pytest.raises(ConfigurationError, match="timeout"):
+        RemoteStore("memory:///", timeout=-1)
+    with pytest.raises(ConfigurationError, match="retries"):
+        RemoteStore("memory:///", retries=-1)
+    with pytest.raises(ConfigurationError, match="obstore could not open"):
+        RemoteStore("nosuch://x")
+
+
+def test_missing_obstore_says_which_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "obstore", None)
+    with pytest.raises(ImportError, match=r"feedline\[remote\]"):
+        RemoteStore("memory:///")
