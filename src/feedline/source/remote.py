@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -21,7 +20,7 @@ from feedline.errors import ConfigurationError, RemoteNotFoundError, RemoteReadE
 
 __all__ = ["RemoteStats", "RemoteStore"]
 
-_MESSAGE_CHARS = 300  # of the store's own message, which may carry a whole XML error body
+_MESSAGE_CHARS = 300  # of the first line of the store's message (it may hold an XML body)
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,8 @@ class RemoteStore:
 
     A ``Dataset.__getitem__`` (for :class:`feedline.DataLoader`) calls ``read_sync``. The
     store can be pickled (it is rebuilt from its arguments), so datasets holding one work
-    with worker processes.
+    with worker processes; what they return must pickle too: decode the bytes there, or
+    return ``bytes(view)`` (a ``memoryview`` cannot be pickled).
 
     Args:
         url: Where the objects are: ``s3://bucket/prefix``, ``gs://...``, ``az://...``,
@@ -83,7 +83,11 @@ class RemoteStore:
             to it.
         max_in_flight: The most reads at once, per event loop for ``read`` and across
             threads for ``read_sync``; further reads wait their turn.
-        timeout: Seconds one request may take, from connecting to the last byte.
+        timeout: Seconds a request may go without receiving anything (a stalled server or
+            connection); each chunk that arrives restarts the clock, so large objects on a
+            slow link are not cut off.
+        request_timeout: Seconds one request may take in all, from connecting to the last
+            byte (``None``: no limit, only ``timeout``).
         connect_timeout: Seconds to establish a connection.
         retries: How many times a failed request is retried (0: never). Only errors that
             may pass are retried: server errors (5xx), dropped connections, timeouts. A
@@ -91,11 +95,12 @@ class RemoteStore:
         retry_timeout: Seconds after the first attempt past which no retry starts.
         backoff: Seconds before the first retry; each later one waits up to twice as long
             (with random jitter), up to ``max_backoff``.
-        max_backoff: The longest wait between two attempts.
+        max_backoff: The longest wait between two attempts (at least ``backoff``).
         **options: Passed to ``obstore.store.from_url``: the store's settings (``region``,
             ``endpoint``, ``access_key_id``, ``skip_signature``, ...) and, if needed,
             ``client_options`` (merged over the timeouts above). HTTP without TLS is allowed
-            when the URL or ``endpoint`` starts with ``http://``.
+            when the URL or an endpoint option starts with ``http://``; otherwise obstore's
+            own rule applies (``allow_http`` in ``client_options``, ``AWS_ALLOW_HTTP``).
 
     Raises:
         ConfigurationError: An argument is out of range, or obstore refused the URL or an
@@ -110,6 +115,7 @@ class RemoteStore:
         *,
         max_in_flight: int = 256,
         timeout: float = 30.0,
+        request_timeout: float | None = None,
         connect_timeout: float = 5.0,
         retries: int = 5,
         retry_timeout: float = 120.0,
@@ -131,6 +137,8 @@ class RemoteStore:
             ("max_backoff", max_backoff),
         ):
             _positive(name, value)
+        if request_timeout is not None:
+            _positive("request_timeout", request_timeout)
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ConfigurationError(
                 f"RemoteStore(retries=...) must be an int >= 0, got {retries!r}"
@@ -141,6 +149,7 @@ class RemoteStore:
         self._args: dict[str, Any] = {
             "max_in_flight": max_in_flight,
             "timeout": timeout,
+            "request_timeout": request_timeout,
             "connect_timeout": connect_timeout,
             "retries": retries,
             "retry_timeout": retry_timeout,
@@ -154,15 +163,16 @@ class RemoteStore:
         from_url: Any = _from_url  # its overloads, one per scheme, cannot see our **options
 
         options = dict(options)
-        plain_http = url.startswith("http://") or str(options.get("endpoint", "")).startswith(
-            "http://"
-        )
-        client = {
-            "timeout": timedelta(seconds=timeout),
+        client: dict[str, Any] = {
+            "read_timeout": timedelta(seconds=timeout),
+            # obstore's own default is 30 s for the whole request, too short for a large
+            # object on a slow link; a day stands for "no limit".
+            "timeout": timedelta(seconds=request_timeout or 86400.0),
             "connect_timeout": timedelta(seconds=connect_timeout),
-            "allow_http": plain_http,
-            **options.pop("client_options", {}),
         }
+        if _plain_http(url, options):
+            client["allow_http"] = True
+        client.update(options.pop("client_options", None) or {})
         retry = {
             "max_retries": retries,
             "retry_timeout": timedelta(seconds=retry_timeout),
@@ -182,8 +192,7 @@ class RemoteStore:
             ) from error
         self._max_in_flight = max_in_flight
         self._lock = threading.Lock()
-        self._loop_limits: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]
-        self._loop_limits = weakref.WeakKeyDictionary()
+        self._loop_limits: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
         self._thread_limit = threading.BoundedSemaphore(max_in_flight)
         self._reads = 0
         self._bytes = 0
@@ -218,12 +227,15 @@ class RemoteStore:
         options = _range_options(start, end)
         async with self._loop_limit():
             self._begin()
+            view = None
             try:
                 result = await self._ob.get_async(self._store, key, options=options)
-                data = await result.bytes_async()
+                view = memoryview(await result.bytes_async())
             except Exception as error:
                 raise self._failed(key, error) from error
-            return self._done(data)
+            finally:  # also when cancelled (a pipeline that stops cancels its reads)
+                self._end(view)
+            return view
 
     def read_sync(
         self, key: str, *, start: int | None = None, end: int | None = None
@@ -235,11 +247,14 @@ class RemoteStore:
         options = _range_options(start, end)
         with self._thread_limit:
             self._begin()
+            view = None
             try:
-                data = self._ob.get(self._store, key, options=options).bytes()
+                view = memoryview(self._ob.get(self._store, key, options=options).bytes())
             except Exception as error:
                 raise self._failed(key, error) from error
-            return self._done(data)
+            finally:
+                self._end(view)
+            return view
 
     def stats(self) -> RemoteStats:
         """How many reads and bytes so far, how many failed, how many are under way."""
@@ -249,11 +264,15 @@ class RemoteStore:
     # -- internals -----------------------------------------------------------------------------
 
     def _loop_limit(self) -> asyncio.Semaphore:
-        # A semaphore belongs to one event loop; each pipeline run has its own loop.
+        # A semaphore belongs to one event loop, and each pipeline run has its own loop. A
+        # semaphore that was ever waited on refers to its loop, so entries are dropped once
+        # their loop has closed, not left to a weak reference that could never clear.
         loop = asyncio.get_running_loop()
         limit = self._loop_limits.get(loop)
         if limit is None:
             with self._lock:
+                for old in [lp for lp in self._loop_limits if lp.is_closed()]:
+                    del self._loop_limits[old]
                 limit = self._loop_limits.setdefault(loop, asyncio.Semaphore(self._max_in_flight))
         return limit
 
@@ -261,19 +280,17 @@ class RemoteStore:
         with self._lock:
             self._in_flight += 1
 
-    def _done(self, data: Any) -> memoryview:
-        view = memoryview(data)
+    def _end(self, view: memoryview | None) -> None:
         with self._lock:
             self._in_flight -= 1
-            self._reads += 1
-            self._bytes += view.nbytes
-        return view
+            if view is not None:
+                self._reads += 1
+                self._bytes += view.nbytes
 
     def _failed(self, key: str, error: Exception) -> RemoteReadError:
         with self._lock:
-            self._in_flight -= 1
             self._failures += 1
-        cause = f"{type(error).__name__}: {str(error)[:_MESSAGE_CHARS]}"
+        cause = _describe(error)
         if isinstance(error, FileNotFoundError):
             return RemoteNotFoundError(
                 self.url,
@@ -281,14 +298,63 @@ class RemoteStore:
                 f"no object {key!r} under {self.url} ({cause}). Check the key and the URL's "
                 "prefix: keys are relative to it",
             )
+        ex = self._ob.exceptions
+        if isinstance(error, ex.PermissionDeniedError | ex.UnauthenticatedError):
+            advice = (
+                "The store refused the request (not retried): check the credentials "
+                "(options such as access_key_id, or the environment) and the bucket's policy"
+            )
+        elif (
+            _bad_range(error)
+            or isinstance(error, ex.InvalidPathError | ex.NotSupportedError)
+            or not isinstance(error, ex.BaseError)
+        ):
+            advice = "The request itself is wrong (not retried): check the key and the range"
+        elif self.url.startswith(("file:", "memory:")):
+            advice = "Local reads are not retried: check the file and its permissions"
+        else:
+            advice = (
+                f"Errors that can pass were retried up to {self.retries} time(s) within "
+                f"{self.retry_timeout:g} s; if the store is slow rather than down, raise "
+                "timeout=, retries= or retry_timeout="
+            )
         return RemoteReadError(
-            self.url,
-            key,
-            f"reading {key!r} from {self.url} failed ({cause}). The store retried up to "
-            f"{self.retries} time(s) within {self.retry_timeout:g} s where the error could "
-            "pass; if the store is slow rather than down, raise timeout=, retries= or "
-            "retry_timeout=",
+            self.url, key, f"reading {key!r} from {self.url} failed ({cause}). {advice}"
         )
+
+
+_ENDPOINT_KEYS = (
+    "endpoint",
+    "aws_endpoint",
+    "endpoint_url",
+    "aws_endpoint_url",
+    "aws_endpoint_url_s3",
+)
+
+
+def _describe(error: Exception) -> str:
+    """The first line of an obstore error (the rest is a debug dump), and whether it timed out.
+
+    The full text stays available as the ``__cause__`` of the error we raise.
+    """
+    text = str(error)
+    head = text.split("\n", 1)[0][:_MESSAGE_CHARS]
+    if "TimedOut" in text or "kind: Timeout" in text:
+        head += " [timed out]"
+    return f"{type(error).__name__}: {head}"
+
+
+def _bad_range(error: Exception) -> bool:
+    """Whether the store refused the byte range (past the end of the object, say)."""
+    head = str(error).split("\n", 1)[0].lower()
+    return "range" in head and any(w in head for w in ("invalid", "416", "not satisfiable"))
+
+
+def _plain_http(url: str, options: dict[str, Any]) -> bool:
+    """Whether the URL or an endpoint option (given directly or in ``config``) is http://."""
+    places = [options, options.get("config") or {}]
+    endpoints = [str(place.get(k, "")) for place in places for k in _ENDPOINT_KEYS]
+    return any(u.lower().startswith("http://") for u in (url, *endpoints))
 
 
 def _range_options(start: int | None, end: int | None) -> Any:
