@@ -377,3 +377,31 @@ def test_stats_before_any_run_and_repr() -> None:
     with p.auto_stop():
         assert repr(p) == "Pipeline(source -> f, running)"
     assert "f" in repr(PipelineBuilder().add_source([1]).pipe(ident, name="f"))
+
+
+@pytest.mark.parametrize(
+    ("concurrency", "sink", "expected"),
+    [(1, None, 3), (4, None, 8), (4, "default", 8), (4, 3, 3), (1, 5, 5)],
+)
+def test_sink_holds_two_results_per_slot_of_a_wide_last_stage_by_default(
+    concurrency: int, sink: Any, expected: int
+) -> None:
+    b = PipelineBuilder().add_source(range(50)).pipe(ident, concurrency=concurrency, name="f")
+    if sink == "default":
+        b = b.add_sink()
+    elif sink is not None:
+        b = b.add_sink(sink)
+    p = b.build()
+    with p.auto_stop():
+        assert p.get_item(timeout=10) == 0
+        # The consumer stops taking: the last stage fills the sink and stops there (a cheap
+        # stage is refilled once the consumer drains the sink to half, so one slot may stay
+        # free). Wait until it holds still.
+        sizes = [-1, -2]
+        deadline = time.monotonic() + 10
+        while sizes[-1] != sizes[-2] and time.monotonic() < deadline:
+            time.sleep(0.05)
+            sizes.append(p.stats()["f"].queue.size)
+        queue = p.stats()["f"].queue
+    assert queue.capacity == expected
+    assert expected - 1 <= queue.size <= expected

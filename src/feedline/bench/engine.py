@@ -55,7 +55,12 @@ def _spdl() -> Any | None:
 
 
 def _feedline_pipeline(
-    source: Any, op: Callable[..., Any], stages: int, concurrency: int, num_threads: int, sink: int
+    source: Any,
+    op: Callable[..., Any],
+    stages: int,
+    concurrency: int,
+    num_threads: int,
+    sink: int | None,
 ) -> Any:
     b: PipelineBuilder[Any] = PipelineBuilder().add_source(source)
     for _ in range(stages):
@@ -178,15 +183,15 @@ def _gil_free(n: int, repeats: int, progress: Any) -> list[Measurement]:
                 k = sum(1 for _ in ex.map(_sha256, items))
             return k, time.perf_counter() - t0
 
-        def ours(conc: int = conc) -> tuple[int, float]:
+        def ours(conc: int = conc) -> tuple[int, float]:  # the default sink
+            return _drain(_feedline_pipeline(items, _sha256, 1, conc, conc + 1, None))
+
+        def ours_3(conc: int = conc) -> tuple[int, float]:
             return _drain(_feedline_pipeline(items, _sha256, 1, conc, conc + 1, 3))
 
-        def ours_2c(conc: int = conc) -> tuple[int, float]:
-            return _drain(_feedline_pipeline(items, _sha256, 1, conc, conc + 1, 2 * conc))
-
         contenders = [Contender("ThreadPoolExecutor.map", pool_map), Contender("feedline", ours)]
-        if 2 * conc > 3:  # a sink of two results per slot, where that is longer than 3
-            contenders.append(Contender("feedline, sink 2x conc.", ours_2c))
+        if 2 * conc > 3:  # where the default sink is longer than SPDL's 3
+            contenders.append(Contender("feedline, add_sink(3)", ours_3))
         if sp is not None:
 
             def theirs(conc: int = conc) -> tuple[int, float]:
@@ -215,8 +220,8 @@ def run(options: BenchOptions) -> ScenarioResult:
         "sync stage, max(8, concurrency) after an async one)",
         "hand-off latency: items/s column is 1/p50; ratio is SPDL's p50 / ours (higher is better)",
         "sha256: ThreadPoolExecutor.map keeps every result; a pipeline bounds its output buffer "
-        "(add_sink(3), or two results per slot), and pays a wake-up to restart a stage that "
-        "stopped on a full buffer",
+        "(by default two results per slot of the last stage, at least 3; SPDL: 3), and pays a "
+        "wake-up to restart a stage that stopped on a full buffer",
     ]
     return make_result(
         "engine", "spdl / ThreadPoolExecutor.map", measurements, notes, _spdl() is not None

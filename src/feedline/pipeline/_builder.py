@@ -11,6 +11,7 @@ from typing import Any, Generic, TypeVar
 from feedline.errors import ConfigurationError
 
 from ._defs import (
+    DEFAULT_SINK,
     AggregateConfig,
     DisaggregateConfig,
     OpKind,
@@ -78,7 +79,8 @@ class PipelineBuilder(Generic[T]):
     def __init__(self) -> None:
         self._source: SourceConfig | None = None
         self._stages: list[StageConfig] = []
-        self._sink: SinkConfig | None = None
+        self._sink = False  # add_sink() was called
+        self._sink_size: int | None = None  # what it asked for (None: the default)
         self._names: set[str] = set()
 
     # -- naming -------------------------------------------------------------------------------
@@ -107,7 +109,7 @@ class PipelineBuilder(Generic[T]):
     def _check_open(self, what: str) -> None:
         if self._source is None:
             raise ConfigurationError(f"{what} before add_source(): call add_source() first")
-        if self._sink is not None:
+        if self._sink:
             raise ConfigurationError(f"{what} after add_sink(): the sink must be the last stage")
 
     # -- stages -------------------------------------------------------------------------------
@@ -287,15 +289,18 @@ class PipelineBuilder(Generic[T]):
         )
         return self
 
-    def add_sink(self, buffer_size: int = 3) -> PipelineBuilder[T]:
+    def add_sink(self, buffer_size: int | None = None) -> PipelineBuilder[T]:
         """Set how many finished items may wait for the consumer (>= 1).
 
-        Optional: a pipeline without an explicit sink gets ``buffer_size=3``. A longer buffer
-        rides out a consumer's pauses (a checkpoint, an evaluation) at the cost of holding
-        more finished items in memory.
+        Optional: without it (or with ``buffer_size=None``) the buffer holds 3 items, or two
+        per slot of the last stage if that stage runs more than one call at once: a wide last
+        stage finishes results in bursts, and with no room for them its threads would stop
+        while the consumer is busy. A longer buffer rides out a consumer's pauses (a
+        checkpoint, an evaluation) at the cost of holding more finished items in memory.
 
         Args:
-            buffer_size: The most finished items held for the consumer.
+            buffer_size: The most finished items held for the consumer (``None``: the
+                default above).
 
         Raises:
             ConfigurationError: ``buffer_size`` is not a positive int, or a sink was already
@@ -303,10 +308,12 @@ class PipelineBuilder(Generic[T]):
 
         """
         self._check_open("add_sink()")
-        buffer_size = _check_positive_int(
-            "buffer_size", buffer_size, "It is how many results wait for the consumer."
-        )
-        self._sink = SinkConfig(buffer_size=buffer_size)
+        if buffer_size is not None:
+            buffer_size = _check_positive_int(
+                "buffer_size", buffer_size, "It is how many results wait for the consumer."
+            )
+        self._sink = True
+        self._sink_size = buffer_size
         return self
 
     # -- build --------------------------------------------------------------------------------
@@ -390,12 +397,19 @@ class PipelineBuilder(Generic[T]):
         config = PipelineConfig(
             source=self._source,
             stages=tuple(self._stages),
-            sink=self._sink or SinkConfig(buffer_size=3),
+            sink=self._sink_config(),
             num_threads=num_threads,
             max_failures=max_failures,
             report_stats_interval=report_stats_interval,
         )
         return Pipeline(config)
+
+    def _sink_config(self) -> SinkConfig:
+        size = self._sink_size
+        if size is None:
+            last = getattr(self._stages[-1], "concurrency", 1) if self._stages else 1
+            size = max(DEFAULT_SINK, 2 * last)
+        return SinkConfig(buffer_size=size)
 
     def __repr__(self) -> str:
         names = [self._source.name] if self._source else []

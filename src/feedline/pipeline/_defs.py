@@ -103,6 +103,10 @@ class SinkConfig:
     buffer_size: int
 
 
+DEFAULT_SINK = 3
+"""Finished items held for the consumer by default (two per slot of a wider last stage)."""
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     """Everything needed to run a pipeline; produced by :meth:`PipelineBuilder.build`."""
