@@ -140,6 +140,29 @@ def test_store_pickles_for_worker_processes(s3: str) -> None:
     assert bytes(clone.read_sync("3")) == _body(3)
 
 
+class RemoteHeads:
+    """``dataset[i]``: the first 16 bytes of object ``i``, read with ``read_sync``."""
+
+    def __init__(self, store: RemoteStore, n: int) -> None:
+        self.store, self.n = store, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.frombuffer(self.store.read_sync(str(i), end=16), np.uint8).copy()
+
+
+@pytest.mark.timeout(180)  # worker processes start slowly on a loaded machine
+def test_dataloader_workers_read_through_their_own_copy_of_the_store(s3: str) -> None:
+    pytest.importorskip("torch")
+    from feedline import DataLoader
+
+    loader = DataLoader(RemoteHeads(_store(s3), 40), batch_size=8, num_workers=2)
+    got = np.concatenate([b.numpy() for b in loader])
+    assert got.tolist() == [list(_body(i)[:16]) for i in range(40)]
+
+
 def test_local_files_through_the_same_interface(tmp_path: Any) -> None:
     (tmp_path / "a.bin").write_bytes(b"local bytes")
     store = RemoteStore(tmp_path.as_uri())
