@@ -19,6 +19,8 @@ last and the last exception (also available as ``__cause__``).
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
     "ConfigurationError",
     "FeedlineError",
@@ -131,4 +133,9 @@ class RemoteReadError(FeedlineError, OSError):
 
 
 class RemoteNotFoundError(RemoteReadError, FileNotFoundError):
-    """The object to read does not exist (never retried)."""
+    """The object to read does not exist (never retried); ``errno`` is ``ENOENT``."""
+
+    def __init__(self, url: str, key: str, message: str) -> None:
+        super().__init__(url, key, message)
+        self.errno = errno.ENOENT
+        self.filename = key

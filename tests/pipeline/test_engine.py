@@ -381,12 +381,12 @@ def test_stats_before_any_run_and_repr() -> None:
 
 @pytest.mark.parametrize(
     ("concurrency", "sink", "expected"),
-    [(1, None, 3), (4, None, 8), (4, "default", 8), (4, 3, 3), (1, 5, 5)],
+    [(1, None, 3), (4, None, 8), (4, "default", 8), (4, 3, 3), (1, 5, 5), (40, None, 64)],
 )
 def test_sink_holds_two_results_per_slot_of_a_wide_last_stage_by_default(
     concurrency: int, sink: Any, expected: int
 ) -> None:
-    b = PipelineBuilder().add_source(range(50)).pipe(ident, concurrency=concurrency, name="f")
+    b = PipelineBuilder().add_source(range(200)).pipe(ident, concurrency=concurrency, name="f")
     if sink == "default":
         b = b.add_sink()
     elif sink is not None:
@@ -397,11 +397,27 @@ def test_sink_holds_two_results_per_slot_of_a_wide_last_stage_by_default(
         # The consumer stops taking: the last stage fills the sink and stops there (a cheap
         # stage is refilled once the consumer drains the sink to half, so one slot may stay
         # free). Wait until it holds still.
-        sizes = [-1, -2]
         deadline = time.monotonic() + 10
-        while sizes[-1] != sizes[-2] and time.monotonic() < deadline:
-            time.sleep(0.05)
-            sizes.append(p.stats()["f"].queue.size)
+        while p.stats()["f"].queue.size < expected - 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.1)  # time to overfill, were the bound not kept
         queue = p.stats()["f"].queue
     assert queue.capacity == expected
     assert expected - 1 <= queue.size <= expected
+
+
+def test_default_sink_after_aggregate_disaggregate_or_no_stage_holds_three() -> None:
+    wide = PipelineBuilder().add_source(range(40)).pipe(ident, concurrency=4)
+    pipelines = {
+        "aggregate": wide.aggregate(2, name="last").build(),
+        "disaggregate": PipelineBuilder()
+        .add_source([[1, 2]] * 20)
+        .pipe(ident, concurrency=4)
+        .disaggregate(name="last")
+        .build(),
+        "source": PipelineBuilder().add_source(range(40), name="last").build(),
+    }
+    for kind, p in pipelines.items():
+        with p.auto_stop():
+            p.get_item(timeout=10)
+            assert p.stats()["last"].queue.capacity == 3, kind

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from feedline.pipeline import _queue
 from feedline.pipeline._queue import EMPTY, Channel
@@ -126,3 +128,60 @@ def test_closed_channel_refuses_puts_and_capacity_must_be_positive() -> None:
     assert ch.exhausted
     with pytest.raises(ValueError, match="capacity must be >= 1"):
         Channel("bad", 0)
+
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), st.just(0.0)),
+        st.tuples(st.just("get"), st.just(0.0)),
+        st.tuples(st.just("wait"), st.floats(0.0, 5.0)),
+        st.tuples(st.just("stats"), st.just(0.0)),
+        st.tuples(st.just("close"), st.just(0.0)),
+        st.tuples(st.just("abort"), st.just(0.0)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(capacity=st.integers(1, 4), ops=_OPS)
+def test_statistics_match_a_step_by_step_integration(
+    capacity: int, ops: list[tuple[str, float]]
+) -> None:
+    # The reference walks time in the steps the test makes and adds up the state it sees.
+    clock = _Clock()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_queue, "_now", clock)
+        ch = Channel("q", capacity)
+        n, closed, held, empty, full = 0, False, 0.0, 0.0, 0.0
+        for op, dt in ops:
+            if op == "wait":
+                clock.t += dt
+                held += n * dt
+                empty += dt if n == 0 and not closed else 0.0
+                full += dt if n == capacity and not closed else 0.0
+            elif op == "put":
+                accepted = ch.try_put(n)
+                assert accepted == (not closed and n < capacity)
+                n += accepted
+            elif op == "get":
+                got = ch.try_get()
+                assert (got is EMPTY) == (n == 0)
+                n -= got is not EMPTY
+            elif op == "close":
+                ch.close()
+                closed = True
+            elif op == "abort":
+                ch.abort()
+                closed, n = True, 0
+            else:
+                ch.stats()  # folds the running sums; must change nothing
+        s = ch.stats()
+    life = clock.t - 100.0
+    if life <= 0:
+        return
+    assert s.size == n
+    assert s.mean_occupancy == pytest.approx(held / life / capacity, abs=1e-9)
+    assert s.empty_fraction == pytest.approx(empty / life, abs=1e-9)
+    assert s.full_fraction == pytest.approx(full / life, abs=1e-9)
+    assert 0.0 <= s.empty_fraction + s.full_fraction <= 1.0 + 1e-9

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import http.server
 import pickle
 import sys
@@ -167,8 +168,10 @@ def test_local_files_through_the_same_interface(tmp_path: Any) -> None:
     (tmp_path / "a.bin").write_bytes(b"local bytes")
     store = RemoteStore(tmp_path.as_uri())
     assert bytes(store.read_sync("a.bin")) == b"local bytes"
-    with pytest.raises(RemoteNotFoundError, match=r"no object 'b\.bin'"):
+    with pytest.raises(RemoteNotFoundError, match=r"no object 'b\.bin'") as info:
         store.read_sync("b.bin")
+    assert info.value.errno == errno.ENOENT  # as code that checks a FileNotFoundError expects
+    assert info.value.filename == "b.bin"
 
 
 # -- a server that fails -----------------------------------------------------------------------

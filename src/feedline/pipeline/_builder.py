@@ -12,6 +12,7 @@ from feedline.errors import ConfigurationError
 
 from ._defs import (
     DEFAULT_SINK,
+    MAX_DEFAULT_SINK,
     AggregateConfig,
     DisaggregateConfig,
     OpKind,
@@ -79,7 +80,7 @@ class PipelineBuilder(Generic[T]):
     def __init__(self) -> None:
         self._source: SourceConfig | None = None
         self._stages: list[StageConfig] = []
-        self._sink = False  # add_sink() was called
+        self._has_sink = False  # add_sink() was called
         self._sink_size: int | None = None  # what it asked for (None: the default)
         self._names: set[str] = set()
 
@@ -109,7 +110,7 @@ class PipelineBuilder(Generic[T]):
     def _check_open(self, what: str) -> None:
         if self._source is None:
             raise ConfigurationError(f"{what} before add_source(): call add_source() first")
-        if self._sink:
+        if self._has_sink:
             raise ConfigurationError(f"{what} after add_sink(): the sink must be the last stage")
 
     # -- stages -------------------------------------------------------------------------------
@@ -293,10 +294,11 @@ class PipelineBuilder(Generic[T]):
         """Set how many finished items may wait for the consumer (>= 1).
 
         Optional: without it (or with ``buffer_size=None``) the buffer holds 3 items, or two
-        per slot of the last stage if that stage runs more than one call at once: a wide last
-        stage finishes results in bursts, and with no room for them its threads would stop
-        while the consumer is busy. A longer buffer rides out a consumer's pauses (a
-        checkpoint, an evaluation) at the cost of holding more finished items in memory.
+        per slot of the last stage if that stage runs more than one call at once (64 at
+        most): a wide last stage finishes results in bursts, and with no room for them its
+        threads would stop while the consumer is busy. A longer buffer rides out a
+        consumer's pauses (a checkpoint, an evaluation) at the cost of holding more finished
+        items in memory.
 
         Args:
             buffer_size: The most finished items held for the consumer (``None``: the
@@ -312,7 +314,7 @@ class PipelineBuilder(Generic[T]):
             buffer_size = _check_positive_int(
                 "buffer_size", buffer_size, "It is how many results wait for the consumer."
             )
-        self._sink = True
+        self._has_sink = True
         self._sink_size = buffer_size
         return self
 
@@ -408,7 +410,7 @@ class PipelineBuilder(Generic[T]):
         size = self._sink_size
         if size is None:
             last = getattr(self._stages[-1], "concurrency", 1) if self._stages else 1
-            size = max(DEFAULT_SINK, 2 * last)
+            size = max(DEFAULT_SINK, min(MAX_DEFAULT_SINK, 2 * last))
         return SinkConfig(buffer_size=size)
 
     def __repr__(self) -> str:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
+    "DEFAULT_SINK",
+    "MAX_DEFAULT_SINK",
     "AggregateConfig",
     "DisaggregateConfig",
     "OpKind",
@@ -105,6 +107,9 @@ class SinkConfig:
 
 DEFAULT_SINK = 3
 """Finished items held for the consumer by default (two per slot of a wider last stage)."""
+
+MAX_DEFAULT_SINK = 64
+"""The most a default sink holds, however wide the last stage (say, 256 reads in flight)."""
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,7 @@ class Channel:
         "_items",
         "_lock",
         "_low",
+        "_occupancy",
         "_producer",
         "_producer_refused",
         "_put_sum",
@@ -161,6 +162,7 @@ class Channel:
         # put times) + (items held) * now. Times are taken relative to _t0.
         self._put_sum = 0.0
         self._get_sum = 0.0
+        self._occupancy = 0.0  # the integral up to the last stats(), which folds the sums in
         self._empty_since: float | None = 0.0  # when it last became empty (None: not empty)
         self._full_since: float | None = None  # when it last became full (None: not full)
         self._empty_time = 0.0
@@ -214,10 +216,14 @@ class Channel:
             self._empty_since = t
 
     def _close_time(self, t: float) -> None:
-        # The channel closes at time t: it no longer counts as starving its consumer.
+        # The channel closes at time t: it no longer counts as starving its consumer, nor,
+        # since its producer is done, as blocking its producer.
         if self._empty_since is not None:
             self._empty_time += t - self._empty_since
             self._empty_since = None
+        if self._full_since is not None:
+            self._full_time += t - self._full_since
+            self._full_since = None
 
     def try_get(self) -> Any:
         """Take the oldest item, or return :data:`EMPTY` at once if there is none."""
@@ -265,11 +271,7 @@ class Channel:
         with self._lock:
             t = _now() - self._t0
             n = len(self._items)
-            if n:  # the dropped items leave now
-                self._get_sum += n * t
-                if self._full_since is not None:
-                    self._full_time += t - self._full_since
-                    self._full_since = None
+            self._get_sum += n * t  # the dropped items leave now
             self._close_time(t)
             self._closed = True
             self._items.clear()
@@ -301,7 +303,11 @@ class Channel:
             t = _now() - self._t0
             life = max(t, 1e-9)
             n = len(self._items)
-            occupancy = self._get_sum + n * t - self._put_sum
+            # Fold the sums into the integral, as if the items held left and came back now:
+            # exact, and it keeps both sums from growing for the channel's whole life.
+            self._occupancy += self._get_sum + n * t - self._put_sum
+            self._get_sum, self._put_sum = 0.0, n * t
+            occupancy = self._occupancy
             empty = self._empty_time
             if self._empty_since is not None:
                 empty += t - self._empty_since
