@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
-import http.server
 import pickle
 import sys
 import threading
@@ -26,6 +24,8 @@ from feedline import (
     RemoteStore,
 )
 from feedline.source import RemoteStats
+
+from ._http import Handler, serving
 
 pytest.importorskip("obstore")
 moto_server = pytest.importorskip("moto.server")
@@ -177,7 +177,7 @@ def test_local_files_through_the_same_interface(tmp_path: Any) -> None:
 # -- a server that fails -----------------------------------------------------------------------
 
 
-class _Flaky(http.server.BaseHTTPRequestHandler):
+class _Flaky(Handler):
     """``/flaky-*`` fails twice (503) then answers, ``/down`` always fails, ``/slow`` stalls."""
 
     attempts: ClassVar[Counter[str]] = Counter()
@@ -188,39 +188,20 @@ class _Flaky(http.server.BaseHTTPRequestHandler):
         if self.path == "/down" or (
             self.path.startswith("/flaky") and self.attempts[self.path] <= 2
         ):
-            self._reply(503, b"try later")
+            self.reply(503, b"try later")
         elif self.path == "/slow":
             self.release.wait(10)
-            self._reply(200, b"late")
+            self.reply(200, b"late")
         else:
-            self._reply(200, b"ok:" + self.path.encode())
-
-    def _reply(self, code: int, body: bytes) -> None:
-        with contextlib.suppress(OSError):  # the client gave up on a stalled reply
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
+            self.reply(200, b"ok:" + self.path.encode())
 
 
 @pytest.fixture
 def flaky() -> Iterator[str]:
     _Flaky.attempts.clear()
     _Flaky.release.clear()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        _Flaky.release.set()
-        server.shutdown()
-        server.server_close()
-        thread.join(10)
+    with serving(_Flaky, before_stop=_Flaky.release.set) as url:
+        yield url
 
 
 def test_server_errors_are_retried_until_the_read_succeeds(flaky: str) -> None:

@@ -18,7 +18,12 @@ from typing import Any
 
 from feedline.errors import ConfigurationError, RemoteNotFoundError, RemoteReadError
 
+from .cache import ObjectCache
+
 __all__ = ["RemoteStats", "RemoteStore"]
+
+_INLINE_FILE_BYTES = 256 << 10
+"""Cache files up to this size are read and written on the event loop (see ``read``)."""
 
 _MESSAGE_CHARS = 300  # of the first line of the store's message (it may hold an XML body)
 
@@ -32,6 +37,7 @@ class RemoteStats:
         bytes: Bytes those reads returned.
         failures: Reads that raised (after the store's retries).
         in_flight: Reads under way now.
+        cache_hits: Whole-object reads answered by the ``cache`` (not counted in ``reads``).
 
     """
 
@@ -39,6 +45,7 @@ class RemoteStats:
     bytes: int
     failures: int
     in_flight: int
+    cache_hits: int = 0
 
 
 def _obstore() -> Any:
@@ -96,6 +103,9 @@ class RemoteStore:
         backoff: Seconds before the first retry; each later one waits up to twice as long
             (with random jitter), up to ``max_backoff``.
         max_backoff: The longest wait between two attempts (at least ``backoff``).
+        cache: Keep what whole-object reads return, and answer later reads of the same key
+            from it (:class:`~feedline.source.ObjectCache`: memory and local disk within
+            byte budgets). Reads of a byte range bypass it.
         **options: Passed to ``obstore.store.from_url``: the store's settings (``region``,
             ``endpoint``, ``access_key_id``, ``skip_signature``, ...) and, if needed,
             ``client_options`` (merged over the timeouts above). HTTP without TLS is allowed
@@ -121,6 +131,7 @@ class RemoteStore:
         retry_timeout: float = 120.0,
         backoff: float = 0.1,
         max_backoff: float = 5.0,
+        cache: ObjectCache | None = None,
         **options: Any,
     ) -> None:
         if not isinstance(url, str) or "://" not in url:
@@ -155,6 +166,7 @@ class RemoteStore:
             "retry_timeout": retry_timeout,
             "backoff": backoff,
             "max_backoff": max_backoff,
+            "cache": cache,
             **options,
         }
         self._ob = _obstore()
@@ -190,6 +202,12 @@ class RemoteStore:
                 f"{str(error)[:_MESSAGE_CHARS]}. Check the URL's scheme and the options "
                 "passed on to obstore.store.from_url"
             ) from error
+        if cache is not None and not isinstance(cache, ObjectCache):
+            raise ConfigurationError(
+                f"RemoteStore(cache=...) takes an ObjectCache, got {type(cache).__name__}"
+            )
+        self.cache = cache
+        self._cache_hits = 0
         self._max_in_flight = max_in_flight
         self._lock = threading.Lock()
         self._loop_limits: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
@@ -225,6 +243,20 @@ class RemoteStore:
 
         """
         options = _range_options(start, end)
+        cache = self.cache if options is None else None
+        if cache is not None:
+            # Memory at once; a file read in a thread, not on the event loop.
+            # Memory, and small files, at once: a thread hop costs more than reading 100 KB
+            # from the page cache. Large files are read in a thread, off the event loop.
+            data = cache.peek(key)
+            if data is None:
+                size = cache.disk_size(key)
+                if size is None or size <= _INLINE_FILE_BYTES:
+                    data = cache.get(key)
+                else:
+                    data = await asyncio.get_running_loop().run_in_executor(None, cache.get, key)
+            if data is not None:
+                return self._hit(data)
         async with self._loop_limit():
             self._begin()
             view = None
@@ -235,7 +267,13 @@ class RemoteStore:
                 raise self._failed(key, error) from error
             finally:  # also when cancelled (a pipeline that stops cancels its reads)
                 self._end(view)
-            return view
+        if cache is not None and (cache.directory is None or view.nbytes <= _INLINE_FILE_BYTES):
+            cache.put(key, view)
+        elif cache is not None:
+            # Written in a thread while the data goes on: the reader need not wait for a file.
+            write = asyncio.get_running_loop().run_in_executor(None, cache.put, key, view)
+            write.add_done_callback(_quiet)
+        return view
 
     def read_sync(
         self, key: str, *, start: int | None = None, end: int | None = None
@@ -245,6 +283,11 @@ class RemoteStore:
         Same arguments, result and errors as :meth:`read`.
         """
         options = _range_options(start, end)
+        cache = self.cache if options is None else None
+        if cache is not None:
+            data = cache.get(key)
+            if data is not None:
+                return self._hit(data)
         with self._thread_limit:
             self._begin()
             view = None
@@ -254,12 +297,16 @@ class RemoteStore:
                 raise self._failed(key, error) from error
             finally:
                 self._end(view)
-            return view
+        if cache is not None:
+            cache.put(key, view)
+        return view
 
     def stats(self) -> RemoteStats:
         """How many reads and bytes so far, how many failed, how many are under way."""
         with self._lock:
-            return RemoteStats(self._reads, self._bytes, self._failures, self._in_flight)
+            return RemoteStats(
+                self._reads, self._bytes, self._failures, self._in_flight, self._cache_hits
+            )
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -275,6 +322,11 @@ class RemoteStore:
                     del self._loop_limits[old]
                 limit = self._loop_limits.setdefault(loop, asyncio.Semaphore(self._max_in_flight))
         return limit
+
+    def _hit(self, data: bytes) -> memoryview:
+        with self._lock:
+            self._cache_hits += 1
+        return memoryview(data)
 
     def _begin(self) -> None:
         with self._lock:
@@ -330,6 +382,13 @@ _ENDPOINT_KEYS = (
     "aws_endpoint_url",
     "aws_endpoint_url_s3",
 )
+
+
+def _quiet(future: asyncio.Future[Any]) -> None:
+    # A cache write is best effort (ObjectCache.put already swallows disk errors); retrieving
+    # any other error here keeps asyncio from logging it as never retrieved.
+    if not future.cancelled():
+        future.exception()
 
 
 def _describe(error: Exception) -> str:
