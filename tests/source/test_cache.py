@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 
@@ -21,8 +23,15 @@ from ._http import Handler, serving
 pytest.importorskip("obstore")
 
 
+HEADER = 12  # bytes before each object in its file: its length and CRC-32
+
+
 def _files(directory: Path) -> list[Path]:
     return [p for p in directory.iterdir() if not p.name.startswith(".")]
+
+
+def _payload(directory: Path) -> int:
+    return sum(p.stat().st_size - HEADER for p in _files(directory))
 
 
 def test_memory_tier_keeps_the_most_recently_used_within_its_budget() -> None:
@@ -53,7 +62,7 @@ def test_disk_tier_survives_a_new_cache_and_keeps_its_budget(tmp_path: Path) -> 
     for i in range(5):
         first.put(f"k{i}", bytes([i]) * 100)
     files = _files(tmp_path)
-    assert len(files) == 3  # 3 x (100 bytes + header) within 350; the two oldest deleted
+    assert len(files) == 3  # 3 x 100 bytes within 350; the two oldest deleted
     assert first.stats().disk_bytes == 300
     assert first.get("k0") is None
     assert first.get("k4") == bytes([4]) * 100
@@ -69,42 +78,89 @@ def test_disk_tier_survives_a_new_cache_and_keeps_its_budget(tmp_path: Path) -> 
     assert len(_files(tmp_path)) == 1
 
 
-def test_a_file_cut_short_is_dropped_not_returned(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda b: b[:-3],  # cut short
+        lambda b: bytes(len(b)),  # zeroed, as a power loss can leave an unsynced file
+        lambda b: b[:-1] + bytes([b[-1] ^ 1]),  # one bit flipped
+    ],
+)
+def test_a_damaged_file_is_dropped_not_returned(tmp_path: Path, damage: Any) -> None:
     cache = ObjectCache(memory_bytes=0, directory=tmp_path)
     cache.put("k", b"0123456789")
     (path,) = _files(tmp_path)
-    path.write_bytes(path.read_bytes()[:-3])  # as a crash or a full disk could leave it
+    path.write_bytes(damage(path.read_bytes()))
     fresh = ObjectCache(memory_bytes=0, directory=tmp_path)
     assert fresh.get("k") is None
     assert not path.exists()
     assert fresh.stats().disk_bytes == 0
 
 
-def test_stray_files_in_the_directory_are_left_alone(tmp_path: Path) -> None:
+def test_stray_and_stale_files_are_told_apart(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("not ours")
+    (tmp_path / ("z" * 64)).write_text("not ours either: not a hex name")
+    stale, fresh = tmp_path / ".partial-old", tmp_path / ".partial-new"
+    stale.write_bytes(b"half")
+    fresh.write_bytes(b"being written")
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
     cache = ObjectCache(memory_bytes=0, directory=tmp_path, disk_bytes=0)
-    cache.put("k", b"data")  # over a zero budget: written, then evicted at once
-    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+    cache.put("k", b"data")  # larger than a zero budget: not written
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [".partial-new", "notes.txt", "z" * 64]  # the stale partial file went
 
 
-def test_many_threads_share_one_cache(tmp_path: Path) -> None:
-    cache = ObjectCache(memory_bytes=5_000, directory=tmp_path, disk_bytes=20_000)
+def test_many_threads_share_one_cache_and_keep_its_books(tmp_path: Path) -> None:
+    # Small budgets and mixed sizes, so that evictions race with reads and rewrites.
+    cache = ObjectCache(memory_bytes=2_000, directory=tmp_path, disk_bytes=6_000)
+
+    def data(k: int) -> bytes:
+        return bytes([k]) * (50 + 37 * k)
 
     def work(i: int) -> bool:
-        key = f"k{i % 40}"
-        data = bytes([i % 40]) * 100
-        got = cache.get(key)
+        k = (i * 7) % 40
+        got = cache.get(f"k{k}")
         if got is None:
-            cache.put(key, data)
+            cache.put(f"k{k}", data(k))
             return True
-        return got == data
+        return got == data(k)
 
     with ThreadPoolExecutor(8) as pool:
-        assert all(pool.map(work, range(2000)))
+        assert all(pool.map(work, range(3000)))
     s = cache.stats()
-    assert s.memory_bytes <= 5_000
-    assert s.disk_bytes <= 20_000
-    assert sum(p.stat().st_size - 8 for p in _files(tmp_path)) == s.disk_bytes
+    assert s.evictions > 0
+    assert s.memory_bytes <= 2_000
+    assert s.disk_bytes <= 6_000
+    assert _payload(tmp_path) == s.disk_bytes  # the index agrees with the directory
+
+
+def test_a_file_another_process_wrote_is_found_and_counted(tmp_path: Path) -> None:
+    mine = ObjectCache(memory_bytes=0, directory=tmp_path)
+    theirs = ObjectCache(memory_bytes=0, directory=tmp_path)  # as another worker's copy
+    theirs.put("k", b"x" * 300)
+    assert mine.file_size("k") == 300  # not in its index: asked the file system
+    assert mine.get("k") == b"x" * 300
+    theirs.put("k", b"y" * 50)  # replaced under mine's feet
+    assert mine.get("k") == b"y" * 50
+    assert mine.stats().disk_bytes == 50 == _payload(tmp_path)
+    assert mine.file_size("nothing") is None
+
+
+def test_an_object_too_big_to_keep_still_replaces_the_old_one(tmp_path: Path) -> None:
+    cache = ObjectCache(memory_bytes=100, directory=tmp_path, disk_bytes=100)
+    cache.put("k", b"old")
+    cache.put("k", b"n" * 500)
+    assert cache.get("k") is None
+    assert _files(tmp_path) == []
+    assert cache.stats().disk_bytes == cache.stats().memory_bytes == 0
+
+
+def test_a_vanished_directory_makes_writes_no_ops_not_errors(tmp_path: Path) -> None:
+    directory = tmp_path / "cache"
+    cache = ObjectCache(memory_bytes=0, directory=directory)
+    directory.rmdir()
+    cache.put("k", b"data")  # best effort: nothing raised, nothing kept
+    assert cache.get("k") is None
 
 
 def test_pickled_cache_shares_the_directory_not_the_memory(tmp_path: Path) -> None:
@@ -185,10 +241,23 @@ def test_second_epoch_is_served_from_the_cache(server: str, tmp_path: Path) -> N
     assert _Counting.gets["/obj3"] == 2
 
 
+class _Recording(ObjectCache):
+    """Notes which threads read its files (its memory tier is empty: every hit is a file)."""
+
+    threads: ClassVar[set[str]] = set()
+
+    def get(self, key: str) -> bytes | None:
+        data = super().get(key)
+        if data is not None:  # a file was read (misses read nothing)
+            self.threads.add(threading.current_thread().name)
+        return data
+
+
 def test_large_objects_are_cached_through_a_thread(server: str, tmp_path: Path) -> None:
     from feedline import RemoteStore
 
-    store = RemoteStore(server, cache=ObjectCache(memory_bytes=0, directory=tmp_path))
+    _Recording.threads.clear()
+    store = RemoteStore(server, cache=_Recording(memory_bytes=0, directory=tmp_path))
     keys = [f"big{i}" for i in range(6)]
 
     def epoch() -> list[bytes]:
@@ -203,6 +272,8 @@ def test_large_objects_are_cached_through_a_thread(server: str, tmp_path: Path) 
     assert len(first[0]) > 256 << 10
     assert sum(_Counting.gets.values()) == 6
     assert store.stats().cache_hits == 6
+    assert _Recording.threads  # the second epoch read the files...
+    assert "feedline-event-loop" not in _Recording.threads  # ...never on the event loop
 
 
 def test_a_store_takes_only_an_object_cache() -> None:

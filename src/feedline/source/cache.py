@@ -7,8 +7,10 @@ objects in memory up to ``memory_bytes`` and, with a ``directory``, on disk up t
 ``cache=``.
 
 Files are written to a temporary name and renamed into place, so a reader never sees half an
-object, and each starts with the object's length, so a file cut short (a full disk, a crash)
-is found and dropped instead of returned. A file is named by the SHA-256 of its key.
+object, and each starts with the object's length and CRC-32, so a file that is not what was
+written (zeroed by a power loss, since nothing is synced to disk; damaged) is found and dropped
+instead of returned. A file is named by the SHA-256 of its key; temporary files that a killed
+process left are deleted when a cache opens the directory an hour later.
 
 Several processes (DataLoader workers) may share a directory: each keeps its own index of the
 files, adds what it fetched and evicts what it knows of, so the directory can exceed the budget
@@ -18,11 +20,14 @@ subdirectories: keep a directory under a few million objects.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import struct
 import tempfile
 import threading
+import time
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,7 +68,10 @@ def _budget(name: str, value: int) -> int:
 class ObjectCache:
     """Objects by key, the most recently used kept in memory and on disk within byte budgets.
 
-    Thread-safe. An object larger than a tier's whole budget is not kept in that tier.
+    Thread-safe. An object larger than a tier's whole budget is not kept in that tier. Budgets
+    count the objects' bytes (not file headers or file-system blocks), and are per process:
+    each worker process holds its own memory tier. After a restart, files leave in the order
+    they were last written.
 
     Args:
         memory_bytes: The most bytes kept in memory (0: none).
@@ -90,10 +98,12 @@ class ObjectCache:
         self._disk: OrderedDict[str, int] = OrderedDict()  # file name -> size, oldest first
         self._disk_bytes = 0
         self._hits_memory = self._hits_disk = self._misses = self._evictions = 0
-        self.directory = None if directory is None else Path(directory)
+        # Resolved, so that a copy in a worker with another working directory finds it.
+        self.directory = None if directory is None else Path(directory).resolve()
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._scan(self.directory)
+            with self._lock:
+                self._scan(self.directory)
 
     def __repr__(self) -> str:
         where = f", directory={str(self.directory)!r}" if self.directory else ""
@@ -106,21 +116,28 @@ class ObjectCache:
     def peek(self, key: str) -> bytes | None:
         """The object if it is in memory (counted as a hit), else ``None`` (not counted).
 
-        Never touches the disk: for an event loop, which should leave file reads to a thread.
+        Never touches the disk: for an event loop, which should leave large file reads to a
+        thread (see :meth:`file_size`).
         """
         with self._lock:
             return self._from_memory(key)
 
-    def disk_size(self, key: str) -> int | None:
-        """The size of ``key``'s file if this cache knows of one (no disk access), else ``None``.
+    def file_size(self, key: str) -> int | None:
+        """The size of ``key``'s object on disk, or ``None`` if there is no file.
 
-        Lets an event loop read small files itself and leave large ones to a thread.
+        Asks the index, or, for a file another process wrote, the file system (one ``stat``).
         """
         if self.directory is None:
             return None
-        name = hashlib.sha256(key.encode()).hexdigest()
+        name = _name(key)
         with self._lock:
-            return self._disk.get(name)
+            size = self._disk.get(name)
+        if size is not None:
+            return size
+        try:
+            return max(0, (self.directory / name).stat().st_size - _HEADER.size)
+        except OSError:
+            return None
 
     def get(self, key: str) -> bytes | None:
         """The object cached under ``key`` (from memory, else from disk), or ``None``."""
@@ -142,8 +159,12 @@ class ObjectCache:
         blob = bytes(data)
         with self._lock:
             self._remember(key, blob)
-        if self.directory is not None and len(blob) <= self._disk_budget:
-            self._write_file(key, blob)
+        if self.directory is not None:
+            if len(blob) <= self._disk_budget:
+                self._write_file(key, blob)
+            else:  # too big to keep: at least drop what the key held before
+                with self._lock:
+                    self._drop_file(_name(key))
 
     def stats(self) -> CacheStats:
         """Hits, misses, bytes held and evictions so far."""
@@ -167,11 +188,11 @@ class ObjectCache:
         return data
 
     def _remember(self, key: str, data: bytes) -> None:
-        if len(data) > self._memory_budget:
-            return
         old = self._memory.pop(key, None)
         if old is not None:
             self._memory_bytes -= len(old)
+        if len(data) > self._memory_budget:
+            return
         self._memory[key] = data
         self._memory_bytes += len(data)
         while self._memory_bytes > self._memory_budget:
@@ -180,89 +201,119 @@ class ObjectCache:
             self._evictions += 1
 
     # -- disk tier -------------------------------------------------------------------------------
-
-    def _path(self, key: str) -> Path:
-        assert self.directory is not None  # only called with a directory
-        return self.directory / hashlib.sha256(key.encode()).hexdigest()
+    #
+    # Files are deleted only with the lock held, and a file read is (re-)indexed only if it
+    # still exists then, so that the index and this process's files agree.
 
     def _scan(self, directory: Path) -> None:
         found = []
+        now = time.time()
         for entry in os.scandir(directory):
-            if len(entry.name) != 64 or not entry.is_file():
-                continue  # not ours, or a .partial- file being written
             try:
+                if entry.name.startswith(_PARTIAL):
+                    # Left by a process killed mid-write; a live writer renames within seconds.
+                    if now - entry.stat().st_mtime > _STALE_PARTIAL_SECONDS:
+                        os.unlink(entry.path)
+                    continue
+                if not _is_name(entry.name) or not entry.is_file():
+                    continue  # not ours
                 stat = entry.stat()
-            except FileNotFoundError:  # removed by another process meanwhile
+            except OSError:  # removed by another process meanwhile
                 continue
             found.append((stat.st_mtime, entry.name, max(0, stat.st_size - _HEADER.size)))
         for _, name, size in sorted(found):
             self._disk[name] = size
             self._disk_bytes += size
-        for name in self._evict_files():
-            (directory / name).unlink(missing_ok=True)
+        self._evict_files()
 
     def _read_file(self, key: str) -> bytes | None:
         if self.directory is None:
             return None
-        path = self._path(key)
+        path = self.directory / _name(key)
         try:
             with open(path, "rb") as f:
                 head = f.read(_HEADER.size)
                 data = f.read()
-        except FileNotFoundError:
-            self._forget(path.name)
+        except OSError:  # gone, or unreadable: a miss either way
+            with self._lock:
+                self._forget(path.name)
             return None
-        if len(head) != _HEADER.size or _HEADER.unpack(head)[0] != len(data):
-            self._forget(path.name)  # cut short (a full disk, a crash): drop it
-            path.unlink(missing_ok=True)
-            return None
+        intact = len(head) == _HEADER.size and _HEADER.unpack(head) == (
+            len(data),
+            _crc32(data),
+        )
         with self._lock:
-            if path.name not in self._disk:  # written by another process
-                self._disk_bytes += len(data)
+            if not intact:  # cut short, or zeroed by a power loss: drop it
+                self._drop_file(path.name)
+                return None
+            old = self._disk.get(path.name)
+            if old is None and not path.exists():
+                return data  # evicted meanwhile: the data is good, the file is gone
+            self._disk_bytes += len(data) - (old or 0)
             self._disk[path.name] = len(data)
             self._disk.move_to_end(path.name)
         return data
 
     def _write_file(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".partial-")
+        assert self.directory is not None  # only called with a directory
+        path = self.directory / _name(key)
+        tmp = None
         try:
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=_PARTIAL)
             with os.fdopen(fd, "wb") as f:
-                f.write(_HEADER.pack(len(data)))
+                f.write(_HEADER.pack(len(data), _crc32(data)))
                 f.write(data)
-            os.replace(tmp, path)
-        except OSError:  # a full disk or a vanished directory: the cache is best effort
-            Path(tmp).unlink(missing_ok=True)
-            return
-        with self._lock:
-            old = self._disk.pop(path.name, None)
-            if old is not None:
-                self._disk_bytes -= old
-            self._disk[path.name] = len(data)
-            self._disk_bytes += len(data)
-            doomed = self._evict_files()
-        for name in doomed:
-            (path.parent / name).unlink(missing_ok=True)
+            with self._lock:
+                os.replace(tmp, path)
+                tmp = None
+                old = self._disk.pop(path.name, None)
+                self._disk_bytes += len(data) - (old or 0)
+                self._disk[path.name] = len(data)
+                self._evict_files()
+        except OSError:
+            pass  # a full disk or a vanished directory: the cache is best effort
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
-    def _evict_files(self) -> list[str]:
-        # Drop the oldest files from the index until within budget; the caller deletes them
-        # (outside the lock). Call with the lock held, or during construction.
-        doomed = []
+    def _evict_files(self) -> None:
+        # With the lock held: delete the oldest files until within budget.
         while self._disk_bytes > self._disk_budget and self._disk:
-            name, size = self._disk.popitem(last=False)
-            self._disk_bytes -= size
+            name = next(iter(self._disk))
+            self._drop_file(name)
             self._evictions += 1
-            doomed.append(name)
-        return doomed
+
+    def _drop_file(self, name: str) -> None:
+        # With the lock held: forget the file and delete it.
+        self._forget(name)
+        if self.directory is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.directory / name)
 
     def _forget(self, name: str) -> None:
-        with self._lock:
-            size = self._disk.pop(name, None)
-            if size is not None:
-                self._disk_bytes -= size
+        # With the lock held.
+        size = self._disk.pop(name, None)
+        if size is not None:
+            self._disk_bytes -= size
 
 
-_HEADER = struct.Struct("<Q")  # each file starts with the object's length: a short file is found
+_HEADER = struct.Struct("<QI")  # each file starts with the object's length and CRC-32
+
+try:  # ISA-L's CRC-32 is the same function, about 15x faster than zlib's (2 against 30 us/100 KB)
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:
+    _crc32 = zlib.crc32
+_PARTIAL = ".partial-"
+_STALE_PARTIAL_SECONDS = 3600.0
+
+
+def _name(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _is_name(name: str) -> bool:
+    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
 
 
 def _rebuild(memory_bytes: int, directory: Path | None, disk_bytes: int) -> ObjectCache:

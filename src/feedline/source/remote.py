@@ -245,16 +245,15 @@ class RemoteStore:
         options = _range_options(start, end)
         cache = self.cache if options is None else None
         if cache is not None:
-            # Memory at once; a file read in a thread, not on the event loop.
-            # Memory, and small files, at once: a thread hop costs more than reading 100 KB
-            # from the page cache. Large files are read in a thread, off the event loop.
+            # Memory, and small files, here on the event loop: a hop to a thread and back
+            # costs more than reading 100 KB from the page cache. Large files in a thread.
             data = cache.peek(key)
             if data is None:
-                size = cache.disk_size(key)
-                if size is None or size <= _INLINE_FILE_BYTES:
-                    data = cache.get(key)
-                else:
+                size = cache.file_size(key)
+                if size is not None and size > _INLINE_FILE_BYTES:
                     data = await asyncio.get_running_loop().run_in_executor(None, cache.get, key)
+                else:
+                    data = cache.get(key)  # without a file: counts the miss, reads nothing
             if data is not None:
                 return self._hit(data)
         async with self._loop_limit():
@@ -270,9 +269,9 @@ class RemoteStore:
         if cache is not None and (cache.directory is None or view.nbytes <= _INLINE_FILE_BYTES):
             cache.put(key, view)
         elif cache is not None:
-            # Written in a thread while the data goes on: the reader need not wait for a file.
-            write = asyncio.get_running_loop().run_in_executor(None, cache.put, key, view)
-            write.add_done_callback(_quiet)
+            # Awaited, not left running: the writes in flight stay as many as the reads, and
+            # none outlives the pipeline's event loop.
+            await asyncio.get_running_loop().run_in_executor(None, cache.put, key, view)
         return view
 
     def read_sync(
@@ -382,13 +381,6 @@ _ENDPOINT_KEYS = (
     "aws_endpoint_url",
     "aws_endpoint_url_s3",
 )
-
-
-def _quiet(future: asyncio.Future[Any]) -> None:
-    # A cache write is best effort (ObjectCache.put already swallows disk errors); retrieving
-    # any other error here keeps asyncio from logging it as never retrieved.
-    if not future.cancelled():
-        future.exception()
 
 
 def _describe(error: Exception) -> str:
