@@ -7,6 +7,8 @@ between, and I/O functions that release the GIL. Start with :class:`PipelineBuil
 
 from __future__ import annotations
 
+import typing as _typing
+
 from .errors import (
     ConfigurationError,
     FeedlineError,
@@ -25,7 +27,9 @@ from .pipeline import (
     iterate_in_subprocess,
     run_pipeline_in_subprocess,
 )
-from .source import RemoteStore
+
+if _typing.TYPE_CHECKING:
+    from .source import RemoteStore
 
 __version__ = "0.1.0"
 
@@ -48,3 +52,13 @@ __all__ = [
     "iterate_in_subprocess",
     "run_pipeline_in_subprocess",
 ]
+
+
+def __getattr__(name: str) -> _typing.Any:
+    # RemoteStore loads on first use, so that `import feedline` does not pay for the
+    # storage modules (about 14 ms: tempfile, ISA-L, their classes) unless they are used.
+    if name == "RemoteStore":
+        from .source import RemoteStore
+
+        return RemoteStore
+    raise AttributeError(f"module 'feedline' has no attribute {name!r}")

@@ -194,9 +194,8 @@ class Channel:
                 return False
             now = _now()
             t = now - self._t0
-            if n == 0 and self._empty_since is not None:
-                self._empty_time += t - self._empty_since
-                self._empty_since = None
+            if n == 0:
+                self._end_empty(t)
             if n + 1 == self.capacity:
                 self._full_since = t
             self._put_sum += t
@@ -206,24 +205,30 @@ class Channel:
         self._consumer.on_data()
         return True
 
-    def _take_time(self, t: float, n: int) -> None:
-        # One item leaves a channel holding n, at time t; called with the lock held.
-        self._get_sum += t
+    # The helpers below are called with the lock held; t is the time since _t0.
+
+    def _end_empty(self, t: float) -> None:
+        if self._empty_since is not None:
+            self._empty_time += t - self._empty_since
+            self._empty_since = None
+
+    def _end_full(self, t: float) -> None:
         if self._full_since is not None:
             self._full_time += t - self._full_since
             self._full_since = None
+
+    def _take_time(self, t: float, n: int) -> None:
+        # One item leaves a channel holding n.
+        self._get_sum += t
+        self._end_full(t)
         if n == 1 and not self._closed:
             self._empty_since = t
 
     def _close_time(self, t: float) -> None:
-        # The channel closes at time t: it no longer counts as starving its consumer, nor,
-        # since its producer is done, as blocking its producer.
-        if self._empty_since is not None:
-            self._empty_time += t - self._empty_since
-            self._empty_since = None
-        if self._full_since is not None:
-            self._full_time += t - self._full_since
-            self._full_since = None
+        # The channel no longer counts as starving its consumer, nor, since its producer is
+        # done, as blocking its producer.
+        self._end_empty(t)
+        self._end_full(t)
 
     def try_get(self) -> Any:
         """Take the oldest item, or return :data:`EMPTY` at once if there is none."""

@@ -154,6 +154,10 @@ class RemoteStore:
             raise ConfigurationError(
                 f"RemoteStore(retries=...) must be an int >= 0, got {retries!r}"
             )
+        if cache is not None and not isinstance(cache, ObjectCache):
+            raise ConfigurationError(
+                f"RemoteStore(cache=...) takes an ObjectCache, got {type(cache).__name__}"
+            )
         self.url = url
         self.retries = retries
         self.retry_timeout = retry_timeout
@@ -202,10 +206,6 @@ class RemoteStore:
                 f"{str(error)[:_MESSAGE_CHARS]}. Check the URL's scheme and the options "
                 "passed on to obstore.store.from_url"
             ) from error
-        if cache is not None and not isinstance(cache, ObjectCache):
-            raise ConfigurationError(
-                f"RemoteStore(cache=...) takes an ObjectCache, got {type(cache).__name__}"
-            )
         self.cache = cache
         self._cache_hits = 0
         self._max_in_flight = max_in_flight
