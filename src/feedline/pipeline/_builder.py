@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pickle
 from collections.abc import AsyncIterable, Callable, Iterable
@@ -24,6 +25,7 @@ from ._defs import (
     op_kind,
 )
 from ._pipeline import Pipeline
+from ._resume import TaggedAsyncOp, TaggedOp, merge_group
 
 __all__ = ["PipelineBuilder"]
 
@@ -326,6 +328,7 @@ class PipelineBuilder(Generic[T]):
         num_threads: int | None = None,
         max_failures: int | float | None = 0,
         report_stats_interval: float | None = None,
+        resumable: bool = False,
     ) -> Pipeline[T]:
         """Validate the definition and return a :class:`~feedline.Pipeline` (not yet running).
 
@@ -341,6 +344,13 @@ class PipelineBuilder(Generic[T]):
             report_stats_interval: If set, log the statistics table every this many seconds,
                 at INFO level on the ``feedline.pipeline`` logger (Python shows only warnings
                 unless told: ``logging.basicConfig(level=logging.INFO)``).
+            resumable: Keep track of which source items the consumer has received, so that
+                :meth:`Pipeline.state_dict` can save the position mid-epoch and
+                :meth:`Pipeline.load_state_dict` resume from it with no item lost or
+                repeated. The source must yield the same items in the same order on every
+                pass; each stage must turn one item into one (functions and coroutine
+                functions, ``aggregate``), and the source cannot be another Pipeline. Costs
+                a small wrapper per item and stage.
 
         Raises:
             ConfigurationError: If the definition cannot run, saying how to fix it.
@@ -396,15 +406,48 @@ class PipelineBuilder(Generic[T]):
                 f"report_stats_interval must be a positive number of seconds or None, "
                 f"got {report_stats_interval!r}"
             )
+        stages = tuple(self._stages)
+        if resumable:
+            stages = self._resumable_stages()
         config = PipelineConfig(
             source=self._source,
-            stages=tuple(self._stages),
+            stages=stages,
             sink=self._sink_config(),
             num_threads=num_threads,
             max_failures=max_failures,
             report_stats_interval=report_stats_interval,
+            resumable=bool(resumable),
         )
         return Pipeline(config)
+
+    def _resumable_stages(self) -> tuple[StageConfig, ...]:
+        # Every op works on the value of a numbered item and every group merges the numbers
+        # (see _resume). Refuses what cannot be resumed exactly.
+        assert self._source is not None
+        if isinstance(self._source.source, Pipeline):
+            raise ConfigurationError(
+                "resumable=True cannot resume a pipeline whose source is another Pipeline "
+                "(its items may come in a different order on the next pass); make the inner "
+                "pipeline's source the source of this one, or build without resumable=True"
+            )
+        stages: list[StageConfig] = []
+        for s in self._stages:
+            if isinstance(s, DisaggregateConfig) or (
+                isinstance(s, PipeConfig) and s.kind in (OpKind.GENERATOR, OpKind.ASYNC_GENERATOR)
+            ):
+                what = "disaggregate()" if isinstance(s, DisaggregateConfig) else s.kind.value
+                raise ConfigurationError(
+                    f"stage {s.name!r}: resumable=True needs stages that turn one item into one, "
+                    f"and a {what} stage turns one into many, which cannot be resumed part-way; "
+                    "return a list from a function instead (it stays one item), or build "
+                    "without resumable=True"
+                )
+            if isinstance(s, PipeConfig):
+                wrapped = TaggedAsyncOp(s.op) if s.kind is OpKind.COROUTINE else TaggedOp(s.op)
+                stages.append(dataclasses.replace(s, op=wrapped))
+            else:
+                stages.append(dataclasses.replace(s, collect=merge_group))
+        return tuple(stages)
 
     def _sink_config(self) -> SinkConfig:
         size = self._sink_size

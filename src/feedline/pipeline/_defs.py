@@ -85,6 +85,7 @@ class AggregateConfig:
     drop_last: bool
     name: str
     buffer_size: int
+    collect: Callable[[list[Any]], Any] | None = None  # makes what is emitted of a group
 
 
 @dataclass(frozen=True)
@@ -122,3 +123,4 @@ class PipelineConfig:
     num_threads: int
     max_failures: int | float | None
     report_stats_interval: float | None
+    resumable: bool = False  # items travel numbered (see _resume); the Pipeline unwraps them

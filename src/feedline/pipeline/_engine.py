@@ -60,8 +60,14 @@ _STOP_WARN_AFTER = 5.0  # seconds a stop may wait on running ops before it logs 
 class Run:
     """One epoch of a pipeline. Created stopped; ``start`` it, ``get`` from it, ``stop`` it."""
 
-    def __init__(self, config: PipelineConfig, source_wrapper: Callable[[Any, Run], Any]) -> None:
+    def __init__(
+        self,
+        config: PipelineConfig,
+        source_wrapper: Callable[[Any, Run], Any],
+        on_failed: Callable[[Any], None] | None = None,
+    ) -> None:
         self.config = config
+        self._on_failed = on_failed  # told of each item a stage failed on and skipped
         self.loop = asyncio.new_event_loop()
         self._loop_ident: int | None = None
         self._pool = WorkerPool(config.num_threads, "feedline-worker")
@@ -191,7 +197,7 @@ class Run:
             self._async_stages.append(stage)
             return stage
         if isinstance(cfg, AggregateConfig):
-            work, kind = AggregateWork(cfg.size, cfg.drop_last), "aggregate"
+            work, kind = AggregateWork(cfg.size, cfg.drop_last, cfg.collect), "aggregate"
         elif isinstance(cfg, DisaggregateConfig):
             work, kind = DisaggregateWork(), "disaggregate"
         else:  # pragma: no cover - the builder only makes the kinds above
@@ -341,6 +347,11 @@ class Run:
             done = self._jobs == 0 and self._stopping
         if done:
             self._jobs_done.set()
+
+    def item_failed(self, item: Any) -> None:
+        """A stage failed on ``item`` and skips it (called before the budget is checked)."""
+        if self._on_failed is not None:
+            self._on_failed(item)
 
     def fail(self, error: BaseException) -> None:
         """Record the first error and begin stopping; the consumer's next ``get`` raises it."""

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
+from feedline.errors import ConfigurationError
+
 from ._defs import PipelineConfig
 from ._engine import Run
+from ._resume import Progress, Tagged, tag_async_source, tag_source
 from .stats import PipelineStats
 
 __all__ = ["Pipeline"]
@@ -56,6 +60,16 @@ class Pipeline(Generic[T]):
     and re-raises an exception from the source as it is. Breaking out of the loop, raising
     inside it, or dropping the pipeline stops its threads. A pipeline still running at
     interpreter exit is stopped too.
+
+    A pipeline built with ``resumable=True`` can save where the epoch stands and resume there
+    later, in another process::
+
+        state = pipeline.state_dict()       # with the model's checkpoint, any time
+        ...
+        pipeline = builder.build(resumable=True)
+        pipeline.load_state_dict(state)
+        for batch in pipeline:              # the rest of the interrupted epoch
+            ...
     """
 
     def __init__(self, config: PipelineConfig) -> None:
@@ -64,6 +78,10 @@ class Pipeline(Generic[T]):
         self._last: Run | None = None
         self._iterating = False
         self._finalizer = weakref.finalize(self, _Holder.stop, self._holder)
+        # resumable=True: what the current (or last) epoch delivered, and a loaded state
+        # waiting for the next epoch.
+        self._progress = Progress()
+        self._loaded: Progress | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -73,10 +91,44 @@ class Pipeline(Generic[T]):
         with holder.lock:
             if holder.run is not None:
                 return
-            run = Run(self._config, _wrap_source)
+            run = self._new_run()
             holder.run = run
             self._last = run
         run.start()
+
+    def _new_run(self) -> Run:
+        config = self._config
+        if not config.resumable:
+            return Run(config, _wrap_source)
+        progress, self._loaded = self._loaded or Progress(), None
+        self._progress = progress
+        src = config.source
+        source = (
+            tag_async_source(src.source, progress)  # type: ignore[arg-type]
+            if src.is_async
+            else tag_source(src.source, progress)  # type: ignore[arg-type]
+        )
+        config = dataclasses.replace(config, source=dataclasses.replace(src, source=source))
+
+        def failed(item: Any) -> None:
+            if isinstance(item, Tagged):  # skipped: an uninterrupted run skips it too
+                progress.mark(item.tag)
+
+        return Run(config, _wrap_source, on_failed=failed)
+
+    def _receiver(self, run: Run) -> Callable[[float | None], Any]:
+        # What hands the consumer its items: the run's get, or, when resumable, one that
+        # marks each item's source numbers done and unwraps it.
+        if not self._config.resumable:
+            return run.get
+        progress, get = self._progress, run.get
+
+        def receive(timeout: float | None) -> Any:
+            item: Tagged = get(timeout)
+            progress.mark(item.tag)
+            return item.value
+
+        return receive
 
     def stop(self) -> None:
         """Stop the current epoch and join its threads. Idempotent; safe to call any time."""
@@ -117,7 +169,11 @@ class Pipeline(Generic[T]):
                 "get_item(), or iterate it with a for loop"
             )
         try:
-            item: T = run.get(timeout)
+            item: T = self._receiver(run)(timeout)
+        except EOFError:
+            self._epoch_done()
+            self.stop()
+            raise
         except TimeoutError:
             raise
         except BaseException:
@@ -140,10 +196,12 @@ class Pipeline(Generic[T]):
             self.start()
             run = self._holder.run
             assert run is not None
+            get = self._receiver(run)
             while True:
                 try:
-                    item = run.get(None)
+                    item = get(None)
                 except EOFError:
+                    self._epoch_done()
                     return
                 yield item
         finally:
@@ -155,17 +213,74 @@ class Pipeline(Generic[T]):
         self.start()
         run = self._holder.run
         assert run is not None
+        get = self._receiver(run)
         try:
             while not outer.stopping:
                 try:
-                    item = run.get(_POLL)
+                    item = get(_POLL)
                 except TimeoutError:
                     continue
                 except EOFError:
+                    self._epoch_done()
                     return
                 yield item
         finally:
             self.stop()
+
+    def _epoch_done(self) -> None:
+        # The epoch ended: a state saved now starts the next one from the beginning.
+        if self._config.resumable:
+            self._progress = Progress()
+
+    # -- resuming --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the current epoch stands: which source items the consumer has received.
+
+        Cheap (a lock and a small copy) and safe to call at any time from any thread: items
+        still inside the pipeline count as not received and are loaded again on resume.
+        Between epochs (before the first, or after one ended), the state starts an epoch
+        from its beginning. The dict holds only ints and lists, ready for ``torch.save`` or
+        JSON.
+
+        Raises:
+            ConfigurationError: If the pipeline was not built with ``resumable=True``.
+
+        """
+        self._check_resumable("state_dict()")
+        if self._loaded is not None:
+            return self._loaded.state()
+        return self._progress.state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next epoch resume from ``state`` (from :meth:`state_dict`).
+
+        The next iteration (or :meth:`start`) iterates the source from its beginning and
+        passes on only the items the saved epoch had not delivered: the source must yield the
+        same items in the same order as it did then.
+
+        Raises:
+            ConfigurationError: If the pipeline was not built with ``resumable=True``.
+            RuntimeError: If an epoch is running (call :meth:`stop` first).
+            ValueError: If ``state`` is not a pipeline state.
+
+        """
+        self._check_resumable("load_state_dict()")
+        progress = Progress.from_state(state)
+        with self._holder.lock:
+            if self._holder.run is not None:
+                raise RuntimeError(
+                    "load_state_dict() while an epoch runs: call stop() first (or load the "
+                    "state before iterating)"
+                )
+            self._loaded = progress
+
+    def _check_resumable(self, what: str) -> None:
+        if not self._config.resumable:
+            raise ConfigurationError(
+                f"{what} needs a pipeline built with build(resumable=True), which keeps track "
+                "of the source items delivered"
+            )
 
     # -- introspection -----------------------------------------------------------------------------
 

@@ -48,6 +48,9 @@ class RunContext(Protocol):
     def fail(self, error: BaseException) -> None:
         """Stop the run; the consumer's next get raises ``error``."""
 
+    def item_failed(self, item: Any) -> None:
+        """A stage failed on ``item`` and skips it."""
+
     def on_loop_thread(self) -> bool:
         """Whether the caller is the event-loop thread."""
 
@@ -162,6 +165,7 @@ class StageBase:
     def record_failure(self, item: Any, error: Exception) -> None:
         """Count a failed item, log it (rate-limited), and stop the run past the budget."""
         c = self.counters
+        self.run.item_failed(item)
         sample = sample_repr(item)
         with c.lock:
             c.failures += 1

@@ -82,9 +82,12 @@ class AggregateWork(Work):
 
     iterates = True
 
-    def __init__(self, size: int, drop_last: bool) -> None:
+    def __init__(
+        self, size: int, drop_last: bool, collect: Callable[[list[Any]], Any] | None = None
+    ) -> None:
         self.size = size
         self.drop_last = drop_last
+        self._collect = collect  # what to emit of a group (default: the list itself)
         self._group: list[Any] = []
 
     def __call__(self, item: Any) -> Iterator[Any]:
@@ -92,12 +95,12 @@ class AggregateWork(Work):
         if len(self._group) < self.size:
             return iter(())
         group, self._group = self._group, []
-        return iter((group,))
+        return iter((group if self._collect is None else self._collect(group),))
 
     def finish(self) -> Iterator[Any] | None:
         group, self._group = self._group, []
         if group and not self.drop_last:
-            return iter((group,))
+            return iter((group if self._collect is None else self._collect(group),))
         return None
 
 
