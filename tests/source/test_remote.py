@@ -178,18 +178,18 @@ def test_local_files_through_the_same_interface(tmp_path: Any) -> None:
 
 
 class _Flaky(Handler):
-    """``/flaky-*`` fails twice (503) then answers, ``/down`` always fails, ``/slow`` stalls."""
+    """``/flaky-*`` fails twice (503) then answers, ``/down*`` always fails, ``/slow*`` stalls."""
 
     attempts: ClassVar[Counter[str]] = Counter()
     release: ClassVar[threading.Event] = threading.Event()
 
     def do_GET(self) -> None:
         self.attempts[self.path] += 1
-        if self.path == "/down" or (
+        if self.path.startswith("/down") or (
             self.path.startswith("/flaky") and self.attempts[self.path] <= 2
         ):
             self.reply(503, b"try later")
-        elif self.path == "/slow":
+        elif self.path.startswith("/slow"):
             self.release.wait(10)
             self.reply(200, b"late")
         else:
@@ -275,7 +275,8 @@ def test_in_flight_reads_are_capped_per_event_loop(flaky: str) -> None:
                 await asyncio.sleep(0.005)
 
         watcher = asyncio.ensure_future(watch())
-        reads = [asyncio.ensure_future(store.read("slow")) for _ in range(5)]
+        # Five keys: reads of one key would share one request (see the next tests).
+        reads = [asyncio.ensure_future(store.read(f"slow-{i}")) for i in range(5)]
         await asyncio.sleep(0.3)
         _Flaky.release.set()
         got = await asyncio.gather(*reads)
@@ -289,6 +290,84 @@ def test_in_flight_reads_are_capped_per_event_loop(flaky: str) -> None:
     assert asyncio.run(main()) == [b"late"] * 5
     assert peak == 2
     assert len(store._loop_limits) == 1  # the first loop's entry went when it closed
+
+
+async def _until(condition: Any) -> None:
+    while not condition():
+        await asyncio.sleep(0.005)
+
+
+def test_concurrent_reads_of_one_key_share_one_request(flaky: str) -> None:
+    store = RemoteStore(flaky, timeout=20)
+
+    async def main() -> list[bytes]:
+        reads = [asyncio.ensure_future(store.read("slow-a")) for _ in range(5)]
+        await _until(lambda: store.stats().in_flight == 1)
+        await asyncio.sleep(0.05)  # the other four are waiting, not sending
+        _Flaky.release.set()
+        return [bytes(v) for v in await asyncio.gather(*reads)]
+
+    assert asyncio.run(main()) == [b"late"] * 5
+    assert _Flaky.attempts["/slow-a"] == 1
+    assert store.stats() == RemoteStats(
+        reads=1, bytes=4, failures=0, in_flight=0, cache_hits=0, joined=4
+    )
+    assert not store._loop_flights
+
+    # The same across threads for read_sync.
+    _Flaky.release.clear()
+    got: list[bytes] = []
+
+    def read() -> None:
+        got.append(bytes(store.read_sync("slow-b")))
+
+    threads = [threading.Thread(target=read) for _ in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while store.stats().in_flight == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.05)
+    _Flaky.release.set()
+    for t in threads:
+        t.join(10)
+    assert got == [b"late"] * 4
+    assert _Flaky.attempts["/slow-b"] == 1
+    assert store.stats().joined == 4 + 3
+    assert not store._thread_flights
+
+
+def test_a_shared_read_survives_its_first_reader_being_cancelled(flaky: str) -> None:
+    store = RemoteStore(flaky, timeout=20)
+
+    async def main() -> list[bytes]:
+        first = asyncio.ensure_future(store.read("slow-c"))
+        await _until(lambda: store.stats().in_flight == 1)
+        others = [asyncio.ensure_future(store.read("slow-c")) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await _until(lambda: store.stats().in_flight == 1)  # one of the others took over
+        _Flaky.release.set()
+        return [bytes(v) for v in await asyncio.gather(*others)]
+
+    assert asyncio.run(main()) == [b"late"] * 3
+    assert _Flaky.attempts["/slow-c"] == 2
+    assert (store.stats().reads, store.stats().joined, store.stats().in_flight) == (1, 2, 0)
+
+
+def test_a_shared_read_shares_its_error(flaky: str) -> None:
+    store = RemoteStore(flaky, retries=1, backoff=0.2)
+
+    async def main() -> list[BaseException]:
+        reads = [asyncio.ensure_future(store.read("down-a")) for _ in range(3)]
+        return await asyncio.gather(*reads, return_exceptions=True)
+
+    errors = asyncio.run(main())
+    assert all(isinstance(e, RemoteReadError) and e.key == "down-a" for e in errors)
+    assert _Flaky.attempts["/down-a"] == 2  # one read, retried once
+    assert store.stats().failures == 1
 
 
 def test_bad_arguments_say_what_to_pass() -> None:

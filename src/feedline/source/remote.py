@@ -38,6 +38,8 @@ class RemoteStats:
         failures: Reads that raised (after the store's retries).
         in_flight: Reads under way now.
         cache_hits: Whole-object reads answered by the ``cache`` (not counted in ``reads``).
+        joined: Whole-object reads that found the same key already being read and waited
+            for that read's result instead of sending another request (not in ``reads``).
 
     """
 
@@ -46,6 +48,21 @@ class RemoteStats:
     failures: int
     in_flight: int
     cache_hits: int = 0
+    joined: int = 0
+
+
+class _Flight:
+    """One whole-object read that later readers of the same key may wait for (threads)."""
+
+    __slots__ = ("done", "error", "view")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.view: memoryview | None = None
+        self.error: BaseException | None = None
+
+
+_RETRY: Any = object()  # an async read's owner was cancelled: its joiners read again
 
 
 def _obstore() -> Any:
@@ -105,7 +122,10 @@ class RemoteStore:
         max_backoff: The longest wait between two attempts (at least ``backoff``).
         cache: Keep what whole-object reads return, and answer later reads of the same key
             from it (:class:`~feedline.source.ObjectCache`: memory and local disk within
-            byte budgets). Reads of a byte range bypass it.
+            byte budgets). Reads of a byte range bypass it. With or without a cache, a
+            whole-object read of a key that is being read already (on the same event loop,
+            or by another thread for ``read_sync``) waits for that read and shares its
+            result (and its error) rather than sending a second request.
         **options: Passed to ``obstore.store.from_url``: the store's settings (``region``,
             ``endpoint``, ``access_key_id``, ``skip_signature``, ...) and, if needed,
             ``client_options`` (merged over the timeouts above). HTTP without TLS is allowed
@@ -216,6 +236,11 @@ class RemoteStore:
         self._bytes = 0
         self._failures = 0
         self._in_flight = 0
+        self._joined = 0
+        # Whole-object reads under way, by key: per event loop for read (touched only on that
+        # loop's thread), across threads for read_sync (under _lock).
+        self._loop_flights: dict[tuple[asyncio.AbstractEventLoop, str], asyncio.Future[Any]] = {}
+        self._thread_flights: dict[str, _Flight] = {}
 
     def __repr__(self) -> str:
         return f"RemoteStore({self.url!r})"
@@ -256,6 +281,43 @@ class RemoteStore:
                     data = cache.get(key)  # without a file: counts the miss, reads nothing
             if data is not None:
                 return self._hit(data)
+        if options is not None:
+            return await self._fetch(key, options)
+        flights = self._loop_flights
+        slot = (asyncio.get_running_loop(), key)
+        while True:
+            flight = flights.get(slot)
+            if flight is None:
+                break
+            # Shielded: a joiner that is cancelled must not cancel the owner's future.
+            shared = await asyncio.shield(flight)
+            if shared is not _RETRY:
+                self._count_joined()
+                return shared  # type: ignore[no-any-return]
+        flight = asyncio.get_running_loop().create_future()
+        flights[slot] = flight
+        try:
+            view = await self._fetch(key, None)
+        except Exception as error:
+            flight.set_exception(error)
+            flight.exception()  # retrieved: no "never retrieved" warning without joiners
+            raise
+        except BaseException:
+            flight.set_result(_RETRY)  # cancelled: one of the joiners reads it instead
+            raise
+        else:
+            flight.set_result(view)
+        finally:
+            del flights[slot]
+        if cache is not None and (cache.directory is None or view.nbytes <= _INLINE_FILE_BYTES):
+            cache.put(key, view)
+        elif cache is not None:
+            # Awaited, not left running: the writes in flight stay as many as the reads, and
+            # none outlives the pipeline's event loop.
+            await asyncio.get_running_loop().run_in_executor(None, cache.put, key, view)
+        return view
+
+    async def _fetch(self, key: str, options: Any) -> memoryview:
         async with self._loop_limit():
             self._begin()
             view = None
@@ -266,12 +328,6 @@ class RemoteStore:
                 raise self._failed(key, error) from error
             finally:  # also when cancelled (a pipeline that stops cancels its reads)
                 self._end(view)
-        if cache is not None and (cache.directory is None or view.nbytes <= _INLINE_FILE_BYTES):
-            cache.put(key, view)
-        elif cache is not None:
-            # Awaited, not left running: the writes in flight stay as many as the reads, and
-            # none outlives the pipeline's event loop.
-            await asyncio.get_running_loop().run_in_executor(None, cache.put, key, view)
         return view
 
     def read_sync(
@@ -287,6 +343,35 @@ class RemoteStore:
             data = cache.get(key)
             if data is not None:
                 return self._hit(data)
+        if options is not None:
+            return self._fetch_sync(key, options)
+        while True:
+            with self._lock:
+                flight = self._thread_flights.get(key)
+                if flight is None:
+                    flight = self._thread_flights[key] = _Flight()
+                    break
+            flight.done.wait()
+            if flight.error is not None:
+                raise flight.error
+            if flight.view is not None:
+                self._count_joined()
+                return flight.view
+            # The reading thread was interrupted (not a read error): read it here instead.
+        try:
+            flight.view = view = self._fetch_sync(key, None)
+        except Exception as error:
+            flight.error = error
+            raise
+        finally:
+            with self._lock:
+                del self._thread_flights[key]
+            flight.done.set()
+        if cache is not None:
+            cache.put(key, view)
+        return view
+
+    def _fetch_sync(self, key: str, options: Any) -> memoryview:
         with self._thread_limit:
             self._begin()
             view = None
@@ -296,15 +381,18 @@ class RemoteStore:
                 raise self._failed(key, error) from error
             finally:
                 self._end(view)
-        if cache is not None:
-            cache.put(key, view)
         return view
 
     def stats(self) -> RemoteStats:
         """How many reads and bytes so far, how many failed, how many are under way."""
         with self._lock:
             return RemoteStats(
-                self._reads, self._bytes, self._failures, self._in_flight, self._cache_hits
+                self._reads,
+                self._bytes,
+                self._failures,
+                self._in_flight,
+                self._cache_hits,
+                self._joined,
             )
 
     # -- internals -----------------------------------------------------------------------------
@@ -326,6 +414,10 @@ class RemoteStore:
         with self._lock:
             self._cache_hits += 1
         return memoryview(data)
+
+    def _count_joined(self) -> None:
+        with self._lock:
+            self._joined += 1
 
     def _begin(self) -> None:
         with self._lock:
