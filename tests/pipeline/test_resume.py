@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import random
+import sys
 import threading
 import time
 from collections import Counter
@@ -146,7 +148,7 @@ def test_failed_items_count_as_done_and_are_not_retried(caplog: pytest.LogCaptur
         first = build()
         assert take(first, 6) == [1, 2, 3, 4, 6, 7]
     # The sample is named by its value and its place in the source.
-    assert "failed on sample 0 (source item 0)" in caplog.text
+    assert "failed on sample [source item 0] 0" in caplog.text
     state = first.state_dict()
     assert state["done_below"] == 8  # 5 failed, and counts as done
     # The stage may have run ahead of the consumer and failed on 10 already: done too.
@@ -166,7 +168,7 @@ def test_failure_past_the_budget_names_the_source_item() -> None:
     pipeline = pipeline.pipe(lambda s: 1 / (s != "B")).build(resumable=True)
     with pytest.raises(PipelineFailure) as caught:
         list(pipeline)
-    assert "'B' (source item 1)" in str(caught.value)
+    assert "[source item 1] 'B'" in str(caught.value)
 
 
 def test_process_pool_stage_resumes() -> None:
@@ -271,3 +273,122 @@ def test_resume_skips_done_items_above_the_watermark() -> None:
     first = PipelineBuilder().add_source(range(6)).build(resumable=True)
     first.load_state_dict({"version": 1, "done_below": 1, "done_ahead": [2, 3]})
     assert list(first) == [1, 4, 5]
+
+
+def test_stopping_part_way_keeps_the_position() -> None:
+    # stop() from the loop body (or another thread, or a preemption handler) ends the loop
+    # like the end of the epoch does, but the epoch did not end: its position stays.
+    pipeline = PipelineBuilder().add_source(range(50)).pipe(square).build(resumable=True)
+    got = []
+    for x in pipeline:
+        got.append(x)
+        if len(got) == 7:
+            pipeline.stop()
+    assert got == [i * i for i in range(7)]
+    assert pipeline.state_dict()["done_below"] == 7
+
+    stopper = PipelineBuilder().add_source(range(50)).pipe(square).build(resumable=True)
+    stopper.start()
+    assert [stopper.get_item(timeout=5) for _ in range(3)] == [0, 1, 4]
+    stopping = threading.Thread(target=stopper.stop)
+    stopping.start()
+    # Ends with EOFError if the stop lands while waiting, RuntimeError if before the call.
+    with pytest.raises((EOFError, RuntimeError)):
+        while True:
+            stopper.get_item(timeout=5)
+    stopping.join()
+    assert stopper.state_dict()["done_below"] >= 3
+
+
+def test_the_item_that_stops_the_run_is_not_counted_as_done() -> None:
+    broken = threading.Event()
+    broken.set()
+
+    def flaky(x: int) -> int:
+        if x == 3 and broken.is_set():
+            raise OSError("the disk went away")
+        return x
+
+    def build() -> Any:
+        builder = PipelineBuilder().add_source(range(8)).pipe(flaky, output_order="input")
+        return builder.build(resumable=True)  # max_failures=0: the first failure stops it
+
+    from feedline import PipelineFailure
+
+    first = build()
+    got: list[int] = []
+    with pytest.raises(PipelineFailure):
+        for x in first:
+            got.append(x)
+    # The failure is raised as soon as it happens, maybe before items already finished.
+    assert got == list(range(len(got)))
+    assert len(got) <= 3
+    state = first.state_dict()
+    assert state == {"version": 1, "done_below": len(got), "done_ahead": []}
+    broken.clear()  # fixed: the resumed run reads item 3 again
+    second = build()
+    second.load_state_dict(state)
+    assert list(second) == list(range(len(got), 8))
+
+
+def test_state_dict_never_misses_a_loaded_state_while_epochs_start() -> None:
+    pipeline = PipelineBuilder().add_source(range(10)).build(resumable=True)
+    loaded = {"version": 1, "done_below": 5, "done_ahead": []}
+    seen: list[int] = []
+    running = True
+
+    def save() -> None:
+        while running:
+            seen.append(pipeline.state_dict()["done_below"])
+            time.sleep(0)  # let the epochs start
+
+    pipeline.load_state_dict(loaded)
+    saver = threading.Thread(target=save)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: widen any race
+    saver.start()
+    try:
+        for _ in range(100):
+            pipeline.load_state_dict(loaded)
+            pipeline.start()  # nothing is received: the position stays 5 throughout
+            pipeline.stop()
+    finally:
+        running = False
+        saver.join()
+        sys.setswitchinterval(interval)
+    assert seen
+    assert set(seen) == {5}
+
+
+def test_a_resumable_pipeline_cannot_feed_another() -> None:
+    inner = PipelineBuilder().add_source(range(3)).build(resumable=True)
+    with pytest.raises(ConfigurationError, match="cannot be the source of another"):
+        PipelineBuilder().add_source(inner)
+
+
+def test_resumable_must_be_a_bool() -> None:
+    with pytest.raises(ConfigurationError, match="True or False"):
+        PipelineBuilder().add_source(range(3)).build(resumable="no")  # type: ignore[arg-type]
+
+
+def test_stop_closes_a_generator_source() -> None:
+    closed = threading.Event()
+
+    def numbers() -> Iterator[int]:
+        try:
+            yield from range(1000)
+        finally:
+            closed.set()
+
+    pipeline = PipelineBuilder().add_source(numbers()).build(resumable=True)
+    assert take(pipeline, 2) == [0, 1]
+    assert closed.is_set()
+
+
+def test_stop_does_not_wait_for_a_long_skip() -> None:
+    # Resuming far into an endless source: the skip is cut short by stop(), not finished.
+    pipeline = PipelineBuilder().add_source(itertools.count()).build(resumable=True)
+    pipeline.load_state_dict({"version": 1, "done_below": 10**15, "done_ahead": []})
+    pipeline.start()
+    time.sleep(0.1)
+    pipeline.stop()  # hangs (and the test times out) if the skip ignores the stop

@@ -136,6 +136,12 @@ class PipelineBuilder(Generic[T]):
         """
         if self._source is not None:
             raise ConfigurationError("add_source() was called twice; a pipeline has one source")
+        if isinstance(source, Pipeline) and source._config.resumable:
+            raise ConfigurationError(
+                "a pipeline built with resumable=True cannot be the source of another: it would "
+                "count its items as received when the outer pipeline takes them, not when the "
+                "outer consumer does; build the inner one without resumable=True"
+            )
         is_async = hasattr(source, "__aiter__")
         if not is_async and not hasattr(source, "__iter__"):
             raise ConfigurationError(
@@ -406,6 +412,8 @@ class PipelineBuilder(Generic[T]):
                 f"report_stats_interval must be a positive number of seconds or None, "
                 f"got {report_stats_interval!r}"
             )
+        if not isinstance(resumable, bool):
+            raise ConfigurationError(f"resumable must be True or False, got {resumable!r}")
         stages = tuple(self._stages)
         if resumable:
             stages = self._resumable_stages()
@@ -427,20 +435,24 @@ class PipelineBuilder(Generic[T]):
         if isinstance(self._source.source, Pipeline):
             raise ConfigurationError(
                 "resumable=True cannot resume a pipeline whose source is another Pipeline "
-                "(its items may come in a different order on the next pass); make the inner "
-                "pipeline's source the source of this one, or build without resumable=True"
+                "(its items may come in a different order on the next pass); move the inner "
+                "pipeline's source and stages into this one, or build without resumable=True"
             )
         stages: list[StageConfig] = []
         for s in self._stages:
             if isinstance(s, DisaggregateConfig) or (
                 isinstance(s, PipeConfig) and s.kind in (OpKind.GENERATOR, OpKind.ASYNC_GENERATOR)
             ):
-                what = "disaggregate()" if isinstance(s, DisaggregateConfig) else s.kind.value
+                if isinstance(s, DisaggregateConfig):
+                    what, instead = "disaggregate()", "keep the groups whole (one item each)"
+                else:
+                    agen = s.kind is OpKind.ASYNC_GENERATOR
+                    what = "an async generator" if agen else "a generator"
+                    instead = "make the op return a list of its results (one item)"
                 raise ConfigurationError(
                     f"stage {s.name!r}: resumable=True needs stages that turn one item into one, "
-                    f"and a {what} stage turns one into many, which cannot be resumed part-way; "
-                    "return a list from a function instead (it stays one item), or build "
-                    "without resumable=True"
+                    f"and {what} stage turns one into many, which cannot be resumed part-way; "
+                    f"{instead}, or build without resumable=True"
                 )
             if isinstance(s, PipeConfig):
                 wrapped = TaggedAsyncOp(s.op) if s.kind is OpKind.COROUTINE else TaggedOp(s.op)

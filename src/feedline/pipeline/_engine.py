@@ -79,6 +79,7 @@ class Run:
         self._stopped = False
         self._stop_lock = threading.Lock()
         self.error: BaseException | None = None
+        self.finished = False  # the consumer was told the epoch ended (not stopped part-way)
         self._jobs = 0
         self._jobs_lock = threading.Lock()
         self._jobs_done = threading.Event()
@@ -349,7 +350,7 @@ class Run:
             self._jobs_done.set()
 
     def item_failed(self, item: Any) -> None:
-        """A stage failed on ``item`` and skips it (called before the budget is checked)."""
+        """A stage failed on ``item`` within the failure budget and skips it."""
         if self._on_failed is not None:
             self._on_failed(item)
 
@@ -435,6 +436,9 @@ class Run:
         if item is EMPTY:
             if self.error is not None:
                 raise self.error
+            if self._stopping:  # set before the sink is interrupted
+                raise EOFError("the pipeline was stopped before the end of its epoch")
+            self.finished = True
             raise EOFError("the pipeline has no more items in this epoch")
         return item
 

@@ -97,24 +97,26 @@ class Pipeline(Generic[T]):
         run.start()
 
     def _new_run(self) -> Run:
+        # Called under the holder's lock, which state_dict() takes too.
         config = self._config
         if not config.resumable:
             return Run(config, _wrap_source)
-        progress, self._loaded = self._loaded or Progress(), None
-        self._progress = progress
+        progress = self._loaded or Progress()
+        self._progress = progress  # before _loaded is cleared: never a moment with neither
+        self._loaded = None
         src = config.source
-        source = (
-            tag_async_source(src.source, progress)  # type: ignore[arg-type]
-            if src.is_async
-            else tag_source(src.source, progress)  # type: ignore[arg-type]
-        )
-        config = dataclasses.replace(config, source=dataclasses.replace(src, source=source))
+        if src.is_async:
+            source = tag_async_source(src.source, progress)  # type: ignore[arg-type]
+            config = dataclasses.replace(config, source=dataclasses.replace(src, source=source))
+
+        def wrap(source: Any, run: Run) -> Any:  # a sync source
+            return tag_source(source, progress, lambda: run.stopping)
 
         def failed(item: Any) -> None:
             if isinstance(item, Tagged):  # skipped: an uninterrupted run skips it too
                 progress.mark(item.tag)
 
-        return Run(config, _wrap_source, on_failed=failed)
+        return Run(config, wrap, on_failed=failed)
 
     def _receiver(self, run: Run) -> Callable[[float | None], Any]:
         # What hands the consumer its items: the run's get, or, when resumable, one that
@@ -171,7 +173,7 @@ class Pipeline(Generic[T]):
         try:
             item: T = self._receiver(run)(timeout)
         except EOFError:
-            self._epoch_done()
+            self._epoch_done(run)
             self.stop()
             raise
         except TimeoutError:
@@ -201,7 +203,7 @@ class Pipeline(Generic[T]):
                 try:
                     item = get(None)
                 except EOFError:
-                    self._epoch_done()
+                    self._epoch_done(run)
                     return
                 yield item
         finally:
@@ -221,16 +223,18 @@ class Pipeline(Generic[T]):
                 except TimeoutError:
                     continue
                 except EOFError:
-                    self._epoch_done()
+                    self._epoch_done(run)
                     return
                 yield item
         finally:
             self.stop()
 
-    def _epoch_done(self) -> None:
-        # The epoch ended: a state saved now starts the next one from the beginning.
-        if self._config.resumable:
-            self._progress = Progress()
+    def _epoch_done(self, run: Run) -> None:
+        # The epoch ended (not stopped part-way): a state saved now starts the next epoch
+        # from its beginning.
+        if self._config.resumable and run.finished:
+            with self._holder.lock:
+                self._progress = Progress()
 
     # -- resuming --------------------------------------------------------------------------------
 
@@ -248,9 +252,9 @@ class Pipeline(Generic[T]):
 
         """
         self._check_resumable("state_dict()")
-        if self._loaded is not None:
-            return self._loaded.state()
-        return self._progress.state()
+        with self._holder.lock:
+            current = self._loaded or self._progress
+        return current.state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next epoch resume from ``state`` (from :meth:`state_dict`).

@@ -15,6 +15,7 @@ seeded for the epoch). Nothing is replayed but the source itself.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
@@ -52,13 +53,14 @@ class Tagged:
         return (Tagged, (self.tag, self.value))
 
     def __repr__(self) -> str:
-        # What failure messages show: the user's sample and where in the source it was.
+        # What failure messages show: where in the source the sample was, then the sample
+        # (first, as messages cut a long repr at its end).
         if isinstance(self.tag, int):
             where = f"source item {self.tag}"
         else:
-            shown = ", ".join(map(str, self.tag[:6])) + (", ..." if len(self.tag) > 6 else "")
+            shown = ", ".join(map(str, self.tag[:4])) + (", ..." if len(self.tag) > 4 else "")
             where = f"source items {shown}"
-        return f"{sample_repr(self.value)} ({where})"
+        return f"[{where}] {sample_repr(self.value)}"
 
 
 class TaggedOp:
@@ -180,26 +182,55 @@ class Progress:
                 "a damaged pipeline state: 'done_below' must be an int >= 0 and 'done_ahead' "
                 f"a list of ints, got {below!r} and {sample_repr(ahead)}"
             )
-        return cls(below, (n for n in ahead if n > below))
+        progress = cls(below)
+        for number in ahead:
+            progress.mark(number)  # numbers at or below the watermark move it on, or are done
+        return progress
+
+
+_SKIP_CHECK = 256  # skipped items between two looks at whether the run is stopping
 
 
 class _TaggedSource:
     """The source's items numbered from 0, without those already done."""
 
-    def __init__(self, source: Iterable[Any], progress: Progress) -> None:
+    def __init__(
+        self, source: Iterable[Any], progress: Progress, stopping: Callable[[], bool]
+    ) -> None:
         self._source = source
         self._progress = progress
+        self._stopping = stopping
 
     def __iter__(self) -> Iterator[Tagged]:
-        done = self._progress.skipper()
-        for number, value in enumerate(self._source):
-            if not done(number):
-                yield Tagged(number, value)
+        done, stopping = self._progress.skipper(), self._stopping
+        iterator = iter(self._source)
+        skipped = 0
+        try:
+            for number, value in enumerate(iterator):
+                if not done(number):
+                    yield Tagged(number, value)
+                    continue
+                # Skipping a long run of done items happens within one step of the source:
+                # a stop must not wait for all of it.
+                skipped += 1
+                if skipped % _SKIP_CHECK == 0 and stopping():
+                    return
+        finally:
+            # Closing this wrapper (the run stops, or ends) closes the user's iterator, so
+            # that a generator's ``finally`` runs as it does without resumable=True.
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                close()
 
 
-def tag_source(source: Iterable[Any], progress: Progress) -> Iterable[Tagged]:
-    """Number the items of a sync source, skipping those ``progress`` has done."""
-    return _TaggedSource(source, progress)
+def tag_source(
+    source: Iterable[Any], progress: Progress, stopping: Callable[[], bool]
+) -> Iterable[Tagged]:
+    """Number the items of a sync source, skipping those ``progress`` had done.
+
+    ``stopping`` tells a long skip to give up (the run is stopping).
+    """
+    return _TaggedSource(source, progress, stopping)
 
 
 class _TaggedAsyncSource:
@@ -209,13 +240,21 @@ class _TaggedAsyncSource:
 
     async def __aiter__(self) -> AsyncIterator[Tagged]:
         done = self._progress.skipper()
+        iterator = aiter(self._source)
         number = 0
-        async for value in self._source:
-            if not done(number):
-                yield Tagged(number, value)
-            number += 1
+        try:
+            async for value in iterator:
+                if not done(number):
+                    yield Tagged(number, value)
+                elif number % _SKIP_CHECK == 0:
+                    await asyncio.sleep(0)  # a stop cancels the source here if not sooner
+                number += 1
+        finally:
+            aclose = getattr(iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 def tag_async_source(source: AsyncIterable[Any], progress: Progress) -> AsyncIterable[Tagged]:
-    """Number the items of an async source, skipping those ``progress`` has done."""
+    """Number the items of an async source, skipping those ``progress`` had done."""
     return _TaggedAsyncSource(source, progress)

@@ -49,7 +49,7 @@ class RunContext(Protocol):
         """Stop the run; the consumer's next get raises ``error``."""
 
     def item_failed(self, item: Any) -> None:
-        """A stage failed on ``item`` and skips it."""
+        """A stage failed on ``item`` within the failure budget and skips it."""
 
     def on_loop_thread(self) -> bool:
         """Whether the caller is the event-loop thread."""
@@ -165,7 +165,6 @@ class StageBase:
     def record_failure(self, item: Any, error: Exception) -> None:
         """Count a failed item, log it (rate-limited), and stop the run past the budget."""
         c = self.counters
-        self.run.item_failed(item)
         sample = sample_repr(item)
         with c.lock:
             c.failures += 1
@@ -190,3 +189,7 @@ class StageBase:
             )
             failure.__cause__ = error
             self.run.fail(failure)
+        elif not self.run.stopping:
+            # Skipped for good (within the budget, in a run that goes on): an item that
+            # stopped the run, or failed as it stopped, is not.
+            self.run.item_failed(item)
