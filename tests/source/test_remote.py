@@ -305,9 +305,12 @@ def test_concurrent_reads_of_one_key_share_one_request(flaky: str) -> None:
         await _until(lambda: store.stats().in_flight == 1)
         await asyncio.sleep(0.05)  # the other four are waiting, not sending
         _Flaky.release.set()
-        return [bytes(v) for v in await asyncio.gather(*reads)]
+        views = await asyncio.gather(*reads)
+        # Each reader has a view of its own: one released breaks no other.
+        views[0].release()
+        return [bytes(v) for v in views[1:]]
 
-    assert asyncio.run(main()) == [b"late"] * 5
+    assert asyncio.run(main()) == [b"late"] * 4
     assert _Flaky.attempts["/slow-a"] == 1
     assert store.stats() == RemoteStats(
         reads=1, bytes=4, failures=0, in_flight=0, cache_hits=0, joined=4
@@ -325,9 +328,11 @@ def test_concurrent_reads_of_one_key_share_one_request(flaky: str) -> None:
     for t in threads:
         t.start()
     deadline = time.monotonic() + 10
-    while store.stats().in_flight == 0 and time.monotonic() < deadline:
+    while time.monotonic() < deadline:  # until one reads and three wait for it
+        flight = store._thread_flights.get("slow-b")
+        if flight is not None and flight.waiters == 3:
+            break
         time.sleep(0.005)
-    time.sleep(0.05)
     _Flaky.release.set()
     for t in threads:
         t.join(10)
@@ -357,6 +362,34 @@ def test_a_shared_read_survives_its_first_reader_being_cancelled(flaky: str) -> 
     assert (store.stats().reads, store.stats().joined, store.stats().in_flight) == (1, 2, 0)
 
 
+def test_a_reader_arriving_while_the_cache_fills_joins_the_read(flaky: str) -> None:
+    from feedline.source import ObjectCache
+
+    class SlowCache(ObjectCache):
+        """Holds each put until released: the first reader is filling the cache."""
+
+        entered = threading.Event()
+        go_on = threading.Event()
+
+        def put(self, key: str, data: Any) -> None:
+            self.entered.set()
+            self.go_on.wait(10)
+            super().put(key, data)
+
+    _Flaky.release.set()  # the server answers at once
+    store = RemoteStore(flaky, cache=SlowCache(memory_bytes=1 << 20))
+    first = threading.Thread(target=store.read_sync, args=("slow-d",))
+    first.start()
+    assert SlowCache.entered.wait(10)
+    assert bytes(store.read_sync("slow-d")) == b"late"  # neither the cache nor a second GET
+    SlowCache.go_on.set()
+    first.join(10)
+    assert _Flaky.attempts["/slow-d"] == 1
+    assert store.stats().joined == 1
+    assert bytes(store.read_sync("slow-d")) == b"late"  # now from the cache
+    assert store.stats().cache_hits == 1
+
+
 def test_a_shared_read_shares_its_error(flaky: str) -> None:
     store = RemoteStore(flaky, retries=1, backoff=0.2)
 
@@ -366,8 +399,10 @@ def test_a_shared_read_shares_its_error(flaky: str) -> None:
 
     errors = asyncio.run(main())
     assert all(isinstance(e, RemoteReadError) and e.key == "down-a" for e in errors)
+    assert len({id(e) for e in errors}) == 3  # copies: one traceback each
+    assert len({str(e) for e in errors}) == 1
     assert _Flaky.attempts["/down-a"] == 2  # one read, retried once
-    assert store.stats().failures == 1
+    assert (store.stats().failures, store.stats().joined) == (1, 2)
 
 
 def test_bad_arguments_say_what_to_pass() -> None:

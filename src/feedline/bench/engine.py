@@ -1,8 +1,9 @@
 """The ``engine`` scenario: what the pipeline engine itself costs, against SPDL and a thread pool.
 
 (a) Overhead: items/s through three no-op stages (sync, then async) at concurrency 1 and 8,
-    with a sink of 3 (SPDL's default) and, at concurrency 8, of 64; and the latency of handing
-    one item through an idle pipeline to the consumer. With a short sink and a consumer that
+    with a sink of 3 (SPDL's default) and, at concurrency 8, of 64, and what
+    ``build(resumable=True)`` costs on top; and the latency of handing one item through an
+    idle pipeline to the consumer. With a short sink and a consumer that
     does nothing, the consumer's thread and the pipeline's take turns every few items, each
     turn a thread wake-up; the long sink shows what the stages themselves cost.
 (b) A stage that releases the GIL (SHA-256 of 1 MiB) at concurrency 1, 2 and 4, against
@@ -61,11 +62,12 @@ def _feedline_pipeline(
     concurrency: int,
     num_threads: int,
     sink: int | None,
+    resumable: bool = False,
 ) -> Any:
     b: PipelineBuilder[Any] = PipelineBuilder().add_source(source)
     for _ in range(stages):
         b = b.pipe(op, concurrency=concurrency)
-    return b.add_sink(sink).build(num_threads=num_threads)
+    return b.add_sink(sink).build(num_threads=num_threads, resumable=resumable)
 
 
 def _spdl_pipeline(
@@ -111,6 +113,15 @@ def _overhead(n: int, repeats: int, sink: int, progress: Any) -> list[Measuremen
             return _drain(_feedline_pipeline(range(n), op, 3, conc, threads, size))
 
         contenders = [Contender("feedline", ours)]
+        if size == sink:
+            # The cost of build(resumable=True): each item carries its source number through
+            # every stage, wrapped and unwrapped once per stage.
+            def resumable(
+                op: Any = op, conc: int = conc, threads: int = threads, size: int = size
+            ) -> tuple[int, float]:
+                return _drain(_feedline_pipeline(range(n), op, 3, conc, threads, size, True))
+
+            contenders.append(Contender("feedline, resumable", resumable))
         if sp is not None:
 
             def theirs(

@@ -35,11 +35,12 @@ class RemoteStats:
     Attributes:
         reads: Reads that returned data.
         bytes: Bytes those reads returned.
-        failures: Reads that raised (after the store's retries).
+        failures: Requests that failed (after the store's retries).
         in_flight: Reads under way now.
         cache_hits: Whole-object reads answered by the ``cache`` (not counted in ``reads``).
         joined: Whole-object reads that found the same key already being read and waited
-            for that read's result instead of sending another request (not in ``reads``).
+            for that read's result (its bytes, or its error) instead of sending another
+            request (not in ``reads`` nor ``failures``).
 
     """
 
@@ -54,12 +55,19 @@ class RemoteStats:
 class _Flight:
     """One whole-object read that later readers of the same key may wait for (threads)."""
 
-    __slots__ = ("done", "error", "view")
+    __slots__ = ("done", "error", "view", "waiters")
 
     def __init__(self) -> None:
         self.done = threading.Event()
-        self.view: memoryview | None = None
-        self.error: BaseException | None = None
+        self.view: memoryview | None = None  # a view of the result that no caller holds
+        self.error: RemoteReadError | None = None
+        self.waiters = 0  # threads that joined (under the store's lock)
+
+
+def _copy_error(error: RemoteReadError) -> RemoteReadError:
+    # Each joiner raises its own copy: one object raised in several threads would gather
+    # all their frames in one traceback.
+    return type(error)(error.url, error.key, str(error))
 
 
 _RETRY: Any = object()  # an async read's owner was cancelled: its joiners read again
@@ -289,32 +297,38 @@ class RemoteStore:
             flight = flights.get(slot)
             if flight is None:
                 break
-            # Shielded: a joiner that is cancelled must not cancel the owner's future.
-            shared = await asyncio.shield(flight)
+            try:
+                # Shielded: a joiner that is cancelled must not cancel the owner's future.
+                shared = await asyncio.shield(flight)
+            except RemoteReadError as error:
+                self._count_joined()
+                raise _copy_error(error) from error.__cause__
             if shared is not _RETRY:
                 self._count_joined()
-                return shared  # type: ignore[no-any-return]
+                return memoryview(shared)  # its own view: releasing it harms no other
         flight = asyncio.get_running_loop().create_future()
         flights[slot] = flight
         try:
-            view = await self._fetch(key, None)
-        except Exception as error:
-            flight.set_exception(error)
-            flight.exception()  # retrieved: no "never retrieved" warning without joiners
-            raise
-        except BaseException:
-            flight.set_result(_RETRY)  # cancelled: one of the joiners reads it instead
-            raise
-        else:
-            flight.set_result(view)
+            try:
+                view = await self._fetch(key, None)
+            except Exception as error:
+                flight.set_exception(error)
+                flight.exception()  # retrieved: no "never retrieved" warning without joiners
+                raise
+            except BaseException:
+                flight.set_result(_RETRY)  # cancelled: one of the joiners reads it instead
+                raise
+            # The joiners go now; the flight stays listed while the cache is filled, so that
+            # a reader arriving meanwhile joins it rather than sending a second request.
+            flight.set_result(memoryview(view))
+            if cache is not None and (cache.directory is None or view.nbytes <= _INLINE_FILE_BYTES):
+                cache.put(key, view)
+            elif cache is not None:
+                # Awaited, not left running: the writes in flight stay as many as the reads,
+                # and none outlives the pipeline's event loop.
+                await asyncio.get_running_loop().run_in_executor(None, cache.put, key, view)
         finally:
-            del flights[slot]
-        if cache is not None and (cache.directory is None or view.nbytes <= _INLINE_FILE_BYTES):
-            cache.put(key, view)
-        elif cache is not None:
-            # Awaited, not left running: the writes in flight stay as many as the reads, and
-            # none outlives the pipeline's event loop.
-            await asyncio.get_running_loop().run_in_executor(None, cache.put, key, view)
+            flights.pop(slot, None)
         return view
 
     async def _fetch(self, key: str, options: Any) -> memoryview:
@@ -345,31 +359,41 @@ class RemoteStore:
                 return self._hit(data)
         if options is not None:
             return self._fetch_sync(key, options)
-        while True:
-            with self._lock:
-                flight = self._thread_flights.get(key)
-                if flight is None:
-                    flight = self._thread_flights[key] = _Flight()
-                    break
-            flight.done.wait()
-            if flight.error is not None:
-                raise flight.error
-            if flight.view is not None:
-                self._count_joined()
-                return flight.view
-            # The reading thread was interrupted (not a read error): read it here instead.
+        mine: _Flight | None = None
         try:
-            flight.view = view = self._fetch_sync(key, None)
-        except Exception as error:
-            flight.error = error
-            raise
+            while True:
+                with self._lock:
+                    flight = self._thread_flights.get(key)
+                    if flight is None:
+                        mine = _Flight()
+                        self._thread_flights[key] = mine
+                        break
+                    flight.waiters += 1
+                flight.done.wait()
+                if flight.error is not None:
+                    self._count_joined()
+                    error = flight.error
+                    raise _copy_error(error) from error.__cause__
+                if flight.view is not None:
+                    self._count_joined()
+                    return memoryview(flight.view)  # its own view (see read)
+                # The reading thread was interrupted (not a read error): read it here.
+            try:
+                view = self._fetch_sync(key, None)
+            except RemoteReadError as error:
+                mine.error = error
+                raise
+            mine.view = memoryview(view)
+            mine.done.set()  # the joiners go; the flight stays listed while the cache fills
+            if cache is not None:
+                cache.put(key, view)
+            return view
         finally:
-            with self._lock:
-                del self._thread_flights[key]
-            flight.done.set()
-        if cache is not None:
-            cache.put(key, view)
-        return view
+            if mine is not None:
+                mine.done.set()
+                with self._lock:
+                    if self._thread_flights.get(key) is mine:
+                        del self._thread_flights[key]
 
     def _fetch_sync(self, key: str, options: Any) -> memoryview:
         with self._thread_limit:
@@ -407,6 +431,9 @@ class RemoteStore:
             with self._lock:
                 for old in [lp for lp in self._loop_limits if lp.is_closed()]:
                     del self._loop_limits[old]
+                # A loop closed mid-read leaves its flights behind: drop them with it.
+                for slot in [s for s in self._loop_flights if s[0].is_closed()]:
+                    self._loop_flights.pop(slot, None)
                 limit = self._loop_limits.setdefault(loop, asyncio.Semaphore(self._max_in_flight))
         return limit
 
