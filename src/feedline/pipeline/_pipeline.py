@@ -159,7 +159,8 @@ class Pipeline(Generic[T]):
 
         Raises:
             RuntimeError: If the pipeline was not started (call :meth:`start`).
-            EOFError: When the epoch has no more items (the pipeline then stops itself).
+            EOFError: When the epoch has no more items (the pipeline then stops itself), or
+                when the pipeline was stopped meanwhile.
             TimeoutError: If no item arrived within ``timeout``.
             PipelineFailure: If a stage exceeded the failure budget.
 
