@@ -424,7 +424,7 @@ class PipelineBuilder(Generic[T]):
             num_threads=num_threads,
             max_failures=max_failures,
             report_stats_interval=report_stats_interval,
-            resumable=bool(resumable),
+            resumable=resumable,
         )
         return Pipeline(config)
 

@@ -123,14 +123,13 @@ class Pipeline(Generic[T]):
         # marks each item's source numbers done and unwraps it.
         if not self._config.resumable:
             return run.get
-        progress, get = self._progress, run.get
+        get, unwrap = run.get, self._unwrap
+        return lambda timeout: unwrap(get(timeout))
 
-        def receive(timeout: float | None) -> Any:
-            item: Tagged = get(timeout)
-            progress.mark(item.tag)
-            return item.value
-
-        return receive
+    def _unwrap(self, item: Any) -> Any:
+        # A Tagged item reaches the consumer: its source numbers are done.
+        self._progress.mark(item.tag)
+        return item.value
 
     def stop(self) -> None:
         """Stop the current epoch and join its threads. Idempotent; safe to call any time."""
@@ -172,7 +171,9 @@ class Pipeline(Generic[T]):
                 "get_item(), or iterate it with a for loop"
             )
         try:
-            item: T = self._receiver(run)(timeout)
+            item: T = run.get(timeout)
+            if self._config.resumable:
+                item = self._unwrap(item)
         except EOFError:
             self._epoch_done(run)
             self.stop()

@@ -108,15 +108,14 @@ class Progress:
     """The source numbers done in the current epoch; thread-safe.
 
     Args:
-        below: Every number below this is done.
-        ahead: Numbers at or above ``below`` that are done too.
+        below: Every number below this is done (more are marked with :meth:`mark`).
 
     """
 
-    def __init__(self, below: int = 0, ahead: Iterable[int] = ()) -> None:
+    def __init__(self, below: int = 0) -> None:
         self._lock = threading.Lock()
         self._below = below
-        self._ahead = set(ahead)
+        self._ahead: set[int] = set()  # numbers above ``below`` that are done too
 
     def mark(self, tag: int | tuple[int, ...]) -> None:
         """Record that the item(s) numbered ``tag`` were delivered (or failed)."""

@@ -94,14 +94,17 @@ class AggregateWork(Work):
         self._group.append(item)
         if len(self._group) < self.size:
             return iter(())
-        group, self._group = self._group, []
-        return iter((group if self._collect is None else self._collect(group),))
+        return self._emit()
 
     def finish(self) -> Iterator[Any] | None:
-        group, self._group = self._group, []
-        if group and not self.drop_last:
-            return iter((group if self._collect is None else self._collect(group),))
+        if self._group and not self.drop_last:
+            return self._emit()
+        self._group = []
         return None
+
+    def _emit(self) -> Iterator[Any]:
+        group, self._group = self._group, []
+        return iter((group if self._collect is None else self._collect(group),))
 
 
 class DisaggregateWork(Work):
