@@ -186,3 +186,32 @@ def test_statistics_match_a_step_by_step_integration(
     assert s.empty_fraction == pytest.approx(empty / life, abs=1e-9)
     assert s.full_fraction == pytest.approx(full / life, abs=1e-9)
     assert 0.0 <= s.empty_fraction + s.full_fraction <= 1.0 + 1e-9
+
+
+def test_resize_wakes_a_refused_producer_and_ends_or_starts_a_full_period(clock: _Clock) -> None:
+    ch = Channel("q", 2)
+    ends = _Ends()
+    ch.connect(ends, ends)
+    assert ch.try_put(1)
+    assert ch.try_put(2)
+    assert not ch.try_put(3)  # refused: it waits for on_space
+    clock.t += 1
+    ch.resize(4)  # room now, and 2 <= the new low-water mark
+    assert ends.space == 1
+    clock.t += 1
+    assert ch.try_put(3)
+    assert ch.try_put(4)
+    assert not ch.try_put(5)
+    assert (ch.capacity, ch.fills) == (4, 2)
+    clock.t += 1
+    ch.resize(2)  # smaller: what it holds stays, and it is full
+    assert len(ch) == 4
+    assert not ch.try_put(5)
+    clock.t += 2
+    s = ch.stats()
+    # Full from 0 to 1 (capacity 2), not from 1 to 2 (capacity 4, two held), then full
+    # from the second fill on, through the shrink: 1 + 3 seconds of 5.
+    assert s.full_fraction == pytest.approx(4 / 5)
+    assert [ch.try_get() for _ in range(4)] == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match=">= 1"):
+        ch.resize(0)

@@ -1,11 +1,11 @@
 """The ``engine`` scenario: what the pipeline engine itself costs, against SPDL and a thread pool.
 
 (a) Overhead: items/s through three no-op stages (sync, then async) at concurrency 1 and 8,
-    with a sink of 3 (SPDL's default) and, at concurrency 8, of 64, and what
-    ``build(resumable=True)`` costs on top; and the latency of handing one item through an
-    idle pipeline to the consumer. With a short sink and a consumer that
+    with a sink of 3 (SPDL's default) on both sides, then with feedline's default sink (which
+    grows), and what ``build(resumable=True)`` costs on top; and the latency of handing one
+    item through an idle pipeline to the consumer. With a 3-item sink and a consumer that
     does nothing, the consumer's thread and the pipeline's take turns every few items, each
-    turn a thread wake-up; the long sink shows what the stages themselves cost.
+    turn a thread wake-up; the growing sink shows what the stages themselves cost.
 (b) A stage that releases the GIL (SHA-256 of 1 MiB) at concurrency 1, 2 and 4, against
     ``ThreadPoolExecutor.map`` doing the same work: the engine should add nothing measurable.
 
@@ -14,6 +14,7 @@ SPDL (``spdl.pipeline``, PyPI ``spdl``) runs as a contender when it is installed
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import statistics
 import time
@@ -29,7 +30,6 @@ from ._registry import BenchOptions
 __all__ = ["run"]
 
 _MIB = 1 << 20
-_LONG_SINK = 64
 
 
 def _noop(x: Any) -> Any:
@@ -97,40 +97,39 @@ def _drain(pipeline: Any) -> tuple[int, float]:
 def _overhead(n: int, repeats: int, sink: int, progress: Any) -> list[Measurement]:
     sp = _spdl()
     out: list[Measurement] = []
-    cases = [(label, op, conc, sink) for label, op in _OPS for conc in (1, 8)]
-    # The same with a long sink: what the stages themselves cost, once handing items to the
-    # consumer's thread is not a thread wake-up every few items.
-    cases += [(label, op, 8, _LONG_SINK) for label, op in _OPS]
-    for label, op, conc, size in cases:
-        case = f"3 {label} no-op stages, concurrency {conc}"
-        if size != sink:
-            case += f", sink {size}"
-        threads = max(8, conc)
+    for label, op in _OPS:
+        for conc in (1, 8):
+            case = f"3 {label} no-op stages, concurrency {conc}"
+            threads = max(8, conc)
 
-        def ours(
-            op: Any = op, conc: int = conc, threads: int = threads, size: int = size
-        ) -> tuple[int, float]:
-            return _drain(_feedline_pipeline(range(n), op, 3, conc, threads, size))
+            def ours(
+                op: Any = op, conc: int = conc, threads: int = threads, size: int | None = sink
+            ) -> tuple[int, float]:
+                return _drain(_feedline_pipeline(range(n), op, 3, conc, threads, size))
 
-        contenders = [Contender("feedline", ours)]
-        if size == sink:
             # The cost of build(resumable=True): each item carries its source number through
             # every stage, wrapped and unwrapped once per stage.
             def resumable(
-                op: Any = op, conc: int = conc, threads: int = threads, size: int = size
+                op: Any = op, conc: int = conc, threads: int = threads
             ) -> tuple[int, float]:
-                return _drain(_feedline_pipeline(range(n), op, 3, conc, threads, size, True))
+                return _drain(_feedline_pipeline(range(n), op, 3, conc, threads, sink, True))
 
-            contenders.append(Contender("feedline, resumable", resumable))
-        if sp is not None:
+            contenders = [
+                Contender("feedline", ours),
+                Contender("feedline, resumable", resumable),
+                # What a user gets without add_sink: a sink that grows while it, rather than
+                # the stages, is what keeps the consumer waiting.
+                Contender("feedline, default sink", functools.partial(ours, size=None)),
+            ]
+            if sp is not None:
 
-            def theirs(
-                op: Any = op, conc: int = conc, threads: int = threads, size: int = size
-            ) -> tuple[int, float]:
-                return _drain(_spdl_pipeline(sp, range(n), op, 3, conc, threads, size))
+                def theirs(
+                    op: Any = op, conc: int = conc, threads: int = threads
+                ) -> tuple[int, float]:
+                    return _drain(_spdl_pipeline(sp, range(n), op, 3, conc, threads, sink))
 
-            contenders.append(Contender("spdl", theirs))
-        out += alternate(case, contenders, repeats, "spdl" if sp else None, progress)
+                contenders.append(Contender("spdl", theirs))
+            out += alternate(case, contenders, repeats, "spdl" if sp else None, progress)
     return out
 
 
@@ -225,10 +224,11 @@ def run(options: BenchOptions) -> ScenarioResult:
     measurements += _gil_free(n_hash, repeats, progress)
     notes = [
         f"{repeats} alternating run(s) per contender, medians; no-op cases move {n_items} items "
-        f"with add_sink(buffer_size={sink}) (SPDL's default; {_LONG_SINK} where the case says "
-        "so) and num_threads=max(8, concurrency); the queues "
-        "between stages are each library's defaults (feedline: max(2, concurrency) after a "
-        "sync stage, max(8, concurrency) after an async one)",
+        f"with add_sink(buffer_size={sink}) (SPDL's default) unless the contender says "
+        "'default sink' (feedline's, which starts at 3, or 16 at concurrency 8, and doubles up "
+        "to 64 items while it keeps the consumer waiting), and num_threads=max(8, concurrency); "
+        "the queues between stages are each library's defaults (feedline: max(2, concurrency) "
+        "after a sync stage, max(8, concurrency) after an async one)",
         "hand-off latency: items/s column is 1/p50; ratio is SPDL's p50 / ours (higher is better)",
         "sha256: ThreadPoolExecutor.map keeps every result; a pipeline bounds its output buffer "
         "(by default two results per slot of the last stage, at least 3; SPDL: 3), and pays a "

@@ -16,6 +16,7 @@ from typing import Any, Literal
 __all__ = [
     "DEFAULT_SINK",
     "MAX_DEFAULT_SINK",
+    "SINK_GROW_BYTES",
     "AggregateConfig",
     "DisaggregateConfig",
     "OpKind",
@@ -101,16 +102,26 @@ StageConfig = PipeConfig | AggregateConfig | DisaggregateConfig
 
 @dataclass(frozen=True)
 class SinkConfig:
-    """The buffer of finished items waiting for the consumer."""
+    """The buffer of finished items waiting for the consumer.
+
+    ``grow_to`` above ``buffer_size`` lets it grow (the default sink, see
+    :meth:`~feedline.PipelineBuilder.add_sink`) up to that many items and about
+    :data:`SINK_GROW_BYTES`; otherwise it stays at ``buffer_size``.
+    """
 
     buffer_size: int
+    grow_to: int = 0
 
 
 DEFAULT_SINK = 3
 """Finished items held for the consumer by default (two per slot of a wider last stage)."""
 
 MAX_DEFAULT_SINK = 64
-"""The most a default sink holds, however wide the last stage (say, 256 reads in flight)."""
+"""The most a default sink holds, however wide the last stage (say, 256 reads in flight), and
+the most it grows to."""
+
+SINK_GROW_BYTES = 64 << 20
+"""A default sink grows only while the items it would hold come to at most this many bytes."""
 
 
 @dataclass(frozen=True)

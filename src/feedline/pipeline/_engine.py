@@ -131,6 +131,7 @@ class Run:
             self._kick_threaded,
             spin=isinstance(producers[-1], AsyncStage | AsyncSource),
             runs_chain=self._chain_cheap if self._chain is not None else None,
+            grow_to=config.sink.grow_to,
         )
         out.connect(producers[-1], self._sink)
         self._threaded = [s for s in producers if isinstance(s, ThreadedStage | ThreadedSource)]

@@ -56,12 +56,14 @@ class ChannelStats:
     """A snapshot of one channel's statistics.
 
     Attributes:
-        capacity: The most items the channel holds.
+        capacity: The most items the channel holds (now: a default sink grows, see
+            :meth:`~feedline.PipelineBuilder.add_sink`).
         size: Items in the channel when the snapshot was taken.
         puts: Items put so far.
         gets: Items taken so far.
-        mean_occupancy: Time-averaged fill level, 0 to 1. Near 0: the consumer is starved (its
-            producer is the slower side); near 1: the producer is blocked (the consumer is slower).
+        mean_occupancy: Time-averaged fill level, 0 to 1, as a share of the capacity now.
+            Near 0: the consumer is starved (its producer is the slower side); near 1: the
+            producer is blocked (the consumer is slower).
         empty_fraction: Share of the channel's life it was empty while still open: the
             consumer had nothing to do because of upstream.
         full_fraction: Share of the channel's life it was full: the producer could not hand
@@ -136,6 +138,7 @@ class Channel:
         "_puts",
         "_t0",
         "capacity",
+        "fills",
         "last_put",
         "name",
     )
@@ -157,6 +160,7 @@ class Channel:
         now = _now()
         self._t0 = now
         self.last_put = now  # perf_counter() of the latest put
+        self.fills = 0  # times the channel became full (read without the lock by the sink)
         # Statistics are kept by events, not integrated on every call: the time-integral of
         # the fill level is the sum of each item's stay, that is (sum of get times) - (sum of
         # put times) + (items held) * now. Times are taken relative to _t0.
@@ -198,6 +202,7 @@ class Channel:
                 self._end_empty(t)
             if n + 1 == self.capacity:
                 self._full_since = t
+                self.fills += 1
             self._put_sum += t
             self.last_put = now
             items.append(item)
@@ -261,6 +266,27 @@ class Channel:
                 return True
             self._producer_refused = True
             return False
+
+    def resize(self, capacity: int) -> None:
+        """Hold at most ``capacity`` items from now on (>= 1); a refused producer is told of room.
+
+        Items already held stay, even if they are more than a smaller capacity.
+        """
+        if capacity < 1:
+            raise ValueError(f"channel capacity must be >= 1, got {capacity}")
+        with self._lock:
+            self.capacity = capacity
+            self._low = capacity // 2
+            n = len(self._items)
+            if n < capacity:
+                self._end_full(_now() - self._t0)
+            elif self._full_since is None and not self._closed:
+                self._full_since = _now() - self._t0
+            wake = self._producer_refused and n <= self._low
+            if wake:
+                self._producer_refused = False
+        if wake:
+            self._producer.on_space()
 
     def close(self) -> None:
         """Mark the end of the stream: the producer will put nothing more."""

@@ -8,7 +8,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .._defs import SINK_GROW_BYTES
 from .._queue import EMPTY, Channel
+from .._resume import Tagged
 
 __all__ = ["SinkReader"]
 
@@ -24,6 +26,29 @@ comparison: SHA-256 on 4 threads over 2 cores, 0.89x ``ThreadPoolExecutor.map`` 
 and 0.94x without)."""
 
 
+def approx_nbytes(item: Any, depth: int = 3) -> int:
+    """Bytes that ``item`` holds in arrays, tensors and buffers, nested up to ``depth`` deep.
+
+    A rough figure for a memory budget: other objects count as nothing, and a long list is
+    extrapolated from its first 64 elements.
+    """
+    nbytes = getattr(item, "nbytes", None)  # NumPy arrays, torch tensors, memoryviews
+    if isinstance(nbytes, int):
+        return nbytes
+    if isinstance(item, bytes | bytearray | str):
+        return len(item)
+    if depth <= 0:
+        return 0
+    if isinstance(item, Tagged):
+        return approx_nbytes(item.value, depth)
+    if isinstance(item, dict):
+        item = list(item.values())
+    if isinstance(item, list | tuple) and item:
+        head = item[:64]
+        return sum(approx_nbytes(x, depth - 1) for x in head) * len(item) // len(head)
+    return 0
+
+
 class SinkReader:
     """Reads the last channel from the consumer's thread.
 
@@ -31,6 +56,14 @@ class SinkReader:
     variable): it raises ``_waiting`` and re-checks the channel before it sleeps, and a
     producer that sees ``_waiting`` releases the lock. A spare release only causes one extra
     check of the channel.
+
+    With ``grow_to`` above the channel's capacity, the reader doubles the capacity (up to
+    ``grow_to`` items and ``grow_bytes`` bytes of items like the one it measures) each time it
+    has to wait on an empty channel that was full since its last wait: the producer was
+    stopped by the buffer's size, not by its own speed, and every such turn costs the
+    consumer and the producer a sleep and a wake. A consumer slower than the pipeline never
+    waits, and a pipeline slower than its consumer never fills the channel, so neither grows
+    it. This is how tf.data's autotuned prefetch buffers grow.
     """
 
     def __init__(
@@ -40,8 +73,14 @@ class SinkReader:
         before_sleep: Callable[[], None],
         spin: bool,
         runs_chain: Callable[[], bool] | None = None,
+        grow_to: int = 0,
+        grow_bytes: int = SINK_GROW_BYTES,
     ) -> None:
         self._channel = channel
+        self._grow_to = grow_to if grow_to > channel.capacity else 0  # 0: fixed size
+        self._grow_bytes = grow_bytes
+        self._fills_seen = 0  # channel.fills when the consumer last began to wait
+        self._grow_next = False  # measure the next item and grow the channel
         self._spin = spin  # whether to yield a while before sleeping (see _SPIN)
         self._pull = pull  # runs a cheap upstream job here rather than sleeping
         self._before_sleep = before_sleep  # makes sure some job will produce what we wait for
@@ -94,11 +133,34 @@ class SinkReader:
         item = channel.try_get()
         if item is not EMPTY or channel.exhausted or self._interrupted:
             return item
+        # Read without the channel's lock: a count that is one put stale only delays growth
+        # to the next wait.
+        fills = channel.fills
+        if self._grow_to and fills != self._fills_seen:
+            self._fills_seen = fills
+            self._grow_next = True
         self.hungry = self._chain_runs_here()
         try:
-            return self._wait(timeout)
+            item = self._wait(timeout)
         finally:
             self.hungry = False
+        if self._grow_next and item is not EMPTY:
+            self._grow(item)
+        return item
+
+    def _grow(self, item: Any) -> None:
+        # Double the channel, within the item and byte limits; stop trying once at a limit.
+        self._grow_next = False
+        channel = self._channel
+        size = channel.capacity
+        limit = self._grow_to
+        nbytes = approx_nbytes(item)
+        if nbytes > 0:
+            limit = min(limit, self._grow_bytes // nbytes)
+        if limit <= size:
+            self._grow_to = 0
+            return
+        channel.resize(min(limit, 2 * size))
 
     def _wait(self, timeout: float | None) -> Any:
         channel = self._channel

@@ -1,0 +1,151 @@
+"""The consumer's end: the default sink grows when its size, not the pipeline, keeps it waiting."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from feedline import PipelineBuilder
+from feedline.pipeline._queue import EMPTY, Channel
+from feedline.pipeline._resume import Tagged
+from feedline.pipeline._stages._sink import SinkReader, approx_nbytes
+
+MiB = 1 << 20
+
+
+def _reader(capacity: int, grow_to: int, grow_bytes: int = 64 * MiB) -> SinkReader:
+    channel = Channel("sink", capacity)
+    reader = SinkReader(
+        channel, lambda: False, lambda: None, spin=False, grow_to=grow_to, grow_bytes=grow_bytes
+    )
+    channel.connect(_Producer(), reader)
+    return reader
+
+
+class _Producer:
+    def on_data(self) -> None:
+        pass
+
+    def on_space(self) -> None:
+        pass
+
+
+def _channel(reader: SinkReader) -> Channel:
+    return reader._channel
+
+
+def _fill_drain_then_wait(reader: SinkReader, item: Any) -> Any:
+    """Fill the channel, take everything, then wait for one more put by another thread."""
+    channel = _channel(reader)
+    while channel.try_put(item):
+        pass
+    while reader.get(timeout=1) is not EMPTY and len(channel):
+        pass
+    late = threading.Timer(0.05, channel.try_put, args=(item,))
+    late.start()
+    try:
+        return reader.get(timeout=10)  # empty: it waits
+    finally:
+        late.join()
+
+
+def test_a_sink_that_was_full_and_then_kept_the_consumer_waiting_doubles() -> None:
+    reader = _reader(3, grow_to=64)
+    sizes = []
+    for _ in range(6):
+        assert _fill_drain_then_wait(reader, 7) == 7
+        sizes.append(_channel(reader).capacity)
+    assert sizes == [6, 12, 24, 48, 64, 64]  # doubling, then the item limit
+
+
+def test_a_sink_that_was_never_full_does_not_grow() -> None:
+    reader = _reader(3, grow_to=64)
+    channel = _channel(reader)
+    for _ in range(5):
+        channel.try_put(1)
+        channel.try_put(2)
+        assert reader.get(timeout=1) == 1
+        assert reader.get(timeout=1) == 2
+        late = threading.Timer(0.02, channel.try_put, args=(3,))
+        late.start()
+        assert reader.get(timeout=10) == 3
+        late.join()
+    assert channel.capacity == 3
+
+
+def test_a_fixed_sink_never_grows() -> None:
+    reader = _reader(3, grow_to=0)
+    for _ in range(3):
+        _fill_drain_then_wait(reader, 1)
+    assert _channel(reader).capacity == 3
+
+
+def test_the_byte_budget_caps_growth_by_the_size_of_the_items() -> None:
+    reader = _reader(2, grow_to=64, grow_bytes=10 * MiB)
+    item = np.zeros(2 * MiB, dtype=np.uint8)
+    sizes = []
+    for _ in range(4):
+        _fill_drain_then_wait(reader, item)
+        sizes.append(_channel(reader).capacity)
+    assert sizes == [4, 5, 5, 5]  # 10 MiB holds five such items
+    big = _reader(3, grow_to=64, grow_bytes=10 * MiB)
+    _fill_drain_then_wait(big, np.zeros(4 * MiB, dtype=np.uint8))  # only two would fit
+    assert _channel(big).capacity == 3
+
+
+def test_approx_nbytes_counts_arrays_buffers_and_containers() -> None:
+    a = np.zeros((4, 8), dtype=np.float32)  # 128 bytes
+    assert approx_nbytes(a) == 128
+    assert approx_nbytes(b"abcd") == 4
+    assert approx_nbytes(memoryview(b"abcdef")) == 6
+    assert approx_nbytes({"x": a, "y": (a, b"12")}) == 258
+    assert approx_nbytes([a] * 1000) == 128_000  # extrapolated from the first 64
+    assert approx_nbytes(Tagged(5, [a, a])) == 256
+    assert approx_nbytes(object()) == 0
+    assert approx_nbytes([]) == 0
+    assert approx_nbytes(3) == 0
+    assert approx_nbytes([[[[a]]]]) == 0  # deeper than it looks
+
+
+async def _anoop(x: int) -> int:
+    return x
+
+
+def _sink_capacity(sink: int | None, n: int) -> tuple[int, list[int]]:
+    b = PipelineBuilder().add_source(range(n))
+    for i in range(3):
+        b.pipe(_anoop, name=f"s{i}")
+    p = b.add_sink(sink).build()
+    with p.auto_stop():
+        got = list(p)
+        capacity = p.stats()["s2"].queue.capacity
+    return capacity, got
+
+
+@pytest.mark.parametrize("sink", [None, 3])
+def test_a_default_sink_grows_behind_fast_async_stages_and_an_explicit_one_does_not(
+    sink: int | None,
+) -> None:
+    # Each item the loop makes wakes the consumer; with 3 places the loop fills them before
+    # the consumer runs and then sleeps until it drains them, over and over.
+    capacity, got = _sink_capacity(sink, 20_000)
+    assert sorted(got) == list(range(20_000))
+    if sink is None:
+        assert 3 < capacity <= 64
+    else:
+        assert capacity == 3
+
+
+def test_a_default_sink_does_not_grow_for_a_consumer_slower_than_the_pipeline() -> None:
+    p = PipelineBuilder().add_source(range(40)).pipe(_anoop, name="f").build()
+    seen = []
+    with p.auto_stop():
+        for x in p:
+            seen.append(x)
+            threading.Event().wait(0.02)  # the pipeline refills the sink meanwhile
+        capacity = p.stats()["f"].queue.capacity
+    assert sorted(seen) == list(range(40))
+    assert capacity == 3
