@@ -217,7 +217,7 @@ def run(options: BenchOptions) -> ScenarioResult:
     quick, progress = options.quick, options.progress
     repeats = 1 if quick else 5
     n_items = 500 if quick else 5_000
-    n_hash = 16 if quick else 400
+    n_hash = 16 if quick else 1_000
     sink = 3
     measurements = _overhead(n_items, repeats, sink, progress)
     measurements += _latency(20 if quick else 200, repeats, progress)
