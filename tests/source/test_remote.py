@@ -17,6 +17,7 @@ import pytest
 
 from feedline import (
     ConfigurationError,
+    PathList,
     PipelineBuilder,
     PipelineFailure,
     RemoteNotFoundError,
@@ -172,6 +173,41 @@ def test_local_files_through_the_same_interface(tmp_path: Any) -> None:
         store.read_sync("b.bin")
     assert info.value.errno == errno.ENOENT  # as code that checks a FileNotFoundError expects
     assert info.value.filename == "b.bin"
+
+
+def test_keys_lists_a_bucket_sorted_relative_to_the_url(s3: str) -> None:
+    store = _store(s3)
+    keys = store.keys()
+    assert isinstance(keys, PathList)
+    assert list(keys) == sorted(str(i) for i in range(40))  # "0", "1", "10", ...
+    assert list(store.keys(suffix="9")) == ["19", "29", "39", "9"]
+    assert list(store.keys(suffix=("1", "2"))) == ["1", "11", "12", "2", "21", "22", "31", "32"]
+    root = RemoteStore(f"s3://{BUCKET}", endpoint=s3, **CREDENTIALS)
+    assert list(root.keys("data"))[:3] == ["data/0", "data/1", "data/10"]
+    assert len(root.keys("dat")) == 0  # prefixes match whole segments
+    assert bytes(store.read_sync(keys[5])) == _body(int(keys[5]))  # what read takes
+
+
+def test_keys_of_local_files_are_sorted_and_filtered(tmp_path: Any) -> None:
+    for name in ("b/2.jpg", "b/1.png", "a.jpg", "c/d/e.jpg", "notes.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(name.encode())
+    store = RemoteStore(tmp_path.as_uri())
+    assert list(store.keys()) == ["a.jpg", "b/1.png", "b/2.jpg", "c/d/e.jpg", "notes.txt"]
+    assert list(store.keys(suffix=(".jpg", ".png"))) == ["a.jpg", "b/1.png", "b/2.jpg", "c/d/e.jpg"]
+    assert list(store.keys("b")) == ["b/1.png", "b/2.jpg"]
+    assert len(store.keys("nothing-here")) == 0
+    with pytest.raises(TypeError, match="tuple of str"):
+        store.keys(suffix=[".jpg"])  # type: ignore[arg-type]
+
+
+def test_a_listing_that_fails_names_the_store_and_the_prefix(s3: str) -> None:
+    store = RemoteStore("s3://no-such-bucket/x", endpoint=s3, **CREDENTIALS, retries=0)
+    with pytest.raises(
+        RemoteReadError, match=r"listing keys under 'train' from s3://no-such-bucket"
+    ):
+        store.keys("train")
+    assert store.stats().failures == 1
 
 
 # -- a server that fails -----------------------------------------------------------------------

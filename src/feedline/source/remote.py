@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from feedline.errors import ConfigurationError, RemoteNotFoundError, RemoteReadError
+from feedline.loader.paths import PathList
 
 from .cache import ObjectCache
 
@@ -407,6 +408,41 @@ class RemoteStore:
                 self._end(view)
         return view
 
+    def keys(self, prefix: str = "", *, suffix: str | tuple[str, ...] = ()) -> PathList:
+        """List the keys under the store's URL, sorted, as a compact :class:`PathList`.
+
+        Sorted so that every process, and every run, sees the same order: a sampler's seed
+        then picks the same items everywhere. The listing is paged by the store (1,000 keys
+        per request on S3) and retried like a read.
+
+        Args:
+            prefix: Only keys under this path (by whole segments: ``"train"`` matches
+                ``train/x.jpg``, not ``training/x.jpg``).
+            suffix: Only keys ending with this (or one of these), e.g. ``(".jpg", ".png")``.
+
+        Returns:
+            The keys, relative to the store's URL (what :meth:`read` takes).
+
+        Raises:
+            RemoteReadError: The listing failed (names the store and the prefix).
+
+        Example::
+
+            store = RemoteStore("s3://bucket/imagenet", region="us-east-1")
+            files = store.keys("train", suffix=".JPEG")  # 1.28 million keys in ~60 MB
+
+        """
+        if not isinstance(suffix, str | tuple):
+            raise TypeError(f"suffix must be a str or a tuple of str, got {suffix!r}")
+        found: list[str] = []
+        try:
+            for page in self._ob.list(self._store, prefix or None, chunk_size=1000):
+                found += (m["path"] for m in page if not suffix or m["path"].endswith(suffix))
+        except Exception as error:
+            raise self._failed(prefix, error, f"listing keys under {prefix!r}") from error
+        found.sort()
+        return PathList(found)
+
     def stats(self) -> RemoteStats:
         """How many reads and bytes so far, how many failed, how many are under way."""
         with self._lock:
@@ -457,7 +493,8 @@ class RemoteStore:
                 self._reads += 1
                 self._bytes += view.nbytes
 
-    def _failed(self, key: str, error: Exception) -> RemoteReadError:
+    def _failed(self, key: str, error: Exception, doing: str = "") -> RemoteReadError:
+        # doing: what failed, for the message (default: reading the key)
         with self._lock:
             self._failures += 1
         cause = _describe(error)
@@ -488,9 +525,8 @@ class RemoteStore:
                 f"{self.retry_timeout:g} s; if the store is slow rather than down, raise "
                 "timeout=, retries= or retry_timeout="
             )
-        return RemoteReadError(
-            self.url, key, f"reading {key!r} from {self.url} failed ({cause}). {advice}"
-        )
+        doing = doing or f"reading {key!r}"
+        return RemoteReadError(self.url, key, f"{doing} from {self.url} failed ({cause}). {advice}")
 
 
 _ENDPOINT_KEYS = (
