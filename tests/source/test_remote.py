@@ -426,6 +426,55 @@ def test_a_reader_arriving_while_the_cache_fills_joins_the_read(flaky: str) -> N
     assert store.stats().cache_hits == 1
 
 
+def _late_after_miss_cache(memory_bytes: int) -> Any:
+    """An ObjectCache whose first miss waits until released: the reader that missed is
+    overtaken by a whole read of the same key, which fills the cache and ends."""
+    from feedline.source import ObjectCache
+
+    class Cache(ObjectCache):
+        missed = threading.Event()
+        go_on = threading.Event()
+        first = True
+
+        def get(self, key: str) -> bytes | None:
+            data = super().get(key)
+            if data is None and Cache.first:
+                Cache.first = False
+                Cache.missed.set()
+                Cache.go_on.wait(10)
+            return data
+
+        def file_size(self, key: str) -> int | None:
+            return None  # so that read() calls get() on the event loop
+
+    return Cache(memory_bytes=memory_bytes)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_reader_overtaken_after_its_miss_takes_the_cached_result(flaky: str, mode: str) -> None:
+    _Flaky.release.set()
+    cache = _late_after_miss_cache(1 << 20)
+    store = RemoteStore(flaky, cache=cache)
+    got: list[bytes] = []
+
+    def late_reader() -> None:
+        if mode == "sync":
+            got.append(bytes(store.read_sync("slow-e")))
+        else:
+            got.append(bytes(asyncio.run(store.read("slow-e"))))
+
+    late = threading.Thread(target=late_reader)
+    late.start()
+    assert cache.missed.wait(10)
+    assert bytes(store.read_sync("slow-e")) == b"late"  # the whole read, cache filled
+    cache.go_on.set()
+    late.join(10)
+    assert got == [b"late"]
+    assert _Flaky.attempts["/slow-e"] == 1  # the late reader sent no second GET
+    stats = store.stats()
+    assert (stats.reads, stats.cache_hits, stats.joined) == (1, 1, 0)
+
+
 def test_a_shared_read_shares_its_error(flaky: str) -> None:
     store = RemoteStore(flaky, retries=1, backoff=0.2)
 

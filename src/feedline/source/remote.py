@@ -310,6 +310,11 @@ class RemoteStore:
         flight = asyncio.get_running_loop().create_future()
         flights[slot] = flight
         try:
+            # Filled while this read looked (see read_sync)?
+            data = cache.peek(key) if cache is not None else None
+            if data is not None:
+                flight.set_result(memoryview(data))
+                return self._hit(data)
             try:
                 view = await self._fetch(key, None)
             except Exception as error:
@@ -379,6 +384,15 @@ class RemoteStore:
                     self._count_joined()
                     return memoryview(flight.view)  # its own view (see read)
                 # The reading thread was interrupted (not a read error): read it here.
+            if cache is not None:
+                # This thread missed the cache, then found no read of the key in flight: a
+                # read by another thread may have filled the cache in between, and ended.
+                # Look again (memory only) before sending a request; the miss counted above
+                # stands beside this hit.
+                data = cache.peek(key)
+                if data is not None:
+                    mine.view = memoryview(data)
+                    return self._hit(data)
             try:
                 view = self._fetch_sync(key, None)
             except RemoteReadError as error:
