@@ -215,3 +215,16 @@ def test_resize_wakes_a_refused_producer_and_ends_or_starts_a_full_period(clock:
     assert [ch.try_get() for _ in range(4)] == [1, 2, 3, 4]
     with pytest.raises(ValueError, match=">= 1"):
         ch.resize(0)
+
+
+def test_occupancy_counts_each_moment_against_the_capacity_it_had(clock: _Clock) -> None:
+    ch = Channel("q", 4)
+    assert ch.try_put(1)
+    assert ch.try_put(2)
+    clock.t += 2  # half full for 2 s
+    ch.resize(8)
+    before = ch.stats()
+    clock.t += 2  # a quarter full for 2 s
+    s = ch.stats()
+    assert s.mean_occupancy == pytest.approx((0.5 * 2 + 0.25 * 2) / 4)
+    assert s.since(before).mean_occupancy == pytest.approx(0.25)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -37,15 +39,28 @@ def _channel(reader: SinkReader) -> Channel:
     return reader._channel
 
 
+def _put_once_waiting(reader: SinkReader, item: Any) -> threading.Thread:
+    """Put ``item`` from another thread once the reader sleeps waiting for it."""
+
+    def put() -> None:
+        deadline = time.monotonic() + 10
+        while not reader._waiting and time.monotonic() < deadline:
+            time.sleep(0.001)
+        _channel(reader).try_put(item)
+
+    thread = threading.Thread(target=put)
+    thread.start()
+    return thread
+
+
 def _fill_drain_then_wait(reader: SinkReader, item: Any) -> Any:
     """Fill the channel, take everything, then wait for one more put by another thread."""
     channel = _channel(reader)
     while channel.try_put(item):
         pass
-    while reader.get(timeout=1) is not EMPTY and len(channel):
-        pass
-    late = threading.Timer(0.05, channel.try_put, args=(item,))
-    late.start()
+    while len(channel):
+        reader.get(timeout=1)
+    late = _put_once_waiting(reader, item)
     try:
         return reader.get(timeout=10)  # empty: it waits
     finally:
@@ -69,11 +84,21 @@ def test_a_sink_that_was_never_full_does_not_grow() -> None:
         channel.try_put(2)
         assert reader.get(timeout=1) == 1
         assert reader.get(timeout=1) == 2
-        late = threading.Timer(0.02, channel.try_put, args=(3,))
-        late.start()
+        late = _put_once_waiting(reader, 3)
         assert reader.get(timeout=10) == 3
         late.join()
     assert channel.capacity == 3
+
+
+def test_one_fill_grows_the_sink_once_however_often_the_consumer_then_waits() -> None:
+    reader = _reader(3, grow_to=64)
+    assert _fill_drain_then_wait(reader, 1) == 1
+    assert _channel(reader).capacity == 6
+    for i in range(4):  # waits on a channel that was not full since the last wait
+        late = _put_once_waiting(reader, i)
+        assert reader.get(timeout=10) == i
+        late.join()
+    assert _channel(reader).capacity == 6
 
 
 def test_a_fixed_sink_never_grows() -> None:
@@ -96,18 +121,62 @@ def test_the_byte_budget_caps_growth_by_the_size_of_the_items() -> None:
     assert _channel(big).capacity == 3
 
 
-def test_approx_nbytes_counts_arrays_buffers_and_containers() -> None:
+@dataclasses.dataclass
+class _Sample:
+    image: Any
+    label: int
+
+
+class _Sparse:
+    """Like a sparse torch tensor: asking for its nbytes raises."""
+
+    @property
+    def nbytes(self) -> int:
+        raise RuntimeError("nbytes is not defined for sparse tensors")
+
+
+def test_approx_nbytes_counts_arrays_buffers_containers_and_plain_objects() -> None:
     a = np.zeros((4, 8), dtype=np.float32)  # 128 bytes
     assert approx_nbytes(a) == 128
     assert approx_nbytes(b"abcd") == 4
     assert approx_nbytes(memoryview(b"abcdef")) == 6
-    assert approx_nbytes({"x": a, "y": (a, b"12")}) == 258
-    assert approx_nbytes([a] * 1000) == 128_000  # extrapolated from the first 64
+    assert approx_nbytes({"x": a, "y": (a, b"12"), "n": 3, "f": None}) == 258
+    assert approx_nbytes([a] * 1000) == 128_000  # extrapolated from the first 16
     assert approx_nbytes(Tagged(5, [a, a])) == 256
-    assert approx_nbytes(object()) == 0
-    assert approx_nbytes([]) == 0
+    assert approx_nbytes(_Sample(a, 7)) == 128  # a dataclass: its fields
     assert approx_nbytes(3) == 0
-    assert approx_nbytes([[[[a]]]]) == 0  # deeper than it looks
+    assert approx_nbytes([]) == 0
+    # What it cannot tell: None, not 0, so that a budget does not count it as free.
+    assert approx_nbytes(object()) is None
+    assert approx_nbytes([1, object()]) is None
+    assert approx_nbytes([[[[a]]]]) is None  # deeper than it looks
+    assert approx_nbytes(_Sparse()) is None
+
+
+def test_an_item_that_cannot_be_measured_is_still_delivered_and_caps_growth() -> None:
+    for item in (_Sparse(), object(), [[[[np.zeros(4)]]]]):
+        reader = _reader(3, grow_to=64)
+        for _ in range(5):
+            assert _fill_drain_then_wait(reader, item) is item
+        assert _channel(reader).capacity == 16, item  # 3, 6, 12, then the unknown-size cap
+
+
+def test_a_grown_sink_shrinks_when_its_items_get_larger() -> None:
+    reader = _reader(3, grow_to=64, grow_bytes=10 * MiB)
+    for _ in range(4):
+        _fill_drain_then_wait(reader, 1)
+    channel = _channel(reader)
+    assert channel.capacity == 48
+    big = np.zeros(2 * MiB, dtype=np.uint8)  # five fit in the budget
+    taken = 0
+    while channel.capacity == 48 and taken < 1000:
+        while channel.try_put(big):
+            pass
+        while len(channel):
+            assert reader.get(timeout=1) is not EMPTY
+            taken += 1
+    assert channel.capacity == 5
+    assert taken <= 64 + 48  # measured once every 64 items taken
 
 
 async def _anoop(x: int) -> int:

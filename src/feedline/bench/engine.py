@@ -231,8 +231,9 @@ def run(options: BenchOptions) -> ScenarioResult:
         "after a sync stage, max(8, concurrency) after an async one)",
         "hand-off latency: items/s column is 1/p50; ratio is SPDL's p50 / ours (higher is better)",
         "sha256: ThreadPoolExecutor.map keeps every result; a pipeline bounds its output buffer "
-        "(by default two results per slot of the last stage, at least 3; SPDL: 3), and pays a "
-        "wake-up to restart a stage that stopped on a full buffer",
+        "(by default two results per slot of the last stage, at least 3, growing while it "
+        "keeps the consumer waiting; SPDL: 3), and pays a wake-up to restart a stage that "
+        "stopped on a full buffer",
     ]
     return make_result(
         "engine", "spdl / ThreadPoolExecutor.map", measurements, notes, _spdl() is not None

@@ -305,13 +305,17 @@ class PipelineBuilder(Generic[T]):
         two per slot of the last stage if that stage runs more than one call at once (64 at
         most): a wide last stage finishes results in bursts, and with no room for them its
         threads would stop while the consumer is busy. It then grows as it needs to: each
-        time the consumer has to wait on an empty buffer that was full since it last waited,
-        the buffer doubles, up to 64 items and 64 MiB of arrays (measured on an item). That
-        happens when the pipeline outruns the buffer rather than the consumer, as fast
-        event-loop stages do (3 no-op async stages move about twice as many items per second
-        with 64 places as with 3); a consumer slower than the pipeline, or a pipeline slower
-        than its consumer, leaves it as it started. ``stats()`` shows the size reached (the
-        last stage's ``queue.capacity``).
+        time the consumer has to wait on an empty buffer that became full since it last
+        waited, the buffer doubles. That happens when the buffer's size, not the pipeline's
+        speed, keeps the consumer waiting: fast event-loop stages fill 3 places before the
+        woken consumer runs (3 no-op async stages move about twice as many items per second
+        with 64 places as with 3), and bursts (a ``disaggregate``, a generator) fill it even
+        when the pipeline is the slower side. A consumer slower than the pipeline never waits,
+        so it leaves the buffer as it started. Growth stops at 64 items and at 64 MiB of
+        items like the one measured (arrays, tensors, buffers, and lists, dicts and
+        dataclasses of them; 16 items at most of objects whose size cannot be told), and a
+        grown buffer measures one item in 64 and shrinks if items got larger. ``stats()``
+        shows the size reached (the last stage's ``queue.capacity``).
 
         An explicit ``buffer_size`` is fixed. A longer buffer rides out a consumer's pauses (a
         checkpoint, an evaluation) at the cost of holding more finished items in memory.

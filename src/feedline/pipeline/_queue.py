@@ -61,7 +61,8 @@ class ChannelStats:
         size: Items in the channel when the snapshot was taken.
         puts: Items put so far.
         gets: Items taken so far.
-        mean_occupancy: Time-averaged fill level, 0 to 1, as a share of the capacity now.
+        mean_occupancy: Time-averaged fill level, 0 to 1, each moment as a share of the
+            capacity at that moment.
             Near 0: the consumer is starved (its producer is the slower side); near 1: the
             producer is blocked (the consumer is slower).
         empty_fraction: Share of the channel's life it was empty while still open: the
@@ -132,6 +133,7 @@ class Channel:
         "_lock",
         "_low",
         "_occupancy",
+        "_occupancy_shares",
         "_producer",
         "_producer_refused",
         "_put_sum",
@@ -167,6 +169,9 @@ class Channel:
         self._put_sum = 0.0
         self._get_sum = 0.0
         self._occupancy = 0.0  # the integral up to the last stats(), which folds the sums in
+        # The integral of the fill level as a share of the capacity, up to the last resize:
+        # the items held before it count against the capacity they had.
+        self._occupancy_shares = 0.0
         self._empty_since: float | None = 0.0  # when it last became empty (None: not empty)
         self._full_since: float | None = None  # when it last became full (None: not full)
         self._empty_time = 0.0
@@ -222,6 +227,13 @@ class Channel:
             self._full_time += t - self._full_since
             self._full_since = None
 
+    def _fold(self, t: float) -> None:
+        # Fold the sums into the integral, as if the items held left and came back now:
+        # exact, and it keeps both sums from growing for the channel's whole life.
+        n = len(self._items)
+        self._occupancy += self._get_sum + n * t - self._put_sum
+        self._get_sum, self._put_sum = 0.0, n * t
+
     def _take_time(self, t: float, n: int) -> None:
         # One item leaves a channel holding n.
         self._get_sum += t
@@ -275,13 +287,17 @@ class Channel:
         if capacity < 1:
             raise ValueError(f"channel capacity must be >= 1, got {capacity}")
         with self._lock:
+            t = _now() - self._t0
+            self._fold(t)
+            self._occupancy_shares += self._occupancy / self.capacity
+            self._occupancy = 0.0
             self.capacity = capacity
             self._low = capacity // 2
             n = len(self._items)
             if n < capacity:
-                self._end_full(_now() - self._t0)
+                self._end_full(t)
             elif self._full_since is None and not self._closed:
-                self._full_since = _now() - self._t0
+                self._full_since = t
             wake = self._producer_refused and n <= self._low
             if wake:
                 self._producer_refused = False
@@ -334,11 +350,8 @@ class Channel:
             t = _now() - self._t0
             life = max(t, 1e-9)
             n = len(self._items)
-            # Fold the sums into the integral, as if the items held left and came back now:
-            # exact, and it keeps both sums from growing for the channel's whole life.
-            self._occupancy += self._get_sum + n * t - self._put_sum
-            self._get_sum, self._put_sum = 0.0, n * t
-            occupancy = self._occupancy
+            self._fold(t)
+            occupancy = self._occupancy_shares + self._occupancy / self.capacity
             empty = self._empty_time
             if self._empty_since is not None:
                 empty += t - self._empty_since
@@ -350,7 +363,7 @@ class Channel:
                 size=n,
                 puts=self._puts,
                 gets=self._gets,
-                mean_occupancy=min(1.0, max(0.0, occupancy / life / self.capacity)),
+                mean_occupancy=min(1.0, max(0.0, occupancy / life)),
                 empty_fraction=min(1.0, empty / life),
                 full_fraction=min(1.0, full / life),
                 life=life,

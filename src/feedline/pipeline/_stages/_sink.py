@@ -26,27 +26,55 @@ comparison: SHA-256 on 4 threads over 2 cores, 0.89x ``ThreadPoolExecutor.map`` 
 and 0.94x without)."""
 
 
-def approx_nbytes(item: Any, depth: int = 3) -> int:
+_UNKNOWN_SIZE_CAP = 16
+"""The most a growing sink holds of items whose size :func:`approx_nbytes` cannot tell."""
+
+_RECHECK = 64
+"""A grown sink measures one item in this many against its byte budget, and shrinks if over."""
+
+_SCALARS = (int, float, complex, bool, type(None))
+
+
+def approx_nbytes(item: Any, depth: int = 3) -> int | None:
     """Bytes that ``item`` holds in arrays, tensors and buffers, nested up to ``depth`` deep.
 
-    A rough figure for a memory budget: other objects count as nothing, and a long list is
-    extrapolated from its first 64 elements.
+    A rough figure for a memory budget: arrays and buffers count their ``nbytes``, strings
+    their length, numbers nothing; lists, tuples, dicts and the attributes of plain objects
+    (dataclasses) the sum of what they hold, a long one extrapolated from its first 16
+    elements. ``None`` if some part cannot be told (an object of another kind, one nested
+    deeper, or one whose ``nbytes`` raises, as a sparse torch tensor's does).
     """
-    nbytes = getattr(item, "nbytes", None)  # NumPy arrays, torch tensors, memoryviews
-    if isinstance(nbytes, int):
-        return nbytes
+    if isinstance(item, _SCALARS):
+        return 0
     if isinstance(item, bytes | bytearray | str):
         return len(item)
+    try:
+        nbytes = getattr(item, "nbytes", None)  # NumPy arrays, torch tensors, memoryviews
+    except Exception:
+        return None
+    if nbytes is not None:
+        return nbytes if isinstance(nbytes, int) and nbytes >= 0 else None
     if depth <= 0:
-        return 0
+        return None
     if isinstance(item, Tagged):
         return approx_nbytes(item.value, depth)
     if isinstance(item, dict):
         item = list(item.values())
-    if isinstance(item, list | tuple) and item:
-        head = item[:64]
-        return sum(approx_nbytes(x, depth - 1) for x in head) * len(item) // len(head)
-    return 0
+    elif not isinstance(item, list | tuple):
+        fields = getattr(item, "__dict__", None)
+        if not isinstance(fields, dict) or not fields:
+            return None
+        item = list(fields.values())
+    if not item:
+        return 0
+    head = item[:16]
+    total = 0
+    for x in head:
+        size = approx_nbytes(x, depth - 1)
+        if size is None:
+            return None
+        total += size
+    return total * len(item) // len(head)
 
 
 class SinkReader:
@@ -57,13 +85,17 @@ class SinkReader:
     producer that sees ``_waiting`` releases the lock. A spare release only causes one extra
     check of the channel.
 
-    With ``grow_to`` above the channel's capacity, the reader doubles the capacity (up to
-    ``grow_to`` items and ``grow_bytes`` bytes of items like the one it measures) each time it
-    has to wait on an empty channel that was full since its last wait: the producer was
-    stopped by the buffer's size, not by its own speed, and every such turn costs the
+    With ``grow_to`` above the channel's capacity, the reader doubles the capacity each time
+    it has to wait on an empty channel that became full since its last wait: the producer
+    was stopped by the buffer's size, not by its own speed, and every such turn costs the
     consumer and the producer a sleep and a wake. A consumer slower than the pipeline never
-    waits, and a pipeline slower than its consumer never fills the channel, so neither grows
-    it. This is how tf.data's autotuned prefetch buffers grow.
+    waits, and a pipeline slower than its consumer fills the channel only with bursts (a
+    ``disaggregate``, a generator), which the room then absorbs. This is how tf.data's
+    autotuned prefetch buffers grow. The capacity stays within ``grow_to`` items and within
+    ``grow_bytes`` of items like the one measured (:func:`approx_nbytes`; at most
+    :data:`_UNKNOWN_SIZE_CAP` items if it cannot tell), measured on the item that a growth
+    follows and on one item in :data:`_RECHECK` while grown: if items got larger, the
+    channel shrinks (keeping what it holds) back within the budget.
     """
 
     def __init__(
@@ -77,10 +109,13 @@ class SinkReader:
         grow_bytes: int = SINK_GROW_BYTES,
     ) -> None:
         self._channel = channel
-        self._grow_to = grow_to if grow_to > channel.capacity else 0  # 0: fixed size
+        self._start = channel.capacity
+        self._grow_to = grow_to if grow_to > channel.capacity else 0  # 0: grows no more
         self._grow_bytes = grow_bytes
         self._fills_seen = 0  # channel.fills when the consumer last began to wait
         self._grow_next = False  # measure the next item and grow the channel
+        self._grown = False  # capacity above the start: re-measure one item in _RECHECK
+        self._gets = 0  # items taken while grown
         self._spin = spin  # whether to yield a while before sleeping (see _SPIN)
         self._pull = pull  # runs a cheap upstream job here rather than sleeping
         self._before_sleep = before_sleep  # makes sure some job will produce what we wait for
@@ -130,12 +165,17 @@ class SinkReader:
 
         """
         channel = self._channel
+        # Read before the channel is found empty, so that a fill after that counts for the
+        # next wait, not this one; and without the channel's lock: a count that is one put
+        # stale only delays growth to the next wait.
+        fills = channel.fills
         item = channel.try_get()
         if item is not EMPTY or channel.exhausted or self._interrupted:
+            if self._grown and item is not EMPTY:
+                self._gets += 1
+                if not self._gets % _RECHECK:
+                    self._fit(item)
             return item
-        # Read without the channel's lock: a count that is one put stale only delays growth
-        # to the next wait.
-        fills = channel.fills
         if self._grow_to and fills != self._fills_seen:
             self._fills_seen = fills
             self._grow_next = True
@@ -148,19 +188,39 @@ class SinkReader:
             self._grow(item)
         return item
 
+    def _limit(self, item: Any) -> int:
+        # The most items like this one that the budget allows (never below the start).
+        try:
+            nbytes = approx_nbytes(item)
+        except Exception:  # a user's object may fail in ways approx_nbytes cannot foresee
+            nbytes = None
+        if nbytes is None:
+            limit = _UNKNOWN_SIZE_CAP
+        elif nbytes > 0:
+            limit = self._grow_bytes // nbytes
+        else:
+            limit = self._grow_to or self._channel.capacity
+        return max(self._start, limit)
+
+    def _resize(self, capacity: int) -> None:
+        self._channel.resize(capacity)
+        self._grown = capacity > self._start
+
     def _grow(self, item: Any) -> None:
         # Double the channel, within the item and byte limits; stop trying once at a limit.
         self._grow_next = False
-        channel = self._channel
-        size = channel.capacity
-        limit = self._grow_to
-        nbytes = approx_nbytes(item)
-        if nbytes > 0:
-            limit = min(limit, self._grow_bytes // nbytes)
+        size = self._channel.capacity
+        limit = min(self._grow_to, self._limit(item))
         if limit <= size:
             self._grow_to = 0
             return
-        channel.resize(min(limit, 2 * size))
+        self._resize(min(limit, 2 * size))
+
+    def _fit(self, item: Any) -> None:
+        # Shrink a grown channel whose items got larger than those it grew for.
+        limit = self._limit(item)
+        if limit < self._channel.capacity:
+            self._resize(limit)
 
     def _wait(self, timeout: float | None) -> Any:
         channel = self._channel
