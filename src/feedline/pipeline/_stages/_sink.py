@@ -114,8 +114,7 @@ class SinkReader:
         self._grow_bytes = grow_bytes
         self._fills_seen = 0  # channel.fills when the consumer last began to wait
         self._grow_next = False  # measure the next item and grow the channel
-        self._grown = False  # capacity above the start: re-measure one item in _RECHECK
-        self._gets = 0  # items taken while grown
+        self._gets = 0  # items taken while grown (above the start): one in _RECHECK is measured
         self._spin = spin  # whether to yield a while before sleeping (see _SPIN)
         self._pull = pull  # runs a cheap upstream job here rather than sleeping
         self._before_sleep = before_sleep  # makes sure some job will produce what we wait for
@@ -171,7 +170,7 @@ class SinkReader:
         fills = channel.fills
         item = channel.try_get()
         if item is not EMPTY or channel.exhausted or self._interrupted:
-            if self._grown and item is not EMPTY:
+            if item is not EMPTY and channel.capacity > self._start:
                 self._gets += 1
                 if not self._gets % _RECHECK:
                     self._fit(item)
@@ -202,10 +201,6 @@ class SinkReader:
             limit = self._grow_to or self._channel.capacity
         return max(self._start, limit)
 
-    def _resize(self, capacity: int) -> None:
-        self._channel.resize(capacity)
-        self._grown = capacity > self._start
-
     def _grow(self, item: Any) -> None:
         # Double the channel, within the item and byte limits; stop trying once at a limit.
         self._grow_next = False
@@ -214,13 +209,13 @@ class SinkReader:
         if limit <= size:
             self._grow_to = 0
             return
-        self._resize(min(limit, 2 * size))
+        self._channel.resize(min(limit, 2 * size))
 
     def _fit(self, item: Any) -> None:
         # Shrink a grown channel whose items got larger than those it grew for.
         limit = self._limit(item)
         if limit < self._channel.capacity:
-            self._resize(limit)
+            self._channel.resize(limit)
 
     def _wait(self, timeout: float | None) -> Any:
         channel = self._channel
