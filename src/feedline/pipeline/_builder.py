@@ -236,6 +236,7 @@ class PipelineBuilder(Generic[T]):
                 "concurrency=1 (each input's outputs are then kept together and in order); "
                 "or use output_order='completion'"
             )
+        grows = buffer_size is None
         if buffer_size is None:
             # A cheap coroutine stage hands items over in bursts, each costing a wake-up on
             # the event loop: a longer queue makes fewer, larger bursts.
@@ -251,6 +252,7 @@ class PipelineBuilder(Generic[T]):
                 executor=executor,
                 output_order="input" if output_order == "input" else "completion",
                 buffer_size=buffer_size,
+                grows=grows,
             )
         )
         return self

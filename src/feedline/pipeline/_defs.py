@@ -16,6 +16,7 @@ from typing import Any, Literal
 __all__ = [
     "DEFAULT_SINK",
     "MAX_DEFAULT_SINK",
+    "QUEUE_GROW_BYTES",
     "SINK_GROW_BYTES",
     "AggregateConfig",
     "DisaggregateConfig",
@@ -76,6 +77,7 @@ class PipeConfig:
     executor: Executor | None
     output_order: OutputOrder
     buffer_size: int
+    grows: bool = False  # buffer_size is the default: the queue after the stage may grow
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class AggregateConfig:
     name: str
     buffer_size: int
     collect: Callable[[list[Any]], Any] | None = None  # makes what is emitted of a group
+    grows: bool = True
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ class DisaggregateConfig:
 
     name: str
     buffer_size: int
+    grows: bool = True
 
 
 StageConfig = PipeConfig | AggregateConfig | DisaggregateConfig
@@ -122,6 +126,11 @@ the most it grows to."""
 
 SINK_GROW_BYTES = 64 << 20
 """A default sink grows only while the items it would hold come to at most this many bytes."""
+
+QUEUE_GROW_BYTES = 16 << 20
+"""A default queue between two stages grows only while the items it would hold come to at most
+this many bytes (it grows to :data:`MAX_DEFAULT_SINK` items at most, and only between two cheap
+stages: see :mod:`._growth`)."""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ._defs import (
+    MAX_DEFAULT_SINK,
+    QUEUE_GROW_BYTES,
+    SINK_GROW_BYTES,
     AggregateConfig,
     DisaggregateConfig,
     OpKind,
@@ -28,6 +31,7 @@ from ._defs import (
     PipelineConfig,
 )
 from ._executors import Submitter, WorkerPool
+from ._growth import Growth
 from ._queue import EMPTY, Channel
 from ._stages._async import AsyncSource, AsyncStage
 from ._stages._common import FailureBudget, JobContext, StageBase
@@ -99,7 +103,7 @@ class Run:
         # of items rather than one item per job.
         first_capacity = max(4, 2 * concurrency[0]) if config.stages else config.sink.buffer_size
         src_cfg = config.source
-        out = Channel(f"{src_cfg.name}->", first_capacity)
+        out = Channel(f"{src_cfg.name}->", first_capacity, self._growth(0, first_capacity))
         self.channels.append(out)
         source: ThreadedSource | AsyncSource
         if src_cfg.is_async:
@@ -118,7 +122,7 @@ class Run:
             # The queue after a stage holds its buffer_size, and at least enough to keep every
             # slot of the next stage fed; the last queue is the sink.
             capacity = config.sink.buffer_size if last else max(cfg.buffer_size, concurrency[i + 1])
-            out = Channel(f"{cfg.name}->", capacity)
+            out = Channel(f"{cfg.name}->", capacity, self._growth(i + 1, capacity))
             self.channels.append(out)
             stage = self._make_stage(cfg, inp, out, budget, producers[-1])
             inp.connect(producers[-1], stage)
@@ -131,11 +135,28 @@ class Run:
             self._kick_threaded,
             spin=isinstance(producers[-1], AsyncStage | AsyncSource),
             runs_chain=self._chain_cheap if self._chain is not None else None,
-            grow_to=config.sink.grow_to,
         )
         out.connect(producers[-1], self._sink)
         self._threaded = [s for s in producers if isinstance(s, ThreadedStage | ThreadedSource)]
         self._stepped_aside = False  # a pool job left its work to the consumer since it slept
+
+    def _growth(self, index: int, capacity: int) -> Growth | None:
+        # How the channel after stage ``index`` (0: the source) may grow, if at all: the sink
+        # when it has the default size, a queue between stages when it has the default size
+        # and both its stages are cheap (see _growth).
+        config = self.config
+        if index == len(config.stages):
+            grow_to = config.sink.grow_to
+            return Growth(capacity, grow_to, SINK_GROW_BYTES) if grow_to > capacity else None
+        if index > 0 and not config.stages[index - 1].grows:
+            return None
+        stages = self.stages  # filled in after the channels: read when growth is asked for
+        return Growth(
+            capacity,
+            max(capacity, MAX_DEFAULT_SINK),
+            QUEUE_GROW_BYTES,
+            lambda: stages[index].cheap() and stages[index + 1].cheap(),
+        )
 
     @staticmethod
     def _link(producers: list[Any]) -> tuple[Any, ...] | None:

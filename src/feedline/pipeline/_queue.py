@@ -15,7 +15,10 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from ._growth import Growth
 
 __all__ = ["EMPTY", "Channel", "ChannelStats", "Endpoint"]
 
@@ -117,21 +120,27 @@ class Channel:
     Args:
         name: Used in statistics and error messages.
         capacity: The most items held at once (>= 1).
+        growth: Lets the channel grow (see :mod:`._growth`) within these limits; ``None``:
+            the capacity is fixed.
 
     """
 
     __slots__ = (
         "_closed",
         "_consumer",
+        "_doubling",
         "_empty_since",
         "_empty_time",
+        "_fills_seen",
         "_full_since",
         "_full_time",
         "_get_sum",
         "_gets",
+        "_growth",
         "_items",
         "_lock",
         "_low",
+        "_measure_at",
         "_occupancy",
         "_occupancy_shares",
         "_producer",
@@ -145,7 +154,7 @@ class Channel:
         "name",
     )
 
-    def __init__(self, name: str, capacity: int) -> None:
+    def __init__(self, name: str, capacity: int, growth: Growth | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"channel capacity must be >= 1, got {capacity}")
         self.name = name
@@ -162,7 +171,11 @@ class Channel:
         now = _now()
         self._t0 = now
         self.last_put = now  # perf_counter() of the latest put
-        self.fills = 0  # times the channel became full (read without the lock by the sink)
+        self.fills = 0  # times the channel became full
+        self._growth = growth
+        self._fills_seen = 0  # fills when the consumer last found the channel empty
+        self._doubling = False  # the next item measured decides a doubling
+        self._measure_at = -1  # the count of gets whose item is measured (-1: none)
         # Statistics are kept by events, not integrated on every call: the time-integral of
         # the fill level is the sum of each item's stay, that is (sum of get times) - (sum of
         # put times) + (items held) * now. Times are taken relative to _t0.
@@ -252,17 +265,44 @@ class Channel:
         with self._lock:
             items = self._items
             if not items:
+                if self._growth is not None and self.fills != self._fills_seen:
+                    # Full since the consumer last found it empty: the channel's size, not
+                    # the producer's speed, kept the consumer waiting. The next item taken
+                    # is measured and decides how far the channel may grow.
+                    self._fills_seen = self.fills
+                    self._doubling = True
+                    self._measure_at = self._gets + 1
                 return EMPTY
             t = _now() - self._t0
             self._take_time(t, len(items))
             item = items.popleft()
             self._gets += 1
+            measure = self._gets == self._measure_at
             wake = self._producer_refused and len(items) <= self._low
             if wake:
                 self._producer_refused = False
         if wake:
             self._producer.on_space()
+        if measure:
+            self._adjust(item)
         return item
+
+    def _adjust(self, item: Any) -> None:
+        # Double (if a wait asked for it and the growth allows it) or shrink back within the
+        # budget for items like this one. Measured outside the lock: nbytes is user code.
+        growth = self._growth
+        assert growth is not None
+        limit = growth.limit(item)
+        double = self._doubling and growth.allowed()
+        with self._lock:
+            self._doubling = False
+            capacity = self.capacity
+            target = max(capacity, min(limit, 2 * capacity)) if double else min(capacity, limit)
+            wake = target != capacity and self._resize(target)
+            grown = self.capacity > growth.start
+            self._measure_at = self._gets + growth.recheck if grown else -1
+        if wake:
+            self._producer.on_space()
 
     def request_space(self) -> bool:
         """Ask to be told (``on_space``) when the channel has room.
@@ -287,22 +327,27 @@ class Channel:
         if capacity < 1:
             raise ValueError(f"channel capacity must be >= 1, got {capacity}")
         with self._lock:
-            t = _now() - self._t0
-            self._fold(t)
-            self._occupancy_shares += self._occupancy / self.capacity
-            self._occupancy = 0.0
-            self.capacity = capacity
-            self._low = capacity // 2
-            n = len(self._items)
-            if n < capacity:
-                self._end_full(t)
-            elif self._full_since is None and not self._closed:
-                self._full_since = t
-            wake = self._producer_refused and n <= self._low
-            if wake:
-                self._producer_refused = False
+            wake = self._resize(capacity)
         if wake:
             self._producer.on_space()
+
+    def _resize(self, capacity: int) -> bool:
+        # With the lock held. Returns whether a refused producer is to be told of room.
+        t = _now() - self._t0
+        self._fold(t)
+        self._occupancy_shares += self._occupancy / self.capacity
+        self._occupancy = 0.0
+        self.capacity = capacity
+        self._low = capacity // 2
+        n = len(self._items)
+        if n < capacity:
+            self._end_full(t)
+        elif self._full_since is None and not self._closed:
+            self._full_since = t
+        wake = self._producer_refused and n <= self._low
+        if wake:
+            self._producer_refused = False
+        return wake
 
     def close(self) -> None:
         """Mark the end of the stream: the producer will put nothing more."""

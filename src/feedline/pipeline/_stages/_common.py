@@ -162,6 +162,10 @@ class StageBase:
         self._budget = budget
         self._throttle = LogThrottle()
 
+    def cheap(self) -> bool:
+        """Whether the op's smoothed time is below :data:`INLINE_BELOW` (a thread wake-up)."""
+        return 0 <= self.counters.ewma < INLINE_BELOW
+
     def record_failure(self, item: Any, error: Exception) -> None:
         """Count a failed item, log it (rate-limited), and stop the run past the budget."""
         c = self.counters

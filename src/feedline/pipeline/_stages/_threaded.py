@@ -22,7 +22,6 @@ from typing import Any
 from .._queue import EMPTY, Channel
 from ._common import (
     INLINE_ABORT,
-    INLINE_BELOW,
     FailureBudget,
     JobContext,
     RunContext,
@@ -134,12 +133,9 @@ class _PoolStage(StageBase):
     def _job(self) -> None:
         raise NotImplementedError
 
-    def _cheap(self) -> bool:
-        return 0 <= self.counters.ewma < INLINE_BELOW
-
     def cheap_on(self, executor: Any) -> bool:
         """Whether another thread of ``executor``'s kind may run this stage's jobs itself."""
-        return self._executor is executor and self._cheap()
+        return self._executor is executor and self.cheap()
 
     def _defer(self) -> bool:
         # Called by a job of a neighbouring stage on this thread? Then, if this stage is cheap,
@@ -309,7 +305,7 @@ class ThreadedStage(_PoolStage):
             idle = self._active - self._busy
             # Parallel jobs cannot speed up an op cheaper than a thread wake-up: a cheap stage
             # gets one job at a time (until its measured task time grows).
-            limit = 1 if self._cheap() else self._concurrency
+            limit = 1 if self.cheap() else self._concurrency
             n = min(limit - self._active, waiting - idle)
             if n > 0:
                 self._active += n

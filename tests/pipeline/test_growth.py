@@ -1,7 +1,8 @@
-"""The consumer's end: the default sink grows when its size, not the pipeline, keeps it waiting."""
+"""Default-sized queues grow when their size, not their producer, keeps their consumer waiting."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 import time
@@ -11,18 +12,18 @@ import numpy as np
 import pytest
 
 from feedline import PipelineBuilder
+from feedline.pipeline._growth import Growth, approx_nbytes
 from feedline.pipeline._queue import EMPTY, Channel
 from feedline.pipeline._resume import Tagged
-from feedline.pipeline._stages._sink import SinkReader, approx_nbytes
+from feedline.pipeline._stages._sink import SinkReader
 
 MiB = 1 << 20
 
 
 def _reader(capacity: int, grow_to: int, grow_bytes: int = 64 * MiB) -> SinkReader:
-    channel = Channel("sink", capacity)
-    reader = SinkReader(
-        channel, lambda: False, lambda: None, spin=False, grow_to=grow_to, grow_bytes=grow_bytes
-    )
+    growth = Growth(capacity, grow_to, grow_bytes) if grow_to > capacity else None
+    channel = Channel("sink", capacity, growth)
+    reader = SinkReader(channel, lambda: False, lambda: None, spin=False)
     channel.connect(_Producer(), reader)
     return reader
 
@@ -218,3 +219,109 @@ def test_a_default_sink_does_not_grow_for_a_consumer_slower_than_the_pipeline() 
         capacity = p.stats()["f"].queue.capacity
     assert sorted(seen) == list(range(40))
     assert capacity == 3
+
+
+def _drain(channel: Channel) -> list[Any]:
+    got = []
+    while (item := channel.try_get()) is not EMPTY:
+        got.append(item)
+    return got
+
+
+def _fill(channel: Channel, item: Any) -> None:
+    while channel.try_put(item):
+        pass
+
+
+def test_a_channel_doubles_at_the_first_item_after_it_was_found_empty_since_a_fill() -> None:
+    channel = Channel("q", 4, Growth(4, 64, 64 * MiB))
+    channel.try_put(1)
+    assert _drain(channel) == [1]  # found empty, but it was never full
+    channel.try_put(2)
+    assert channel.try_get() == 2
+    assert channel.capacity == 4
+    _fill(channel, 3)
+    assert _drain(channel) == [3] * 4  # full, then found empty
+    assert channel.capacity == 4  # nothing taken since: nothing measured yet
+    channel.try_put(4)
+    assert channel.try_get() == 4
+    assert channel.capacity == 8
+
+
+def test_a_channel_grows_only_while_its_growth_allows() -> None:
+    allow = False
+    channel = Channel("q", 2, Growth(2, 64, 64 * MiB, lambda: allow))
+
+    def three_turns() -> int:
+        for _ in range(3):  # each: full, found empty, one more item taken
+            _fill(channel, 1)
+            _drain(channel)
+            channel.try_put(1)
+            channel.try_get()
+        return channel.capacity
+
+    assert three_turns() == 2
+    allow = True
+    assert three_turns() == 16
+
+
+def test_a_growing_channel_wakes_its_refused_producer() -> None:
+    spaces = []
+
+    class Producer:
+        def on_data(self) -> None:
+            pass
+
+        def on_space(self) -> None:
+            spaces.append(1)
+
+    channel = Channel("q", 2, Growth(2, 64, 64 * MiB))
+    channel.connect(Producer(), Producer())
+    _fill(channel, 1)
+    _drain(channel)
+    _fill(channel, 1)  # two items in, then a refused put
+    spaces.clear()
+    assert channel.try_get() == 1  # measured: the channel doubles to 4 and holds 1
+    assert channel.capacity == 4
+    assert spaces  # the refused producer is told of the room
+
+
+def _queue_capacities(n: int, **pipe: Any) -> dict[str, int]:
+    b = PipelineBuilder().add_source(range(n))
+    for i in range(3):
+        b.pipe(_anoop, name=f"s{i}", **pipe)
+    p = b.add_sink(3).build()
+    with p.auto_stop():
+        assert sorted(p) == list(range(n))
+        return {s.name: s.queue.capacity for s in p.stats().stages}
+
+
+def test_default_queues_between_cheap_stages_grow_and_explicit_ones_do_not() -> None:
+    grown = _queue_capacities(20_000)
+    assert grown["s2"] == 3  # the explicit sink
+    assert all(4 < grown[name] <= 64 for name in ("source", "s0", "s1")), grown
+    fixed = _queue_capacities(20_000, buffer_size=8)
+    assert fixed["s0"] == fixed["s1"] == 8
+    assert 4 < fixed["source"] <= 64  # the source's queue has no setting: it grows
+
+
+async def _slow(x: int) -> int:
+    await asyncio.sleep(0.001)
+    return x
+
+
+def test_a_queue_next_to_an_expensive_stage_does_not_grow() -> None:
+    # The source outruns the slow stage, whose queue fills and is drained over and over, and
+    # the fast stage after it drains its input at once: both would grow between cheap stages.
+    p = (
+        PipelineBuilder()
+        .add_source(range(300))
+        .pipe(_slow, concurrency=4, name="slow")
+        .pipe(_anoop, name="fast")
+        .build()
+    )
+    with p.auto_stop():
+        assert sorted(p) == list(range(300))
+        stats = p.stats()
+    assert stats["source"].queue.capacity == 8  # max(4, 2 * concurrency)
+    assert stats["slow"].queue.capacity == 8

@@ -1,0 +1,121 @@
+"""How a default-sized queue grows when its size, not its producer, keeps its consumer waiting.
+
+A consumer that finds its queue empty although the queue became full since it last found it
+empty was held up by the queue's size: the producer filled every place, stopped, and had to be
+woken again, and each such turn costs both sides a sleep and a wake-up (on the event loop, a
+task switch; between threads, a thread wake-up). The queue then doubles. A consumer slower than
+its producer never finds the queue empty, and a producer slower than its consumer fills it only
+with bursts (a ``disaggregate``, a generator), which the room then absorbs. tf.data's autotuned
+prefetch buffers grow on the same idea.
+
+Growth stops at a number of items and at a byte budget for items like the one measured
+(:func:`approx_nbytes`; :data:`UNKNOWN_SIZE_CAP` items if it cannot tell). A grown queue measures
+one item in :data:`RECHECK` and shrinks, keeping what it holds, if items got larger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ._resume import Tagged
+
+__all__ = ["RECHECK", "UNKNOWN_SIZE_CAP", "Growth", "approx_nbytes"]
+
+UNKNOWN_SIZE_CAP = 16
+"""The most a growing queue holds of items whose size :func:`approx_nbytes` cannot tell."""
+
+RECHECK = 64
+"""A grown queue measures one item in this many against its byte budget, and shrinks if over."""
+
+_SCALARS = (int, float, complex, bool, type(None))
+
+
+def approx_nbytes(item: Any, depth: int = 3) -> int | None:
+    """Bytes that ``item`` holds in arrays, tensors and buffers, nested up to ``depth`` deep.
+
+    A rough figure for a memory budget: arrays and buffers count their ``nbytes``, strings
+    their length, numbers nothing; lists, tuples, dicts and the attributes of plain objects
+    (dataclasses) the sum of what they hold, a long one extrapolated from its first 16
+    elements. ``None`` if some part cannot be told (an object of another kind, one nested
+    deeper, or one whose ``nbytes`` raises, as a sparse torch tensor's does).
+    """
+    if isinstance(item, _SCALARS):
+        return 0
+    if isinstance(item, bytes | bytearray | str):
+        return len(item)
+    try:
+        nbytes = getattr(item, "nbytes", None)  # NumPy arrays, torch tensors, memoryviews
+    except Exception:
+        return None
+    if nbytes is not None:
+        return nbytes if isinstance(nbytes, int) and nbytes >= 0 else None
+    if depth <= 0:
+        return None
+    if isinstance(item, Tagged):
+        return approx_nbytes(item.value, depth)
+    if isinstance(item, dict):
+        item = list(item.values())
+    elif not isinstance(item, list | tuple):
+        fields = getattr(item, "__dict__", None)
+        if not isinstance(fields, dict) or not fields:
+            return None
+        item = list(fields.values())
+    if not item:
+        return 0
+    head = item[:16]
+    total = 0
+    for x in head:
+        size = approx_nbytes(x, depth - 1)
+        if size is None:
+            return None
+        total += size
+    return total * len(item) // len(head)
+
+
+class Growth:
+    """The limits within which one channel grows, and whether it may grow now.
+
+    Args:
+        start: The channel's first capacity; it never shrinks below it.
+        grow_to: The most items it grows to.
+        grow_bytes: The most bytes of items like the one measured it grows to hold.
+        allowed: Asked before each doubling; ``False`` skips it. Between stages: whether
+            both neighbours are cheap, since only then does a hand-over cost as much as the
+            work it hands over (``None``: always).
+
+    """
+
+    __slots__ = ("_allowed", "grow_bytes", "grow_to", "start")
+
+    recheck = RECHECK  # a grown channel measures one item in this many
+
+    def __init__(
+        self,
+        start: int,
+        grow_to: int,
+        grow_bytes: int,
+        allowed: Callable[[], bool] | None = None,
+    ) -> None:
+        self.start = start
+        self.grow_to = grow_to
+        self.grow_bytes = grow_bytes
+        self._allowed = allowed
+
+    def allowed(self) -> bool:
+        """Whether the channel may double now."""
+        return self._allowed is None or self._allowed()
+
+    def limit(self, item: Any) -> int:
+        """The most items like ``item`` the channel may hold (never below ``start``)."""
+        try:
+            nbytes = approx_nbytes(item)
+        except Exception:  # a user's object may fail in ways approx_nbytes cannot foresee
+            nbytes = None
+        if nbytes is None:
+            limit = UNKNOWN_SIZE_CAP
+        elif nbytes > 0:
+            limit = self.grow_bytes // nbytes
+        else:
+            limit = self.grow_to
+        return max(self.start, min(self.grow_to, limit))
