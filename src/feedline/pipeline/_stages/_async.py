@@ -34,7 +34,9 @@ class LoopSignal:
     def __init__(self, run: RunContext) -> None:
         self._run = run
         self._lock = threading.Lock()
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        # Read-only outside this class: empty means nobody to wake (see ``notify``), which a
+        # caller on the hot path may check before paying for the call.
+        self.waiters: deque[asyncio.Future[None]] = deque()
         self._wakes = 0  # wake-ups requested but not yet delivered
         self._scheduled = False
 
@@ -42,26 +44,26 @@ class LoopSignal:
         """Register a waiter (loop thread only). Await it, or ``discard`` it."""
         fut: asyncio.Future[None] = self._run.loop.create_future()
         with self._lock:
-            self._waiters.append(fut)
+            self.waiters.append(fut)
         return fut
 
     def has_waiters(self) -> bool:
         """Whether a coroutine waits (exact on the loop thread, which alone adds and removes)."""
-        return bool(self._waiters)
+        return bool(self.waiters)
 
     def discard(self, fut: asyncio.Future[None]) -> None:
         """Withdraw a waiter that is no longer needed."""
         with self._lock, contextlib.suppress(ValueError):
-            self._waiters.remove(fut)
+            self.waiters.remove(fut)
 
     def notify(self, wake_all: bool = False) -> None:
         """Wake one waiter (or all), now if on the loop thread, else soon."""
         # Unlocked fast path: a waiter registers before it re-checks its condition, so a
         # notify that reads an empty deque here cannot be one that waiter needed.
-        if not self._waiters:
+        if not self.waiters:
             return
         with self._lock:
-            if not self._waiters:
+            if not self.waiters:
                 return
             self._wakes = 1 << 30 if wake_all else self._wakes + 1
             if self._scheduled:
@@ -80,8 +82,8 @@ class LoopSignal:
             self._scheduled = False
             n, self._wakes = self._wakes, 0
             woken = []
-            while n > 0 and self._waiters:
-                woken.append(self._waiters.popleft())
+            while n > 0 and self.waiters:
+                woken.append(self.waiters.popleft())
                 n -= 1
         for fut in woken:
             if not fut.done():
@@ -162,7 +164,8 @@ class AsyncStage(_AsyncProducer):
 
     def on_data(self) -> None:
         """Input arrived (wake one worker) or closed (wake all)."""
-        self._data.notify(wake_all=self._input.closed)
+        if self._data.waiters:  # else no worker waits: as notify's own first check
+            self._data.notify(wake_all=self._input.closed)
 
     async def run_stage(self) -> None:
         """Run the workers until the input is exhausted, then close the output."""

@@ -604,17 +604,19 @@ class ThreadedSource(_PoolStage):
                     return
                 with self._lock:
                     t0 = c.task_started()
+                got = False
                 try:
                     value = next(iterator)
+                    got = True
                 except StopIteration:
                     self._done = True
                     output.close()
                     return
                 finally:
-                    with self._lock:
+                    with self._lock:  # one round trip for both counts
                         slow = c.task_ended(t0) > INLINE_ABORT
-                with self._lock:
-                    c.items_in += 1
+                        if got:
+                            c.items_in += 1
                 self._held = value
                 if output.try_put(value):
                     self._held = EMPTY
