@@ -325,3 +325,62 @@ def test_a_queue_next_to_an_expensive_stage_does_not_grow() -> None:
         stats = p.stats()
     assert stats["source"].queue.capacity == 8  # max(4, 2 * concurrency)
     assert stats["slow"].queue.capacity == 8
+
+
+def _turn(channel: Channel, item: Any) -> None:
+    """Fill the channel, drain it (finding it empty), then pass one more item through."""
+    _fill(channel, item)
+    _drain(channel)
+    channel.try_put(item)
+    channel.try_get()
+
+
+def test_a_grown_channel_shrinks_when_items_get_larger_even_if_every_turn_asks_to_grow() -> None:
+    channel = Channel("q", 2, Growth(2, 64, 16 * MiB))
+
+    def turn(item: Any) -> None:  # the producer fills it, the consumer drains it
+        _fill(channel, item)
+        _drain(channel)
+
+    for _ in range(10):
+        turn(np.zeros(8, dtype=np.uint8))
+    assert channel.capacity == 64
+    big = np.zeros(4 * MiB, dtype=np.uint8)  # four fit in the budget
+    for _ in range(3):
+        turn(big)  # every turn asks to double, at the first item after the last one
+    assert channel.capacity == 4
+
+
+class _Counted:
+    """An item that counts how often its size is asked for."""
+
+    asked = 0
+
+    @property
+    def nbytes(self) -> int:
+        _Counted.asked += 1
+        return 1 * MiB
+
+
+def test_a_channel_at_its_limit_backs_off_instead_of_measuring_every_turn() -> None:
+    channel = Channel("q", 4, Growth(4, 64, 4 * MiB))  # four such items fill the budget
+    item = _Counted()
+    _Counted.asked = 0
+    for _ in range(1000):  # 5,000 items taken, 1,000 turns that each ask to grow
+        _turn(channel, item)
+    assert channel.capacity == 4
+    # Quiet for 64, 128, ... 4,096 items after each doubling that changed nothing.
+    assert 3 <= _Counted.asked <= 10
+
+
+def test_a_grown_channel_no_longer_allowed_shrinks_back_to_its_start() -> None:
+    allow = True
+    channel = Channel("q", 2, Growth(2, 64, 64 * MiB, lambda: allow))
+    for _ in range(4):
+        _turn(channel, 1)
+    assert channel.capacity == 32
+    allow = False
+    for _ in range(70):  # the next recheck comes within 64 items taken
+        channel.try_put(1)
+        channel.try_get()
+    assert channel.capacity == 2

@@ -150,10 +150,12 @@ class Run:
             return Growth(capacity, grow_to, SINK_GROW_BYTES) if grow_to > capacity else None
         if index > 0 and not config.stages[index - 1].grows:
             return None
+        if capacity >= MAX_DEFAULT_SINK:
+            return None
         stages = self.stages  # filled in after the channels: read when growth is asked for
         return Growth(
             capacity,
-            max(capacity, MAX_DEFAULT_SINK),
+            MAX_DEFAULT_SINK,
             QUEUE_GROW_BYTES,
             lambda: stages[index].cheap() and stages[index + 1].cheap(),
         )

@@ -20,13 +20,16 @@ from typing import Any
 
 from ._resume import Tagged
 
-__all__ = ["RECHECK", "UNKNOWN_SIZE_CAP", "Growth", "approx_nbytes"]
+__all__ = ["MAX_QUIET", "RECHECK", "UNKNOWN_SIZE_CAP", "Growth", "approx_nbytes"]
 
 UNKNOWN_SIZE_CAP = 16
 """The most a growing queue holds of items whose size :func:`approx_nbytes` cannot tell."""
 
 RECHECK = 64
 """A grown queue measures one item in this many against its byte budget, and shrinks if over."""
+
+MAX_QUIET = 4096
+"""The most items a queue takes without asking to grow after doublings that changed nothing."""
 
 _SCALARS = (int, float, complex, bool, type(None))
 
@@ -74,19 +77,36 @@ def approx_nbytes(item: Any, depth: int = 3) -> int | None:
 
 
 class Growth:
-    """The limits within which one channel grows, and whether it may grow now.
+    """How one channel grows: its limits, and when it last tried.
+
+    The channel calls :meth:`found_empty` (with its lock held) when its consumer finds it empty,
+    and measures the item that follows with :meth:`target` if that returns true, and one item
+    in :data:`RECHECK` while grown. A doubling that changes nothing (at a limit) makes the
+    channel stop asking for a while, so that a channel that cannot grow does not measure an
+    item at every turn: first for :data:`RECHECK` items taken, then twice as many each time,
+    up to :data:`MAX_QUIET`.
 
     Args:
         start: The channel's first capacity; it never shrinks below it.
         grow_to: The most items it grows to.
         grow_bytes: The most bytes of items like the one measured it grows to hold.
-        allowed: Asked before each doubling; ``False`` skips it. Between stages: whether
-            both neighbours are cheap, since only then does a hand-over cost as much as the
-            work it hands over (``None``: always).
+        allowed: Whether the channel may be above its start now (``None``: always). Between
+            stages: whether both neighbours are cheap, since only then does a hand-over cost
+            as much as the work it hands over. A grown channel that is no longer allowed
+            shrinks back to its start at its next measure.
 
     """
 
-    __slots__ = ("_allowed", "grow_bytes", "grow_to", "start")
+    __slots__ = (
+        "_allowed",
+        "_doubling",
+        "_fills_seen",
+        "_quiet",
+        "_quiet_until",
+        "grow_bytes",
+        "grow_to",
+        "start",
+    )
 
     recheck = RECHECK  # a grown channel measures one item in this many
 
@@ -101,10 +121,54 @@ class Growth:
         self.grow_to = grow_to
         self.grow_bytes = grow_bytes
         self._allowed = allowed
+        self._fills_seen = 0  # the channel's fills when its consumer last found it empty
+        self._doubling = False  # the next item measured decides a doubling
+        self._quiet = RECHECK  # items taken without a doubling after one that changed nothing
+        self._quiet_until = 0  # the channel's gets before which no doubling is asked for
 
     def allowed(self) -> bool:
-        """Whether the channel may double now."""
+        """Whether the channel may be above its start size now."""
         return self._allowed is None or self._allowed()
+
+    def found_empty(self, fills: int, gets: int) -> bool:
+        """Whether to measure the next item, now that the consumer found the channel empty.
+
+        Yes if the channel became full since the consumer last found it empty, unless a
+        recent doubling changed nothing. Called with the channel's lock held.
+        """
+        if fills == self._fills_seen or gets < self._quiet_until:
+            return False
+        self._fills_seen = fills
+        self._doubling = True
+        return True
+
+    def take_doubling(self) -> bool:
+        """Whether the item being measured decides a doubling (channel lock held); clears it."""
+        doubling, self._doubling = self._doubling, False
+        return doubling
+
+    def target(self, item: Any, capacity: int, doubling: bool) -> int:
+        """The capacity to have after measuring ``item`` (called without the channel's lock).
+
+        Doubled within the limits if ``doubling`` (the caller checks :meth:`allowed` first);
+        otherwise back within the byte budget for items like ``item``, or back to the start
+        if no longer allowed.
+        """
+        if doubling:
+            return min(self.limit(item), 2 * capacity)
+        if capacity <= self.start:
+            return capacity  # nothing to shrink: no need to measure
+        if not self.allowed():
+            return self.start
+        return min(capacity, self.limit(item))
+
+    def settled(self, gets: int, grew: bool) -> None:
+        """Record how a doubling ended (channel lock held), to back off if it changed nothing."""
+        if grew:
+            self._quiet = RECHECK
+        else:
+            self._quiet_until = gets + self._quiet
+            self._quiet = min(2 * self._quiet, MAX_QUIET)
 
     def limit(self, item: Any) -> int:
         """The most items like ``item`` the channel may hold (never below ``start``)."""

@@ -59,8 +59,8 @@ class ChannelStats:
     """A snapshot of one channel's statistics.
 
     Attributes:
-        capacity: The most items the channel holds (now: a default sink grows, see
-            :meth:`~feedline.PipelineBuilder.add_sink`).
+        capacity: The most items the channel holds (now: a default-sized queue grows, see
+            :meth:`~feedline.PipelineBuilder.add_sink` and ``pipe(buffer_size=)``).
         size: Items in the channel when the snapshot was taken.
         puts: Items put so far.
         gets: Items taken so far.
@@ -128,10 +128,8 @@ class Channel:
     __slots__ = (
         "_closed",
         "_consumer",
-        "_doubling",
         "_empty_since",
         "_empty_time",
-        "_fills_seen",
         "_full_since",
         "_full_time",
         "_get_sum",
@@ -173,8 +171,6 @@ class Channel:
         self.last_put = now  # perf_counter() of the latest put
         self.fills = 0  # times the channel became full
         self._growth = growth
-        self._fills_seen = 0  # fills when the consumer last found the channel empty
-        self._doubling = False  # the next item measured decides a doubling
         self._measure_at = -1  # the count of gets whose item is measured (-1: none)
         # Statistics are kept by events, not integrated on every call: the time-integral of
         # the fill level is the sum of each item's stay, that is (sum of get times) - (sum of
@@ -265,12 +261,11 @@ class Channel:
         with self._lock:
             items = self._items
             if not items:
-                if self._growth is not None and self.fills != self._fills_seen:
+                growth = self._growth
+                if growth is not None and growth.found_empty(self.fills, self._gets):
                     # Full since the consumer last found it empty: the channel's size, not
                     # the producer's speed, kept the consumer waiting. The next item taken
                     # is measured and decides how far the channel may grow.
-                    self._fills_seen = self.fills
-                    self._doubling = True
                     self._measure_at = self._gets + 1
                 return EMPTY
             t = _now() - self._t0
@@ -278,29 +273,35 @@ class Channel:
             item = items.popleft()
             self._gets += 1
             measure = self._gets == self._measure_at
+            growth = self._growth
+            doubling = measure and growth is not None and growth.take_doubling()
             wake = self._producer_refused and len(items) <= self._low
             if wake:
                 self._producer_refused = False
         if wake:
             self._producer.on_space()
         if measure:
-            self._adjust(item)
+            self._adjust(item, doubling)
         return item
 
-    def _adjust(self, item: Any) -> None:
-        # Double (if a wait asked for it and the growth allows it) or shrink back within the
-        # budget for items like this one. Measured outside the lock: nbytes is user code.
+    def _adjust(self, item: Any, doubling: bool) -> None:
+        # Resize as the growth decides on this item: measured outside the lock, since its
+        # nbytes is user code. (Only consumers measure; two consumer threads of one channel
+        # may race here, which costs at most a doubling too many or too few, bounded by the
+        # limits and set right at the next measure.)
         growth = self._growth
         assert growth is not None
-        limit = growth.limit(item)
-        double = self._doubling and growth.allowed()
+        if doubling and not growth.allowed():
+            doubling = False  # not now; no back-off either, since asking again costs little
+        target = growth.target(item, self.capacity, doubling)
         with self._lock:
-            self._doubling = False
             capacity = self.capacity
-            target = max(capacity, min(limit, 2 * capacity)) if double else min(capacity, limit)
             wake = target != capacity and self._resize(target)
-            grown = self.capacity > growth.start
-            self._measure_at = self._gets + growth.recheck if grown else -1
+            if doubling:
+                growth.settled(self._gets, grew=target > capacity)
+            if self._measure_at <= self._gets:  # not asked for again meanwhile
+                grown = self.capacity > growth.start
+                self._measure_at = self._gets + growth.recheck if grown else -1
         if wake:
             self._producer.on_space()
 
