@@ -34,8 +34,9 @@ class LoopSignal:
     def __init__(self, run: RunContext) -> None:
         self._run = run
         self._lock = threading.Lock()
-        # Read-only outside this class: empty means nobody to wake (see ``notify``), which a
-        # caller on the hot path may check before paying for the call.
+        # Read-only outside this class, and exact on the loop thread (which alone adds and
+        # removes): empty means nobody to wake (see ``notify``), which a caller on the hot
+        # path may check before paying for the call.
         self.waiters: deque[asyncio.Future[None]] = deque()
         self._wakes = 0  # wake-ups requested but not yet delivered
         self._scheduled = False
@@ -46,10 +47,6 @@ class LoopSignal:
         with self._lock:
             self.waiters.append(fut)
         return fut
-
-    def has_waiters(self) -> bool:
-        """Whether a coroutine waits (exact on the loop thread, which alone adds and removes)."""
-        return bool(self.waiters)
 
     def discard(self, fut: asyncio.Future[None]) -> None:
         """Withdraw a waiter that is no longer needed."""
@@ -120,7 +117,7 @@ class _AsyncProducer(StageBase):
                 continue
             await fut
             waited = True
-        if waited and self._space.has_waiters() and output.request_space():
+        if waited and self._space.waiters and output.request_space():
             # Pass the wake-up on while the output is at most half full. Above that,
             # request_space has asked for the next on_space instead: the channel's own
             # request was used up by the wake-up that woke us, and the workers still
