@@ -248,6 +248,19 @@ def test_a_channel_doubles_at_the_first_item_after_it_was_found_empty_since_a_fi
     assert channel.capacity == 8
 
 
+def test_a_batched_get_measures_the_item_at_the_measure_point() -> None:
+    channel = Channel("q", 4, Growth(4, 64, 10 * MiB))
+    small, big = np.zeros(MiB, dtype=np.uint8), np.zeros(8 * MiB, dtype=np.uint8)
+    assert channel.try_put_many([small] * 5) == 4  # full
+    assert len(channel.try_get_many(8)) == 4
+    assert channel.try_get_many(8) == []  # found empty after a fill: the next item is measured
+    assert channel.try_put_many([small, big, big]) == 3
+    assert len(channel.try_get_many(8)) == 3
+    # The first of the batch was measured: ten such items fit the budget, so the channel
+    # doubles. Measuring any other would have allowed one item, and shrunk it instead.
+    assert channel.capacity == 8
+
+
 def test_a_channel_grows_only_while_its_growth_allows() -> None:
     allow = False
     channel = Channel("q", 2, Growth(2, 64, 64 * MiB, lambda: allow))

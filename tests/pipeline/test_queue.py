@@ -121,6 +121,23 @@ def test_a_refused_producer_is_told_once_the_channel_drains_to_half() -> None:
     assert ch.request_space()  # at most half full: room now, no call to come
 
 
+def test_batches_put_what_fits_in_order_and_wake_each_side_once() -> None:
+    ch = Channel("q", 4)
+    ends = _Ends()
+    ch.connect(ends, ends)
+    assert ch.try_put_many([]) == 0
+    assert ch.try_put_many([0, 1, 2, 3, 4, 5]) == 4  # the first four; the rest are refused
+    assert (ends.data, ch.puts, ch.fills) == (1, 4, 1)  # one wake-up for the whole batch
+    assert ch.try_get_many(1) == [0]
+    assert ends.space == 0  # three left: above half
+    assert ch.try_get_many(10) == [1, 2, 3]  # no more than it holds
+    assert ends.space == 1  # drained: the refused producer is told, once
+    assert ch.try_get_many(10) == []
+    ch.close()
+    assert ch.try_put_many([6]) == 0
+    assert ch.exhausted
+
+
 def test_closed_channel_refuses_puts_and_capacity_must_be_positive() -> None:
     ch = Channel("q", 1)
     ch.close()
@@ -134,6 +151,8 @@ _OPS = st.lists(
     st.one_of(
         st.tuples(st.just("put"), st.just(0.0)),
         st.tuples(st.just("get"), st.just(0.0)),
+        st.tuples(st.just("put_many"), st.integers(0, 5).map(float)),
+        st.tuples(st.just("get_many"), st.integers(1, 5).map(float)),
         # steps of 1/64 s: exact in binary, so that the reference adds no rounding of its own
         st.tuples(st.just("wait"), st.integers(0, 320).map(lambda k: k / 64)),
         st.tuples(st.just("stats"), st.just(0.0)),
@@ -150,31 +169,46 @@ def test_statistics_match_a_step_by_step_integration(
     capacity: int, ops: list[tuple[str, float]]
 ) -> None:
     # The reference walks time in the steps the test makes and adds up the state it sees.
+    # Items are numbered as they are put, so that every get checks the order too.
     clock = _Clock()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_queue, "_now", clock)
         ch = Channel("q", capacity)
         n, closed, held, empty, full = 0, False, 0.0, 0.0, 0.0
-        for op, dt in ops:
+        put, got = 0, 0  # items numbered so far, and the next one a get must return
+        for op, arg in ops:
             if op == "wait":
-                clock.t += dt
-                held += n * dt
-                empty += dt if n == 0 and not closed else 0.0
-                full += dt if n == capacity and not closed else 0.0
+                clock.t += arg
+                held += n * arg
+                empty += arg if n == 0 and not closed else 0.0
+                full += arg if n == capacity and not closed else 0.0
             elif op == "put":
-                accepted = ch.try_put(n)
+                accepted = ch.try_put(put)
                 assert accepted == (not closed and n < capacity)
                 n += accepted
+                put += accepted
+            elif op == "put_many":
+                batch = list(range(put, put + int(arg)))
+                taken = ch.try_put_many(batch)
+                assert taken == (0 if closed else min(len(batch), capacity - n))
+                n += taken
+                put += taken
             elif op == "get":
-                got = ch.try_get()
-                assert (got is EMPTY) == (n == 0)
-                n -= got is not EMPTY
+                item = ch.try_get()
+                assert item == (EMPTY if n == 0 else got)
+                n -= item is not EMPTY
+                got += item is not EMPTY
+            elif op == "get_many":
+                items = ch.try_get_many(int(arg))
+                assert items == list(range(got, got + min(n, int(arg))))
+                n -= len(items)
+                got += len(items)
             elif op == "close":
                 ch.close()
                 closed = True
             elif op == "abort":
                 ch.abort()
-                closed, n = True, 0
+                closed, n, got = True, 0, put
             else:
                 ch.stats()  # folds the running sums; must change nothing
         s = ch.stats()

@@ -218,7 +218,7 @@ class Run:
                 lambda: self.pull(upstream),
             )
             if isinstance(upstream, ThreadedStage | ThreadedSource):
-                upstream.loop_pulls = True
+                upstream.loop_puller = stage
             self._async_stages.append(stage)
             return stage
         if isinstance(cfg, AggregateConfig):

@@ -11,6 +11,7 @@ item low, which is where a threaded pipeline loses its time.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
@@ -224,6 +225,42 @@ class Channel:
         self._consumer.on_data()
         return True
 
+    def try_put_many(self, batch: list[Any]) -> int:
+        """Append as many of ``batch`` as fit, in order, in one go; never blocks.
+
+        Cheaper per item than :meth:`try_put` for a producer that makes items in bursts: one
+        lock round trip, one clock read and one ``on_data`` for all of them.
+
+        Returns:
+            How many were taken, from the front of ``batch``. Fewer than all: the channel is
+            full (the producer's ``on_space`` will be called once it has drained to half) or
+            closed (nothing is taken).
+
+        """
+        with self._lock:
+            if self._closed:
+                return 0
+            items = self._items
+            n = len(items)
+            k = min(len(batch), self.capacity - n)
+            if k < len(batch):
+                self._producer_refused = True
+            if k <= 0:
+                return 0
+            now = _now()
+            t = now - self._t0
+            if n == 0:
+                self._end_empty(t)
+            if n + k == self.capacity:
+                self._full_since = t
+                self.fills += 1
+            self._put_sum += k * t
+            self.last_put = now
+            items.extend(batch if k == len(batch) else itertools.islice(batch, k))
+            self._puts += k
+        self._consumer.on_data()
+        return k
+
     # The helpers below are called with the lock held; t is the time since _t0.
 
     def _end_empty(self, t: float) -> None:
@@ -256,17 +293,20 @@ class Channel:
         self._end_empty(t)
         self._end_full(t)
 
+    def _found_empty(self) -> None:
+        growth = self._growth
+        if growth is not None and growth.found_empty(self.fills, self._gets):
+            # Full since the consumer last found it empty: the channel's size, not the
+            # producer's speed, kept the consumer waiting. The next item taken is measured
+            # and decides how far the channel may grow.
+            self._measure_at = self._gets + 1
+
     def try_get(self) -> Any:
         """Take the oldest item, or return :data:`EMPTY` at once if there is none."""
         with self._lock:
             items = self._items
             if not items:
-                growth = self._growth
-                if growth is not None and growth.found_empty(self.fills, self._gets):
-                    # Full since the consumer last found it empty: the channel's size, not
-                    # the producer's speed, kept the consumer waiting. The next item taken
-                    # is measured and decides how far the channel may grow.
-                    self._measure_at = self._gets + 1
+                self._found_empty()
                 return EMPTY
             t = _now() - self._t0
             self._take_time(t, len(items))
@@ -283,6 +323,44 @@ class Channel:
         if measure:
             self._adjust(item, doubling)
         return item
+
+    def try_get_many(self, limit: int) -> list[Any]:
+        """Take up to ``limit`` of the oldest items in one go, or none (an empty list) at once.
+
+        Cheaper per item than :meth:`try_get` for a consumer that handles items in bursts:
+        one lock round trip and one clock read for all of them.
+        """
+        with self._lock:
+            items = self._items
+            n = len(items)
+            if not n:
+                self._found_empty()
+                return []
+            t = _now() - self._t0
+            if n <= limit:
+                taken = list(items)
+                items.clear()
+                if not self._closed:
+                    self._empty_since = t
+            else:
+                taken = [items.popleft() for _ in range(limit)]
+            k = len(taken)
+            self._get_sum += k * t
+            self._end_full(t)
+            first = self._gets + 1
+            self._gets += k
+            at = self._measure_at - first  # the index of the item to measure, if taken now
+            measure = 0 <= at < k
+            growth = self._growth
+            doubling = measure and growth is not None and growth.take_doubling()
+            wake = self._producer_refused and len(items) <= self._low
+            if wake:
+                self._producer_refused = False
+        if wake:
+            self._producer.on_space()
+        if measure:
+            self._adjust(taken[at], doubling)
+        return taken
 
     def _adjust(self, item: Any, doubling: bool) -> None:
         # Resize as the growth decides on this item: measured outside the lock, since its

@@ -74,12 +74,36 @@ class StageCounters:
         """Count one call leaving the op and return its duration. Call with ``lock`` held."""
         dt = time.perf_counter() - t_start
         self.in_flight -= 1
+        self._record(dt)
+        return dt
+
+    def lap(self, t_start: float) -> float:
+        """Record a call that began at ``t_start`` and ended now; returns now.
+
+        For calls made one after another by one task, counted in flight once for the whole
+        run (``task_started`` before the first, ``in_flight -= 1`` after the last): each call
+        starts when the one before it ended. Call with ``lock`` held.
+        """
+        now = time.perf_counter()
+        self._record(now - t_start)
+        return now
+
+    def laps(self, t_start: float, ends: list[float]) -> None:
+        """Record calls made one after another, as :meth:`lap` does one at a time.
+
+        The first began at ``t_start``; each ended at the next time in ``ends``. Call with
+        ``lock`` held.
+        """
+        for end in ends:
+            self._record(end - t_start)
+            t_start = end
+
+    def _record(self, dt: float) -> None:
         self.busy_time += dt
         self._durations[self._n_durations % _RING] = dt
         self._n_durations += 1
         if self._n_durations > 8:
             self.ewma += 0.125 * (dt - self.ewma) if self.ewma >= 0 else dt - self.ewma
-        return dt
 
     def snapshot(self, in_q: ChannelStats | None, out_q: ChannelStats) -> StageStats:
         """Build the public snapshot of this stage."""

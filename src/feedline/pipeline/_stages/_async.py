@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import threading
 from collections import deque
 from collections.abc import AsyncIterable, Callable
@@ -20,7 +21,7 @@ from typing import Any
 
 from .._defs import OpKind
 from .._queue import EMPTY, Channel
-from ._common import FailureBudget, RunContext, StageBase
+from ._common import BATCH, FailureBudget, RunContext, StageBase
 
 __all__ = ["AsyncSource", "AsyncStage", "LoopSignal"]
 
@@ -126,6 +127,18 @@ class _AsyncProducer(StageBase):
         return True
 
 
+class _Burst:
+    """One worker's run of calls on taken items (see ``AsyncStage._run_burst``)."""
+
+    __slots__ = ("done", "flush", "results", "waited")
+
+    def __init__(self) -> None:
+        self.results: list[Any] = []  # not yet handed on
+        self.done = False  # the last call has returned
+        self.waited = False  # a call waited since the loop last ran ``_spill``
+        self.flush: asyncio.Task[bool] | None = None  # hands on results held when a call waited
+
+
 class AsyncStage(_AsyncProducer):
     """Runs an async op (or a sync op in a process pool) with ``concurrency`` workers."""
 
@@ -158,11 +171,25 @@ class AsyncStage(_AsyncProducer):
         self._next_emit = 0
         self._pending: dict[int, Any] = {}
         self._window = LoopSignal(run)
+        # Items taken from the input in a batch and not yet started, for any worker to start
+        # in order (see _run_burst).
+        self._taken: deque[Any] = deque()
+        # Bursts running: until they end, a worker that finds the input exhausted waits
+        # rather than ends, since a burst whose call waits wakes it to start taken items.
+        self._bursts = 0
 
     def on_data(self) -> None:
         """Input arrived (wake one worker) or closed (wake all)."""
         if self._data.waiters:  # else no worker waits: as notify's own first check
             self._data.notify(wake_all=self._input.closed)
+
+    def wake_to_pull(self) -> None:
+        """Wake a worker that waits for input, so that it pulls a cheap upstream job (loop only).
+
+        Called when that job could go on (its output drained) but leaves it to us to run.
+        """
+        if self._data.waiters:
+            self._data.notify()
 
     async def run_stage(self) -> None:
         """Run the workers until the input is exhausted, then close the output."""
@@ -171,39 +198,58 @@ class AsyncStage(_AsyncProducer):
             self._output.close()
 
     async def _get(self) -> Any:
+        # The next item, from the input or from those taken already (counted in then).
         inp = self._input
         pulled = False
         while True:
+            if self._taken:
+                return self._taken.popleft()
             item = inp.try_get()
             if item is not EMPTY:
+                self.counters.items_in += 1
                 return item
-            if inp.exhausted:
+            if inp.exhausted and not self._bursts:
                 return _END
             if not pulled:
                 pulled = True
                 if self._pull():
                     continue
             fut = self._data.wait()
-            if len(inp) or inp.closed:
+            if len(inp) or self._taken or (inp.closed and not self._bursts):
                 self._data.discard(fut)
                 continue
             await fut
+            pulled = False  # woken: perhaps to pull (see wake_to_pull)
 
     async def _worker(self) -> None:
         c = self.counters
         run = self.run
         kind = self._kind
+        bursts = kind is OpKind.COROUTINE and not self._ordered
         while not run.stopping:
             while self._ordered and self._next_seq - self._next_emit >= self._ahead:
                 await self._window.wait()
-            item = self._input.try_get()  # fast path: no coroutine when an item is waiting
-            if item is EMPTY:
-                item = await self._get()
-                if item is _END:
-                    return
+            taken = self._taken
+            if bursts and self.cheap():
+                if not taken and (batch := self._input.try_get_many(BATCH)):
+                    c.items_in += len(batch)
+                    taken.extend(batch)
+                if taken:
+                    if not await self._run_burst():
+                        return
+                    continue
+            if taken:
+                item = taken.popleft()
+            else:
+                item = self._input.try_get()  # fast path: no coroutine when an item is waiting
+                if item is EMPTY:
+                    item = await self._get()  # counts what it takes from the input
+                    if item is _END:
+                        return
+                else:
+                    c.items_in += 1
             seq = self._next_seq
             self._next_seq += 1
-            c.items_in += 1
             if kind is OpKind.ASYNC_GENERATOR:
                 if not await self._run_async_generator(item):
                     return
@@ -224,6 +270,91 @@ class AsyncStage(_AsyncProducer):
             fast = not self._ordered and self._output.try_put(result)  # no coroutine if room
             if not fast and not await self._emit(seq, result):
                 return
+
+    async def _run_burst(self) -> bool:
+        """Start taken items in turn, up to ``BATCH`` calls, then hand the results on together.
+
+        For a cheap coroutine op in a stage free to reorder: the worker took a batch of items
+        from its input in one go, and a burst costs one lock round trip each way and one clock
+        read per item, instead of two and four (measured: the event loop's CPU per item
+        through 3 no-op stages fell from 25 to 14 us). Items still start in input order, and a
+        worker keeps one call in flight, as item by item.
+
+        If a call really waits, the loop runs ``_spill``, which hands on the results so far
+        (in a task of their own, since the output may be full) and wakes the other workers
+        to start the taken items: a burst holds back no work for longer than its calls take
+        to run without waiting.
+
+        Returns:
+            ``False`` if the run is over for this worker (the output closed, or the run
+            stopped).
+
+        """
+        c = self.counters
+        op = self._op
+        run = self.run
+        loop = run.loop
+        taken = self._taken
+        burst = _Burst()
+        spill = loop.call_soon(self._spill, burst)  # runs before anything else if a call waits
+        self._bursts += 1
+        try:
+            t = c.task_started()
+            try:
+                for _ in range(BATCH):
+                    if not taken:
+                        break
+                    item = taken.popleft()
+                    try:
+                        result = await op(item)
+                    except Exception as error:
+                        t = c.lap(t)
+                        self.record_failure(item, error)
+                        if run.stopping:
+                            return False
+                        continue
+                    t = c.lap(t)
+                    burst.results.append(result)
+                    if burst.waited:  # ready for the next call that waits
+                        burst.waited = False
+                        spill = loop.call_soon(self._spill, burst)
+            finally:
+                c.in_flight -= 1
+                burst.done = True
+                spill.cancel()
+                self._bursts -= 1
+                if not self._bursts and self._input.closed:
+                    self._data.notify(wake_all=True)  # workers waiting on the burst may end
+            # The results from before a call that waited go first, then the rest.
+            return (burst.flush is None or await burst.flush) and await self._put_all(burst.results)
+        finally:
+            if burst.flush is not None:
+                burst.flush.cancel()  # done already, unless this worker was cancelled
+
+    def _spill(self, burst: _Burst) -> None:
+        # The loop got control in the middle of a burst: its current call waits.
+        if burst.done:
+            return
+        burst.waited = True
+        if self._taken:
+            self._data.notify(wake_all=True)
+        if burst.results:
+            held, burst.results = burst.results, []
+            burst.flush = self.run.loop.create_task(self._put_after(burst.flush, held))
+
+    async def _put_after(self, earlier: asyncio.Task[bool] | None, results: list[Any]) -> bool:
+        # Hand on ``results`` once the results held before them are.
+        return (earlier is None or await earlier) and await self._put_all(results)
+
+    async def _put_all(self, results: list[Any]) -> bool:
+        # Hand on ``results`` in order: at once what fits, the rest one by one as room comes.
+        if not results:
+            return True
+        taken = self._output.try_put_many(results)
+        for result in itertools.islice(results, taken, None):
+            if not await self._put(result):
+                return False
+        return True
 
     async def _run_async_generator(self, item: Any) -> bool:
         c = self.counters

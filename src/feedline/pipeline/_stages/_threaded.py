@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .._queue import EMPTY, Channel
 from ._common import (
+    BATCH,
     INLINE_ABORT,
     FailureBudget,
     JobContext,
@@ -119,7 +121,7 @@ class _PoolStage(StageBase):
     """What the threaded stage and source share: cheapness, deferred and inline runs."""
 
     _executor: Any
-    loop_pulls: bool  # set when the consumer is an event-loop stage that pulls this stage
+    loop_puller: Any  # the consumer, if it is an event-loop stage (AsyncStage) that pulls us
     upstream: Any = None  # the stage feeding this one (None for the source)
     feeds_sink = False  # the last stage: the consumer takes its outputs
 
@@ -149,8 +151,12 @@ class _PoolStage(StageBase):
     def on_space(self) -> None:
         """Output drained: resume."""
         pool = self.run.default_pool
-        if self.loop_pulls and self.run.on_loop_thread() and self.cheap_on(pool):
-            return  # our event-loop consumer runs our cheap job itself when it needs items
+        puller = self.loop_puller
+        if puller is not None and self.run.on_loop_thread() and self.cheap_on(pool):
+            # Our event-loop consumer runs our cheap job itself when it needs items; a worker
+            # of it that already sleeps waiting for them is woken to do so.
+            puller.wake_to_pull()
+            return
         if self.feeds_sink and self.cheap_on(pool) and self.run.pull(self):
             return  # the consumer drained the sink: it refills it with our cheap job itself
         if not self._defer():
@@ -235,7 +241,7 @@ class ThreadedStage(_PoolStage):
         self._finish_claimed = False
         self._closed = False
         self._last_call = 0.0  # seconds the latest op call took (see INLINE_ABORT)
-        self.loop_pulls = False  # set when the consumer is an event-loop stage that pulls us
+        self.loop_puller = None
 
     # -- endpoint callbacks (any thread) --------------------------------------------------------
 
@@ -534,11 +540,12 @@ class ThreadedSource(_PoolStage):
         self._output = output
         self._lock = self.counters.lock
         self._iterator: Iterator[Any] | None = None
-        self._held: Any = EMPTY
+        self._held: list[Any] = []  # values made but not yet put, in order
         self._active = False
         self._queued = False  # the active job still waits for a pool thread (may be stolen)
-        self._done = False
-        self.loop_pulls = False  # set when the consumer is an event-loop stage that pulls us
+        self._ended = False  # the iterator is exhausted (what it made may still be held)
+        self._done = False  # ended, and the output closed
+        self.loop_puller = None
 
     def on_data(self) -> None:
         """Unused: a source has no input."""
@@ -565,7 +572,7 @@ class ThreadedSource(_PoolStage):
         with self._lock:
             if self._active or self._done or self.run.stopping:
                 return
-            if self._held is not EMPTY and not self._output.request_space():
+            if self._held and not self._output.request_space():
                 return
             self._active = True
             self._queued = True
@@ -584,47 +591,36 @@ class ThreadedSource(_PoolStage):
 
     def _job(self) -> None:
         run = self.run
-        c = self.counters
         output = self._output
         ctx = run.job_context()
+        held = self._held
         stepped_aside = False
         try:
             if self._iterator is None:
                 self._iterator = iter(self._source)
             iterator = self._iterator
+            slow = False
             while not run.stopping:
-                if self._held is not EMPTY:
-                    if not output.try_put(self._held):
-                        return
-                    self._held = EMPTY
-                    if ctx is not None and ctx.deferred:
-                        ctx.run_deferred()
-                if self._steps_aside(ctx):
-                    stepped_aside = True
-                    return
-                with self._lock:
-                    t0 = c.task_started()
-                got = False
-                try:
-                    value = next(iterator)
-                    got = True
-                except StopIteration:
-                    self._done = True
-                    output.close()
-                    return
-                finally:
-                    with self._lock:  # one round trip for both counts
-                        slow = c.task_ended(t0) > INLINE_ABORT
-                        if got:
-                            c.items_in += 1
-                self._held = value
-                if output.try_put(value):
-                    self._held = EMPTY
+                if held:
+                    del held[: output.try_put_many(held)]
+                    if held:
+                        return  # full: on_space starts the next job
                     if ctx is not None:
                         if ctx.deferred:
                             ctx.run_deferred()
                         if slow and self in ctx.stack:  # see INLINE_ABORT
                             return
+                if self._ended:
+                    self._done = True
+                    output.close()
+                    return
+                if self._steps_aside(ctx):
+                    stepped_aside = True
+                    return
+                # A cheap source makes a batch, up to the room in its output: one put, and
+                # one wake-up of the next stage, for all of them.
+                room = min(BATCH, output.capacity - len(output)) if self.cheap() else 1
+                slow = self._next_values(iterator, max(room, 1), held)
         except BaseException as error:  # an error in the source ends the run and propagates
             self._done = True
             run.fail(error)
@@ -632,6 +628,39 @@ class ThreadedSource(_PoolStage):
             with self._lock:
                 self._active = False
             self._wind_down(stepped_aside)
+
+    def _next_values(self, iterator: Iterator[Any], n: int, out: list[Any]) -> bool:
+        """Append up to ``n`` values of the source to ``out``; whether a call was slow.
+
+        Stops early at the end of the source (``_ended``) or after a call slower than
+        ``INLINE_ABORT``.
+        """
+        c = self.counters
+        made = 0
+        ends: list[float] = []  # when each call returned or raised
+        with self._lock:
+            start = c.task_started()
+        try:
+            t = start
+            while made < n:
+                try:
+                    value = next(iterator)
+                except StopIteration:
+                    self._ended = True
+                    return False
+                finally:
+                    ends.append(time.perf_counter())
+                out.append(value)
+                made += 1
+                if ends[-1] - t > INLINE_ABORT:
+                    return True
+                t = ends[-1]
+            return False
+        finally:
+            with self._lock:  # one round trip for every count
+                c.in_flight -= 1
+                c.items_in += made
+                c.laps(start, ends)
 
     def close(self) -> None:
         """Close the source iterator (a generator's ``finally`` runs). Call once no job runs."""

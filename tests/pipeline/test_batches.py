@@ -1,0 +1,164 @@
+"""Cheap coroutine stages take their input in batches, and a batch never holds work back."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from feedline import PipelineBuilder, PipelineFailure
+from feedline.pipeline._queue import Channel
+
+from .test_failures import pipeline_threads
+
+
+async def _anoop(x: int) -> int:
+    return x
+
+
+@pytest.fixture
+def batch_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the batches every channel hands out, in the order taken."""
+    sizes: list[int] = []
+    take = Channel.try_get_many
+
+    def counted(self: Channel, limit: int) -> list[Any]:
+        got = take(self, limit)
+        sizes.append(len(got))
+        return got
+
+    monkeypatch.setattr(Channel, "try_get_many", counted)
+    return sizes
+
+
+def test_cheap_coroutine_stages_take_batches_and_keep_order_at_concurrency_one(
+    batch_sizes: list[int],
+) -> None:
+    n = 3000
+    b = PipelineBuilder().add_source(range(n))
+    for i in range(3):
+        b.pipe(_anoop, name=f"s{i}")
+    p = b.build()
+    with p.auto_stop():
+        assert list(p) == list(range(n))
+        stats = p.stats()
+    assert max(batch_sizes) > 1
+    for stage in stats.stages[1:]:
+        assert (stage.items_in, stage.items_out, stage.max_in_flight) == (n, n, 1)
+        assert stage.in_flight == 0
+        assert 0 < stage.task_p50 < 0.01  # each call timed on its own, not the batch
+
+
+def test_a_failure_inside_a_batch_skips_that_item_alone(batch_sizes: list[int]) -> None:
+    async def odd_sevens(x: int) -> int:
+        if x % 100 == 7:
+            raise ValueError(f"bad item {x}")
+        return x
+
+    n = 3000
+    p = PipelineBuilder().add_source(range(n)).pipe(odd_sevens).build(max_failures=1000)
+    with p.auto_stop():
+        assert list(p) == [x for x in range(n) if x % 100 != 7]
+        stage = p.stats().stages[1]
+    assert max(batch_sizes) > 1
+    assert (stage.failures, stage.items_in, stage.items_out) == (30, n, n - 30)
+
+
+def test_a_failure_inside_a_batch_past_the_budget_raises_from_the_loop() -> None:
+    async def fails_late(x: int) -> int:
+        if x >= 500 and x % 3 == 0:
+            raise ValueError(f"bad item {x}")
+        return x
+
+    b = PipelineBuilder().add_source(range(3000)).pipe(fails_late, name="late")
+    p = b.build(max_failures=4)
+    got = []
+    with pytest.raises(PipelineFailure, match="late") as raised:
+        for x in p:
+            got.append(x)
+    assert (raised.value.stage, raised.value.num_failures) == ("late", 5)
+    assert got == list(range(len(got)))  # nothing lost or reordered before the failure
+    assert pipeline_threads() == []
+
+
+def _wait_for(ready: Any, what: str) -> Any:
+    """A coroutine that polls ``ready()`` on the loop, or raises after 2 seconds."""
+
+    async def wait() -> None:
+        deadline = time.monotonic() + 2
+        while not ready():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited 2 s for {what}")
+            await asyncio.sleep(0.0005)
+
+    return wait()
+
+
+def test_a_call_that_waits_inside_a_batch_first_hands_on_the_results_before_it(
+    batch_sizes: list[int],
+) -> None:
+    # Every 100th item waits until the consumer has received the item before it: a batch
+    # that held its results until its last call returned would never let that happen.
+    seen = -1
+
+    async def rendezvous(x: int) -> int:
+        if x % 100 == 99:
+            await _wait_for(lambda: seen == x - 1, f"the consumer to receive item {x - 1}")
+        return x
+
+    n = 2000
+    p = PipelineBuilder().add_source(range(n)).pipe(rendezvous, name="meet").build()
+    with p.auto_stop():
+        for x in p:
+            seen = x
+        stage = p.stats().stages[1]
+    assert seen == n - 1
+    assert (stage.failures, stage.items_out) == (0, n)
+    assert max(batch_sizes) > 1
+
+
+def test_while_a_call_waits_the_rest_of_its_batch_goes_to_the_other_workers(
+    batch_sizes: list[int],
+) -> None:
+    # Every 20th item waits until the item after it is done, which only another worker can
+    # do while this one waits: a batch that kept its unstarted items would never let it.
+    done: set[int] = set()
+
+    async def after_next(x: int) -> int:
+        if x % 20 == 10:
+            await _wait_for(lambda: x + 1 in done, f"item {x + 1}")
+        done.add(x)
+        return x
+
+    n = 2000
+    p = PipelineBuilder().add_source(range(n)).pipe(after_next, concurrency=2).build()
+    with p.auto_stop():
+        assert sorted(p) == list(range(n))
+        stage = p.stats().stages[1]
+    assert (stage.failures, stage.max_in_flight) == (0, 2)
+    assert max(batch_sizes) > 1
+
+
+def test_a_consumer_that_stops_early_or_a_stop_mid_epoch_leaves_no_thread() -> None:
+    def build() -> Any:
+        b = PipelineBuilder().add_source(range(1_000_000))
+        for _ in range(3):
+            b.pipe(_anoop, concurrency=4)
+        return b.build()
+
+    p = build()
+    for i, _ in enumerate(p):
+        if i == 5000:
+            break
+    assert pipeline_threads() == []
+
+    p = build()
+    stopper = threading.Timer(0.2, p.stop)
+    stopper.start()
+    received = sum(1 for _ in p)  # ends quietly when stopped from another thread
+    stopper.join()
+    assert 0 < received < 1_000_000
+    assert pipeline_threads() == []
