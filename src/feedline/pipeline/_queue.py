@@ -311,8 +311,8 @@ class Channel:
             t = _now() - self._t0
             self._take_time(t, len(items))
             item = items.popleft()
-            self._gets += 1
-            measure = self._gets == self._measure_at
+            self._gets = got = self._gets + 1
+            measure = got == self._measure_at
             growth = self._growth
             doubling = measure and growth is not None and growth.take_doubling()
             wake = self._producer_refused and len(items) <= self._low
@@ -321,7 +321,7 @@ class Channel:
         if wake:
             self._producer.on_space()
         if measure:
-            self._adjust(item, doubling)
+            self._adjust(item, doubling, got)
         return item
 
     def try_get_many(self, limit: int) -> list[Any]:
@@ -359,14 +359,15 @@ class Channel:
         if wake:
             self._producer.on_space()
         if measure:
-            self._adjust(taken[at], doubling)
+            self._adjust(taken[at], doubling, first + at)
         return taken
 
-    def _adjust(self, item: Any, doubling: bool) -> None:
-        # Resize as the growth decides on this item: measured outside the lock, since its
-        # nbytes is user code. (Only consumers measure; two consumer threads of one channel
-        # may race here, which costs at most a doubling too many or too few, bounded by the
-        # limits and set right at the next measure.)
+    def _adjust(self, item: Any, doubling: bool, get: int) -> None:
+        # Resize as the growth decides on this item, the get-th taken: measured outside the
+        # lock, since its nbytes is user code. (Only consumers measure; two consumer threads
+        # of one channel may race here, which costs at most a doubling too many or too few,
+        # bounded by the limits and set right at the next measure.) The next measure and the
+        # back-off count from this item, whether it was taken alone or in a batch.
         growth = self._growth
         assert growth is not None
         if doubling and not growth.allowed():
@@ -376,10 +377,10 @@ class Channel:
             capacity = self.capacity
             wake = target != capacity and self._resize(target)
             if doubling:
-                growth.settled(self._gets, grew=target > capacity)
-            if self._measure_at <= self._gets:  # not asked for again meanwhile
+                growth.settled(get, grew=target > capacity)
+            if self._measure_at <= get:  # not asked for again meanwhile
                 grown = self.capacity > growth.start
-                self._measure_at = self._gets + growth.recheck if grown else -1
+                self._measure_at = get + growth.recheck if grown else -1
         if wake:
             self._producer.on_space()
 

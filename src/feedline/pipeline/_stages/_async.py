@@ -23,7 +23,7 @@ from typing import Any
 
 from .._defs import OpKind
 from .._queue import EMPTY, Channel
-from ._common import BATCH, FailureBudget, RunContext, StageBase
+from ._common import BATCH, INLINE_ABORT, FailureBudget, RunContext, StageBase
 
 __all__ = ["AsyncSource", "AsyncStage", "LoopSignal"]
 
@@ -284,8 +284,9 @@ class AsyncStage(_AsyncProducer):
 
         If a call really waits, the loop runs ``_spill``, which hands on the results so far
         (in a task of their own, since the output may be full) and wakes the other workers
-        to start the taken items: a burst holds back no work for longer than its calls take
-        to run without waiting.
+        to start the taken items. A call over ``INLINE_ABORT`` that does not wait (the op
+        turned slow, blocking the loop) ends the burst. So a burst holds back results for
+        at most 16 calls of under 200 us, or one slow call that does not wait.
 
         Returns:
             ``False`` if the run is over for this worker (the output closed, or the run
@@ -298,7 +299,7 @@ class AsyncStage(_AsyncProducer):
         loop = run.loop
         taken = self._taken
         burst = _Burst()
-        spill = loop.call_soon(self._spill, burst)  # runs before anything else if a call waits
+        spill = loop.call_soon(self._spill, burst)  # runs soon after a call begins to wait
         self._bursts += 1
         try:
             t = c.task_started()
@@ -315,8 +316,12 @@ class AsyncStage(_AsyncProducer):
                         if run.stopping:
                             return False
                         continue
-                    t = c.lap(t)
+                    start, t = t, c.lap(t)
                     burst.results.append(result)
+                    if t - start > INLINE_ABORT:
+                        # The op turned slow (it may block the loop without waiting): the
+                        # rest goes item by item, and what is done goes on now.
+                        break
                     if burst.waited:  # ready for the next call that waits
                         burst.waited = False
                         spill = loop.call_soon(self._spill, burst)

@@ -77,9 +77,10 @@ that hands it an item, instead of waking another thread: a wake-up costs more th
 
 BATCH = 16
 """Items a cheap stage handles in one go where it can: a cheap coroutine stage takes this many
-from its input at once, and a cheap source makes this many before it puts them. One lock round
-trip and one wake-up of the next stage then serve them all. A batch holds its first item back
-for at most this many calls, each under ``INLINE_BELOW``: 320 us."""
+from its input at once, and a cheap source makes up to this many (no more than the room in its
+output) before it puts them. One lock round trip and one wake-up of the next stage then serve
+them all. A call over ``INLINE_ABORT`` ends a batch, which so holds back what it made for at
+most 16 calls of under 200 us each plus that one call."""
 
 INLINE_ABORT = 200e-6
 """An op call that takes longer than this ends the inline run it is part of: the stage was cheap

@@ -572,7 +572,8 @@ class ThreadedSource(_PoolStage):
         with self._lock:
             if self._active or self._done or self.run.stopping:
                 return
-            if self._held and not self._output.request_space():
+            output = self._output
+            if (self._held or len(output) >= output.capacity) and not output.request_space():
                 return
             self._active = True
             self._queued = True
@@ -618,9 +619,17 @@ class ThreadedSource(_PoolStage):
                     stepped_aside = True
                     return
                 # A cheap source makes a batch, up to the room in its output: one put, and
-                # one wake-up of the next stage, for all of them.
-                room = min(BATCH, output.capacity - len(output)) if self.cheap() else 1
-                slow = self._next_values(iterator, max(room, 1), held)
+                # one wake-up of the next stage, for all of them. It waits for room first,
+                # since it gains nothing by making a value ahead; a source that does real
+                # work makes one ahead and holds it.
+                n = 1
+                if self.cheap():
+                    n = min(BATCH, output.capacity - len(output))
+                    if n <= 0:
+                        if output.request_space():
+                            continue
+                        return  # full: on_space starts the next job
+                slow = self._next_values(iterator, n, held)
         except BaseException as error:  # an error in the source ends the run and propagates
             self._done = True
             run.fail(error)
