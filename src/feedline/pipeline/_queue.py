@@ -313,15 +313,9 @@ class Channel:
             item = items.popleft()
             self._gets = got = self._gets + 1
             measure = got == self._measure_at
-            growth = self._growth
-            doubling = measure and growth is not None and growth.take_doubling()
-            wake = self._producer_refused and len(items) <= self._low
-            if wake:
-                self._producer_refused = False
-        if wake:
-            self._producer.on_space()
-        if measure:
-            self._adjust(item, doubling, got)
+            doubling, wake = self._took(measure)
+        if wake or measure:
+            self._after_take(item, got, measure, doubling, wake)
         return item
 
     def try_get_many(self, limit: int) -> list[Any]:
@@ -351,16 +345,27 @@ class Channel:
             self._gets += k
             at = self._measure_at - first  # the index of the item to measure, if taken now
             measure = 0 <= at < k
-            growth = self._growth
-            doubling = measure and growth is not None and growth.take_doubling()
-            wake = self._producer_refused and len(items) <= self._low
-            if wake:
-                self._producer_refused = False
+            doubling, wake = self._took(measure)
+        if wake or measure:
+            self._after_take(taken[at] if measure else None, first + at, measure, doubling, wake)
+        return taken
+
+    def _took(self, measure: bool) -> tuple[bool, bool]:
+        # With the lock held, after a take: whether the measured item is to double the
+        # channel, and whether a refused producer is to be told of room (it is, once).
+        growth = self._growth
+        doubling = measure and growth is not None and growth.take_doubling()
+        wake = self._producer_refused and len(self._items) <= self._low
+        if wake:
+            self._producer_refused = False
+        return doubling, wake
+
+    def _after_take(self, item: Any, get: int, measure: bool, doubling: bool, wake: bool) -> None:
+        # Outside the lock: tell the producer, then resize on the measured item.
         if wake:
             self._producer.on_space()
         if measure:
-            self._adjust(taken[at], doubling, first + at)
-        return taken
+            self._adjust(item, doubling, get)
 
     def _adjust(self, item: Any, doubling: bool, get: int) -> None:
         # Resize as the growth decides on this item, the get-th taken: measured outside the

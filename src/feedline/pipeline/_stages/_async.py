@@ -333,7 +333,7 @@ class AsyncStage(_AsyncProducer):
                 if not self._bursts and self._input.closed:
                     self._data.notify(wake_all=True)  # workers waiting on the burst may end
             # The results from before a call that waited go first, then the rest.
-            return (burst.flush is None or await burst.flush) and await self._put_all(burst.results)
+            return await self._put_after(burst.flush, burst.results)
         finally:
             if burst.flush is not None:
                 burst.flush.cancel()  # done already, unless this worker was cancelled
