@@ -15,6 +15,7 @@ from .errors import (
     PipelineFailure,
     RemoteNotFoundError,
     RemoteReadError,
+    SubprocessDied,
     SubprocessFailure,
 )
 from .loader import DataLoader, PathList
@@ -46,6 +47,7 @@ __all__ = [
     "RemoteReadError",
     "RemoteStore",
     "StageStats",
+    "SubprocessDied",
     "SubprocessFailure",
     "SubprocessIterable",
     "__version__",

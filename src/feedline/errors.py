@@ -6,6 +6,7 @@ Every error feedline raises on its own account derives from :class:`FeedlineErro
     ├── ConfigurationError (also ValueError)   a pipeline or argument that cannot work
     ├── PipelineFailure                        a running pipeline gave up
     │   └── SubprocessFailure                  ... in a child process
+    │       └── SubprocessDied (also RuntimeError) ... because the child process died
     └── RemoteReadError (also OSError)         a read from object storage failed
         └── RemoteNotFoundError                ... because the object does not exist
                                                (also FileNotFoundError)
@@ -27,7 +28,9 @@ __all__ = [
     "PipelineFailure",
     "RemoteNotFoundError",
     "RemoteReadError",
+    "SubprocessDied",
     "SubprocessFailure",
+    "add_note",
 ]
 
 
@@ -111,6 +114,35 @@ class SubprocessFailure(PipelineFailure):
         return (type(self), (str(self), self.__cause__))
 
 
+class SubprocessDied(SubprocessFailure, RuntimeError):
+    """A child process (a DataLoader worker, a subprocess pipeline) died without finishing.
+
+    A ``RuntimeError``, as PyTorch raises for a worker killed by a signal.
+
+    Attributes:
+        pid: The child's process id.
+        exitcode: Its exit code; ``-N`` when signal ``N`` killed it (``None`` if unknown).
+        signal: The signal's name (``"SIGKILL"``), or ``None`` when it exited by itself.
+
+    """
+
+    def __init__(self, message: str, pid: int | None = None, exitcode: int | None = None) -> None:
+        super().__init__(message)
+        self.pid = pid
+        self.exitcode = exitcode
+        self.signal: str | None = None
+        if exitcode is not None and exitcode < 0:
+            import signal
+
+            try:
+                self.signal = signal.Signals(-exitcode).name
+            except ValueError:
+                self.signal = f"signal {-exitcode}"
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.pid, self.exitcode))
+
+
 class RemoteReadError(FeedlineError, OSError):
     """A read from object storage failed, after the retries the error allowed.
 
@@ -139,3 +171,20 @@ class RemoteNotFoundError(RemoteReadError, FileNotFoundError):
         super().__init__(url, key, message)
         self.errno = errno.ENOENT
         self.filename = key
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """Attach ``note`` to ``error`` (PEP 678; shown below the traceback from Python 3.11).
+
+    feedline re-raises the exceptions of user code as they are, so that ``except KeyError``
+    around a loop keeps working, and says where they came from (the stage, the sample) here.
+    """
+    notes = getattr(error, "__notes__", None)
+    if not isinstance(notes, list):
+        notes = []
+        try:
+            error.__notes__ = notes  # type: ignore[attr-defined]  # 3.10 has no __notes__ yet
+        except AttributeError:  # pragma: no cover - an exception type with __slots__
+            return
+    if note not in notes:
+        notes.append(note)

@@ -154,3 +154,126 @@ class Gathered(Slow):
 
     def wait(self) -> None:
         self.barrier.wait()
+
+
+class Counting(Dataset[int]):
+    """A stateful map-style dataset: counts the items it served; ``state_dict`` says how many."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.served = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        self.served += 1
+        return i, self.served
+
+    def state_dict(self) -> dict[str, int]:
+        return {"served": self.served}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.served = state["served"]
+
+
+class ResumableStream(IterableDataset[int]):
+    """A stateful stream: resumes from its own position instead of being replayed.
+
+    ``opened`` counts the items read from the underlying "storage", so a test can see that a
+    resumed epoch does not read again what was handed out before the checkpoint.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.position = 0
+        self.opened = 0
+
+    def __iter__(self) -> Any:
+        while self.position < self.n:
+            self.opened += 1
+            value = self.position
+            self.position += 1
+            yield value
+        self.position = 0  # the next epoch starts from the beginning
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+class StatefulSampler(torch.utils.data.Sampler[int]):
+    """A sampler that resumes itself: a seeded permutation and how far it went."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.n, self.seed, self.epoch, self.yielded = n, seed, 0, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Any:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.n, generator=g).tolist()
+        while self.yielded < self.n:
+            self.yielded += 1
+            yield order[self.yielded - 1]
+        self.yielded, self.epoch = 0, self.epoch + 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "yielded": self.yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.yielded = state["epoch"], state["yielded"]
+
+
+class Rendezvous(Dataset[int]):
+    """Each worker's first item waits for every other worker's (a barrier across processes)."""
+
+    def __init__(self, n: int, barrier: Any) -> None:
+        self.n, self.barrier = n, barrier
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i < self.barrier.parties:
+            self.barrier.wait(timeout=30)
+        return i
+
+
+class Sleepy(Dataset[int]):
+    """Item ``i`` sleeps ``delays.get(i, 0)`` seconds (in whichever process fetches it)."""
+
+    def __init__(self, n: int, delays: dict[int, float]) -> None:
+        self.n, self.delays = n, delays
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(self.delays.get(i, 0.0))
+        return i
+
+
+class Suicidal(Dataset[int]):
+    """Fetching item ``victim`` kills the fetching process with SIGKILL."""
+
+    def __init__(self, n: int, victim: int) -> None:
+        self.n, self.victim = n, victim
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.victim:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+
+def failing_init(worker_id: int) -> None:
+    raise LookupError(f"no shard for worker {worker_id}")

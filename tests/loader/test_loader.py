@@ -214,9 +214,12 @@ def test_failures_past_budget_raise_from_the_loop() -> None:
     assert seen == [[0, 1, 2, 4], [5, 6, 7, 8, 9]]
 
 
-def test_default_budget_raises_on_the_first_failure() -> None:
-    with pytest.raises(PipelineFailure, match="cannot read sample 0"):
-        list(DataLoader(Failing(4, {0}), batch_size=2))
+def test_default_budget_raises_the_datasets_own_exception_like_pytorch() -> None:
+    for cls in (TorchLoader, DataLoader):
+        with pytest.raises(OSError, match="cannot read sample 2") as info:
+            list(cls(Failing(4, {2}), batch_size=2))
+        assert type(info.value) is OSError
+    assert "raised by dataset[2]" in "\n".join(info.value.__notes__)
 
 
 def test_a_batch_whose_items_all_failed_is_dropped() -> None:
@@ -224,12 +227,14 @@ def test_a_batch_whose_items_all_failed_is_dropped() -> None:
     assert [b.tolist() for b in loader] == [[0, 1], [4, 5]]
 
 
-def test_collate_error_names_the_stage() -> None:
+def test_collate_fn_exception_is_raised_as_it_is_with_a_note() -> None:
     def bad(items: list[Any]) -> Any:
         raise KeyError("label")
 
-    with pytest.raises(PipelineFailure, match="collate_fn"):
-        list(DataLoader(list(range(4)), batch_size=2, collate_fn=bad))
+    for cls in (TorchLoader, DataLoader):
+        with pytest.raises(KeyError, match="label") as info:
+            list(cls(list(range(4)), batch_size=2, collate_fn=bad))
+    assert "collate_fn on batch 0" in "\n".join(info.value.__notes__)
 
 
 def test_consumer_that_stops_early_leaves_no_thread() -> None:
@@ -376,8 +381,11 @@ def test_worker_failures_count_against_the_budget() -> None:
     loader = DataLoader(Failing(12, {5}), batch_size=4, num_workers=2, max_failures=1)
     assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 6, 7], [8, 9, 10, 11]]
     strict = DataLoader(Failing(12, {5}), batch_size=4, num_workers=2)
-    with pytest.raises(PipelineFailure, match="cannot read sample 5"):
+    with pytest.raises(OSError, match="cannot read sample 5") as info:
         list(strict)
+    notes = "\n".join(info.value.__notes__)
+    assert "in DataLoader worker 1 (pid" in notes
+    assert "Original traceback" in notes
     strict.close()
     assert multiprocessing.active_children() == []
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from feedline.errors import PipelineFailure
+from feedline.errors import PipelineFailure, add_note
 from feedline.pipeline._stages._common import FailureBudget, LogThrottle
 
 from ._pool import LimitedPool
@@ -45,6 +45,7 @@ class FailedItem:
     message: str
     traceback: str
     error: BaseException | None = None  # kept in-process; dropped when it cannot be pickled
+    origin: str = ""  # the worker process it failed in ("" for this process)
 
     def __reduce__(self) -> tuple[Any, ...]:
         import pickle
@@ -54,7 +55,8 @@ class FailedItem:
             pickle.dumps(error)
         except Exception:
             error = None
-        return (FailedItem, (self.index, self.error_type, self.message, self.traceback, error))
+        fields = (self.index, self.error_type, self.message, self.traceback, error, self.origin)
+        return (FailedItem, fields)
 
 
 class BatchFetcher:
@@ -85,6 +87,9 @@ class BatchFetcher:
         dataset: Anything with ``__getitem__``.
         concurrency: Threads of the pool: the most calls of ``dataset[i]`` in flight at once.
         wait_for_delivery: Hold the other batches until :meth:`first_delivered` is called.
+        snapshot: Called once a batch's items are in (the dataset's ``state_dict``); its
+            result travels with the batch as ``(0, state)``.
+        origin: Where the calls run, for error messages (``"DataLoader worker 1 (pid 42)"``).
 
     """
 
@@ -103,8 +108,18 @@ class BatchFetcher:
     comes later (still setting up its model) finds the next batches under way, as it would
     without the wait."""
 
-    def __init__(self, dataset: Any, concurrency: int, *, wait_for_delivery: bool = False) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        concurrency: int,
+        *,
+        wait_for_delivery: bool = False,
+        snapshot: Callable[[], Any] | None = None,
+        origin: str = "",
+    ) -> None:
         self._dataset = dataset
+        self._origin = origin
+        self._snapshot = snapshot
         self._wait_for_delivery = wait_for_delivery
         self._concurrency = concurrency
         self._pool = LimitedPool(concurrency, "feedline-fetch")
@@ -126,7 +141,7 @@ class BatchFetcher:
             return self._dataset[index]
         except Exception as error:
             return FailedItem(
-                index, type(error).__name__, str(error), traceback.format_exc(), error
+                index, type(error).__name__, str(error), traceback.format_exc(), error, self._origin
             )
 
     def _split(self, count: int) -> int:
@@ -206,8 +221,12 @@ class BatchFetcher:
             self._adjust(self.SLOW_START_SECONDS, grow=lambda limit: 2 * limit)
         loop.call_later(self.SLOW_START_SECONDS, self._slow_start, loop)
 
-    async def fetch(self, task: Task) -> tuple[int, list[Any]]:
-        """Return ``(batch number, items)``, a :class:`FailedItem` where a call raised."""
+    async def fetch(self, task: Task) -> tuple[int, list[Any], Any]:
+        """Return ``(batch number, items, dataset state)``.
+
+        An item is a :class:`FailedItem` where its call raised; the dataset state is ``None``
+        without ``snapshot``.
+        """
         number, indices = task
         if self._first is None:
             self._first, self._first_number = asyncio.Event(), number
@@ -219,9 +238,9 @@ class BatchFetcher:
             await self._first.wait()
         fetched = False
         try:
-            items = await self._fetch(indices)
+            items, state = await self._fetch(indices)
             fetched = True
-            return number, items
+            return number, items, None if self._snapshot is None else (0, state)
         finally:
             if number == self._first_number:
                 self._first_fetched = True
@@ -239,15 +258,19 @@ class BatchFetcher:
             with contextlib.suppress(RuntimeError):  # the loop closed: the epoch was stopped
                 loop.call_soon_threadsafe(first.set)
 
-    async def _fetch(self, indices: list[Any]) -> list[Any]:
+    async def _fetch(self, indices: list[Any]) -> tuple[list[Any], Any]:
+        # The items, and the dataset's state right after the last of them (taken in the
+        # thread that fetched it, before that thread takes up another batch's items).
+        snapshot = self._snapshot
         count = len(indices)
         if count == 0:
-            return []
+            return [], None if snapshot is None else snapshot()
         loop = asyncio.get_running_loop()
         finished: asyncio.Future[None] = loop.create_future()
         items: list[Any] = [None] * count
         jobs = self._split(count)
         left = [jobs]
+        state: list[Any] = [None]
         lock = threading.Lock()
 
         def run(start: int, stop: int) -> None:
@@ -261,6 +284,8 @@ class BatchFetcher:
                 left[0] -= 1
                 last = left[0] == 0
             if last:
+                if snapshot is not None:
+                    state[0] = snapshot()
                 with contextlib.suppress(RuntimeError):  # the loop closed: the epoch was stopped
                     loop.call_soon_threadsafe(_resolve, finished)
 
@@ -268,7 +293,7 @@ class BatchFetcher:
         for j in range(jobs):
             self._pool.submit(functools.partial(run, bounds[j], bounds[j + 1]))
         await finished
-        return items
+        return items, state[0]
 
     def close(self) -> None:
         """Stop the threads; calls not started yet are dropped."""
@@ -285,6 +310,7 @@ class FailureTally:
 
     def __init__(self, max_failures: int | float | None) -> None:
         self._budget = FailureBudget(max_failures)
+        self._strict = max_failures == 0
         self.failures = 0
         self.items = 0
         self._throttle = LogThrottle()
@@ -299,6 +325,15 @@ class FailureTally:
 
     def _record(self, failed: FailedItem) -> None:
         self.failures += 1
+        error = failed.error or RuntimeError(f"{failed.error_type}: {failed.message}")
+        if self._strict:
+            # No budget: the dataset's own exception, as PyTorch raises it, with where it came
+            # from in a note.
+            where = f"feedline.DataLoader: raised by dataset[{failed.index!r}]"
+            add_note(error, where + (f" in {failed.origin}" if failed.origin else ""))
+            if failed.origin:
+                add_note(error, "Original traceback:\n" + failed.traceback)
+            raise error
         more = self._throttle.admit()
         if more is not None:
             _log.warning(
@@ -311,7 +346,6 @@ class FailureTally:
                 "\n" + failed.traceback if self.failures == 1 else "",
             )
         if self._budget.exceeded(self.failures, self.items):
-            error = failed.error or RuntimeError(f"{failed.error_type}: {failed.message}")
             failure = PipelineFailure(
                 "dataset.__getitem__",
                 self.failures,

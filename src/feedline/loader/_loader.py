@@ -17,6 +17,7 @@ the epoch, and the epochs after it, are what an uninterrupted run yields.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -26,18 +27,23 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
-from feedline.errors import ConfigurationError, PipelineFailure
+from feedline.errors import ConfigurationError, add_note
 from feedline.pipeline import Pipeline, PipelineBuilder
 
 from ._fetch import BatchFetcher, FailureTally, Task
+from ._state import Position, check_state, decode_rng, is_stateful
 from ._workers import WorkerSet
 
 __all__ = ["DataLoader"]
 
 T = TypeVar("T")
 _log = logging.getLogger("feedline.loader")
-_STATE_VERSION = 1
 _SKIP = object()
+# PyTorch's DataLoader refuses to have these set after construction (ValueError); the others
+# may change between epochs. Changing one of _WORKER_SETTINGS restarts the worker processes.
+_WORKER_SETTINGS = frozenset(
+    {"num_workers", "worker_init_fn", "multiprocessing_context", "timeout"}
+)
 
 
 def _torch() -> Any:
@@ -215,6 +221,7 @@ class DataLoader(Generic[T]):
         self._workers: WorkerSet | None = None
         self._current: weakref.ref[_LoaderIter[T]] | None = None
         self._pending: dict[str, Any] | None = None
+        self._position: Position | None = None  # of the current or last epoch
         self._pin = bool(pin_memory) and bool(torch.cuda.is_available())
         if pin_memory and not self._pin:
             warnings.warn(
@@ -229,6 +236,17 @@ class DataLoader(Generic[T]):
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self._torch_loader, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        inner = self.__dict__.get("_torch_loader")
+        if inner is None or name.startswith("_") or name in self.__dict__:
+            object.__setattr__(self, name, value)
+            return
+        # PyTorch's own loader raises ValueError for batch_size, sampler, drop_last, ...
+        setattr(inner, name, value)
+        if name in _WORKER_SETTINGS and self._workers is not None:
+            self._workers.close()  # the next epoch starts workers with the new setting
+            self._workers = None
 
     def __len__(self) -> int:
         return len(self._torch_loader)
@@ -262,6 +280,7 @@ class DataLoader(Generic[T]):
                 worker_init_fn=loader.worker_init_fn,
                 mp_context=self.mp_context,
                 timeout=loader.timeout or None,
+                persistent=bool(loader.persistent_workers),
             )
             self._finalizer.detach()
             holder: list[WorkerSet | None] = [self._workers]
@@ -270,7 +289,13 @@ class DataLoader(Generic[T]):
 
     def _epoch_ended(self) -> None:
         if self._workers is not None and not self._torch_loader.persistent_workers:
-            self.close()
+            self._end_workers()
+
+    def _end_workers(self) -> None:
+        workers = self._workers
+        if workers is not None:
+            workers.close()  # re-entrant: dropped only once it returns
+            self._workers = None
 
     @staticmethod
     def _close_workers(holder: list[WorkerSet | None]) -> None:
@@ -282,57 +307,43 @@ class DataLoader(Generic[T]):
         """Stop the running epoch, if any, and the worker processes. Idempotent."""
         current = self._current() if self._current is not None else None
         if current is not None:
-            current.close()
-        if self._workers is not None:
-            self._workers.close()
-            self._workers = None
+            current.close(end_workers=True)
+        self._end_workers()
 
     def state_dict(self) -> dict[str, Any]:
         """Where iteration stands: enough to resume exactly, mid-epoch or between epochs.
 
-        Costs one copy of the random state, made once per epoch when the epoch starts.
+        Describes the last batch handed out, whether the epoch's iterator is still running,
+        was dropped (``break``), was closed by an exception in the loop body, or ran to its
+        end (then the state resumes at the start of the next epoch). A dataset or sampler with
+        ``state_dict()`` and ``load_state_dict()`` of its own has its state saved with it.
+        The result is plain data: it can be pickled, given to ``torch.save``, or written as
+        JSON. Costs one copy of the random state, made once per epoch when the epoch starts.
         """
-        torch = _torch()
-        current = self._current() if self._current is not None else None
         if self._pending is not None:
             return dict(self._pending)
-        if current is not None and not current.finished:
-            rng, batches, ahead = current.rng_at_start, current.yielded, current.yielded_ahead
-        else:
-            generator = self._torch_loader.generator
-            rng = generator.get_state() if generator is not None else torch.get_rng_state()
-            batches, ahead = 0, set()
-        return {
-            "version": _STATE_VERSION,
-            "rng_state": rng.clone(),
-            "own_generator": self._torch_loader.generator is not None,
-            # Batches 0..batches_yielded-1 were handed out, and (with in_order=False) these
-            # later ones too.
-            "batches_yielded": batches,
-            "yielded_ahead": sorted(ahead),
-        }
+        own = self._torch_loader.generator is not None
+        position = self._position
+        if position is None:
+            position = Position(self._rng_state(), finished=True)
+        return position.to_state(own, self._rng_state() if position.finished else None)
+
+    def _rng_state(self) -> Any:
+        generator = self._torch_loader.generator
+        return generator.get_state() if generator is not None else _torch().get_rng_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next ``iter()`` continues where it stood."""
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-            raise ValueError(
-                "not a feedline DataLoader state (expected a dict from DataLoader.state_dict() "
-                f"with version {_STATE_VERSION})"
-            )
-        if state["own_generator"] != (self._torch_loader.generator is not None):
-            raise ValueError(
-                "the state was saved by a loader "
-                + ("with" if state["own_generator"] else "without")
-                + " a generator=; resume with the same kind of loader"
-            )
-        self._pending = dict(state)
+        self._pending = check_state(state, self._torch_loader.generator is not None)
 
 
 class _Finisher:
     """The collate stage: drops failed items, then collates.
 
     It holds no reference to the iterator, so dropping the iterator stops its pipeline at once
-    (no reference cycle to wait for the garbage collector).
+    (no reference cycle to wait for the garbage collector). Errors come out as :class:`_Abort`
+    so that the consumer raises them as they are (PyTorch re-raises ``collate_fn``'s own
+    exception), not wrapped by the pipeline.
     """
 
     def __init__(self, tally: FailureTally, collate_fn: Callable[[Any], Any], auto: bool) -> None:
@@ -340,15 +351,19 @@ class _Finisher:
         self._collate_fn = collate_fn
         self._auto = auto
 
-    def __call__(self, fetched: tuple[int, list[Any]]) -> Any:
-        number, items = fetched
+    def __call__(self, fetched: tuple[int, list[Any], Any]) -> Any:
+        number, items, dataset_state = fetched
         try:
             good = self._tally.keep(items)
-            if not good:
-                return number, _SKIP
-            return number, self._collate_fn(good if self._auto else good[0])
-        except PipelineFailure as failure:
-            return _Abort(failure)
+        except Exception as error:  # the failure budget is spent
+            return _Abort(error)
+        if not good:
+            return number, _SKIP, dataset_state
+        try:
+            return number, self._collate_fn(good if self._auto else good[0]), dataset_state
+        except Exception as error:
+            add_note(error, f"feedline.DataLoader: raised by collate_fn on batch {number}")
+            return _Abort(error)
 
 
 class _LoaderIter(Generic[T]):
@@ -359,17 +374,20 @@ class _LoaderIter(Generic[T]):
         tl = loader._torch_loader
         generator = tl.generator
         if state is not None:
+            rng = decode_rng(torch, state["rng_state"])
             if generator is not None:
-                generator.set_state(state["rng_state"])
+                generator.set_state(rng)
             else:
-                torch.set_rng_state(state["rng_state"])
-        self.rng_at_start = (
-            generator.get_state() if generator is not None else torch.get_rng_state()
-        )
+                torch.set_rng_state(rng)
         skip = 0 if state is None else int(state["batches_yielded"])
-        self.yielded = skip  # every batch numbered below this was handed out
-        self.yielded_ahead: set[int] = set() if state is None else set(state["yielded_ahead"])
-        self.finished = False
+        position = Position(
+            generator.get_state() if generator is not None else torch.get_rng_state(),
+            yielded=skip,
+            ahead=set() if state is None else set(state["yielded_ahead"]),
+        )
+        # The loader keeps the position, so that its state_dict() describes this epoch even
+        # after this iterator is dropped.
+        self.position = loader._position = position
         # A strong reference: ``for batch in DataLoader(...)`` drops the loader at once, and
         # its worker processes must live until the epoch ends.
         self._loader: DataLoader[T] | None = loader
@@ -377,6 +395,21 @@ class _LoaderIter(Generic[T]):
         self._closed = False
         self._superseded = False
         self._lock = threading.Lock()
+        # The sampler's own state after each batch drawn, until that batch is handed out.
+        self._sampler_states: dict[int, Any] = {}
+        self._slots = max(1, int(tl.num_workers))
+        dataset_state = None if state is None else state["dataset_state"]
+        if is_stateful(tl.dataset):
+            position.dataset_states = (
+                list(dataset_state) if dataset_state is not None else [None] * self._slots
+            )
+            if tl.num_workers == 0 and dataset_state is not None and dataset_state[0] is not None:
+                tl.dataset.load_state_dict(dataset_state[0])
+        sampler = _stateful_sampler(tl)
+        sampler_state = None if state is None else state["sampler_state"]
+        if sampler is not None and sampler_state is not None:
+            sampler.load_state_dict(sampler_state)  # it resumes itself: nothing to skip
+            position.sampler_state = sampler_state
         # The same draws, in the same order, as PyTorch's iterator: sampler, then base seed.
         sampler_iter = iter(tl._index_sampler)
         base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
@@ -386,16 +419,21 @@ class _LoaderIter(Generic[T]):
         self._fetcher: BatchFetcher | None = None
         self._first_pending: BatchFetcher | None = None
         self._pin_pool: ThreadPoolExecutor | None = None
+        replay = skip if sampler_state is None else 0
         builder: PipelineBuilder[Any] = PipelineBuilder()
-        self._numbered = not loader._iterable
         if loader._iterable:
-            self._add_iterable_source(builder, tl, skip)
+            self._add_iterable_source(builder, tl, replay, dataset_state)
         else:
-            self._add_map_source(builder, loader, sampler_iter, skip, base_seed)
+            self._add_map_source(
+                builder, loader, sampler_iter, skip, replay, base_seed, sampler, dataset_state
+            )
+        builder.pipe(self._finish, name="collate_fn")
         if loader._pin:
             self._pin_pool = ThreadPoolExecutor(1, thread_name_prefix="feedline-pin")
             builder.pipe(
-                lambda batch: _pin(torch, batch), executor=self._pin_pool, name="pin_memory"
+                functools.partial(_pin_numbered, torch),
+                executor=self._pin_pool,
+                name="pin_memory",
             )
         builder.add_sink(loader.in_flight)
         self._pipeline: Pipeline[Any] = builder.build(max_failures=0)
@@ -410,25 +448,30 @@ class _LoaderIter(Generic[T]):
         loader: DataLoader[T],
         sampler_iter: Iterator[Any],
         skip: int,
+        replay: int,
         base_seed: int,
+        sampler: Any,
+        dataset_state: list[Any] | None,
     ) -> None:
         tl = loader._torch_loader
         auto = tl._auto_collation
         batches = (b if auto else [b] for b in sampler_iter)
-        ahead = frozenset(self.yielded_ahead)
-        tasks: Iterator[Task] = (
-            (n, b)
-            for n, b in zip(itertools.count(skip), itertools.islice(batches, skip, None))
-            if n not in ahead
+        # A function, not a method: the pipeline holds its source, and must not hold this
+        # iterator (dropping the iterator stops the pipeline).
+        tasks = _numbered(
+            batches, skip, replay, sampler, frozenset(self.position.ahead), self._sampler_states
         )
         first = list(itertools.islice(tasks, 1))  # the sampler draws its seed now, here
         tasks = itertools.chain(first, tasks)
         order = "input" if tl.in_order else "completion"
         if tl.num_workers > 0:
-            builder.add_source(loader._worker_set().epoch(list(tasks), base_seed))
+            builder.add_source(loader._worker_set().epoch(list(tasks), base_seed, dataset_state))
         else:
             self._fetcher = BatchFetcher(
-                tl.dataset, loader.fetch_concurrency, wait_for_delivery=True
+                tl.dataset,
+                loader.fetch_concurrency,
+                wait_for_delivery=True,
+                snapshot=_snapshot(tl.dataset),
             )
             # Told when the consumer holds the first batch: only then do the other batches
             # start, so that their threads take no CPU from the first batch's collation and
@@ -438,22 +481,35 @@ class _LoaderIter(Generic[T]):
             builder.add_source(tasks)
             builder.pipe(
                 self._fetcher.fetch,
-                concurrency=loader.in_flight,
+                # fetch_concurrency=1: batches strictly one after another, as PyTorch fetches
+                # them, so that draws from the global random generators match.
+                concurrency=1 if loader.fetch_concurrency == 1 else loader.in_flight,
                 output_order=order,
                 name="fetch",
                 buffer_size=max(2, loader.in_flight),  # whole batches: keep this queue short
             )
-        builder.pipe(self._finish, name="collate_fn")
 
-    def _add_iterable_source(self, builder: PipelineBuilder[Any], tl: Any, skip: int) -> None:
-        items = iter(tl.dataset)
-        if tl._auto_collation:
-            drop = skip * tl.batch_size
-            builder.add_source(itertools.islice(items, drop, None))
-            builder.aggregate(tl.batch_size, drop_last=tl.drop_last)
-        else:
-            builder.add_source(itertools.islice(items, skip, None))
-        builder.pipe(tl.collate_fn, name="collate_fn")
+    def _add_iterable_source(
+        self, builder: PipelineBuilder[Any], tl: Any, replay: int, state: list[Any] | None
+    ) -> None:
+        dataset = tl.dataset
+        stateful = is_stateful(dataset)
+        if stateful and state is not None and state[0] is not None:
+            replay = 0  # the dataset resumes itself
+        size = tl.batch_size if tl._auto_collation else 1
+        drop_last = bool(tl.drop_last) and tl._auto_collation
+        skip = self.position.yielded
+
+        def batches() -> Iterator[tuple[int, list[Any], Any]]:
+            items = iter(dataset)
+            for n in itertools.count(skip - replay):
+                chunk = list(itertools.islice(items, size))
+                if not chunk or (drop_last and len(chunk) < size):
+                    return
+                if n >= skip:
+                    yield n, chunk, (0, dataset.state_dict()) if stateful else None
+
+        builder.add_source(batches())
 
     def __iter__(self) -> _LoaderIter[T]:
         return self
@@ -474,7 +530,7 @@ class _LoaderIter(Generic[T]):
                 if fetcher is not None:
                     fetcher.first_delivered()  # the other batches may start now
             except EOFError:
-                self.finished = True
+                self.position.finished = True
                 self.close()
                 raise StopIteration from None
             except TimeoutError:
@@ -482,45 +538,57 @@ class _LoaderIter(Generic[T]):
                 raise RuntimeError(
                     f"DataLoader timed out after {self._timeout} seconds waiting for a batch"
                 ) from None
-            except BaseException:
-                self.close()
+            except BaseException:  # KeyboardInterrupt, a worker's error: end the workers now
+                self.close(end_workers=True)
                 raise
             if isinstance(item, _Abort):
                 self.close()
                 raise item.error
-            if self._numbered:
-                number, item = item
-                self._count(number)
-                if item is _SKIP:
-                    continue
-            else:
-                self.yielded += 1
-            return item  # type: ignore[no-any-return]
+            number, batch, dataset_state = item
+            self._count(number, dataset_state)
+            if batch is _SKIP:
+                continue
+            return batch  # type: ignore[no-any-return]
 
-    def _count(self, number: int) -> None:
+    def _count(self, number: int, dataset_state: tuple[int, Any] | None) -> None:
+        position = self.position
+        if dataset_state is not None and position.dataset_states is not None:
+            slot, value = dataset_state
+            position.dataset_states[slot] = value
         # Out of order, a batch may come before those numbered below it: keep the watermark
         # and the few handed out above it.
-        if number != self.yielded:
-            self.yielded_ahead.add(number)
+        if number != position.yielded:
+            position.ahead.add(number)
             return
-        self.yielded += 1
-        while self.yielded in self.yielded_ahead:
-            self.yielded_ahead.remove(self.yielded)
-            self.yielded += 1
+        states = self._sampler_states
+        while True:
+            if number in states:
+                position.sampler_state = states.pop(number)
+            position.yielded = number = number + 1
+            if number not in position.ahead:
+                return
+            position.ahead.remove(number)
 
     def supersede(self) -> None:
         """Stop this epoch because a newer one needs the worker processes."""
         self._superseded = True
         self.close()
 
-    def close(self) -> None:
-        """Stop this epoch's threads (and its pass in the worker processes)."""
+    def close(self, end_workers: bool = False) -> None:
+        """Stop this epoch's threads (and its pass in the worker processes).
+
+        Re-entrant: a call interrupted part-way (a second Ctrl-C) is finished by the next one,
+        or by the finalizer. ``end_workers`` ends the worker processes at once, even
+        persistent ones, instead of letting them finish the batch they are on.
+        """
         with self._lock:
-            if self._closed:
-                return
             self._closed = True
-        self._finalizer()
-        loader, self._loader = self._loader, None  # a closed iterator kept alive keeps no loader
+        loader = self._loader
+        if loader is not None and (end_workers or not loader._torch_loader.persistent_workers):
+            loader._end_workers()  # first: the pipeline's source may be waiting on one
+        _LoaderIter._shutdown(self._pipeline, self._fetcher, self._pin_pool)
+        self._finalizer.detach()
+        self._loader = None  # a closed iterator kept alive keeps no loader
         if loader is not None:
             loader._epoch_ended()
 
@@ -537,3 +605,43 @@ class _LoaderIter(Generic[T]):
     def __del__(self) -> None:
         if hasattr(self, "_finalizer"):  # __init__ may have raised before it was set
             self.close()
+
+
+def _numbered(
+    batches: Iterator[Any],
+    skip: int,
+    replay: int,
+    sampler: Any,
+    ahead: frozenset[int],
+    states: dict[int, Any],
+) -> Iterator[Task]:
+    """Number the sampler's batches from ``skip``, past the ``replay`` already handed out.
+
+    A stateful sampler's state is read after each batch is drawn, in the source's thread, and
+    kept in ``states`` until the batch is handed out.
+    """
+    for n, b in zip(itertools.count(skip), itertools.islice(batches, replay, None)):
+        if sampler is not None:
+            states[n] = sampler.state_dict()
+        if n not in ahead:
+            yield n, b
+
+
+def _stateful_sampler(tl: Any) -> Any:
+    """The sampler whose own state to save: the batch sampler's, else the sampler's."""
+    if tl.batch_sampler is not None and is_stateful(tl.batch_sampler):
+        return tl.batch_sampler
+    if tl.sampler is not None and is_stateful(tl.sampler):
+        return tl.sampler
+    return None
+
+
+def _snapshot(dataset: Any) -> Callable[[], Any] | None:
+    return dataset.state_dict if is_stateful(dataset) else None
+
+
+def _pin_numbered(torch: Any, item: Any) -> Any:
+    if isinstance(item, _Abort):
+        return item
+    number, batch, dataset_state = item
+    return number, batch if batch is _SKIP else _pin(torch, batch), dataset_state

@@ -10,16 +10,19 @@ share travels on a queue of its own just before the epoch starts, as one message
 from __future__ import annotations
 
 import functools
+import os
 import random
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from feedline.pipeline import PipelineBuilder, SubprocessIterable
-from feedline.pipeline._subprocess import _DEFAULT_SHM_MIN
+from feedline.pipeline._subprocess import _CLOSE_GRACE, _DEFAULT_SHM_MIN, _Abandoned
 
 from ._fetch import BatchFetcher, Task
+from ._state import is_stateful
 
 __all__ = ["WorkerSet"]
 
@@ -45,17 +48,32 @@ class _WorkerIterable:
         self._in_flight = in_flight
         self._worker_init_fn = worker_init_fn  # called once, after the first seeding
 
-    def __iter__(self) -> Iterator[tuple[int, list[Any]]]:
-        base_seed, tasks = self._tasks.get()
+    def __iter__(self) -> Iterator[tuple[int, list[Any], Any]]:
+        base_seed, tasks, dataset_state = self._tasks.get()
         _seed_like_pytorch(base_seed, self._worker_id, self._num_workers, self._dataset)
         init, self._worker_init_fn = self._worker_init_fn, None
         if init is not None:
             init(self._worker_id)
-        fetcher = BatchFetcher(self._dataset, self._concurrency)
+        stateful = is_stateful(self._dataset)
+        if stateful and dataset_state is not None:
+            self._dataset.load_state_dict(dataset_state)
+        fetcher = BatchFetcher(
+            self._dataset,
+            self._concurrency,
+            snapshot=self._dataset.state_dict if stateful else None,
+            origin=f"DataLoader worker {self._worker_id} (pid {os.getpid()})",
+        )
         pipeline = (
             PipelineBuilder()
             .add_source(tasks)
-            .pipe(fetcher.fetch, concurrency=self._in_flight, output_order="input", name="fetch")
+            .pipe(
+                fetcher.fetch,
+                # One call at a time: batches strictly one after another, as in PyTorch's
+                # workers, so that draws from the global random generators match.
+                concurrency=1 if self._concurrency == 1 else self._in_flight,
+                output_order="input",
+                name="fetch",
+            )
             .add_sink(self._in_flight)
             .build(num_threads=2)
         )
@@ -118,6 +136,26 @@ def _preload_forkserver() -> None:
         forkserver.set_forkserver_preload(current + extra)
 
 
+_SETTLE_SECONDS = 1.0
+"""How long persistent workers left mid-epoch get to finish their batch before they are ended
+(and started anew by the next epoch)."""
+
+
+class _Epoch:
+    """One epoch over the workers: iterable, and interruptible as a pipeline's source."""
+
+    def __init__(self, workers: WorkerSet, total: int) -> None:
+        self._workers = workers
+        self._total = total
+
+    def __iter__(self) -> Iterator[tuple[int, list[Any], Any]]:
+        return self._workers._run(self._total, None)
+
+    def iter_until(self, stopping: Callable[[], bool]) -> Iterator[tuple[int, list[Any], Any]]:
+        """Iterate, ending early once ``stopping()`` is true (see ``SubprocessIterable``)."""
+        return self._workers._run(self._total, stopping)
+
+
 def _drain(q: Any) -> None:
     import queue
 
@@ -140,6 +178,8 @@ class WorkerSet:
             epoch and after the seeding (as in PyTorch).
         mp_context: Start method (``"spawn"`` or ``"forkserver"``).
         timeout: Seconds to wait for a batch (None: no limit).
+        persistent: The workers serve several epochs: an epoch left early lets each finish
+            its current batch and keeps it, instead of ending it at once.
 
     """
 
@@ -153,14 +193,16 @@ class WorkerSet:
         worker_init_fn: Callable[[int], None] | None,
         mp_context: str,
         timeout: float | None,
+        persistent: bool = False,
     ) -> None:
         import multiprocessing as mp
 
+        self._persistent = persistent
         ctx = mp.get_context(mp_context)
         if mp_context == "forkserver":
             _preload_forkserver()
         self._queues = [ctx.Queue() for _ in range(num_workers)]
-        self._workers: list[SubprocessIterable[tuple[int, list[Any]]]] = [
+        self._workers: list[SubprocessIterable[tuple[int, list[Any], Any]]] = [
             # Built directly: the task queue pickles only while the process starts, so the
             # up-front pickling check of iterate_in_subprocess would refuse it.
             SubprocessIterable(
@@ -178,32 +220,68 @@ class WorkerSet:
                 timeout=timeout,
                 mp_context=mp_context,
                 shm_min_bytes=_DEFAULT_SHM_MIN,
+                name=f"DataLoader worker {wid}",
+                reraise=True,  # the dataset's and worker_init_fn's own exceptions, as PyTorch
             )
             for wid, q in enumerate(self._queues)
         ]
 
-    def epoch(self, tasks: list[Task], base_seed: int) -> Iterator[tuple[int, list[Any]]]:
-        """Fetch ``tasks`` (batches, in order) across the workers; yield them in order."""
+    def epoch(
+        self, tasks: list[Task], base_seed: int, dataset_states: list[Any] | None = None
+    ) -> _Epoch:
+        """Fetch ``tasks`` (batches, in order) across the workers; iterate them in order.
+
+        Each batch comes as ``(number, items, (worker, dataset state) or None)``. Every worker
+        is asked for its share before the first batch is awaited, so that they all start (and
+        fetch) at once. As a pipeline's source, the epoch ends as soon as the pipeline stops.
+        """
         count = len(self._workers)
         shares = [tasks[w::count] for w in range(count)]
-        for q, share in zip(self._queues, shares, strict=True):
+        states = dataset_states or [None] * count
+        for q, share, state in zip(self._queues, shares, states, strict=True):
             _drain(q)  # a share left by an epoch abandoned before that worker began it
-            q.put((base_seed, share))
-        iterators = [iter(w) for w in self._workers]
+            q.put((base_seed, share, state))
+        return _Epoch(self, len(tasks))
+
+    def _run(
+        self, total: int, stopping: Callable[[], bool] | None
+    ) -> Iterator[tuple[int, list[Any], Any]]:
+        count = len(self._workers)
+        iterators: list[Iterator[tuple[int, list[Any], Any]]] = []
+        done = False
         try:
-            for i in range(len(tasks)):
-                yield next(iterators[i % count])
+            for w in self._workers:
+                iterators.append(w.iter_until(stopping, settle=False))
+            for i in range(total):
+                try:
+                    number, items, snapshot = next(iterators[i % count])
+                except _Abandoned:
+                    return  # the pipeline stopped meanwhile: settled below
+                yield number, items, None if snapshot is None else (i % count, snapshot[1])
             for it in iterators:  # let each child end its pass
                 for _ in it:
                     pass
+            done = True
         finally:
+            if not done and not self._persistent:
+                self.close()  # at once: nobody waits for a busy worker's current batch
+            elif not done:
+                # Persistent workers finish the batch they are on, within a common deadline.
+                deadline = time.monotonic() + _SETTLE_SECONDS
+                for w in self._workers:
+                    w.request_stop()
+                for w in self._workers:
+                    w.settle(deadline)
             for it in iterators:
                 it.close()  # type: ignore[attr-defined]
 
     def close(self) -> None:
-        """Stop every worker process. Idempotent."""
+        """Stop every worker process, all at once (about a second at most). Idempotent."""
         for w in self._workers:
-            w.close()
+            w.ask_to_leave()
+        deadline = time.monotonic() + _CLOSE_GRACE
+        for w in self._workers:
+            w.close(grace=max(0.0, deadline - time.monotonic()))
         for q in self._queues:
+            q.cancel_join_thread()  # a share no worker read must not hold this process
             q.close()
-            q.join_thread()

@@ -80,8 +80,10 @@ class Run:
             target=self._loop_main, name="feedline-event-loop", daemon=True
         )
         self._stopping = False
-        self._stopped = False
+        self._stop_called = False  # the consumer asked to stop: later errors are not recorded
+        self._stopped = False  # a stop ran to its end
         self._stop_lock = threading.Lock()
+        self._join_lock = threading.Lock()
         self.error: BaseException | None = None
         self.finished = False  # the consumer was told the epoch ended (not stopped part-way)
         self._jobs = 0
@@ -381,7 +383,7 @@ class Run:
     def fail(self, error: BaseException) -> None:
         """Record the first error and begin stopping; the consumer's next ``get`` raises it."""
         with self._stop_lock:
-            if self.error is None and not self._stopped:
+            if self.error is None and not self._stop_called:
                 self.error = error
         self.begin_stop()
 
@@ -486,14 +488,26 @@ class Run:
             self._stop_event.set()
 
     def stop(self) -> None:
-        """Stop and join everything this run started. Idempotent; call from the consumer."""
+        """Stop and join everything this run started; call from the consumer.
+
+        Idempotent and re-entrant: a stop interrupted part-way (a second Ctrl-C while it joins)
+        is finished by the next call; only a stop that ran to its end makes later calls
+        return at once.
+        """
         self.begin_stop()
         if self.on_loop_thread():
             return
         with self._stop_lock:
             if self._stopped:
                 return
-            self._stopped = True
+            self._stop_called = True
+        with self._join_lock:  # one thread joins; another caller waits for it to finish
+            self._join_all()
+
+    def _join_all(self) -> None:
+        with self._stop_lock:
+            if self._stopped:
+                return
             started = self._thread.ident is not None
         if started:
             self._thread.join()
@@ -511,6 +525,8 @@ class Run:
             self._source.close()
         if not self.loop.is_closed():
             self.loop.close()
+        with self._stop_lock:
+            self._stopped = True
 
     # -- statistics ------------------------------------------------------------------------------
 

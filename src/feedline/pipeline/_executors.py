@@ -93,13 +93,11 @@ class WorkerPool:
     def shutdown(self, wait: bool = True) -> None:
         """Let queued work finish, then stop the threads (and join them if ``wait``)."""
         with self._lock:
-            if self._shutdown:
-                threads: list[threading.Thread] = []
-            else:
-                self._shutdown = True
-                threads = list(self._threads)
-        for _ in threads:
-            self._queue.put(None)
-        if wait:
+            first, self._shutdown = not self._shutdown, True
+            threads = list(self._threads)
+        if first:
+            for _ in threads:
+                self._queue.put(None)
+        if wait:  # every time: a join that an interrupt cut short is finished by the next call
             for thread in threads:
                 thread.join()

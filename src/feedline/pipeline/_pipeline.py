@@ -36,7 +36,10 @@ class _Holder:
         with self.lock:
             run = self.run
         if run is not None:
-            run.stop()
+            run.stop()  # re-entrant: an interrupted stop keeps the run for the next call
+            with self.lock:
+                if self.run is run:
+                    self.run = None
 
 
 class Pipeline(Generic[T]):
@@ -88,6 +91,9 @@ class Pipeline(Generic[T]):
     def start(self) -> None:
         """Start loading the next epoch in the background. Does nothing if already started."""
         holder = self._holder
+        previous = holder.run
+        if previous is not None and previous.stopping:
+            holder.stop()  # a stop that an interrupt cut short: finish it, then start anew
         with holder.lock:
             if holder.run is not None:
                 return
@@ -133,11 +139,7 @@ class Pipeline(Generic[T]):
 
     def stop(self) -> None:
         """Stop the current epoch and join its threads. Idempotent; safe to call any time."""
-        holder = self._holder
-        with holder.lock:
-            run, holder.run = holder.run, None
-        if run is not None:
-            run.stop()
+        self._holder.stop()
 
     @contextmanager
     def auto_stop(self) -> Iterator[Pipeline[T]]:
@@ -212,14 +214,17 @@ class Pipeline(Generic[T]):
             self._iterating = False
             self.stop()
 
-    def _iter_until(self, outer: Run) -> Iterator[T]:
-        # Used when this pipeline is the source of another: stop when the outer run stops.
+    def iter_until(self, stopping: Callable[[], bool]) -> Iterator[T]:
+        """Iterate one epoch, ending early once ``stopping()`` is true (checked every 0.1 s).
+
+        Used when this pipeline is the source of another: it stops with the outer pipeline.
+        """
         self.start()
         run = self._holder.run
         assert run is not None
         get = self._receiver(run)
         try:
-            while not outer.stopping:
+            while not stopping():
                 try:
                     item = get(_POLL)
                 except TimeoutError:
@@ -308,18 +313,22 @@ class Pipeline(Generic[T]):
         return f"Pipeline({' -> '.join(names)}, {state})"
 
 
-class _PipelineSource:
-    """Iterates a Pipeline as the source of another, stopping with the outer run."""
+class _UntilStopped:
+    """A source that can be told to end: iterated through ``iter_until(stopping)``."""
 
-    def __init__(self, inner: Pipeline[Any], outer: Run) -> None:
-        self._inner = inner
-        self._outer = outer
+    def __init__(self, source: Any, run: Run) -> None:
+        self._source = source
+        self._run = run
 
     def __iter__(self) -> Iterator[Any]:
-        return self._inner._iter_until(self._outer)
+        run = self._run
+        return self._source.iter_until(lambda: run.stopping)  # type: ignore[no-any-return]
 
 
 def _wrap_source(source: Any, run: Run) -> Any:
-    if isinstance(source, Pipeline):
-        return _PipelineSource(source, run)
+    # A source that may block for long (another pipeline, a child process) offers
+    # iter_until(stopping): it ends promptly once the run stops, so that stopping the run
+    # (Ctrl-C, break) does not wait for its next item.
+    if callable(getattr(source, "iter_until", None)):
+        return _UntilStopped(source, run)
     return source

@@ -8,13 +8,19 @@ the parent (the parent died, an epoch was cut short) are removed by multiprocess
 tracker, which both processes share.
 
 Only plain containers are walked (dict, list, tuple); anything else travels as a pickle.
+
+Segments made for one child process share a name prefix that the parent chose, so that once
+the child is gone (killed mid-epoch, interrupted, crashed) the parent removes every segment it
+made and the parent did not map, at once rather than when the resource tracker exits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import mmap
 import os
+import secrets
 import sys
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
@@ -23,7 +29,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SHM_AVAILABLE", "ShmArray", "pack", "release", "unpack"]
+__all__ = [
+    "SHM_AVAILABLE",
+    "ShmArray",
+    "SegmentNames",
+    "pack",
+    "release",
+    "remove_prefixed",
+    "unpack",
+]
 
 _SHM_DIR = "/dev/shm"
 SHM_AVAILABLE = sys.platform.startswith("linux") and os.path.isdir(_SHM_DIR)
@@ -38,12 +52,32 @@ class ShmArray:
     dtype: np.dtype[Any]
 
 
-def pack(obj: Any, min_bytes: float) -> Any:
-    """Replace arrays of at least ``min_bytes`` in ``obj`` by shared-memory references."""
+class SegmentNames:
+    """Names for the segments of one child: ``<prefix><counter>``, unique on this machine."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._count = itertools.count()
+
+    def __call__(self) -> str:
+        return f"{self.prefix}{next(self._count)}"
+
+    @staticmethod
+    def new_prefix() -> str:
+        """A fresh prefix, in the ``psm_`` namespace that ``SharedMemory`` itself uses."""
+        return f"psm_fl{os.getpid()}_{secrets.token_hex(4)}_"
+
+
+def pack(obj: Any, min_bytes: float, names: SegmentNames | None = None) -> Any:
+    """Replace arrays of at least ``min_bytes`` in ``obj`` by shared-memory references.
+
+    ``names`` names the segments (default: ``SharedMemory``'s random names).
+    """
     if isinstance(obj, np.ndarray):
         if obj.nbytes < min_bytes or obj.dtype.hasobject:
             return obj
-        shm = SharedMemory(create=True, size=max(1, obj.nbytes))
+        name = None if names is None else names()
+        shm = SharedMemory(name=name, create=True, size=max(1, obj.nbytes))
         view: np.ndarray[Any, Any] = np.ndarray(obj.shape, dtype=obj.dtype, buffer=shm.buf)
         view[...] = obj
         del view
@@ -51,11 +85,11 @@ def pack(obj: Any, min_bytes: float) -> Any:
         return ShmArray(shm.name, obj.shape, obj.dtype)
     kind = type(obj)
     if kind is dict:
-        return {k: pack(v, min_bytes) for k, v in obj.items()}
+        return {k: pack(v, min_bytes, names) for k, v in obj.items()}
     if kind is list:
-        return [pack(v, min_bytes) for v in obj]
+        return [pack(v, min_bytes, names) for v in obj]
     if kind is tuple:
-        return tuple(pack(v, min_bytes) for v in obj)
+        return tuple(pack(v, min_bytes, names) for v in obj)
     return obj
 
 
@@ -78,6 +112,27 @@ def release(obj: Any) -> None:
         return
     for child in _children(obj):
         release(child)
+
+
+def remove_prefixed(prefix: str) -> int:
+    """Remove every segment whose name starts with ``prefix``; return how many.
+
+    Call it once the process that made them is gone: what it made and nobody mapped.
+    """
+    if not SHM_AVAILABLE:
+        return 0
+    try:
+        names = [n for n in os.listdir(_SHM_DIR) if n.startswith(prefix)]
+    except OSError:
+        return 0
+    removed = 0
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(_SHM_DIR, name))
+            removed += 1
+        with contextlib.suppress(Exception):  # the tracker may already be gone at exit
+            resource_tracker.unregister("/" + name, "shared_memory")
+    return removed
 
 
 def _attach(ref: ShmArray) -> np.ndarray[Any, Any]:

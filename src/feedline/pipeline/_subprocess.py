@@ -23,17 +23,25 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.connection import wait as wait_for
 from typing import Any, Generic, TypeVar
 
-from feedline.errors import ConfigurationError, SubprocessFailure
+from feedline.errors import (
+    ConfigurationError,
+    PipelineFailure,
+    SubprocessDied,
+    SubprocessFailure,
+    add_note,
+)
 
 from ._builder import PipelineBuilder
-from ._shm import SHM_AVAILABLE, pack, release, unpack
+from ._shm import SHM_AVAILABLE, SegmentNames, pack, release, remove_prefixed, unpack
 
 __all__ = ["SubprocessIterable", "iterate_in_subprocess", "run_pipeline_in_subprocess"]
 
@@ -78,9 +86,18 @@ def _send(data_q: Any, stop: Any, message: tuple[Any, ...]) -> bool:
 
 
 def _child_main(
-    factory: Callable[[], Iterable[Any]], cmd_q: Any, data_q: Any, stop: Any, shm_min: float
+    factory: Callable[[], Iterable[Any]],
+    cmd_q: Any,
+    data_q: Any,
+    stop: Any,
+    shm_min: float,
+    shm_prefix: str,
 ) -> None:
+    # Ctrl-C reaches the whole process group; the parent decides what happens to this child
+    # (it ends it at once), so an interrupt here would only garble a message mid-send.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_parent()
+    names = SegmentNames(shm_prefix)
     try:
         iterable = factory()
     except BaseException as error:
@@ -95,44 +112,107 @@ def _child_main(
             for item in iterable:
                 if stop.is_set():
                     break
-                if not _send(data_q, stop, ("item", pack(item, shm_min))):
+                if not _send(data_q, stop, ("item", pack(item, shm_min, names))):
                     break
             data_q.put(("end",))
         except BaseException as error:
             data_q.put(("error", *_error_message(error)))
 
 
+_CLOSE_GRACE = 0.3  # seconds a child gets to leave by itself before it is terminated
+_DRAIN_SECONDS = 2.0  # seconds a child left mid-epoch gets to finish its item and stay
+
+
+class _Abandoned(Exception):
+    """The consumer's pipeline stopped while this epoch waited for the child."""
+
+
 class _Child:
-    """The process and queues behind a SubprocessIterable (what its finalizer may touch)."""
+    """The process and queues behind a SubprocessIterable (what its finalizer may touch).
+
+    Closing is re-entrant: an interrupt in the middle leaves the process recorded, and the next
+    call (or the finalizer) finishes the job.
+    """
 
     def __init__(self) -> None:
         self.process: Any = None
         self.cmd_q: Any = None
+        self.stop: Any = None
+        self.shm_prefix = ""
 
-    def close(self, timeout: float = 5.0) -> None:
+    def ask_to_leave(self) -> None:
+        """Ask the child to end its epoch after its current item, then exit."""
+        process = self.process
+        if process is None or getattr(process, "_popen", None) is None:
+            return
+        if process.exitcode is None:
+            if self.stop is not None:
+                self.stop.set()
+            with contextlib.suppress(OSError, ValueError):
+                self.cmd_q.put("close")
+
+    def close(self, grace: float = _CLOSE_GRACE) -> None:
         process = self.process
         if process is None:
             return
-        self.process = None
-        if process.is_alive():
-            with contextlib.suppress(OSError, ValueError):
-                self.cmd_q.put("close")
-            process.join(timeout)
-            if process.is_alive():
+        if getattr(process, "_popen", None) is not None:  # started (or being started)
+            if process.exitcode is None and grace > 0:
+                self.ask_to_leave()
+                process.join(grace)
+            if process.exitcode is None:
                 process.terminate()
-                process.join(timeout)
-            if process.is_alive():
+                process.join(1.0)
+            if process.exitcode is None:
                 process.kill()
                 process.join()
-        process.close()
+        self.process = None
+        if self.cmd_q is not None:
+            self.cmd_q.cancel_join_thread()  # the reader is gone: never wait to flush to it
+            self.cmd_q.close()
+        # What the child made and nobody mapped: items in flight or in the queue.
+        remove_prefixed(self.shm_prefix)
+        with contextlib.suppress(ValueError):
+            process.close()
+
+
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Hold Ctrl-C back while a child is started, then raise it.
+
+    An interrupt in the middle of ``Process.start()`` (while the child's arguments are being
+    written to it) loses the child's pid: nobody would wait for it, and it stays a zombie.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    except (ValueError, TypeError):  # pragma: no cover - not the main interpreter
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received and callable(previous):
+        previous(signal.SIGINT, None)  # the handler the user had: KeyboardInterrupt by default
 
 
 class SubprocessIterable(Generic[T]):
     """Items of an iterable that runs in a child process; iterate it once per epoch.
 
     Made by :func:`iterate_in_subprocess` and :func:`run_pipeline_in_subprocess`. The child
-    starts on the first iteration and lives until :meth:`close` (or garbage collection, or
-    interpreter exit); each ``for`` loop asks it for one more pass over its iterable.
+    starts when the first iteration begins and lives until :meth:`close` (or garbage
+    collection, or interpreter exit); each ``for`` loop asks it for one more pass over its
+    iterable.
+
+    Interruption: an epoch left early (``break``) asks the child to stop after its current
+    item and drains what was in flight, so that the next epoch reuses the child. An exception
+    in the consumer (``KeyboardInterrupt``) ends the child at once instead, and the next epoch
+    starts a new one: the exception reaches the caller without waiting for the child's item.
+    Nothing the child made (shared-memory segments) outlives it.
     """
 
     def __init__(
@@ -143,85 +223,162 @@ class SubprocessIterable(Generic[T]):
         timeout: float | None,
         mp_context: str,
         shm_min_bytes: float,
+        name: str = "the child process",
+        reraise: bool = False,
     ) -> None:
         self._factory = factory
         self._ctx = mp.get_context(mp_context)
         self._buffer_size = buffer_size
         self._timeout = timeout
         self._shm_min = shm_min_bytes if SHM_AVAILABLE else float("inf")
+        self._name = name
+        self._reraise = reraise  # raise the child's own exception (with a note), not a wrapper
         self._child = _Child()
         self._finalizer = weakref.finalize(self, _Child.close, self._child)
         self._data_q: Any = None
-        self._stop: Any = None
+        self._ready = False
         self._iterating = False
+        self._settled = False  # the epoch in progress was ended from outside (settle)
 
-    def _start(self) -> None:
+    @property
+    def pid(self) -> int | None:
+        """The child's process id, once it started."""
+        process = self._child.process
+        return None if process is None else process.pid
+
+    def _launch(self) -> None:
+        # Start the child without waiting for it: several children start at once.
         if self._child.process is not None:
             return
         ctx = self._ctx
-        self._child.cmd_q = ctx.Queue()
+        child = self._child
+        child.cmd_q = ctx.Queue()
         self._data_q = ctx.Queue(maxsize=self._buffer_size)
-        self._stop = ctx.Event()
+        child.stop = ctx.Event()
+        child.shm_prefix = SegmentNames.new_prefix()
+        self._ready = False
         process = ctx.Process(  # type: ignore[attr-defined]
             target=_child_main,
-            args=(self._factory, self._child.cmd_q, self._data_q, self._stop, self._shm_min),
+            args=(
+                self._factory,
+                child.cmd_q,
+                self._data_q,
+                child.stop,
+                self._shm_min,
+                child.shm_prefix,
+            ),
             name="feedline-subprocess",
             daemon=True,
         )
-        process.start()
-        self._child.process = process
+        child.process = process  # recorded first, so that close() finds it whatever happens
+        with _sigint_deferred():
+            process.start()
+
+    def _await_ready(self, stopping: Callable[[], bool] | None = None) -> None:
+        if self._ready:
+            return
         # Start-up (the interpreter, imports, the factory) is not an item: a per-item limit
         # tuned for a steady stream would fail it on a slow or busy machine.
         startup = None if self._timeout is None else max(self._timeout, _STARTUP_SECONDS)
-        message = self._receive(startup)
+        message = self._receive(startup, stopping)
         if message[0] != "ready":
             self.close()
             self._raise(message, "while creating the iterable in the child process")
+        self._ready = True
 
-    def _receive(self, timeout: float | None) -> tuple[Any, ...]:
-        waited = 0.0
+    def _receive(
+        self, timeout: float | None, stopping: Callable[[], bool] | None = None
+    ) -> tuple[Any, ...]:
+        start = time.monotonic()
         while True:
+            waited = time.monotonic() - start
             try:
-                message: tuple[Any, ...] = self._data_q.get(timeout=_POLL)
+                message: tuple[Any, ...] = self._data_q.get(
+                    timeout=_POLL if timeout is None else max(1e-3, min(_POLL, timeout - waited))
+                )
                 return message
             except queue.Empty:
+                if stopping is not None and stopping():
+                    raise _Abandoned from None
                 process = self._child.process
-                if process is None or not process.is_alive():
+                if process is None or process.exitcode is not None:
+                    pid = None if process is None else process.pid
                     code = None if process is None else process.exitcode
                     self._child.close()
-                    raise SubprocessFailure(
-                        f"the child process died (exit code {code}) without finishing; a crash "
-                        "in native code or running out of memory are the usual causes"
-                    ) from None
-                waited += _POLL
-                if timeout is not None and waited >= timeout:
-                    raise TimeoutError(
-                        f"no item from the child process within {timeout} s"
-                    ) from None
+                    raise self._died(pid, code) from None
+                if timeout is not None and time.monotonic() - start >= timeout:
+                    raise TimeoutError(f"no item from {self._name} within {timeout} s") from None
 
-    @staticmethod
-    def _raise(message: tuple[Any, ...], when: str) -> None:
+    def _died(self, pid: int | None, code: int | None) -> SubprocessDied:
+        error = SubprocessDied("", pid, code)
+        how = (
+            f"was killed by {error.signal}"
+            if error.signal is not None
+            else f"exited (exit code {code})"
+        )
+        hint = (
+            "; SIGKILL is what the out-of-memory killer sends"
+            if error.signal == "SIGKILL"
+            else "; a crash in native code or running out of memory are the usual causes"
+        )
+        error.args = (f"{self._name} (pid {pid}) {how} before it finished{hint}",)
+        return error
+
+    def _raise(self, message: tuple[Any, ...], when: str) -> None:
         _, error, text = message
+        if self._reraise and error is not None and not isinstance(error, PipelineFailure):
+            add_note(error, f"raised in {self._name} {when.removeprefix('in the child process')}")
+            add_note(error, f"Original traceback in {self._name}:\n{text}")
+            raise error
         failure = SubprocessFailure(f"error {when}:\n{text}", error)
         raise failure from error
 
     def __iter__(self) -> Iterator[T]:
-        """One epoch: ask the child for one pass over its iterable."""
+        """One epoch: start the child if needed and ask it for one pass over its iterable.
+
+        The request goes out at once, before the first item is asked for, so that several
+        subprocess iterables started one after another work at the same time.
+        """
+        return self.iter_until(None)
+
+    def iter_until(
+        self, stopping: Callable[[], bool] | None, *, settle: bool = True
+    ) -> Iterator[T]:
+        """One epoch, as :meth:`__iter__`, that ends early once ``stopping()`` is true.
+
+        ``stopping`` is checked while waiting for the child (every 0.2 s). When it turns true,
+        the child gets :data:`_DRAIN_SECONDS` to finish its item and is ended otherwise; the
+        iterator then ends without error. A pipeline whose source this is passes its own
+        stop, so stopping that pipeline (Ctrl-C, ``break``) does not wait for the child.
+        With ``settle=False`` the iterator leaves the child as it is and raises
+        ``_Abandoned`` instead: its owner settles several children together.
+        """
         if self._iterating:
             raise RuntimeError(
                 "this subprocess iterable is already being iterated; finish the other loop first"
             )
-        return self._epoch()
-
-    def _epoch(self) -> Iterator[T]:
         self._iterating = True
-        finished = False
         try:
-            self._start()
-            self._stop.clear()
-            self._child.cmd_q.put("epoch")
+            self._launch()
+            self._child.stop.clear()
+            self._child.cmd_q.put("epoch")  # read by the child once it is ready
+        except BaseException:
+            self._iterating = False
+            self.close()
+            raise
+        self._settled = False
+        epoch = self._epoch(stopping, settle)
+        next(epoch)  # into its try block: closing it now, unstarted, still cleans up
+        return epoch
+
+    def _epoch(self, stopping: Callable[[], bool] | None, settle: bool) -> Iterator[T]:
+        finished = False
+        graceful = False  # left by the consumer (break, a stop): the child may be kept
+        try:
+            yield None  # type: ignore[misc]  # taken by __iter__
+            self._await_ready(stopping)
             while True:
-                message = self._receive(self._timeout)
+                message = self._receive(self._timeout, stopping)
                 kind = message[0]
                 if kind == "item":
                     yield unpack(message[1])
@@ -231,27 +388,71 @@ class SubprocessIterable(Generic[T]):
                 else:
                     finished = True
                     self._raise(message, "in the child process")
+        except _Abandoned:
+            if not settle:
+                self._settled = True  # the owner settles this child
+                raise
+            graceful = True
+            return
+        except GeneratorExit:
+            graceful = True
+            raise
         finally:
             self._iterating = False
-            if not finished and self._child.process is not None:
-                self._interrupt()
+            if not finished and not self._settled and self._child.process is not None:
+                self.settle(time.monotonic() + _DRAIN_SECONDS if graceful else 0.0)
 
-    def _interrupt(self) -> None:
-        # Abandoned mid-epoch: tell the child, then drain until it acknowledges.
-        self._stop.set()
+    def request_stop(self) -> None:
+        """Ask the child to stop its epoch after its current item (see :meth:`settle`)."""
+        if self._child.stop is not None and self._child.process is not None:
+            self._child.stop.set()
+
+    def settle(self, deadline: float) -> None:
+        """End the epoch in progress: drain until the child acknowledges, by ``deadline``.
+
+        A child that has not acknowledged by ``deadline`` (a ``time.monotonic()`` value; 0
+        ends it at once) is ended, and the next epoch starts a new one. Several children are
+        settled together by calling :meth:`request_stop` on each first.
+        """
+        self._settled = True
+        kept = False
+        try:
+            kept = self._drain(deadline)
+        finally:
+            if not kept:  # interrupted, or the child did not answer: end it
+                self.close()
+
+    def _drain(self, deadline: float) -> bool:
+        # Whether the child acknowledged (and is still usable for another epoch).
+        self.request_stop()
+        if not self._ready:
+            return False  # it never came up: a new one will serve the next epoch
         try:
             while True:
-                message = self._receive(timeout=10.0)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                message = self._receive(left)
                 if message[0] == "item":
-                    unpack(message[1])  # maps and releases shared memory
+                    release(message[1])  # never mapped: its segments are just removed
                 else:
-                    return
+                    return True
         except (TimeoutError, SubprocessFailure):
-            self.close()
+            return False
 
-    def close(self) -> None:
-        """Stop the child process. Idempotent; iterating again later starts a new child."""
-        self._child.close()  # the finalizer stays armed for whichever child runs last
+    def ask_to_leave(self) -> None:
+        """Ask the child to exit after its current item, without waiting (see :meth:`close`)."""
+        self._child.ask_to_leave()
+
+    def close(self, grace: float = _CLOSE_GRACE) -> None:
+        """Stop the child process; returns within about a second, even mid-epoch.
+
+        The child gets ``grace`` seconds to leave by itself, then is terminated. Idempotent
+        and safe to call again after an interrupt; iterating again later starts a new child.
+        Shared-memory segments the child made and nobody mapped are removed.
+        """
+        self._child.close(grace)  # the finalizer stays armed for whichever child runs last
+        self._ready = False
 
     def __enter__(self) -> SubprocessIterable[T]:
         return self

@@ -1,0 +1,116 @@
+"""Where a DataLoader stands in its epochs: what ``state_dict()`` saves and restores.
+
+A :class:`Position` belongs to the loader, not to the epoch's iterator: the iterator updates it
+as it hands batches out, and it outlives the iterator, so a checkpoint taken after ``break``,
+after an exception in the loop body or after the last batch describes the last batch handed
+out (as torchdata's ``StatefulDataLoader`` does), not a fresh epoch.
+
+The saved state is plain data (ints, lists, a base64 string for the random state, and whatever
+the dataset's and sampler's own ``state_dict()`` return), so it can be written as JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["STATE_VERSION", "Position", "check_state", "decode_rng", "encode_rng", "is_stateful"]
+
+STATE_VERSION = 2
+_ACCEPTED = (1, 2)  # version 1 held the random state as a tensor, and no dataset or sampler state
+
+
+def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` follows the Stateful protocol (``state_dict`` and ``load_state_dict``)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def encode_rng(state: Any) -> str:
+    """A torch random state (a uint8 tensor) as text."""
+    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
+
+
+def decode_rng(torch: Any, value: Any) -> Any:
+    """The uint8 tensor back from :func:`encode_rng` (or the tensor a version 1 state held)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if not isinstance(value, str):
+        raise ValueError(f"rng_state must be a base64 string, got {type(value).__name__}")
+    raw = bytearray(base64.b64decode(value.encode("ascii"), validate=True))
+    return torch.frombuffer(raw, dtype=torch.uint8).clone()
+
+
+@dataclass
+class Position:
+    """How far the current (or last) epoch went.
+
+    Attributes:
+        rng_at_start: The generator's state when the epoch began (a uint8 tensor).
+        yielded: Batches numbered below this were handed out.
+        ahead: Batches above ``yielded`` handed out already (``in_order=False``).
+        finished: The epoch ran to its end: a checkpoint now resumes at the next epoch.
+        sampler_state: The sampler's own state after the last batch below ``yielded`` was
+            drawn, when the sampler is stateful.
+        dataset_states: The dataset's own state after the last batch handed out, per worker
+            (one slot without workers), when the dataset is stateful.
+
+    """
+
+    rng_at_start: Any
+    yielded: int = 0
+    ahead: set[int] = field(default_factory=set)
+    finished: bool = False
+    sampler_state: Any = None
+    dataset_states: list[Any] | None = None
+
+    def to_state(self, own_generator: bool, rng_now: Any) -> dict[str, Any]:
+        """The ``state_dict()`` of a loader at this position.
+
+        Args:
+            own_generator: The loader has a ``generator=`` of its own.
+            rng_now: The generator's state now: where the next epoch starts when this one
+                finished.
+
+        """
+        if self.finished:
+            # The next epoch starts from the sampler's and the dataset's own beginning.
+            rng, yielded, ahead = rng_now, 0, []
+            sampler, dataset = None, None
+        else:
+            rng, yielded, ahead = self.rng_at_start, self.yielded, sorted(self.ahead)
+            sampler, dataset = self.sampler_state, self.dataset_states
+        return {
+            "version": STATE_VERSION,
+            "rng_state": encode_rng(rng),
+            "own_generator": own_generator,
+            # Batches 0..batches_yielded-1 were handed out, and (with in_order=False) these
+            # later ones too.
+            "batches_yielded": yielded,
+            "yielded_ahead": ahead,
+            "finished": self.finished,
+            "sampler_state": sampler,
+            "dataset_state": dataset,
+        }
+
+
+def check_state(state: Any, own_generator: bool) -> dict[str, Any]:
+    """Validate a state from ``state_dict()``; return a copy in the current version's form."""
+    if not isinstance(state, dict) or state.get("version") not in _ACCEPTED:
+        raise ValueError(
+            "not a feedline DataLoader state (expected a dict from DataLoader.state_dict() "
+            f"with version {STATE_VERSION})"
+        )
+    if state["own_generator"] != own_generator:
+        raise ValueError(
+            "the state was saved by a loader "
+            + ("with" if state["own_generator"] else "without")
+            + " a generator=; resume with the same kind of loader"
+        )
+    out = dict(state)
+    out.setdefault("finished", False)
+    out.setdefault("sampler_state", None)
+    out.setdefault("dataset_state", None)
+    return out

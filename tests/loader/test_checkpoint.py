@@ -1,0 +1,163 @@
+"""A checkpoint describes the last batch handed out, however the loop ended.
+
+torchdata's ``StatefulDataLoader`` is the reference: after ``break``, after an exception in the
+loop body, or after the last batch, ``state_dict()`` resumes at the next batch.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
+
+from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
+
+from feedline import DataLoader  # noqa: E402
+
+from ._datasets import Counting, ResumableStream, StatefulSampler  # noqa: E402
+
+StatefulDataLoader = stateful_dataloader.StatefulDataLoader
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+
+
+def _values(batches: list[Any]) -> list[list[int]]:
+    return [b.tolist() for b in batches]
+
+
+def _run(cls: Any, stop_at: int, how: str, **kw: Any) -> tuple[list[Any], list[Any], Any]:
+    """Batches before a checkpoint taken after leaving the loop ``how``, and after resuming."""
+    torch.manual_seed(5)
+    loader = cls(list(range(30)), batch_size=4, shuffle=True, **kw)
+    seen = []
+    if how == "break":
+        for step, batch in enumerate(loader):
+            seen.append(batch)
+            if step == stop_at:
+                break
+    elif how == "exception":
+        with pytest.raises(ZeroDivisionError):
+            for step, batch in enumerate(loader):
+                seen.append(batch)
+                if step == stop_at:
+                    raise ZeroDivisionError
+    else:  # "exhausted"
+        seen = list(loader)
+    state = loader.state_dict()
+    torch.manual_seed(99)  # a resumed process has another global state
+    resumed = cls(list(range(30)), batch_size=4, shuffle=True, **kw)
+    resumed.load_state_dict(state)
+    return seen, list(resumed), state
+
+
+@pytest.mark.parametrize("how", ["break", "exception", "exhausted"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_checkpoint_after_leaving_the_loop_resumes_at_the_next_batch(
+    how: str, workers: int
+) -> None:
+    kw: dict[str, Any] = {"num_workers": workers}
+    if workers:
+        kw["multiprocessing_context"] = "forkserver"
+    for cls in (StatefulDataLoader, DataLoader):
+        torch.manual_seed(5)
+        reference = (TorchLoader if cls is DataLoader else cls)(
+            list(range(30)), batch_size=4, shuffle=True, **kw
+        )
+        expected = _values(list(reference) + list(reference))  # this epoch and the next
+        seen, rest, _ = _run(cls, 3, how, **kw)
+        assert _values(seen) == expected[: len(seen)]
+        assert len(seen) == (8 if how == "exhausted" else 4)
+        # The resumed loader goes on with the next batch: the rest of this epoch, or the
+        # whole next one after an exhausted epoch.
+        assert len(rest) == (8 if how == "exhausted" else 4)
+        assert _values(rest) == expected[len(seen) : len(seen) + len(rest)]
+
+
+def test_the_state_is_plain_data_that_json_can_write() -> None:
+    gen = torch.Generator().manual_seed(1)
+    loader = DataLoader(list(range(20)), batch_size=3, shuffle=True, generator=gen)
+    it = iter(loader)
+    first = [next(it) for _ in range(2)]
+    text = json.dumps(loader.state_dict())
+    del it
+    resumed = DataLoader(list(range(20)), batch_size=3, shuffle=True, generator=torch.Generator())
+    resumed.load_state_dict(json.loads(text))
+    again = DataLoader(list(range(20)), batch_size=3, shuffle=True, generator=gen.manual_seed(1))
+    assert _values(first + list(resumed)) == _values(list(again))
+
+
+def test_a_new_epoch_after_break_starts_afresh_as_in_pytorch() -> None:
+    gen = torch.Generator().manual_seed(2)
+    loader = DataLoader(list(range(12)), batch_size=4, generator=gen)
+    for _ in loader:
+        break
+    assert loader.state_dict()["batches_yielded"] == 1
+    assert len(list(loader)) == 3  # iter() without load_state_dict: a whole new epoch
+    assert loader.state_dict()["batches_yielded"] == 0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stateful_datasets_own_state_is_saved_and_restored(workers: int) -> None:
+    kw: dict[str, Any] = {"batch_size": 2, "num_workers": workers, "fetch_concurrency": 1}
+    loader = DataLoader(Counting(12), **kw)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    state = loader.state_dict()
+    del it
+    assert state["dataset_state"] is not None
+    served = sum(s["served"] for s in state["dataset_state"] if s is not None)
+    assert served == 6  # each worker's copy counted its own items
+    resumed = DataLoader(Counting(12), **kw)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert [i for b in rest for i in b[0].tolist()] == list(range(6, 12))
+    # Each dataset went on counting from its saved state, not from zero: in one process
+    # 7..12; with workers, batch b goes to worker b % 2 of the resumed epoch (worker 0 had
+    # served 4 items, worker 1 two).
+    counts = [b[1].tolist() for b in rest]
+    assert counts == ([[7, 8], [9, 10], [11, 12]] if workers == 0 else [[5, 6], [3, 4], [7, 8]])
+
+
+def test_a_stateful_iterable_dataset_resumes_itself_instead_of_replaying() -> None:
+    stream = ResumableStream(10)
+    loader = DataLoader(stream, batch_size=3)
+    for step, _ in enumerate(loader):
+        if step == 1:
+            break
+    state = loader.state_dict()
+    assert state["dataset_state"] == [{"position": 6}]
+    fresh = ResumableStream(10)
+    resumed = DataLoader(fresh, batch_size=3)
+    resumed.load_state_dict(state)
+    assert _values(list(resumed)) == [[6, 7, 8], [9]]
+    assert fresh.opened == 4  # nothing before the checkpoint was read again
+
+
+def test_a_stateful_sampler_resumes_itself() -> None:
+    sampler = StatefulSampler(10, seed=3)
+    loader = DataLoader(list(range(10)), batch_size=4, sampler=sampler)
+    whole = _values(list(DataLoader(list(range(10)), batch_size=4, sampler=StatefulSampler(10, 3))))
+    it = iter(loader)
+    first = next(it)
+    state = loader.state_dict()
+    del it
+    assert state["sampler_state"] == {"epoch": 0, "yielded": 4}
+    other = StatefulSampler(10, seed=3)
+    resumed = DataLoader(list(range(10)), batch_size=4, sampler=other)
+    resumed.load_state_dict(state)
+    assert _values([first, *resumed]) == whole
+    assert other.state_dict() == {"epoch": 1, "yielded": 0}
+
+
+def test_assigning_a_fixed_argument_after_construction_raises_like_pytorch() -> None:
+    for cls in (TorchLoader, DataLoader):
+        loader = cls(list(range(8)), batch_size=2)
+        with pytest.raises(ValueError, match="batch_size attribute should not be set"):
+            loader.batch_size = 4
+    loader = DataLoader(list(range(8)), batch_size=2)
+    loader.collate_fn = lambda items: sum(items)
+    assert list(loader) == [1, 5, 9, 13]  # a setting PyTorch lets change between epochs

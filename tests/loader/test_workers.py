@@ -1,0 +1,113 @@
+"""Worker processes: they start together, stop at Ctrl-C, and fail as PyTorch's do."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
+
+from feedline import DataLoader, SubprocessDied  # noqa: E402
+
+from ._datasets import Rendezvous, Sleepy, Suicidal, failing_init  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _segments() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("psm_")}
+
+
+def _no_children_left() -> None:
+    deadline = time.monotonic() + 5
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize("cls", [TorchLoader, DataLoader])
+def test_all_workers_start_at_once(cls: Any) -> None:
+    # Each worker's first item waits for the others': workers started one after another
+    # (each once the one before delivered) would never meet.
+    barrier = multiprocessing.get_context("forkserver").Barrier(3)
+    loader = cls(
+        Rendezvous(9, barrier), batch_size=1, num_workers=3, multiprocessing_context="forkserver"
+    )
+    assert [b.item() for b in loader] == list(range(9))
+    _no_children_left()
+
+
+def test_ctrl_c_while_workers_are_busy_reaches_the_caller_at_once() -> None:
+    loader = DataLoader(Sleepy(8, {i: 30.0 for i in range(8)}), batch_size=2, num_workers=2)
+    it = iter(loader)
+    # Ctrl-C: SIGINT to the main thread, as a terminal's reaches it.
+    main = threading.main_thread().ident
+    assert main is not None
+    timer = threading.Timer(1.0, signal.pthread_kill, (main, signal.SIGINT))
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        next(it)
+    waited = time.monotonic() - started
+    timer.join()
+    assert waited < 5.0, f"KeyboardInterrupt came after {waited:.1f} s"
+    _no_children_left()  # the workers are gone when it does
+    del it
+    loader.close()
+
+
+def test_a_worker_killed_by_a_signal_raises_runtime_error_naming_it() -> None:
+    for cls in (TorchLoader, DataLoader):
+        loader = cls(Suicidal(8, 5), batch_size=2, num_workers=2)
+        with pytest.raises(RuntimeError) as info:
+            list(loader)
+    assert isinstance(info.value, SubprocessDied)
+    message = str(info.value)
+    assert "DataLoader worker 0" in message
+    assert "SIGKILL" in message
+    assert f"pid {info.value.pid}" in message
+    _no_children_left()
+
+
+def test_worker_init_fn_exception_is_raised_as_it_is() -> None:
+    for cls in (TorchLoader, DataLoader):
+        loader = cls(list(range(4)), batch_size=2, num_workers=2, worker_init_fn=failing_init)
+        with pytest.raises(LookupError, match="no shard for worker"):
+            list(loader)
+    _no_children_left()
+
+
+def test_close_mid_epoch_returns_at_once_and_leaves_nothing() -> None:
+    before = _segments()
+    loader = DataLoader(
+        Sleepy(8, {i: 30.0 for i in range(2, 8)}),
+        batch_size=1,
+        num_workers=2,
+        persistent_workers=True,
+    )
+    it = iter(loader)
+    next(it)
+    started = time.monotonic()
+    loader.close()
+    assert time.monotonic() - started < 2.0
+    _no_children_left()
+    assert _segments() - before == set()
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_break_with_busy_non_persistent_workers_does_not_wait_for_them() -> None:
+    loader = DataLoader(Sleepy(8, {i: 30.0 for i in range(2, 8)}), batch_size=1, num_workers=2)
+    started = time.monotonic()
+    for _ in loader:
+        break
+    assert time.monotonic() - started < 10.0
+    _no_children_left()
