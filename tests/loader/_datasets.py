@@ -277,3 +277,29 @@ class Suicidal(Dataset[int]):
 
 def failing_init(worker_id: int) -> None:
     raise LookupError(f"no shard for worker {worker_id}")
+
+
+class Augmenting(Dataset[Any]):
+    """Random augmentation the way torchvision does it: draws from the global generators."""
+
+    def __init__(self, n: int, seeded: bool = False) -> None:
+        self.n, self.seeded = n, seeded
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _draw(self, i: int) -> Any:
+        import random
+
+        import numpy as np
+
+        time.sleep(0.001)  # lets the calls of several threads interleave
+        return torch.tensor([float(i), torch.rand(()).item(), random.random(), np.random.rand()])
+
+    def __getitem__(self, i: int) -> Any:
+        if not self.seeded:
+            return self._draw(i)
+        import feedline.loader
+
+        with feedline.loader.seeded():
+            return self._draw(i)

@@ -27,6 +27,7 @@ from feedline.errors import PipelineFailure, add_note
 from feedline.pipeline._stages._common import FailureBudget, LogThrottle
 
 from ._pool import LimitedPool
+from ._seeds import ItemInfo, RngWatch, item_seed, set_item
 
 __all__ = ["BatchFetcher", "FailedItem", "FailureTally", "Task"]
 
@@ -90,6 +91,8 @@ class BatchFetcher:
         snapshot: Called once a batch's items are in (the dataset's ``state_dict``); its
             result travels with the batch as ``(0, state)``.
         origin: Where the calls run, for error messages (``"DataLoader worker 1 (pid 42)"``).
+        seed: The epoch's base seed: each call gets its item's seed from it (see
+            :func:`~feedline.loader.get_item_info`).
 
     """
 
@@ -116,9 +119,14 @@ class BatchFetcher:
         wait_for_delivery: bool = False,
         snapshot: Callable[[], Any] | None = None,
         origin: str = "",
+        seed: int | None = None,
     ) -> None:
         self._dataset = dataset
         self._origin = origin
+        self._seed = seed
+        # Draws from the global generators during the first batch, fetched on several
+        # threads: not reproducible; warn once.
+        self._watch = RngWatch() if concurrency > 1 else None
         self._snapshot = snapshot
         self._wait_for_delivery = wait_for_delivery
         self._concurrency = concurrency
@@ -137,12 +145,18 @@ class BatchFetcher:
         self._first_fetched = False  # the first batch's items are all in
 
     def _get(self, index: Any) -> Any:
+        seed = self._seed
+        if seed is not None:
+            set_item(ItemInfo(index, item_seed(seed, index)))
         try:
             return self._dataset[index]
         except Exception as error:
             return FailedItem(
                 index, type(error).__name__, str(error), traceback.format_exc(), error, self._origin
             )
+        finally:
+            if seed is not None:
+                set_item(None)
 
     def _split(self, count: int) -> int:
         """How many jobs a batch of ``count`` items becomes."""
@@ -237,9 +251,14 @@ class BatchFetcher:
         elif number != self._first_number:
             await self._first.wait()
         fetched = False
+        watch = self._watch if number == self._first_number else None
         try:
+            if watch is not None:
+                watch.start()
             items, state = await self._fetch(indices)
             fetched = True
+            if watch is not None:
+                watch.check()
             return number, items, None if self._snapshot is None else (0, state)
         finally:
             if number == self._first_number:

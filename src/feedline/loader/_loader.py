@@ -472,6 +472,7 @@ class _LoaderIter(Generic[T]):
                 loader.fetch_concurrency,
                 wait_for_delivery=True,
                 snapshot=_snapshot(tl.dataset),
+                seed=base_seed,
             )
             # Told when the consumer holds the first batch: only then do the other batches
             # start, so that their threads take no CPU from the first batch's collation and

@@ -62,6 +62,7 @@ class _WorkerIterable:
             self._concurrency,
             snapshot=self._dataset.state_dict if stateful else None,
             origin=f"DataLoader worker {self._worker_id} (pid {os.getpid()})",
+            seed=base_seed,
         )
         pipeline = (
             PipelineBuilder()

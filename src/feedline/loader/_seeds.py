@@ -1,0 +1,184 @@
+"""Reproducible randomness for datasets whose items are fetched on several threads.
+
+PyTorch's DataLoader calls ``dataset[i]`` one at a time per process, so draws from the global
+random generators (``torch``, ``random``, NumPy; torchvision's random transforms use
+``torch``'s) happen in a fixed order. feedline calls ``dataset[i]`` on several threads at once:
+the order of draws, and so the augmentation, changes from run to run. Two ways out:
+
+* ``fetch_concurrency=1``: one call at a time, the same draws as PyTorch (with its worker
+  seeding), at the cost of concurrency;
+* a seed per item: while feedline calls ``dataset[i]``, :func:`get_item_info` gives the item a
+  seed derived from the epoch's base seed (which comes from the loader's ``generator`` or
+  ``torch``'s global state, like PyTorch's worker seeds) and the index. It is the same
+  whatever the thread, the worker or the concurrency, and the same after resuming.
+  :func:`seeded` seeds the global generators from it around the code that draws (one item at
+  a time, restoring them after), so transforms that draw from them need no change.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ItemInfo", "RngWatch", "get_item_info", "item_seed", "seeded"]
+
+_MASK = (1 << 64) - 1
+
+
+def item_seed(base_seed: int, index: Any) -> int:
+    """A 63-bit seed for ``index`` in the epoch whose base seed is ``base_seed`` (SplitMix64)."""
+    key = index if isinstance(index, int) else hash(repr(index))
+    z = (base_seed * 0x9E3779B97F4A7C15 + key + 0x632BE59BD9B4E019) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return (z ^ (z >> 31)) >> 1
+
+
+@dataclass(frozen=True)
+class ItemInfo:
+    """The item that ``dataset[index]`` is being called for, from inside that call.
+
+    Attributes:
+        index: The index passed to ``__getitem__``.
+        seed: Its seed: a function of the epoch's base seed and ``index`` only.
+
+    """
+
+    index: Any
+    seed: int
+
+    def numpy_generator(self) -> np.random.Generator:
+        """A NumPy generator seeded for this item."""
+        return np.random.default_rng(self.seed)
+
+    def torch_generator(self) -> Any:
+        """A ``torch.Generator`` seeded for this item."""
+        import torch
+
+        return torch.Generator().manual_seed(self.seed)
+
+
+class _Current(threading.local):
+    info: ItemInfo | None = None
+
+
+_current = _Current()
+
+
+def set_item(info: ItemInfo | None) -> None:
+    """Say which item this thread fetches now (``None``: none)."""
+    _current.info = info
+
+
+def get_item_info() -> ItemInfo | None:
+    """The item being fetched, inside ``dataset[i]`` called by ``feedline.DataLoader``.
+
+    The analogue of ``torch.utils.data.get_worker_info()`` for per-item randomness: draw
+    from ``info.torch_generator()`` or ``info.numpy_generator()``, or wrap code that draws
+    from the global generators in :func:`seeded`. ``None`` outside such a call.
+
+    Example::
+
+        class Augmented(Dataset):
+            def __getitem__(self, i):
+                image = decode(self.paths[i])          # concurrent
+                info = feedline.loader.get_item_info()
+                flip = info.numpy_generator().random() < 0.5 if info else False
+                ...
+
+    """
+    return _current.info
+
+
+_seeding = threading.RLock()
+
+
+@contextmanager
+def seeded(seed: int | None = None) -> Iterator[None]:
+    """Seed ``torch``, ``random`` and NumPy's global generators for one item, then restore them.
+
+    Inside ``dataset[i]``: the seed is the item's (:func:`get_item_info`) unless given. Blocks
+    run one at a time across threads (the generators are global), so keep only the drawing
+    part inside (the random transform) and decode outside. Outside a fetch without ``seed``,
+    it does nothing.
+
+    Example (torchvision)::
+
+        def __getitem__(self, i):
+            image = decode_image(read(self.paths[i]))      # concurrent, GIL released
+            with feedline.loader.seeded():                 # reproducible, one at a time
+                return self.transform(image), self.labels[i]
+
+    """
+    if seed is None:
+        info = _current.info
+        if info is None:
+            yield
+            return
+        seed = info.seed
+    torch = sys.modules.get("torch")
+    with _seeding:
+        saved_random = random.getstate()
+        saved_numpy = np.random.get_state()
+        saved_torch = torch.random.get_rng_state() if torch is not None else None
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        if torch is not None:
+            torch.random.manual_seed(seed)
+        try:
+            yield
+        finally:
+            random.setstate(saved_random)
+            np.random.set_state(saved_numpy)
+            if torch is not None:
+                torch.random.set_rng_state(saved_torch)
+
+
+class RngWatch:
+    """Notices draws from the global generators between :meth:`start` and :meth:`check`."""
+
+    warned = False  # once per process
+
+    def __init__(self) -> None:
+        self._before: tuple[Any, ...] | None = None
+
+    @staticmethod
+    def _states() -> tuple[Any, ...]:
+        torch = sys.modules.get("torch")
+        torch_state = torch.random.get_rng_state() if torch is not None else None
+        numpy_state: Any = np.random.get_state()
+        return random.getstate(), numpy_state[1].tobytes(), torch_state
+
+    def start(self) -> None:
+        """Remember the generators' states."""
+        self._before = self._states()
+
+    def check(self) -> None:
+        """Warn (once per process) if any generator drew since :meth:`start`."""
+        before, self._before = self._before, None
+        if before is None or RngWatch.warned:
+            return
+        after = self._states()
+        drew = before[0] != after[0] or before[1] != after[1]
+        if before[2] is not None and after[2] is not None:
+            drew = drew or not bool((before[2] == after[2]).all())
+        if drew:
+            RngWatch.warned = True
+            warnings.warn(
+                "the dataset draws from the global random generators (torch, random or NumPy; "
+                "torchvision's random transforms do) while feedline.DataLoader fetches items "
+                "on several threads, so the draws, and the augmentation, differ from run to "
+                "run. For PyTorch's exact draws use fetch_concurrency=1; for a reproducible "
+                "seed per item, draw inside `with feedline.loader.seeded():` or from "
+                "feedline.loader.get_item_info().torch_generator()",
+                RuntimeWarning,
+                stacklevel=2,
+            )

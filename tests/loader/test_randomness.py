@@ -1,0 +1,140 @@
+"""Random augmentation is reproducible: PyTorch's exact draws at fetch_concurrency=1, and a seed
+per item at any concurrency."""
+
+from __future__ import annotations
+
+import random
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.utils.data import BatchSampler, RandomSampler  # noqa: E402
+from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
+
+import feedline.loader  # noqa: E402
+from feedline import DataLoader  # noqa: E402
+from feedline.loader._seeds import RngWatch  # noqa: E402
+
+from ._datasets import Augmenting  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _epochs(cls: Any, dataset: Any, epochs: int = 3, **kw: Any) -> list[Any]:
+    torch.manual_seed(7)
+    random.seed(7)
+    np.random.seed(7)
+    loader = cls(dataset, **kw)
+    return [b for _ in range(epochs) for b in loader]
+
+
+def _same(a: list[Any], b: list[Any]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y), (x, y)
+
+
+def _sampler(kind: str) -> dict[str, Any]:
+    if kind == "shuffle":
+        return {"batch_size": 4, "shuffle": True}
+    if kind == "drop_last":
+        return {"batch_size": 3, "shuffle": True, "drop_last": True}
+    if kind == "sampler":
+        g = torch.Generator().manual_seed(3)
+        return {"batch_size": 4, "sampler": RandomSampler(range(18), True, 14, generator=g)}
+    g = torch.Generator().manual_seed(4)
+    return {"batch_sampler": BatchSampler(RandomSampler(range(18), generator=g), 5, False)}
+
+
+@pytest.mark.parametrize(
+    ("kind", "workers"),
+    [
+        ("shuffle", 0),
+        ("drop_last", 0),
+        ("sampler", 0),
+        ("batch_sampler", 0),
+        ("shuffle", 2),
+        ("batch_sampler", 2),
+        ("drop_last", 4),
+    ],
+)
+def test_fetch_concurrency_1_draws_exactly_as_pytorch(kind: str, workers: int) -> None:
+    extra: dict[str, Any] = {"num_workers": workers}
+    if workers:
+        extra["multiprocessing_context"] = "forkserver"
+    expected = _epochs(TorchLoader, Augmenting(18), **_sampler(kind), **extra)
+    got = _epochs(DataLoader, Augmenting(18), **_sampler(kind), **extra, fetch_concurrency=1)
+    _same(got, expected)
+
+
+def test_item_seeds_make_augmentation_reproducible_at_any_concurrency() -> None:
+    kw = {"batch_size": 6, "shuffle": True, "fetch_concurrency": 8}
+    first = _epochs(DataLoader, Augmenting(24, seeded=True), **kw)
+    again = _epochs(DataLoader, Augmenting(24, seeded=True), **kw)
+    _same(first, again)
+    one_at_a_time = _epochs(
+        DataLoader, Augmenting(24, seeded=True), **{**kw, "fetch_concurrency": 1}
+    )
+    _same(first, one_at_a_time)
+    in_workers = _epochs(DataLoader, Augmenting(24, seeded=True), **kw, num_workers=2, epochs=3)
+    _same(first, in_workers)
+    # Different epochs draw differently.
+    assert not torch.equal(first[0][:, 1:], first[4][:, 1:])
+
+
+def test_item_seeds_survive_a_resume() -> None:
+    kw = {"batch_size": 6, "shuffle": True, "fetch_concurrency": 8}
+    whole = _epochs(DataLoader, Augmenting(24, seeded=True), epochs=1, **kw)
+    torch.manual_seed(7)
+    loader = DataLoader(Augmenting(24, seeded=True), **kw)
+    it = iter(loader)
+    head = [next(it), next(it)]
+    state = loader.state_dict()
+    del it
+    torch.manual_seed(0)
+    resumed = DataLoader(Augmenting(24, seeded=True), **kw)
+    resumed.load_state_dict(state)
+    _same(head + list(resumed), whole)
+
+
+def test_the_item_info_is_there_only_inside_a_fetch() -> None:
+    seen: list[Any] = []
+
+    class Probe(torch.utils.data.Dataset[int]):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> int:
+            seen.append(feedline.loader.get_item_info())
+            return i
+
+    list(DataLoader(Probe(), batch_size=2))
+    assert feedline.loader.get_item_info() is None
+    assert sorted(info.index for info in seen) == [0, 1, 2, 3]
+    assert len({info.seed for info in seen}) == 4
+    assert all(0 <= info.seed < 2**63 for info in seen)
+
+
+def test_global_draws_at_concurrency_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(RngWatch, "warned", False)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            list(DataLoader(Augmenting(16), batch_size=4, fetch_concurrency=4))
+    record = [w for w in record if "fetch_concurrency=1" in str(w.message)]
+    assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1
+
+
+@pytest.mark.parametrize("kw", [{"fetch_concurrency": 1}, {"fetch_concurrency": 4}])
+def test_no_warning_when_the_draws_are_reproducible(
+    monkeypatch: pytest.MonkeyPatch, kw: dict[str, Any]
+) -> None:
+    monkeypatch.setattr(RngWatch, "warned", False)
+    seeded = kw["fetch_concurrency"] > 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        list(DataLoader(Augmenting(16, seeded=seeded), batch_size=4, **kw))
