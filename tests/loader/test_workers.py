@@ -111,3 +111,22 @@ def test_break_with_busy_non_persistent_workers_does_not_wait_for_them() -> None
         break
     assert time.monotonic() - started < 10.0
     _no_children_left()
+
+
+class _HoldsALambda(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self) -> None:
+        self.transform = lambda x: x * 2
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        return int(self.transform(i))
+
+
+def test_a_dataset_that_cannot_be_pickled_is_named_with_a_fix() -> None:
+    loader = DataLoader(_HoldsALambda(), batch_size=2, num_workers=2)
+    with pytest.raises(ValueError, match=r"attribute 'transform' \(function\).*num_workers=0"):
+        list(loader)
+    _no_children_left()
+    assert [b.tolist() for b in DataLoader(_HoldsALambda(), batch_size=2)] == [[0, 2], [4, 6]]

@@ -157,3 +157,14 @@ def drain_with_deadline(pipeline: Any, deadline: float = 10.0) -> list[Any]:
                 got.append(pipeline.get_item(timeout=deadline))
             except EOFError:
                 return got
+
+
+def slow_arrays(i: int) -> np.ndarray:
+    """A large array (it crosses through shared memory), slowly after the first few."""
+    if i >= 3:
+        time.sleep(0.5)
+    return np.full(100_000, i, dtype=np.float32)
+
+
+def slow_array_builder(n: int) -> PipelineBuilder[object]:
+    return PipelineBuilder().add_source(range(n)).pipe(slow_arrays, concurrency=2).add_sink(2)

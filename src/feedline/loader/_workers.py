@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pickle
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from feedline.errors import ConfigurationError
 from feedline.pipeline import PipelineBuilder, SubprocessIterable
 from feedline.pipeline._subprocess import _CLOSE_GRACE, _DEFAULT_SHM_MIN, _Abandoned
 
@@ -137,6 +139,27 @@ def _preload_forkserver() -> None:
         forkserver.set_forkserver_preload(current + extra)
 
 
+def _not_picklable(dataset: Any, init: Any, error: BaseException) -> ConfigurationError:
+    """Say which part of the dataset (or worker_init_fn) cannot be sent to a worker."""
+    culprit = "the dataset"
+    try:
+        pickle.dumps(init)
+    except Exception:
+        culprit = "worker_init_fn"
+    else:
+        for name, value in getattr(dataset, "__dict__", {}).items():
+            try:
+                pickle.dumps(value)
+            except Exception:
+                culprit = f"the dataset's attribute {name!r} ({type(value).__name__})"
+                break
+    return ConfigurationError(
+        f"{culprit} cannot be sent to the worker processes: {error}. Worker processes start "
+        "with forkserver or spawn, which pickle it: define functions at module level (not "
+        "lambdas or local functions), or use num_workers=0, whose threads need no pickling"
+    )
+
+
 _SETTLE_SECONDS = 1.0
 """How long persistent workers left mid-epoch get to finish their batch before they are ended
 (and started anew by the next epoch)."""
@@ -199,6 +222,8 @@ class WorkerSet:
         import multiprocessing as mp
 
         self._persistent = persistent
+        self._dataset = dataset
+        self._init = worker_init_fn
         ctx = mp.get_context(mp_context)
         if mp_context == "forkserver":
             _preload_forkserver()
@@ -252,7 +277,12 @@ class WorkerSet:
         done = False
         try:
             for w in self._workers:
-                iterators.append(w.iter_until(stopping, settle=False))
+                try:
+                    iterators.append(w.iter_until(stopping, settle=False))
+                except (pickle.PicklingError, AttributeError, TypeError) as error:
+                    if "pickle" not in str(error):
+                        raise
+                    raise _not_picklable(self._dataset, self._init, error) from error
             for i in range(total):
                 try:
                     number, items, snapshot = next(iterators[i % count])

@@ -1,0 +1,161 @@
+"""Stopping is re-entrant and leaves nothing: no thread, child process, zombie or segment."""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from feedline import PipelineBuilder, iterate_in_subprocess, run_pipeline_in_subprocess
+from feedline.pipeline import _executors, _subprocess
+
+from . import _helpers
+
+
+def _feedline_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("feedline-"))
+
+
+def _segments() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("psm_")}
+
+
+def _zombies() -> list[int]:
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == "Z" and int(fields[1]) == me:
+            found.append(int(entry))
+    return found
+
+
+def _slow(x: int) -> int:
+    time.sleep(0.05)
+    return x
+
+
+def _slow_gen(x: int) -> Any:
+    time.sleep(0.05)
+    yield x
+
+
+def _build(kind: str, pool: ThreadPoolExecutor) -> Any:
+    b = PipelineBuilder().add_source(range(60))
+    if kind == "sync":
+        b.pipe(_slow, concurrency=4)
+    elif kind == "generator":
+        b.pipe(_slow_gen, concurrency=4)
+    else:
+        b.pipe(_slow, concurrency=4, executor=pool)
+    return b.add_sink(2).build(num_threads=4)
+
+
+@pytest.mark.parametrize("kind", ["sync", "generator", "executor"])
+@pytest.mark.parametrize("where", ["join", "shutdown"])
+def test_a_stop_interrupted_by_a_second_ctrl_c_is_finished_by_the_next(
+    kind: str, where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = ThreadPoolExecutor(4)
+    pipeline = _build(kind, pool)
+    it = iter(pipeline)
+    next(it)
+    interrupted = []
+    if where == "join":
+        original_join = threading.Thread.join
+
+        def join(self: threading.Thread, timeout: float | None = None) -> None:
+            if not interrupted and self.name == "feedline-event-loop":
+                interrupted.append(self.name)
+                raise KeyboardInterrupt
+            original_join(self, timeout)
+
+        monkeypatch.setattr(threading.Thread, "join", join)
+    else:
+        original = _executors.WorkerPool.shutdown
+
+        def shutdown(self: Any, wait: bool = True) -> None:
+            if not interrupted:
+                interrupted.append("pool")
+                raise KeyboardInterrupt
+            original(self, wait)
+
+        monkeypatch.setattr(_executors.WorkerPool, "shutdown", shutdown)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.stop()
+    assert interrupted
+    pipeline.stop()  # finishes what the interrupted one left
+    assert _feedline_threads() == []
+    del it
+    # The next epoch is whole.
+    assert sorted(pipeline) == list(range(60))
+    pool.shutdown()
+
+
+def test_an_epoch_after_an_interrupted_one_is_complete_and_close_leaves_nothing() -> None:
+    before = _segments()
+    with run_pipeline_in_subprocess(_helpers.slow_array_builder(8), num_threads=2) as it:
+        with pytest.raises(KeyboardInterrupt):
+            for i, _ in enumerate(it):
+                if i == 1:
+                    raise KeyboardInterrupt
+        assert sorted(int(a[0]) for a in it) == list(range(8))
+    assert _segments() - before == set()
+    assert _zombies() == []
+
+
+def test_close_mid_epoch_returns_within_a_second_and_leaves_nothing() -> None:
+    before = _segments()
+    it = run_pipeline_in_subprocess(_helpers.slow_array_builder(50), num_threads=2)
+    epoch = iter(it)
+    next(epoch)
+    time.sleep(0.3)  # the child has arrays waiting in the queue
+    started = time.monotonic()
+    it.close()
+    assert time.monotonic() - started < 1.0
+    epoch.close()
+    assert _segments() - before == set()
+    assert _zombies() == []
+
+
+def test_ctrl_c_while_the_child_is_started_leaves_no_zombie(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The interrupt arrives while the child's arguments are being written to it: the start
+    # completes, then the interrupt is raised, and close() reaps the child.
+    original = _subprocess._sigint_deferred
+
+    @functools.wraps(original)
+    def deferred() -> Any:
+        manager = original()
+
+        class Interrupting:
+            def __enter__(self) -> None:
+                manager.__enter__()
+                os.kill(os.getpid(), 2)  # SIGINT, held back until the start is done
+
+            def __exit__(self, *exc: object) -> None:
+                manager.__exit__(*exc)
+
+        return Interrupting()
+
+    monkeypatch.setattr(_subprocess, "_sigint_deferred", deferred)
+    factory = functools.partial(_helpers.make_slow, 10, 0.001)
+    it = iterate_in_subprocess(factory)
+    with pytest.raises(KeyboardInterrupt):
+        iter(it)
+    monkeypatch.undo()
+    it.close()
+    assert _zombies() == []
+    assert list(it) == list(range(10))  # a new child serves the next epoch
+    it.close()
