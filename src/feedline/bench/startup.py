@@ -51,6 +51,7 @@ def run(options: BenchOptions) -> ScenarioResult:
         ("PyTorch workers=4", "torch", 4),
         ("feedline", "feedline", 0),
         ("feedline workers=2", "feedline", 2),
+        ("feedline workers=4", "feedline", 4),
     ]
     contenders = [
         Contender(name, functools.partial(first_batch, name, kind, workers))
