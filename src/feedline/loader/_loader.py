@@ -397,11 +397,11 @@ class _LoaderIter(Generic[T]):
         self._lock = threading.Lock()
         # The sampler's own state after each batch drawn, until that batch is handed out.
         self._sampler_states: dict[int, Any] = {}
-        self._slots = max(1, int(tl.num_workers))
+        slots = max(1, int(tl.num_workers))
         dataset_state = None if state is None else state["dataset_state"]
         if is_stateful(tl.dataset):
             position.dataset_states = (
-                list(dataset_state) if dataset_state is not None else [None] * self._slots
+                list(dataset_state) if dataset_state is not None else [None] * slots
             )
             if tl.num_workers == 0 and dataset_state is not None and dataset_state[0] is not None:
                 tl.dataset.load_state_dict(dataset_state[0])
