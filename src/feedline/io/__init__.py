@@ -8,6 +8,7 @@ resizes pictures straight into a slot of a batch buffer with libjpeg-turbo and O
 
 from __future__ import annotations
 
+from ._headers import MAX_IMAGE_PIXELS
 from .arrays import NpzArrays, load_npy, load_npz
 from .buffers import BufferPool
 from .images import decode_image, image_size
@@ -17,6 +18,7 @@ from .transfer import to_jax, to_numpy, to_torch, transfer
 __all__ = [
     "Audio",
     "BufferPool",
+    "MAX_IMAGE_PIXELS",
     "NpzArrays",
     "decode_audio",
     "decode_image",

@@ -39,6 +39,7 @@ import numpy as np
 
 from feedline.errors import ConfigurationError
 
+from ._headers import MAX_IMAGE_PIXELS, check_pixels, check_png_chunks, declared_size
 from .arrays import Buffer
 
 __all__ = ["decode_image", "image_size"]
@@ -309,9 +310,11 @@ def _decode_jpeg(
     out: np.ndarray[Any, Any] | None,
     antialias: bool,
     scratch: _Scratch,
+    max_pixels: int | None,
 ) -> np.ndarray[Any, Any]:
     sj, cv2 = _libs()
     height, width, _ = _jpeg_header(sj, raw)
+    check_pixels(height, width, max_pixels)
     k = _reduction(height, width, size) if size is not None and mode == "fast" else 1
     dh, dw = -(-height // k), -(-width // k)
     channels = 1 if grayscale else 3
@@ -350,6 +353,7 @@ def decode_image(
     grayscale: bool = False,
     antialias: bool = True,
     out: np.ndarray[Any, Any] | None = None,
+    max_pixels: int | None = MAX_IMAGE_PIXELS,
 ) -> np.ndarray[Any, Any]:
     """Decode an encoded image to an ``(H, W, C)`` uint8 array, resized if asked, into ``out``.
 
@@ -372,13 +376,18 @@ def decode_image(
         out: Where to write the result, e.g. ``batch[i]`` of a batch from
             :class:`~feedline.io.BufferPool`: a C-contiguous uint8 array of the result's
             shape. Nothing outside it is written.
+        max_pixels: Refuse a picture that declares more pixels than this (default: Pillow's
+            ``MAX_IMAGE_PIXELS``, about 89 million), read from its header before anything is
+            allocated; ``None`` lifts the limit. JPEG, PNG, WebP, BMP and GIF headers are
+            read; other formats rely on OpenCV's own limit (2**30 pixels).
 
     Returns:
         The image, RGB (or luma) in HWC order: ``out`` itself when given.
 
     Raises:
-        ValueError: The bytes are not a decodable image (the message says why), or ``out``
-            does not have the result's shape.
+        ValueError: The bytes are not a decodable image (the message says why), the picture
+            is larger than ``max_pixels``, a PNG chunk runs past the end of the data, or
+            ``out`` does not have the result's shape.
         ConfigurationError: ``size`` or ``mode`` is invalid.
 
     Example::
@@ -390,12 +399,21 @@ def decode_image(
     if mode not in _MODES:
         raise ConfigurationError(f"mode must be 'fast' or 'exact', got {mode!r}")
     size = _check_size(size)
+    if max_pixels is not None and (
+        isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1
+    ):
+        raise ConfigurationError(f"max_pixels must be an int >= 1 or None, got {max_pixels!r}")
     raw = _as_array(data)
     if raw.size == 0:
         raise ValueError("cannot decode an image from empty bytes")
     if raw[:3].tobytes() == _JPEG_MAGIC:
         with _SCRATCH.borrow() as scratch:
-            return _decode_jpeg(raw, size, mode, grayscale, out, antialias, scratch)
+            return _decode_jpeg(raw, size, mode, grayscale, out, antialias, scratch, max_pixels)
+    declared = declared_size(raw)
+    if declared is not None:
+        check_pixels(*declared, max_pixels)
+        if raw[:4].tobytes() == b"\x89PNG":
+            check_png_chunks(raw)
     _, cv2 = _libs()
     flags = (cv2.IMREAD_GRAYSCALE if grayscale else cv2.IMREAD_COLOR_RGB) | (
         cv2.IMREAD_IGNORE_ORIENTATION
@@ -419,8 +437,9 @@ def decode_image(
 def image_size(data: Buffer) -> tuple[int, int]:
     """Return ``(height, width)`` of an encoded image, reading only its header where possible.
 
-    Useful to allocate buffers before decoding. JPEG headers are parsed by libjpeg-turbo; other
-    formats are decoded (OpenCV has no header-only call).
+    Useful to allocate buffers before decoding. JPEG headers are parsed by libjpeg-turbo; PNG,
+    WebP, BMP and GIF headers here; other formats are decoded (OpenCV has no header-only
+    call).
 
     Raises:
         ValueError: The bytes are not a decodable image.
@@ -431,5 +450,8 @@ def image_size(data: Buffer) -> tuple[int, int]:
         sj, _ = _libs()
         height, width, _ = _jpeg_header(sj, raw)
         return height, width
+    declared = declared_size(raw)
+    if declared is not None:
+        return declared
     shape = decode_image(raw).shape
     return int(shape[0]), int(shape[1])

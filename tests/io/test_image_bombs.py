@@ -1,0 +1,132 @@
+"""Tiny files that declare huge pictures, or lie about their lengths, are refused before any
+allocation: a ValueError naming the limit, and bounded memory."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+import textwrap
+import zlib
+
+import numpy as np
+import pytest
+
+cv2 = pytest.importorskip("cv2")
+simplejpeg = pytest.importorskip("simplejpeg")
+
+from feedline.io import MAX_IMAGE_PIXELS, decode_image, image_size  # noqa: E402
+
+
+def _noise(h: int, w: int) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def jpeg_declaring(height: int, width: int) -> bytes:
+    data = bytearray(simplejpeg.encode_jpeg(_noise(16, 16), quality=80))
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5 : sof + 9] = struct.pack(">HH", height, width)
+    return bytes(data)
+
+
+def png(h: int = 64, w: int = 64) -> bytes:
+    ok, encoded = cv2.imencode(".png", _noise(h, w))
+    assert ok
+    return encoded.tobytes()
+
+
+def png_declaring(height: int, width: int) -> bytes:
+    data = bytearray(png(8, 8))
+    data[16:24] = struct.pack(">II", width, height)
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))  # a valid IHDR
+    return bytes(data)
+
+
+def png_with_flipped_length() -> bytes:
+    data = bytearray(png())
+    idat = data.index(b"IDAT") - 4
+    data[idat] ^= 0x40  # the high byte of IDAT's length: a gigabyte more than there is
+    return bytes(data)
+
+
+def webp_declaring(height: int, width: int) -> bytes:
+    payload = b"VP8X" + struct.pack("<I", 10) + b"\x00" * 4
+    payload += (width - 1).to_bytes(3, "little") + (height - 1).to_bytes(3, "little")
+    payload += b"\x00" * 4  # 34 bytes in all, like the campaign's
+    return b"RIFF" + struct.pack("<I", 4 + len(payload)) + b"WEBP" + payload
+
+
+BOMBS = {
+    "jpeg 20000x20000": lambda: jpeg_declaring(20000, 20000),
+    "jpeg 65500x65500": lambda: jpeg_declaring(65500, 65500),
+    "png 30000x30000": lambda: png_declaring(30000, 30000),
+    "webp 16384x16384": lambda: webp_declaring(16384, 16384),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BOMBS))
+def test_a_picture_over_the_pixel_limit_is_refused_naming_it(name: str) -> None:
+    data = BOMBS[name]()
+    assert len(data) < 4096
+    with pytest.raises(ValueError, match=f"limit of {MAX_IMAGE_PIXELS:,}"):
+        decode_image(data)
+    with pytest.raises(ValueError, match="max_pixels"):
+        decode_image(data, size=(224, 224))
+
+
+def test_the_limit_is_pillows_and_can_be_set_or_lifted() -> None:
+    from PIL import Image
+
+    assert MAX_IMAGE_PIXELS == Image.MAX_IMAGE_PIXELS
+    data = png(100, 100)
+    with pytest.raises(ValueError, match="limit of 5,000"):
+        decode_image(data, max_pixels=5000)
+    assert decode_image(data, max_pixels=None).shape == (100, 100, 3)
+    assert decode_image(data, max_pixels=10_000).shape == (100, 100, 3)
+    with pytest.raises(ValueError, match="max_pixels must be"):
+        decode_image(data, max_pixels=0)
+
+
+def test_a_png_chunk_longer_than_the_data_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"chunk b'IDAT'.*past the end"):
+        decode_image(png_with_flipped_length())
+
+
+def test_image_size_reads_headers_without_decoding() -> None:
+    assert image_size(png_declaring(30000, 20000)) == (30000, 20000)
+    assert image_size(webp_declaring(16384, 100)) == (16384, 100)
+    _, bmp = cv2.imencode(".bmp", _noise(7, 9))
+    assert image_size(bmp.tobytes()) == (7, 9)
+
+
+def test_every_bomb_costs_little_memory() -> None:
+    # In a fresh process: the peak resident size, after a normal decode warmed everything up,
+    # grows by less than 300 MB over all the bombs (it grew by up to 12 GB before the limit).
+    script = textwrap.dedent(
+        f"""
+        import resource, sys
+        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
+        import test_image_bombs as t
+        from feedline.io import decode_image
+        decode_image(t.png(256, 256), size=(224, 224))
+        decode_image(t.jpeg_declaring(16, 16), size=(8, 8))
+        bombs = [make() for make in t.BOMBS.values()] + [t.png_with_flipped_length()]
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        for data in bombs:
+            for size in (None, (224, 224)):
+                try:
+                    decode_image(data, size=size)
+                except ValueError:
+                    pass
+                else:
+                    raise SystemExit("decoded a bomb")
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        print(grown)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    grown_kib = int(done.stdout.split()[-1])
+    assert grown_kib < 300 * 1024, f"peak memory grew by {grown_kib / 1024:.0f} MiB"
