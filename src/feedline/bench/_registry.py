@@ -37,6 +37,7 @@ SCENARIOS: dict[str, str] = {
     "latency": "DataLoader over reads that wait on a slow server, against PyTorch's",
     "memory": "peak memory (PSS) of a DataLoader over 2 million file paths",
     "startup": "time to the first batch, against PyTorch's DataLoader with workers",
+    "verify": "checking object bodies (MD5, CRC-32) per GiB, against copying them",
 }
 """Scenario name -> one line on what it measures. The module of the same name runs it."""
 

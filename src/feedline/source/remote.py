@@ -19,6 +19,7 @@ from typing import Any
 from feedline.errors import ConfigurationError, RemoteNotFoundError, RemoteReadError
 from feedline.loader.paths import PathList
 
+from ._verify import Verifier
 from .cache import ObjectCache
 
 __all__ = ["RemoteStats", "RemoteStore"]
@@ -42,6 +43,9 @@ class RemoteStats:
         joined: Whole-object reads that found the same key already being read and waited
             for that read's result (its bytes, or its error) instead of sending another
             request (not in ``reads`` nor ``failures``).
+        verified: Bodies whose checksum (the ETag's MD5) was computed and matched.
+        mismatches: Bodies that failed a check (length or checksum) and were thrown away;
+            each was read again, up to ``retries`` times.
 
     """
 
@@ -51,6 +55,8 @@ class RemoteStats:
     in_flight: int
     cache_hits: int = 0
     joined: int = 0
+    verified: int = 0
+    mismatches: int = 0
 
 
 class _Flight:
@@ -129,6 +135,12 @@ class RemoteStore:
         backoff: Seconds before the first retry; each later one waits up to twice as long
             (with random jitter), up to ``max_backoff``.
         max_backoff: The longest wait between two attempts (at least ``backoff``).
+        verify: Check each whole object's bytes before they are returned or cached: the
+            length against the size the response declares, and on ``s3://`` stores the MD5
+            against a single-part object's ETag (see ``_verify.py``). A body that fails is
+            read again (up to ``retries`` times), then the read raises
+            :class:`~feedline.RemoteReadError`. ``False`` turns the checks off (objects
+            encrypted with SSE-KMS or SSE-C have ETags that are not MD5s).
         cache: Keep what whole-object reads return, and answer later reads of the same key
             from it (:class:`~feedline.source.ObjectCache`: memory and local disk within
             byte budgets). Reads of a byte range bypass it. With or without a cache, a
@@ -161,6 +173,7 @@ class RemoteStore:
         backoff: float = 0.1,
         max_backoff: float = 5.0,
         cache: ObjectCache | None = None,
+        verify: bool = True,
         **options: Any,
     ) -> None:
         if not isinstance(url, str) or "://" not in url:
@@ -200,6 +213,7 @@ class RemoteStore:
             "backoff": backoff,
             "max_backoff": max_backoff,
             "cache": cache,
+            "verify": verify,
             **options,
         }
         self._ob = _obstore()
@@ -235,7 +249,12 @@ class RemoteStore:
                 f"{str(error)[:_MESSAGE_CHARS]}. Check the URL's scheme and the options "
                 "passed on to obstore.store.from_url"
             ) from error
+        if not isinstance(verify, bool):
+            raise ConfigurationError(f"RemoteStore(verify=...) must be a bool, got {verify!r}")
         self.cache = cache
+        self._verifier = Verifier(url, verify)
+        self._verified = 0
+        self._mismatches = 0
         self._cache_hits = 0
         self._max_in_flight = max_in_flight
         self._lock = threading.Lock()
@@ -338,17 +357,30 @@ class RemoteStore:
         return view
 
     async def _fetch(self, key: str, options: Any) -> memoryview:
-        async with self._loop_limit():
-            self._begin()
-            view = None
-            try:
-                result = await self._ob.get_async(self._store, key, options=options)
-                view = memoryview(await result.bytes_async())
-            except Exception as error:
-                raise self._failed(key, error) from error
-            finally:  # also when cancelled (a pipeline that stops cancels its reads)
-                self._end(view)
-        return view
+        attempt = 0
+        while True:
+            async with self._loop_limit():
+                self._begin()
+                view = None
+                try:
+                    result = await self._ob.get_async(self._store, key, options=options)
+                    view = memoryview(await result.bytes_async())
+                except Exception as error:
+                    raise self._failed(key, error) from error
+                finally:  # also when cancelled (a pipeline that stops cancels its reads)
+                    self._end(view)
+            if options is not None or not self._verifier.enabled:
+                return view
+            if view.nbytes > _INLINE_FILE_BYTES:  # hashing releases the GIL: off the loop
+                loop = asyncio.get_running_loop()
+                checked = await loop.run_in_executor(
+                    None, self._verifier.problem, view, result.meta
+                )
+            else:
+                checked = self._verifier.problem(view, result.meta)
+            if self._checked(key, checked, attempt):
+                return view
+            attempt += 1
 
     def read_sync(
         self, key: str, *, start: int | None = None, end: int | None = None
@@ -411,16 +443,46 @@ class RemoteStore:
                         del self._thread_flights[key]
 
     def _fetch_sync(self, key: str, options: Any) -> memoryview:
-        with self._thread_limit:
-            self._begin()
-            view = None
-            try:
-                view = memoryview(self._ob.get(self._store, key, options=options).bytes())
-            except Exception as error:
-                raise self._failed(key, error) from error
-            finally:
-                self._end(view)
-        return view
+        attempt = 0
+        while True:
+            with self._thread_limit:
+                self._begin()
+                view = None
+                try:
+                    result = self._ob.get(self._store, key, options=options)
+                    view = memoryview(result.bytes())
+                except Exception as error:
+                    raise self._failed(key, error) from error
+                finally:
+                    self._end(view)
+            if options is not None or not self._verifier.enabled:
+                return view
+            if self._checked(key, self._verifier.problem(view, result.meta), attempt):
+                return view
+            attempt += 1
+
+    def _checked(self, key: str, checked: tuple[str | None, bool], attempt: int) -> bool:
+        """Count a verification; ``False``: read again; raises once the retries are spent."""
+        problem, hashed = checked
+        with self._lock:
+            if problem is None:
+                self._verified += hashed
+            else:
+                self._mismatches += 1
+        if problem is None:
+            return True
+        if attempt < self.retries:
+            return False
+        with self._lock:
+            self._failures += 1
+        raise RemoteReadError(
+            self.url,
+            key,
+            f"reading {key!r} from {self.url} returned damaged bytes {attempt + 1} time(s) "
+            f"({problem}); nothing was returned or cached. A proxy or the network corrupts "
+            "bodies, or, if the object is encrypted with SSE-KMS or SSE-C (its ETag is not an "
+            "MD5), read it with RemoteStore(..., verify=False)",
+        )
 
     def keys(self, prefix: str = "", *, suffix: str | tuple[str, ...] = ()) -> PathList:
         """List the keys under the store's URL, sorted, as a compact :class:`PathList`.
@@ -467,6 +529,8 @@ class RemoteStore:
                 self._in_flight,
                 self._cache_hits,
                 self._joined,
+                self._verified,
+                self._mismatches,
             )
 
     # -- internals -----------------------------------------------------------------------------

@@ -1,0 +1,151 @@
+"""No damaged body is returned or cached: moto's S3 server behind a proxy that damages bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import http.client
+import random
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any, ClassVar
+from urllib.parse import urlsplit
+
+import pytest
+
+from feedline import PipelineBuilder, RemoteReadError, RemoteStore
+from feedline.source import ObjectCache
+
+from ._http import Handler, serving
+from ._s3 import BUCKET, CREDENTIALS, _body
+
+pytest.importorskip("obstore")
+pytest.importorskip("moto.server")
+
+FAULTS = ("flip", "short", "etag")
+
+
+class _Damaging(Handler):
+    """Forwards GETs to the S3 server and damages a share of the answers, or all of a key's."""
+
+    upstream: ClassVar[str] = ""
+    share: ClassVar[float] = 0.0
+    always: ClassVar[dict[str, str]] = {}  # key -> fault applied to every answer for it
+    rng: ClassVar[random.Random] = random.Random(0)
+    lock: ClassVar[threading.Lock] = threading.Lock()
+    done: ClassVar[Counter[str]] = Counter()
+
+    def do_GET(self) -> None:
+        host = urlsplit(self.upstream)
+        conn = http.client.HTTPConnection(host.hostname, host.port, timeout=30)
+        headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+        conn.request("GET", self.path, headers=headers)
+        response = conn.getresponse()
+        body = response.read()
+        conn.close()
+        keep = ("ETag", "Last-Modified", "Content-Type", "Content-Range", "Accept-Ranges")
+        out = {k: response.headers[k] for k in keep if response.headers.get(k)}
+        key = self.path.rsplit("/", 1)[-1]
+        with self.lock:
+            fault = self.always.get(key)
+            if fault is None and response.status == 200 and self.rng.random() < self.share:
+                fault = self.rng.choice(FAULTS)
+            cut = self.rng.randrange(1, 100)
+            spot = self.rng.randrange(len(body)) if body else 0
+            self.done[fault or "none"] += 1
+        if fault == "flip" and body:  # the right length, one byte wrong
+            body = body[:spot] + bytes([body[spot] ^ 0x5A]) + body[spot + 1 :]
+        elif fault == "short":  # a consistent, shorter Content-Length
+            body = body[: max(0, len(body) - cut)]
+        elif fault == "etag":  # the right bytes, a checksum that does not match them
+            out["ETag"] = '"' + hashlib.md5(body + b"x").hexdigest() + '"'
+        elif fault == "multipart":  # an ETag that is no MD5: nothing to check against
+            out["ETag"] = '"0123456789abcdef0123456789abcdef-2"'
+        self.reply(response.status, body, out)
+
+
+@pytest.fixture
+def proxy(s3: str) -> Iterator[str]:
+    _Damaging.upstream = s3
+    _Damaging.share = 0.0
+    _Damaging.always = {}
+    _Damaging.rng = random.Random(0)
+    _Damaging.done = Counter()
+    with serving(_Damaging) as url:
+        yield url
+
+
+def _store(endpoint: str, **kw: Any) -> RemoteStore:
+    return RemoteStore(f"s3://{BUCKET}/data", endpoint=endpoint, backoff=0.01, **CREDENTIALS, **kw)
+
+
+def test_thousands_of_reads_through_a_damaging_proxy_return_no_damaged_byte(proxy: str) -> None:
+    _Damaging.share = 0.4
+    store = _store(proxy, retries=8)
+    keys = [str(i % 40) for i in range(2000)]
+
+    async def fetch(key: str) -> tuple[str, bytes]:
+        return key, bytes(await store.read(key))
+
+    pipeline = (
+        PipelineBuilder()
+        .add_source(keys)
+        .pipe(fetch, concurrency=32)
+        .add_sink(64)
+        .build(max_failures=None)  # a read damaged 9 times in a row is skipped, not returned
+    )
+    got = list(pipeline)
+    assert len(got) >= 1990  # 0.4 ** 9: about one read in 4,000 stays damaged and raises
+    expected = {str(i): _body(i) for i in range(40)}
+    assert [key for key, body in got if body != expected[key]] == []
+    stats = store.stats()
+    damaged = sum(_Damaging.done[f] for f in FAULTS)
+    assert damaged > 500
+    assert stats.mismatches == damaged
+    assert stats.verified + stats.joined == len(got)  # a joined read shares a verified one
+
+
+def test_every_read_checks_against_its_own_key(proxy: str) -> None:
+    _Damaging.share = 0.4
+    store = _store(proxy, retries=8)
+    for i in range(40):
+        assert bytes(store.read_sync(str(i))) == _body(i)
+    assert store.stats().mismatches > 0
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_body_damaged_every_time_raises_and_is_never_cached(proxy: str, fault: str) -> None:
+    _Damaging.always = {"3": fault}
+    cache = ObjectCache(memory_bytes=1 << 20)
+    store = _store(proxy, retries=2, cache=cache)
+    with pytest.raises(RemoteReadError, match=r"'3'.*damaged bytes 3 time\(s\)") as info:
+        store.read_sync("3")
+    assert info.value.key == "3"
+    with pytest.raises(RemoteReadError, match="damaged"):
+        asyncio.run(store.read("3"))
+    assert cache.peek("3") is None
+    _Damaging.always = {}  # the network heals: the next read is good, and cached
+    assert bytes(store.read_sync("3")) == _body(3)
+    assert cache.peek("3") == _body(3)
+
+
+def test_without_verification_a_damaged_body_gets_through(proxy: str) -> None:
+    # What the checks stop: the transfer itself notices nothing.
+    _Damaging.always = {"5": "flip"}
+    store = _store(proxy, verify=False)
+    assert bytes(store.read_sync("5")) != _body(5)
+    assert store.stats().verified == 0
+
+
+def test_an_etag_that_is_no_md5_is_not_checked(proxy: str) -> None:
+    _Damaging.always = {"6": "multipart"}
+    store = _store(proxy)
+    assert bytes(store.read_sync("6")) == _body(6)
+    stats = store.stats()
+    assert (stats.verified, stats.mismatches) == (0, 0)
+
+
+def test_verify_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match="verify"):
+        RemoteStore("memory:///", verify="yes")  # type: ignore[arg-type]
