@@ -6,6 +6,7 @@ See ``README.md`` in this folder for how the parts fit together.
 from __future__ import annotations
 
 from ._builder import PipelineBuilder
+from ._lifetime import die_with_parent
 from ._pipeline import Pipeline
 from ._queue import ChannelStats
 from ._subprocess import SubprocessIterable, iterate_in_subprocess, run_pipeline_in_subprocess
@@ -18,6 +19,7 @@ __all__ = [
     "PipelineStats",
     "StageStats",
     "SubprocessIterable",
+    "die_with_parent",
     "iterate_in_subprocess",
     "run_pipeline_in_subprocess",
 ]

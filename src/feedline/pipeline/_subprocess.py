@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import multiprocessing as mp
-import os
 import pickle
 import queue
 import signal
@@ -29,7 +28,6 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from multiprocessing.connection import wait as wait_for
 from typing import Any, Generic, TypeVar
 
 from feedline.errors import (
@@ -41,6 +39,7 @@ from feedline.errors import (
 )
 
 from ._builder import PipelineBuilder
+from ._lifetime import die_with_parent
 from ._shm import SHM_AVAILABLE, SegmentNames, pack, release, remove_prefixed, unpack
 
 __all__ = ["SubprocessIterable", "iterate_in_subprocess", "run_pipeline_in_subprocess"]
@@ -50,18 +49,6 @@ T = TypeVar("T")
 _POLL = 0.2  # seconds between liveness checks while waiting
 _DEFAULT_SHM_MIN = 64 * 1024
 _STARTUP_SECONDS = 120.0  # the least a child gets to start and make its iterable
-
-
-def _watch_parent() -> None:
-    parent = mp.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        wait_for([parent.sentinel])
-        os._exit(3)  # the parent is gone: nobody will read what we produce
-
-    threading.Thread(target=watch, name="feedline-parent-watch", daemon=True).start()
 
 
 def _error_message(error: BaseException) -> tuple[BaseException | None, str]:
@@ -96,7 +83,7 @@ def _child_main(
     # Ctrl-C reaches the whole process group; the parent decides what happens to this child
     # (it ends it at once), so an interrupt here would only garble a message mid-send.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _watch_parent()
+    die_with_parent()
     names = SegmentNames(shm_prefix)
     try:
         iterable = factory()

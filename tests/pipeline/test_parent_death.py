@@ -1,0 +1,79 @@
+"""Process-pool workers, the fork server and the resource tracker end with a killed parent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+_PARENT = textwrap.dedent(
+    """
+    import multiprocessing as mp, os, sys, time
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import forkserver, resource_tracker
+    import feedline.pipeline
+
+    if __name__ == "__main__":
+        method = sys.argv[1]
+        init = feedline.pipeline.die_with_parent if sys.argv[2] == "yes" else None
+        pool = ProcessPoolExecutor(2, mp_context=mp.get_context(method), initializer=init)
+        workers = [pool.submit(os.getpid).result() for _ in range(4)]
+        helpers = [resource_tracker._resource_tracker._pid]
+        if method == "forkserver":
+            helpers.append(forkserver._forkserver._forkserver_pid)
+        print(" ".join(str(p) for p in set(workers) | set(h for h in helpers if h)), flush=True)
+        time.sleep(60)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _kill_parent_and_watch(method: str, initializer: str) -> list[int]:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, method, initializer],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert parent.stdout is not None
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert pids
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return [p for p in pids if _alive(p)]
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_pool_workers_made_with_die_with_parent_end_with_the_parent(method: str) -> None:
+    left = _kill_parent_and_watch(method, "yes")
+    for pid in left:  # clean up before failing
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
+
+
+def test_without_it_the_workers_outlive_the_parent() -> None:
+    # What the initializer is for: this is how Python's own pools behave.
+    left = _kill_parent_and_watch("spawn", "no")
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left != []
