@@ -169,7 +169,7 @@ def test_num_frames_one_and_more_than_the_clip(mp4: bytes) -> None:
 def test_num_frames_when_the_container_overstates_its_count(
     mp4: bytes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(media, "_count_frames", lambda data: 100)
+    monkeypatch.setattr(media, "_count_frames", lambda data, max_pixels: 100)
     frames = decode_video_frames(mp4, num_frames=3)
     np.testing.assert_array_equal(frames, reference(mp4)[[0, 20, 39]])
 

@@ -12,12 +12,13 @@ from ._headers import MAX_IMAGE_PIXELS
 from .arrays import NpzArrays, load_npy, load_npz
 from .buffers import BufferPool
 from .images import decode_image, image_size
-from .media import Audio, decode_audio, decode_video_frames
+from .media import MAX_AUDIO_SAMPLES, Audio, decode_audio, decode_video_frames
 from .transfer import to_jax, to_numpy, to_torch, transfer
 
 __all__ = [
     "Audio",
     "BufferPool",
+    "MAX_AUDIO_SAMPLES",
     "MAX_IMAGE_PIXELS",
     "NpzArrays",
     "decode_audio",

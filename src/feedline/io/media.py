@@ -31,12 +31,19 @@ from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import numpy as np
 
+from ._headers import MAX_IMAGE_PIXELS, check_pixels
+
 if TYPE_CHECKING:
     from av.audio.stream import AudioStream
     from av.container import InputContainer
     from av.video.stream import VideoStream
 
-__all__ = ["Audio", "decode_audio", "decode_video_frames"]
+__all__ = ["MAX_AUDIO_SAMPLES", "Audio", "decode_audio", "decode_video_frames"]
+
+MAX_AUDIO_SAMPLES = 1 << 27
+"""The default limit on the samples (all channels together) ``decode_audio`` returns: 512 MiB
+of float32, about 70 minutes of 16 kHz stereo. A file of a few kilobytes that declares a
+sample rate of 1 Hz, resampled to 48 kHz, would otherwise decode to gigabytes."""
 
 MediaBytes = bytes | bytearray | memoryview
 
@@ -128,11 +135,27 @@ def _check_out(out: np.ndarray[Any, Any], n: int, size: tuple[int, int] | None) 
         raise ValueError("out is read-only; pass a writable array")
 
 
+def _check_stream(stream: Any, max_pixels: int | None) -> None:
+    # A damaged header can leave a stream without a codec context (found by fuzzing).
+    context = stream.codec_context
+    if context is None:
+        raise ValueError("the video stream has no decoder settings: the file is corrupt")
+    _check_frame(context.width, context.height, max_pixels)
+
+
+def _check_frame(width: int, height: int, max_pixels: int | None) -> None:
+    try:
+        check_pixels(height, width, max_pixels)
+    except ValueError as error:
+        raise ValueError(f"video frames: {error}") from None
+
+
 def _decode(
     data: MediaBytes,
     indices: list[int],
     size: tuple[int, int] | None,
     out: np.ndarray[Any, Any] | None,
+    max_pixels: int | None,
 ) -> tuple[np.ndarray[Any, Any] | None, int]:
     """Decode up to the last wanted frame; (frames, frames seen), frames None if it ran out."""
     slots: dict[int, list[int]] = {}
@@ -143,9 +166,11 @@ def _decode(
     seen = 0
     with _open(data, "video") as container:
         stream: VideoStream = _first_stream(container, "video")
+        _check_stream(stream, max_pixels)
         for frame in container.decode(stream):
             wanted = slots.get(seen)
             if wanted is not None:
+                _check_frame(frame.width, frame.height, max_pixels)
                 # to_ndarray views the converted frame's memory; the assignment copies it.
                 if size is None:
                     rgb = frame.to_ndarray(format="rgb24")
@@ -167,9 +192,10 @@ def _decode(
     return None, seen
 
 
-def _count_frames(data: MediaBytes) -> int:
+def _count_frames(data: MediaBytes, max_pixels: int | None) -> int:
     with _open(data, "video") as container:
         stream: VideoStream = _first_stream(container, "video")
+        _check_stream(stream, max_pixels)
         if stream.frames > 0:
             return stream.frames
         return sum(1 for _ in container.decode(stream))
@@ -186,6 +212,7 @@ def decode_video_frames(
     num_frames: int | None = None,
     size: tuple[int, int] | None = None,
     out: np.ndarray[Any, Any] | None = None,
+    max_pixels: int | None = MAX_IMAGE_PIXELS,
 ) -> np.ndarray[Any, np.dtype[np.uint8]]:
     """Decode chosen frames of a video file (mp4, webm, mkv, ...) to RGB.
 
@@ -210,6 +237,9 @@ def decode_video_frames(
         out: A uint8 array of shape ``(N, H, W, 3)`` to write the frames into (e.g.
             ``batch[i]`` of a :class:`~feedline.io.BufferPool` batch), where N is the number
             of frames asked for. On an error it may be partly written.
+        max_pixels: Refuse a video whose frames have more pixels than this (default:
+            :data:`~feedline.io.MAX_IMAGE_PIXELS`, as for pictures), checked from the
+            stream's header before decoding and on each frame converted; ``None`` lifts it.
 
     Returns:
         uint8 RGB frames of shape ``(N, H, W, 3)``: ``out`` itself when given.
@@ -255,7 +285,7 @@ def decode_video_frames(
         _check_out(out, n, target_size)
 
     if indices is not None:
-        frames, seen = _decode(data, wanted, target_size, out)
+        frames, seen = _decode(data, wanted, target_size, out, max_pixels)
         if seen == 0:
             raise ValueError(_NO_FRAMES)
         if frames is None:
@@ -265,18 +295,40 @@ def decode_video_frames(
             )
         return frames
 
-    count = _count_frames(data)
+    count = _count_frames(data, max_pixels)
     for _ in range(2):  # a second try only if the container overstated its frame count
         if count == 0:
             raise ValueError(_NO_FRAMES)
-        frames, seen = _decode(data, _spread(count, n), target_size, out)
+        frames, seen = _decode(data, _spread(count, n), target_size, out, max_pixels)
         if frames is not None:
             return frames
         count = seen
     raise ValueError("the video stream yields a different number of frames on each decode")
 
 
-def decode_audio(data: MediaBytes, *, sample_rate: int | None = None, mono: bool = False) -> Audio:
+def _planes(frame: Any) -> np.ndarray[Any, Any]:
+    """An interleaved float frame as ``(channels, samples)``."""
+    channels = max(frame.layout.nb_channels, 1)
+    return frame.to_ndarray().reshape(-1, channels).T  # type: ignore[no-any-return]
+
+
+def _check_samples(samples: float, max_samples: int | None) -> None:
+    if max_samples is not None and samples > max_samples:
+        raise ValueError(
+            f"the audio would decode to about {samples:,.0f} samples (all channels), more "
+            f"than the limit of {max_samples:,} (max_samples=): an absurd declared duration "
+            "or sample rate, or a very long file. Pass a larger max_samples, or None, to "
+            "decode it anyway"
+        )
+
+
+def decode_audio(
+    data: MediaBytes,
+    *,
+    sample_rate: int | None = None,
+    mono: bool = False,
+    max_samples: int | None = MAX_AUDIO_SAMPLES,
+) -> Audio:
     """Decode the first audio stream of a file (wav, flac, mp3, m4a, ogg, a video...).
 
     Samples are converted to float32 and resampled by libswresample when ``sample_rate``
@@ -292,6 +344,11 @@ def decode_audio(data: MediaBytes, *, sample_rate: int | None = None, mono: bool
             present in every channel keeps its amplitude. Every channel weighs the same
             (a surround file's LFE too); FFmpeg's own downmix would scale stereo by 1/sqrt(2)
             per channel, raising such a signal by 3 dB.
+        max_samples: Refuse to return more samples than this, all channels together
+            (default :data:`MAX_AUDIO_SAMPLES`, 512 MiB of float32); checked from the
+            stream's declared duration before decoding, and before each frame is resampled,
+            so a tiny file that declares an absurd duration or sample rate costs nothing.
+            ``None`` lifts it.
 
     Returns:
         :class:`Audio` with ``samples`` of shape ``(channels, samples)`` (one row per channel;
@@ -299,7 +356,8 @@ def decode_audio(data: MediaBytes, *, sample_rate: int | None = None, mono: bool
 
     Raises:
         ValueError: If ``sample_rate`` is not a positive int, the data has no audio stream,
-            or FFmpeg cannot read it (not a media file, truncated, corrupt).
+            FFmpeg cannot read it (not a media file, truncated, corrupt), or it would decode
+            to more than ``max_samples`` samples.
         TypeError: If ``data`` is not bytes-like.
         ImportError: If PyAV is not installed.
 
@@ -314,27 +372,42 @@ def decode_audio(data: MediaBytes, *, sample_rate: int | None = None, mono: bool
         isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or sample_rate < 1
     ):
         raise ValueError(f"sample_rate must be a positive int (Hz) or None, got {sample_rate!r}")
+    if max_samples is not None and (
+        isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1
+    ):
+        raise ValueError(f"max_samples must be an int >= 1 or None, got {max_samples!r}")
     chunks: list[np.ndarray[Any, Any]] = []
+    total = 0.0  # samples (all channels) returned so far, and about to be
     rate = sample_rate or 0
     with _open(data, "audio") as container:
         import av  # _open has checked that it is installed
 
         stream: AudioStream = _first_stream(container, "audio")
+        if stream.codec_context is None:
+            raise ValueError("the audio stream has no decoder settings: the file is corrupt")
         channels = max(stream.codec_context.layout.nb_channels, 1)
+        if stream.duration and stream.time_base and stream.rate:
+            seconds = float(stream.duration * stream.time_base)
+            _check_samples(seconds * (sample_rate or stream.rate) * channels, max_samples)
         resampler = av.AudioResampler()  # replaced at the first frame
         layout: Any = None
         source: tuple[str, str, int] | None = None
         for frame in container.decode(stream):
             this = (frame.format.name, frame.layout.name, frame.sample_rate)
             if this != source:  # the first frame, or the stream changed midway
-                chunks.extend(f.to_ndarray() for f in resampler.resample(None))
+                chunks.extend(_planes(f) for f in resampler.resample(None))
                 if source is None:
                     rate = rate or frame.sample_rate
                     layout = frame.layout
                 source = this
-                resampler = av.AudioResampler(format="fltp", layout=layout, rate=rate)
-            chunks.extend(f.to_ndarray() for f in resampler.resample(frame))
-        chunks.extend(f.to_ndarray() for f in resampler.resample(None))  # flush
+                # Interleaved ("flt"), not planar: PyAV reads at most 8 planes of a frame, and
+                # a planar frame of more channels (a corrupt header says 64) crashed it.
+                resampler = av.AudioResampler(format="flt", layout=layout, rate=rate)
+            # Before resampling: a frame at 1 Hz resampled to 48 kHz grows 48,000-fold.
+            total += frame.samples * rate / max(frame.sample_rate, 1) * layout.nb_channels
+            _check_samples(total, max_samples)
+            chunks.extend(_planes(f) for f in resampler.resample(frame))
+        chunks.extend(_planes(f) for f in resampler.resample(None))  # flush
         rate = rate or stream.rate or 0
     if rate < 1:
         raise ValueError("the audio stream declares no sample rate; it cannot be decoded")
