@@ -159,3 +159,52 @@ def test_ctrl_c_while_the_child_is_started_leaves_no_zombie(
     assert _zombies() == []
     assert list(it) == list(range(10))  # a new child serves the next epoch
     it.close()
+
+
+_GROUP_PARENT = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from feedline import run_pipeline_in_subprocess
+from pipeline import _helpers
+
+if __name__ == "__main__":
+    it = run_pipeline_in_subprocess(_helpers.slow_array_builder(50), num_threads=2)
+    try:
+        for i, _ in enumerate(it):
+            if i == 2:
+                print(it.pid, flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        raise
+"""
+
+
+def test_ctrl_c_to_the_process_group_leaves_no_segment_and_no_process() -> None:
+    # A terminal's Ctrl-C: SIGINT to the parent and its child at once, mid-epoch, while
+    # arrays are in flight through shared memory.
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).parent.parent)
+    before = _segments()
+    for _ in range(3):
+        parent = subprocess.Popen(
+            [sys.executable, "-c", _GROUP_PARENT.format(tests=tests)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        time.sleep(0.3)  # arrays waiting in the queue
+        os.killpg(parent.pid, signal.SIGINT)
+        assert parent.stdout.readline().strip() == "interrupted"
+        assert parent.wait(20) != 0
+        deadline = time.monotonic() + 5
+        while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{child}")
+    assert _segments() - before == set()
