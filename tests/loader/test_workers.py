@@ -130,3 +130,20 @@ def test_a_dataset_that_cannot_be_pickled_is_named_with_a_fix() -> None:
         list(loader)
     _no_children_left()
     assert [b.tolist() for b in DataLoader(_HoldsALambda(), batch_size=2)] == [[0, 2], [4, 6]]
+
+
+@pytest.mark.parametrize("cls", [TorchLoader, DataLoader])
+def test_out_of_order_lets_the_other_workers_batches_overtake_a_slow_one(cls: Any) -> None:
+    loader = cls(
+        Sleepy(8, {0: 3.0}),
+        batch_size=1,
+        num_workers=2,
+        in_order=False,
+        multiprocessing_context="forkserver",
+    )
+    order = [b.item() for b in loader]
+    assert sorted(order) == list(range(8))
+    # Worker 1's batches (1, 3, 5, 7) do not wait behind worker 0's slow first batch.
+    assert order.index(0) > order.index(1)
+    assert order.index(0) > order.index(3)
+    _no_children_left()

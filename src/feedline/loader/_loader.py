@@ -42,7 +42,7 @@ _SKIP = object()
 # PyTorch's DataLoader refuses to have these set after construction (ValueError); the others
 # may change between epochs. Changing one of _WORKER_SETTINGS restarts the worker processes.
 _WORKER_SETTINGS = frozenset(
-    {"num_workers", "worker_init_fn", "multiprocessing_context", "timeout"}
+    {"num_workers", "worker_init_fn", "multiprocessing_context", "timeout", "in_order"}
 )
 
 
@@ -281,6 +281,7 @@ class DataLoader(Generic[T]):
                 mp_context=self.mp_context,
                 timeout=loader.timeout or None,
                 persistent=bool(loader.persistent_workers),
+                in_order=bool(loader.in_order),
             )
             self._finalizer.detach()
             holder: list[WorkerSet | None] = [self._workers]

@@ -15,13 +15,14 @@ import pickle
 import random
 import time
 from collections.abc import Callable, Iterator
+from multiprocessing.connection import wait as wait_for
 from typing import Any
 
 import numpy as np
 
 from feedline.errors import ConfigurationError
 from feedline.pipeline import PipelineBuilder, SubprocessIterable
-from feedline.pipeline._subprocess import _CLOSE_GRACE, _DEFAULT_SHM_MIN, _Abandoned
+from feedline.pipeline._subprocess import _CLOSE_GRACE, _DEFAULT_SHM_MIN, _POLL, _Abandoned
 
 from ._fetch import BatchFetcher, Task
 from ._state import is_stateful
@@ -204,6 +205,8 @@ class WorkerSet:
         timeout: Seconds to wait for a batch (None: no limit).
         persistent: The workers serve several epochs: an epoch left early lets each finish
             its current batch and keeps it, instead of ending it at once.
+        in_order: ``False`` yields each worker's batches as they come, so a slow batch holds
+            up only its own worker.
 
     """
 
@@ -218,10 +221,12 @@ class WorkerSet:
         mp_context: str,
         timeout: float | None,
         persistent: bool = False,
+        in_order: bool = True,
     ) -> None:
         import multiprocessing as mp
 
         self._persistent = persistent
+        self._in_order = in_order
         self._dataset = dataset
         self._init = worker_init_fn
         ctx = mp.get_context(mp_context)
@@ -283,12 +288,15 @@ class WorkerSet:
                     if "pickle" not in str(error):
                         raise
                     raise _not_picklable(self._dataset, self._init, error) from error
-            for i in range(total):
-                try:
-                    number, items, snapshot = next(iterators[i % count])
-                except _Abandoned:
-                    return  # the pipeline stopped meanwhile: settled below
-                yield number, items, None if snapshot is None else (i % count, snapshot[1])
+            try:
+                if self._in_order:
+                    for i in range(total):
+                        number, items, snapshot = next(iterators[i % count])
+                        yield number, items, None if snapshot is None else (i % count, snapshot[1])
+                else:
+                    yield from self._as_they_come(iterators, total, stopping)
+            except _Abandoned:
+                return  # the pipeline stopped meanwhile: settled below
             for it in iterators:  # let each child end its pass
                 for _ in it:
                     pass
@@ -305,6 +313,30 @@ class WorkerSet:
                     w.settle(deadline)
             for it in iterators:
                 it.close()  # type: ignore[attr-defined]
+
+    def _as_they_come(
+        self,
+        iterators: list[Iterator[tuple[int, list[Any], Any]]],
+        total: int,
+        stopping: Callable[[], bool] | None,
+    ) -> Iterator[tuple[int, list[Any], Any]]:
+        # in_order=False: take each worker's next batch as soon as it is there, so that a
+        # slow batch holds up only the worker fetching it (as in PyTorch).
+        count = len(self._workers)
+        left = {w: len(range(w, total, count)) for w in range(count) if w < total}
+        for w in left:
+            self._workers[w].wait_ready(stopping)
+        while left:
+            handles = {h: w for w in left for h in self._workers[w].wait_handles()}
+            ready = wait_for(list(handles), timeout=_POLL)
+            if stopping is not None and stopping():
+                raise _Abandoned
+            for w in {handles[h] for h in ready}:
+                number, items, snapshot = next(iterators[w])  # raises if the worker died
+                yield number, items, None if snapshot is None else (w, snapshot[1])
+                left[w] -= 1
+                if left[w] == 0:
+                    del left[w]
 
     def close(self) -> None:
         """Stop every worker process, all at once (about a second at most). Idempotent."""

@@ -284,10 +284,12 @@ class SubprocessIterable(Generic[T]):
                     timeout=_POLL if timeout is None else max(1e-3, min(_POLL, timeout - waited))
                 )
                 return message
-            except queue.Empty:
+            except (queue.Empty, EOFError, OSError) as error:
                 if stopping is not None and stopping():
                     raise _Abandoned from None
                 process = self._child.process
+                if process is not None and not isinstance(error, queue.Empty):
+                    process.join(1.0)  # the pipe broke: the child is gone or going
                 if process is None or process.exitcode is not None:
                     pid = None if process is None else process.pid
                     code = None if process is None else process.exitcode
@@ -388,6 +390,23 @@ class SubprocessIterable(Generic[T]):
             self._iterating = False
             if not finished and not self._settled and self._child.process is not None:
                 self.settle(time.monotonic() + _DRAIN_SECONDS if graceful else 0.0)
+
+    def wait_handles(self) -> list[Any]:
+        """What ``multiprocessing.connection.wait`` can wait on for this child's next message.
+
+        The data queue's reading end (readable once a message, or the child's end of the
+        pipe, is there) and the process's sentinel (ready when it exits). Empty before the
+        child starts. Used to take items from several children in the order they come.
+        """
+        process = self._child.process
+        if process is None or self._data_q is None:
+            return []
+        # The queue's reading connection: multiprocessing.Queue has no public accessor.
+        return [self._data_q._reader, process.sentinel]
+
+    def wait_ready(self, stopping: Callable[[], bool] | None = None) -> None:
+        """Wait until the child has made its iterable (once per child)."""
+        self._await_ready(stopping)
 
     def request_stop(self) -> None:
         """Ask the child to stop its epoch after its current item (see :meth:`settle`)."""
