@@ -281,3 +281,22 @@ def test_process_pool_failures_are_counted_and_budgeted() -> None:
         with pytest.raises(PipelineFailure, match="stage 'remote'") as info:
             list(p)
         assert isinstance(info.value.last_error, ValueError)
+
+
+def test_an_op_returning_none_passes_none_on_and_a_generator_drops_items() -> None:
+    # Deliberately unlike SPDL, which drops None results: None is a value here.
+    def none_on_threes(x: int) -> int | None:
+        return None if x % 3 == 0 else x
+
+    async def none_on_odds(x: int) -> int | None:
+        return None if x % 2 else x
+
+    def keep_even(x: int) -> Any:
+        if x % 2 == 0:
+            yield x
+
+    p = PipelineBuilder().add_source(range(6)).pipe(none_on_threes, output_order="input")
+    assert list(p.build()) == [None, 1, 2, None, 4, 5]
+    p = PipelineBuilder().add_source(range(4)).pipe(none_on_odds, output_order="input")
+    assert list(p.build()) == [0, None, 2, None]
+    assert list(PipelineBuilder().add_source(range(6)).pipe(keep_even).build()) == [0, 2, 4]
