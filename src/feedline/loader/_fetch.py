@@ -124,9 +124,10 @@ class BatchFetcher:
         self._dataset = dataset
         self._origin = origin
         self._seed = seed
-        # Draws from the global generators during the first batch, fetched on several
-        # threads: not reproducible; warn once.
-        self._watch = RngWatch() if concurrency > 1 else None
+        # In a worker process (nothing else draws there): draws from the global generators
+        # while the first batch is fetched on several threads are not reproducible; warn
+        # once. In the training process, the consumer watches instead (see _LoaderIter).
+        self._watch = RngWatch() if concurrency > 1 and origin else None
         self._snapshot = snapshot
         self._wait_for_delivery = wait_for_delivery
         self._concurrency = concurrency

@@ -31,6 +31,7 @@ from feedline.errors import ConfigurationError, add_note
 from feedline.pipeline import Pipeline, PipelineBuilder
 
 from ._fetch import BatchFetcher, FailureTally, Task
+from ._seeds import RngWatch
 from ._state import Position, check_state, decode_rng, is_stateful
 from ._workers import WorkerSet
 
@@ -419,6 +420,8 @@ class _LoaderIter(Generic[T]):
         )
         self._fetcher: BatchFetcher | None = None
         self._first_pending: BatchFetcher | None = None
+        concurrent = loader.fetch_concurrency > 1 and tl.num_workers == 0 and not loader._iterable
+        self._watch: RngWatch | None = RngWatch() if concurrent else None
         self._pin_pool: ThreadPoolExecutor | None = None
         replay = skip if sampler_state is None else 0
         builder: PipelineBuilder[Any] = PipelineBuilder()
@@ -526,8 +529,15 @@ class _LoaderIter(Generic[T]):
                         "(or drop) one loop before starting the next"
                     )
                 raise StopIteration
+            watch, self._watch = self._watch, None
             try:
+                if watch is not None:
+                    watch.start()
                 item = self._pipeline.get_item(timeout=self._timeout)
+                if watch is not None:
+                    # While this thread waited, only the fetch threads ran user code: if the
+                    # global generators moved, the dataset drew from them concurrently.
+                    watch.check(stacklevel=3)
                 fetcher, self._first_pending = self._first_pending, None
                 if fetcher is not None:
                     fetcher.first_delivered()  # the other batches may start now

@@ -143,7 +143,11 @@ def seeded(seed: int | None = None) -> Iterator[None]:
 
 
 class RngWatch:
-    """Notices draws from the global generators between :meth:`start` and :meth:`check`."""
+    """Notices draws from the global generators between :meth:`start` and :meth:`check`.
+
+    Only meaningful over a window in which no other thread of the process runs code that
+    draws: the training thread waiting for the first batch, or a worker process.
+    """
 
     warned = False  # once per process
 
@@ -161,7 +165,7 @@ class RngWatch:
         """Remember the generators' states."""
         self._before = self._states()
 
-    def check(self) -> None:
+    def check(self, stacklevel: int = 2) -> None:
         """Warn (once per process) if any generator drew since :meth:`start`."""
         before, self._before = self._before, None
         if before is None or RngWatch.warned:
@@ -180,5 +184,5 @@ class RngWatch:
                 "seed per item, draw inside `with feedline.loader.seeded():` or from "
                 "feedline.loader.get_item_info().torch_generator()",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=stacklevel,
             )
