@@ -367,7 +367,7 @@ def test_workers_are_forked_with_torch_already_imported() -> None:
         "from tests.loader._plain import TorchAtStart\n"
         "if __name__ == '__main__':\n"
         "    print([b.tolist() for b in DataLoader(TorchAtStart(4), batch_size=2, "
-        "num_workers=2)])\n"
+        "num_workers=2, multiprocessing_context='forkserver')])\n"
     )
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run(
@@ -403,11 +403,6 @@ def test_a_multiprocessing_context_object_is_taken_as_pytorch_takes_it() -> None
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"num_workers": 2, "multiprocessing_context": "fork"}, "forkserver"),
-        (
-            {"num_workers": 2, "multiprocessing_context": multiprocessing.get_context("fork")},
-            "forkserver",
-        ),
         ({"fetch_concurrency": 0}, "fetch_concurrency"),
         ({"max_failures": -1}, "max_failures"),
         ({"pin_memory_device": "cuda:1"}, "pin_memory_device"),

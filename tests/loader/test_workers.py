@@ -124,26 +124,46 @@ class _HoldsALambda(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return int(self.transform(i))
 
 
-def test_a_dataset_that_cannot_be_pickled_is_named_with_a_fix() -> None:
-    loader = DataLoader(_HoldsALambda(), batch_size=2, num_workers=2)
+def test_a_dataset_that_cannot_be_pickled_works_forked_and_is_named_otherwise() -> None:
+    # Forked workers (the default when no other thread runs, as PyTorch forks) need no pickle.
+    for cls in (TorchLoader, DataLoader):
+        assert [b.tolist() for b in cls(_HoldsALambda(), batch_size=2, num_workers=2)] == [
+            [0, 2],
+            [4, 6],
+        ]
+    _no_children_left()
+    loader = DataLoader(
+        _HoldsALambda(), batch_size=2, num_workers=2, multiprocessing_context="forkserver"
+    )
     with pytest.raises(ValueError, match=r"attribute 'transform' \(function\).*num_workers=0"):
         list(loader)
     _no_children_left()
-    assert [b.tolist() for b in DataLoader(_HoldsALambda(), batch_size=2)] == [[0, 2], [4, 6]]
 
 
-@pytest.mark.parametrize("cls", [TorchLoader, DataLoader])
-def test_out_of_order_lets_the_other_workers_batches_overtake_a_slow_one(cls: Any) -> None:
-    loader = cls(
-        Sleepy(8, {0: 3.0}),
-        batch_size=1,
-        num_workers=2,
-        in_order=False,
-        multiprocessing_context="forkserver",
-    )
-    order = [b.item() for b in loader]
-    assert sorted(order) == list(range(8))
-    # Worker 1's batches (1, 3, 5, 7) do not wait behind worker 0's slow first batch.
-    assert order.index(0) > order.index(1)
-    assert order.index(0) > order.index(3)
+@pytest.mark.parametrize("context", ["fork", None])
+def test_workers_fork_only_while_no_other_thread_runs(context: Any) -> None:
+    def start_method(loader: DataLoader[Any]) -> set[str]:
+        it = iter(loader)
+        assert next(it).tolist() == [0, 1]
+        workers = loader._workers
+        assert workers is not None
+        found = {type(w._child.process._popen).__module__ for w in workers._workers}
+        del it
+        loader.close()
+        return found
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(
+            list(range(8)), batch_size=2, num_workers=2, multiprocessing_context=context
+        )
+
+    assert start_method(make()) == {"multiprocessing.popen_fork"}
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert start_method(make()) == {"multiprocessing.popen_forkserver"}
+    finally:
+        stop.set()
+        other.join()
     _no_children_left()

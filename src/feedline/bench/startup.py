@@ -63,12 +63,11 @@ def run(options: BenchOptions) -> ScenarioResult:
         jpeg_source(options.data_dir),
         f"{repeats} alternating run(s) per contender, medians. items/s here is first batches "
         "per second (1 / time to the first batch): a ratio of 2 is half PyTorch's wait",
-        "feedline workers=2 starts worker processes with forkserver (each imports the dataset "
-        "afresh), so it starts slower than its threads; use it for GIL-bound datasets",
+        "feedline workers=N fork their worker processes as PyTorch does (the fork server when "
+        "other threads run); they start slower than its threads: use them for GIL-bound "
+        "datasets",
         "CPU s per 1000 items: creating the loader, its first batch and shutting it down "
         "(worker processes included), over the 32 items of that batch; peak PSS / RSS: this "
-        "process and its children when the first batch has arrived. feedline workers=2: "
-        "its workers are the forkserver's children, whose CPU is counted only when the "
-        "forkserver exits, so their CPU is missing from the figure",
+        "process and its children when the first batch has arrived",
     ]
     return make_result("startup", "PyTorch workers=2", found, notes, True)

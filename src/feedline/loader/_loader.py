@@ -102,8 +102,10 @@ class DataLoader(Generic[T]):
         worker_init_fn: Called with the worker id in each worker process, once, after it is
             seeded (as in PyTorch; it sees ``torch.utils.data.get_worker_info()``).
         multiprocessing_context: Start method of worker processes, by name or as a
-            ``multiprocessing`` context; ``None`` means ``"forkserver"``. ``"fork"`` is
-            refused: this process runs threads.
+            ``multiprocessing`` context. ``None`` (and ``"fork"``): fork, as PyTorch does on
+            Linux, when this process runs no other thread as an epoch starts (a fork copies
+            only the calling thread, so no other thread's lock can be inherited held);
+            otherwise the fork server.
         prefetch_factor: Batches in flight per worker (per loader when ``num_workers=0``);
             default 2.
         persistent_workers: Keep worker processes between epochs.
@@ -156,10 +158,7 @@ class DataLoader(Generic[T]):
         if hasattr(multiprocessing_context, "get_start_method"):  # a context object
             multiprocessing_context = multiprocessing_context.get_start_method()
         if multiprocessing_context == "fork":
-            raise ConfigurationError(
-                "multiprocessing_context='fork' is unsafe here: feedline runs threads, and a "
-                "forked child inherits their locks. Use 'forkserver' (default) or 'spawn'"
-            )
+            multiprocessing_context = None  # fork when it is safe: see mp_context below
         # PyTorch's own constructor validates the arguments and builds the samplers.
         self._torch_loader = torch.utils.data.DataLoader(
             dataset,
@@ -218,7 +217,9 @@ class DataLoader(Generic[T]):
         self.prefetch_factor = prefetch_factor or 2
         self.fetch_concurrency = fetch_concurrency
         self.max_failures = max_failures
-        self.mp_context = multiprocessing_context or "forkserver"
+        # None: fork when no other thread runs as an epoch starts (as PyTorch forks on
+        # Linux, and a dataset holding a lambda works), else the fork server.
+        self.mp_context: str | None = multiprocessing_context
         self._workers: WorkerSet | None = None
         self._current: weakref.ref[_LoaderIter[T]] | None = None
         self._pending: dict[str, Any] | None = None

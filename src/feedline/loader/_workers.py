@@ -10,9 +10,11 @@ share travels on a queue of its own just before the epoch starts, as one message
 from __future__ import annotations
 
 import functools
+import multiprocessing as mp
 import os
 import pickle
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait as wait_for
@@ -201,7 +203,9 @@ class WorkerSet:
         prefetch: Batches each worker may have ready or in flight.
         worker_init_fn: Called with the worker id in each worker, once, before its first
             epoch and after the seeding (as in PyTorch).
-        mp_context: Start method (``"spawn"`` or ``"forkserver"``).
+        mp_context: Start method (``"spawn"`` or ``"forkserver"``), or ``None``: ``"fork"``
+            when the process runs no other thread as an epoch starts (what PyTorch does,
+            without its risk), else ``"forkserver"``.
         timeout: Seconds to wait for a batch (None: no limit).
         persistent: The workers serve several epochs: an epoch left early lets each finish
             its current batch and keeps it, instead of ending it at once.
@@ -218,18 +222,18 @@ class WorkerSet:
         concurrency: int,
         prefetch: int,
         worker_init_fn: Callable[[int], None] | None,
-        mp_context: str,
+        mp_context: str | None,
         timeout: float | None,
         persistent: bool = False,
         in_order: bool = True,
     ) -> None:
-        import multiprocessing as mp
-
         self._persistent = persistent
         self._in_order = in_order
         self._dataset = dataset
         self._init = worker_init_fn
-        ctx = mp.get_context(mp_context)
+        self._auto = mp_context is None
+        method = mp_context or "forkserver"
+        ctx = mp.get_context(method)
         if mp_context == "forkserver":
             _preload_forkserver()
         self._queues = [ctx.Queue() for _ in range(num_workers)]
@@ -249,7 +253,7 @@ class WorkerSet:
                 ),
                 buffer_size=prefetch,
                 timeout=timeout,
-                mp_context=mp_context,
+                mp_context=method,
                 shm_min_bytes=_DEFAULT_SHM_MIN,
                 name=f"DataLoader worker {wid}",
                 reraise=True,  # the dataset's and worker_init_fn's own exceptions, as PyTorch
@@ -266,6 +270,7 @@ class WorkerSet:
         is asked for its share before the first batch is awaited, so that they all start (and
         fetch) at once. As a pipeline's source, the epoch ends as soon as the pipeline stops.
         """
+        self._start_all()  # first: putting the shares starts the queues' feeder threads
         count = len(self._workers)
         shares = [tasks[w::count] for w in range(count)]
         states = dataset_states or [None] * count
@@ -273,6 +278,24 @@ class WorkerSet:
             _drain(q)  # a share left by an epoch abandoned before that worker began it
             q.put((base_seed, share, state))
         return _Epoch(self, len(tasks))
+
+    def _start_all(self) -> None:
+        # Here, in the thread that asks for the epoch (the training thread, before the
+        # epoch's pipeline starts any thread): with no other thread running, a fork is as
+        # safe as PyTorch's and starts a worker in milliseconds; otherwise the fork server.
+        method = None
+        if self._auto:
+            alone = threading.active_count() == 1 and "fork" in mp.get_all_start_methods()
+            method = "fork" if alone else "forkserver"
+            if not alone:
+                _preload_forkserver()
+        for w in self._workers:
+            try:
+                w.start(method)
+            except (pickle.PicklingError, AttributeError, TypeError) as error:
+                if "pickle" not in str(error):
+                    raise
+                raise _not_picklable(self._dataset, self._init, error) from error
 
     def _run(
         self, total: int, stopping: Callable[[], bool] | None
@@ -282,12 +305,7 @@ class WorkerSet:
         done = False
         try:
             for w in self._workers:
-                try:
-                    iterators.append(w.iter_until(stopping, settle=False))
-                except (pickle.PicklingError, AttributeError, TypeError) as error:
-                    if "pickle" not in str(error):
-                        raise
-                    raise _not_picklable(self._dataset, self._init, error) from error
+                iterators.append(w.iter_until(stopping, settle=False))
             try:
                 if self._in_order:
                     for i in range(total):

@@ -126,6 +126,9 @@ class _Child:
         self.cmd_q: Any = None
         self.stop: Any = None
         self.shm_prefix = ""
+        # Two threads may close at once (the consumer, and a reader that found the child
+        # dead); re-entrant, so that a close interrupted and called again goes on.
+        self.lock = threading.RLock()
 
     def ask_to_leave(self) -> None:
         """Ask the child to end its epoch after its current item, then exit."""
@@ -139,6 +142,10 @@ class _Child:
                 self.cmd_q.put("close")
 
     def close(self, grace: float = _CLOSE_GRACE) -> None:
+        with self.lock:
+            self._close(grace)
+
+    def _close(self, grace: float) -> None:
         process = self.process
         if process is None:
             return
@@ -233,11 +240,25 @@ class SubprocessIterable(Generic[T]):
         process = self._child.process
         return None if process is None else process.pid
 
-    def _launch(self) -> None:
+    def start(self, method: str | None = None) -> None:
+        """Start the child now, without waiting for it (iterating starts it otherwise).
+
+        Args:
+            method: A start method for this child only (``"fork"`` from a thread-free
+                process, say), instead of the one given at construction.
+
+        """
+        try:
+            self._launch(method)
+        except BaseException:
+            self.close()
+            raise
+
+    def _launch(self, method: str | None = None) -> None:
         # Start the child without waiting for it: several children start at once.
         if self._child.process is not None:
             return
-        ctx = self._ctx
+        ctx = self._ctx if method is None else mp.get_context(method)
         child = self._child
         child.cmd_q = ctx.Queue()
         self._data_q = ctx.Queue(maxsize=self._buffer_size)
@@ -316,7 +337,8 @@ class SubprocessIterable(Generic[T]):
     def _raise(self, message: tuple[Any, ...], when: str) -> None:
         _, error, text = message
         if self._reraise and error is not None and not isinstance(error, PipelineFailure):
-            add_note(error, f"raised in {self._name} {when.removeprefix('in the child process')}")
+            where = "" if when == "in the child process" else f" {when}"
+            add_note(error, f"raised in {self._name}{where}")
             add_note(error, f"Original traceback in {self._name}:\n{text}")
             raise error
         failure = SubprocessFailure(f"error {when}:\n{text}", error)
