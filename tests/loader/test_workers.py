@@ -124,14 +124,25 @@ class _HoldsALambda(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return int(self.transform(i))
 
 
+def _alone() -> None:
+    """Wait for threads an earlier test left ending (queue feeders); skip if some stay."""
+    deadline = time.monotonic() + 5
+    while threading.active_count() > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if threading.active_count() > 1:
+        pytest.skip(f"other threads run: {[t.name for t in threading.enumerate()]}")
+
+
 def test_a_dataset_that_cannot_be_pickled_works_forked_and_is_named_otherwise() -> None:
     # Forked workers (the default when no other thread runs, as PyTorch forks) need no pickle.
+    _alone()
     for cls in (TorchLoader, DataLoader):
         assert [b.tolist() for b in cls(_HoldsALambda(), batch_size=2, num_workers=2)] == [
             [0, 2],
             [4, 6],
         ]
-    _no_children_left()
+        _no_children_left()
+        _alone()  # PyTorch's loader leaves its queue feeders ending
     loader = DataLoader(
         _HoldsALambda(), batch_size=2, num_workers=2, multiprocessing_context="forkserver"
     )
@@ -157,6 +168,7 @@ def test_workers_fork_only_while_no_other_thread_runs(context: Any) -> None:
             list(range(8)), batch_size=2, num_workers=2, multiprocessing_context=context
         )
 
+    _alone()
     assert start_method(make()) == {"multiprocessing.popen_fork"}
     stop = threading.Event()
     other = threading.Thread(target=stop.wait)

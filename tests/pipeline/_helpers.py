@@ -168,3 +168,16 @@ def slow_arrays(i: int) -> np.ndarray:
 
 def slow_array_builder(n: int) -> PipelineBuilder[object]:
     return PipelineBuilder().add_source(range(n)).pipe(slow_arrays, concurrency=2).add_sink(2)
+
+
+def make_tensors() -> list[object]:
+    """Tensors of several kinds: small, large (shared memory), strided, bfloat16, in a dict."""
+    import torch
+
+    big = torch.arange(200_000, dtype=torch.float32)
+    return [
+        torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        big,
+        {"t": big[::2], "bf": torch.ones(4, dtype=torch.bfloat16), "n": 3},
+        torch.tensor(True),
+    ]

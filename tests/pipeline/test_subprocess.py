@@ -132,3 +132,27 @@ def test_subprocess_iterable_as_pipeline_source() -> None:
     with run_pipeline_in_subprocess(_helpers.square_builder(20)) as src:
         p = PipelineBuilder().add_source(src).aggregate(5).build()
         assert [x for batch in p for x in batch] == [i * i for i in range(20)]
+
+
+def test_torch_tensors_cross_as_arrays_with_their_values_and_types() -> None:
+    torch = pytest.importorskip("torch")
+    before = _segments()
+    with iterate_in_subprocess(_helpers.make_tensors) as it:
+        small, big, nested, flag = list(it)
+    expected = _helpers.make_tensors()
+    assert torch.equal(small, expected[0])
+    assert small.dtype == torch.int64
+    assert torch.equal(big, expected[1])
+    # The large one went through shared memory, the small one by value.
+    from feedline.pipeline._shm import ShmArray, TensorRef, pack, release
+
+    packed = pack(expected[:2], 64 * 1024)
+    assert isinstance(packed[1], TensorRef)
+    assert isinstance(packed[1].array, ShmArray)
+    assert not isinstance(packed[0].array, ShmArray)
+    release(packed)
+    assert torch.equal(nested["t"], expected[2]["t"])
+    assert nested["bf"].dtype == torch.bfloat16  # no NumPy dtype: torch's own pickling
+    assert nested["n"] == 3
+    assert flag.item() is True
+    assert _segments() - before == set()

@@ -7,7 +7,8 @@ and the memory is freed when the parent's array is garbage-collected. Segments t
 the parent (the parent died, an epoch was cut short) are removed by multiprocessing's resource
 tracker, which both processes share.
 
-Only plain containers are walked (dict, list, tuple); anything else travels as a pickle.
+Only plain containers are walked (dict, list, tuple); plain CPU torch tensors travel as their
+NumPy arrays (:class:`TensorRef`); anything else travels as a pickle.
 
 Segments made for one child process share a name prefix that the parent chose, so that once
 the child is gone (killed mid-epoch, interrupted, crashed) the parent removes every segment it
@@ -41,6 +42,32 @@ __all__ = [
 
 _SHM_DIR = "/dev/shm"
 SHM_AVAILABLE = sys.platform.startswith("linux") and os.path.isdir(_SHM_DIR)
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A CPU torch tensor crossing as its NumPy view (by value, or a :class:`ShmArray`).
+
+    torch's own pickling in a ``multiprocessing`` queue moves each tensor's storage to shared
+    memory and sends its file descriptor over a socket, a round trip of a millisecond or more
+    per tensor: a batch of many small tensors (the items of a batch) paid tens of ms.
+    """
+
+    array: Any
+
+
+def _numpy_view(obj: Any) -> np.ndarray[Any, Any] | None:
+    # A plain, dense CPU tensor whose dtype NumPy has: its array view; else None (torch's
+    # own pickling then applies).
+    torch = sys.modules.get("torch")
+    if torch is None or type(obj) is not torch.Tensor:
+        return None
+    if obj.device.type != "cpu" or obj.layout != torch.strided or obj.requires_grad:
+        return None
+    try:
+        return obj.numpy()  # type: ignore[no-any-return]
+    except (TypeError, RuntimeError):  # bfloat16, conjugated, ...: no NumPy view
+        return None
 
 
 @dataclass(frozen=True)
@@ -83,6 +110,9 @@ def pack(obj: Any, min_bytes: float, names: SegmentNames | None = None) -> Any:
         del view
         shm.close()
         return ShmArray(shm.name, obj.shape, obj.dtype)
+    array = _numpy_view(obj)
+    if array is not None:
+        return TensorRef(pack(array, min_bytes, names))
     kind = type(obj)
     if kind is dict:
         return {k: pack(v, min_bytes, names) for k, v in obj.items()}
@@ -94,6 +124,8 @@ def pack(obj: Any, min_bytes: float, names: SegmentNames | None = None) -> Any:
 
 
 def _children(obj: Any) -> list[Any]:
+    if isinstance(obj, TensorRef):
+        return [obj.array]
     kind = type(obj)
     if kind is dict:
         return list(obj.values())
@@ -154,6 +186,10 @@ def unpack(obj: Any) -> Any:
     """Turn shared-memory references back into arrays (views of the mapped segments)."""
     if isinstance(obj, ShmArray):
         return _attach(obj)
+    if isinstance(obj, TensorRef):
+        import torch
+
+        return torch.from_numpy(unpack(obj.array))
     kind = type(obj)
     if kind is dict:
         return {k: unpack(v) for k, v in obj.items()}
