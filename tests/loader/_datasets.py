@@ -303,3 +303,14 @@ class Augmenting(Dataset[Any]):
 
         with feedline.loader.seeded():
             return self._draw(i)
+
+
+def failing_collate(items: Any) -> Any:
+    raise KeyError("label")
+
+
+def worker_pid_collate(items: Any) -> Any:
+    """Collates, and says which process collated."""
+    import os
+
+    return torch.tensor(items), os.getpid()

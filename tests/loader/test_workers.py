@@ -17,7 +17,14 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 
 from feedline import DataLoader, SubprocessDied  # noqa: E402
 
-from ._datasets import Rendezvous, Sleepy, Suicidal, failing_init  # noqa: E402
+from ._datasets import (  # noqa: E402
+    Rendezvous,
+    Sleepy,
+    Suicidal,
+    failing_collate,
+    failing_init,
+    worker_pid_collate,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -178,4 +185,23 @@ def test_workers_fork_only_while_no_other_thread_runs(context: Any) -> None:
     finally:
         stop.set()
         other.join()
+    _no_children_left()
+
+
+def test_batches_are_collated_in_the_workers_as_in_pytorch() -> None:
+    for cls in (TorchLoader, DataLoader):
+        loader = cls(list(range(8)), batch_size=4, num_workers=2, collate_fn=worker_pid_collate)
+        batches = list(loader)
+        assert [b.tolist() for b, _ in batches] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        assert all(pid != os.getpid() for _, pid in batches)
+    _no_children_left()
+
+
+def test_a_collate_fn_exception_in_a_worker_is_raised_as_it_is() -> None:
+    for cls in (TorchLoader, DataLoader):
+        loader = cls(list(range(8)), batch_size=4, num_workers=2, collate_fn=failing_collate)
+        with pytest.raises(KeyError, match="label") as info:
+            list(loader)
+    notes = "\n".join(info.value.__notes__)
+    assert "collate_fn on batch 0 in DataLoader worker 0" in notes
     _no_children_left()

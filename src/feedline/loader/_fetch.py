@@ -29,7 +29,14 @@ from feedline.pipeline._stages._common import FailureBudget, LogThrottle
 from ._pool import LimitedPool
 from ._seeds import ItemInfo, RngWatch, item_seed, set_item
 
-__all__ = ["BatchFetcher", "FailedItem", "FailureTally", "Task"]
+__all__ = [
+    "BatchFetcher",
+    "Collated",
+    "FailedItem",
+    "FailureTally",
+    "Task",
+    "collate_in_worker",
+]
 
 _log = logging.getLogger("feedline.loader")
 
@@ -58,6 +65,62 @@ class FailedItem:
             error = None
         fields = (self.index, self.error_type, self.message, self.traceback, error, self.origin)
         return (FailedItem, fields)
+
+
+@dataclass(frozen=True)
+class Collated:
+    """A batch collated in a worker process, with what the parent needs to account for it.
+
+    Attributes:
+        batch: ``collate_fn``'s result (``None`` when every item failed, or it raised).
+        failed: The items whose ``dataset[i]`` raised, left out of the batch.
+        count: How many items the batch had before the failed ones were left out.
+        error: ``collate_fn``'s exception, if it raised (``None`` when it cannot be pickled:
+            see ``message``).
+        message: That exception as text, with the worker's traceback.
+
+    """
+
+    batch: Any
+    failed: list[FailedItem]
+    count: int
+    error: BaseException | None = None
+    message: str = ""
+
+
+def collate_in_worker(
+    collate_fn: Callable[[Any], Any], auto: bool, origin: str
+) -> Callable[[tuple[int, list[Any], Any]], tuple[int, Collated, Any]]:
+    """The worker's collate stage: leave failed items out and collate the rest.
+
+    As PyTorch's workers collate: one batch, not its items, then crosses to the parent.
+    """
+
+    def collate(fetched: tuple[int, list[Any], Any]) -> tuple[int, Collated, Any]:
+        number, items, state = fetched
+        good = [x for x in items if not isinstance(x, FailedItem)]
+        failed = [x for x in items if isinstance(x, FailedItem)]
+        if not good:
+            return number, Collated(None, failed, len(items)), state
+        try:
+            batch = collate_fn(good if auto else good[0])
+        except Exception as error:
+            import pickle
+
+            text = traceback.format_exc()
+            try:
+                pickle.dumps(error)
+            except Exception:
+                kept: BaseException | None = None
+            else:
+                kept = error
+            add_note(
+                error, f"feedline.DataLoader: raised by collate_fn on batch {number} in {origin}"
+            )
+            return number, Collated(None, failed, len(items), kept, text), state
+        return number, Collated(batch, failed, len(items)), state
+
+    return collate
 
 
 class BatchFetcher:
@@ -337,11 +400,14 @@ class FailureTally:
 
     def keep(self, items: list[Any]) -> list[Any]:
         """The items that did not fail; raises once failures exceed the budget."""
-        self.items += len(items)
-        good = [x for x in items if not isinstance(x, FailedItem)]
-        for failed in (x for x in items if isinstance(x, FailedItem)):
-            self._record(failed)
-        return good
+        self.account([x for x in items if isinstance(x, FailedItem)], len(items))
+        return [x for x in items if not isinstance(x, FailedItem)]
+
+    def account(self, failed: list[FailedItem], count: int) -> None:
+        """Count ``count`` items of which ``failed`` failed; raises past the budget."""
+        self.items += count
+        for item in failed:
+            self._record(item)
 
     def _record(self, failed: FailedItem) -> None:
         self.failures += 1

@@ -30,7 +30,7 @@ from typing import Any, Generic, TypeVar
 from feedline.errors import ConfigurationError, add_note
 from feedline.pipeline import Pipeline, PipelineBuilder
 
-from ._fetch import BatchFetcher, FailureTally, Task
+from ._fetch import BatchFetcher, Collated, FailureTally, Task
 from ._seeds import RngWatch
 from ._state import Position, check_state, decode_rng, is_stateful
 from ._workers import WorkerSet
@@ -43,7 +43,14 @@ _SKIP = object()
 # PyTorch's DataLoader refuses to have these set after construction (ValueError); the others
 # may change between epochs. Changing one of _WORKER_SETTINGS restarts the worker processes.
 _WORKER_SETTINGS = frozenset(
-    {"num_workers", "worker_init_fn", "multiprocessing_context", "timeout", "in_order"}
+    {
+        "num_workers",
+        "worker_init_fn",
+        "multiprocessing_context",
+        "timeout",
+        "in_order",
+        "collate_fn",
+    }
 )
 
 
@@ -284,6 +291,8 @@ class DataLoader(Generic[T]):
                 timeout=loader.timeout or None,
                 persistent=bool(loader.persistent_workers),
                 in_order=bool(loader.in_order),
+                collate_fn=loader.collate_fn,
+                auto_collation=bool(loader._auto_collation),
             )
             self._finalizer.detach()
             holder: list[WorkerSet | None] = [self._workers]
@@ -354,8 +363,10 @@ class _Finisher:
         self._collate_fn = collate_fn
         self._auto = auto
 
-    def __call__(self, fetched: tuple[int, list[Any], Any]) -> Any:
+    def __call__(self, fetched: tuple[int, Any, Any]) -> Any:
         number, items, dataset_state = fetched
+        if isinstance(items, Collated):  # collated in a worker process
+            return self._collated(number, items, dataset_state)
         try:
             good = self._tally.keep(items)
         except Exception as error:  # the failure budget is spent
@@ -367,6 +378,19 @@ class _Finisher:
         except Exception as error:
             add_note(error, f"feedline.DataLoader: raised by collate_fn on batch {number}")
             return _Abort(error)
+
+    def _collated(self, number: int, collated: Collated, dataset_state: Any) -> Any:
+        try:
+            self._tally.account(collated.failed, collated.count)
+        except Exception as error:  # the failure budget is spent
+            return _Abort(error)
+        if collated.message:  # collate_fn raised in the worker
+            raised = collated.error or RuntimeError(collated.message.strip().splitlines()[-1])
+            add_note(raised, "Original traceback:\n" + collated.message)
+            return _Abort(raised)
+        if collated.batch is None:
+            return number, _SKIP, dataset_state
+        return number, collated.batch, dataset_state
 
 
 class _LoaderIter(Generic[T]):

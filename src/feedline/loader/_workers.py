@@ -26,7 +26,7 @@ from feedline.errors import ConfigurationError
 from feedline.pipeline import PipelineBuilder, SubprocessIterable
 from feedline.pipeline._subprocess import _CLOSE_GRACE, _DEFAULT_SHM_MIN, _POLL, _Abandoned
 
-from ._fetch import BatchFetcher, Task
+from ._fetch import BatchFetcher, Task, collate_in_worker
 from ._state import is_stateful
 
 __all__ = ["WorkerSet"]
@@ -44,7 +44,11 @@ class _WorkerIterable:
         concurrency: int,
         in_flight: int,
         worker_init_fn: Callable[[int], None] | None,
+        collate_fn: Callable[[Any], Any],
+        auto_collation: bool,
     ) -> None:
+        self._collate_fn = collate_fn
+        self._auto = auto_collation
         self._dataset = dataset
         self._tasks = tasks
         self._worker_id = worker_id
@@ -62,11 +66,12 @@ class _WorkerIterable:
         stateful = is_stateful(self._dataset)
         if stateful and dataset_state is not None:
             self._dataset.load_state_dict(dataset_state)
+        origin = f"DataLoader worker {self._worker_id} (pid {os.getpid()})"
         fetcher = BatchFetcher(
             self._dataset,
             self._concurrency,
             snapshot=self._dataset.state_dict if stateful else None,
-            origin=f"DataLoader worker {self._worker_id} (pid {os.getpid()})",
+            origin=origin,
             seed=base_seed,
         )
         pipeline = (
@@ -80,6 +85,7 @@ class _WorkerIterable:
                 output_order="input",
                 name="fetch",
             )
+            .pipe(collate_in_worker(self._collate_fn, self._auto, origin), name="collate_fn")
             .add_sink(self._in_flight)
             .build(num_threads=2)
         )
@@ -140,6 +146,10 @@ def _preload_forkserver() -> None:
     extra = [m for m in _PRELOAD if m not in current]
     if extra:
         forkserver.set_forkserver_preload(current + extra)
+
+
+def _identity(items: Any) -> Any:
+    return items
 
 
 def _not_picklable(dataset: Any, init: Any, error: BaseException) -> ConfigurationError:
@@ -211,6 +221,8 @@ class WorkerSet:
             its current batch and keeps it, instead of ending it at once.
         in_order: ``False`` yields each worker's batches as they come, so a slow batch holds
             up only its own worker.
+        collate_fn, auto_collation: The loader's; batches are collated in the workers, as in
+            PyTorch, so one batch rather than its items crosses to the parent.
 
     """
 
@@ -226,6 +238,8 @@ class WorkerSet:
         timeout: float | None,
         persistent: bool = False,
         in_order: bool = True,
+        collate_fn: Callable[[Any], Any] | None = None,
+        auto_collation: bool = True,
     ) -> None:
         self._persistent = persistent
         self._in_order = in_order
@@ -250,6 +264,8 @@ class WorkerSet:
                     concurrency,
                     prefetch,
                     worker_init_fn,
+                    collate_fn or _identity,
+                    auto_collation,
                 ),
                 buffer_size=prefetch,
                 timeout=timeout,
