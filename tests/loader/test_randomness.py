@@ -138,3 +138,24 @@ def test_no_warning_when_the_draws_are_reproducible(
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         list(DataLoader(Augmenting(16, seeded=seeded), batch_size=4, **kw))
+
+
+def test_a_dataset_that_asks_only_after_the_first_batch_gets_its_items_from_then_on() -> None:
+    from feedline.loader import _seeds
+
+    _seeds._Asked.value = False  # as in a fresh process
+    seen: list[Any] = []
+
+    class Late(torch.utils.data.Dataset[int]):
+        def __len__(self) -> int:
+            return 12
+
+        def __getitem__(self, i: int) -> int:
+            if i >= 4:
+                seen.append((i, feedline.loader.get_item_info()))
+            return i
+
+    list(DataLoader(Late(), batch_size=4, fetch_concurrency=1))
+    infos = [info for _, info in seen]
+    assert infos[0] is None  # asked for the first time after the first batch, untracked
+    assert all(info is not None and info.index == i for i, info in seen[1:])

@@ -103,7 +103,9 @@ def test_thousands_of_reads_through_a_damaging_proxy_return_no_damaged_byte(prox
     damaged = sum(_Damaging.done[f] for f in FAULTS)
     assert damaged > 500
     assert stats.mismatches == damaged
-    assert stats.verified + stats.joined == len(got)  # a joined read shares a verified one
+    # Each returned body was verified, or joined a read that was (a read that failed after its
+    # retries fails its joiners too).
+    assert stats.verified <= len(got) <= stats.verified + stats.joined
 
 
 def test_every_read_checks_against_its_own_key(proxy: str) -> None:
