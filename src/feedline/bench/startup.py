@@ -2,6 +2,8 @@
 
 A training job waits this long at every start (and, without persistent workers, every
 epoch). The dataset decodes in-memory JPEGs to 224x224 with feedline's decoder; batches of 32.
+Two cases: a dataset of two batches in order, where the first batch is all that counts, and an
+ImageNet-sized one (1,281,167 items) shuffled, where drawing the epoch's order counts too.
 PyTorch's DataLoader starts its worker processes (with its default start method) before the
 first batch; feedline's starts threads. The baseline is PyTorch with 2 workers.
 """
@@ -19,32 +21,28 @@ from ._registry import BenchOptions
 __all__ = ["run"]
 
 BATCH = 32
+IMAGENET_ITEMS = 1_281_167
 
 
-def _make(kind: str, workers: int, dataset: Any) -> Any:
+def _make(kind: str, workers: int, dataset: Any, shuffle: bool) -> Any:
     if kind == "torch":
         import torch.utils.data
 
-        return torch.utils.data.DataLoader(dataset, batch_size=BATCH, num_workers=workers)
+        return torch.utils.data.DataLoader(
+            dataset, batch_size=BATCH, num_workers=workers, shuffle=shuffle
+        )
     from feedline import DataLoader
 
-    return DataLoader(dataset, batch_size=BATCH, num_workers=workers)
+    return DataLoader(dataset, batch_size=BATCH, num_workers=workers, shuffle=shuffle)
 
 
 def run(options: BenchOptions) -> ScenarioResult:
     """Run the startup scenario; ``options.quick`` shrinks it to a smoke test."""
     repeats = 1 if options.quick else 5
     pictures = read_all(jpeg_files(32, "imagenet", options.data_dir, options.progress))
-    dataset = DecodeDataset(pictures, "feedline", length=BATCH * 2)
-    dataset[0]  # import the decoder's libraries now, not in whichever contender runs first
-    case = f"first batch of {BATCH}"
+    DecodeDataset(pictures, "feedline")[0]  # import the decoder's libraries now, not in
+    # whichever contender runs first
     costs = LoaderCosts(periodic=False)  # one sample, once the batch is there: none timed
-
-    def first_batch(name: str, kind: str, workers: int) -> tuple[int, float]:
-        make = functools.partial(_make, kind, workers, dataset)
-        result = costs.time(case, name, make, max_batches=1)
-        return 1, result.first_batch_s
-
     setups = [
         ("PyTorch workers=0", "torch", 0),
         ("PyTorch workers=2", "torch", 2),
@@ -53,11 +51,31 @@ def run(options: BenchOptions) -> ScenarioResult:
         ("feedline workers=2", "feedline", 2),
         ("feedline workers=4", "feedline", 4),
     ]
-    contenders = [
-        Contender(name, functools.partial(first_batch, name, kind, workers))
-        for name, kind, workers in setups
+    cases = [
+        (f"first batch of {BATCH}", BATCH * 2, False),
+        (f"first batch of {BATCH}, {IMAGENET_ITEMS:,} items shuffled", IMAGENET_ITEMS, True),
     ]
-    found = alternate(case, contenders, repeats, "PyTorch workers=2", options.progress)
+
+    def first_batch(case: str, name: str, make: Any) -> tuple[int, float]:
+        result = costs.time(case, name, make, max_batches=1)
+        return 1, result.first_batch_s
+
+    found = []
+    for case, length, shuffle in cases:
+        dataset = DecodeDataset(pictures, "feedline", length=length)
+        contenders = [
+            Contender(
+                name,
+                functools.partial(
+                    first_batch,
+                    case,
+                    name,
+                    functools.partial(_make, kind, workers, dataset, shuffle),
+                ),
+            )
+            for name, kind, workers in setups
+        ]
+        found += alternate(case, contenders, repeats, "PyTorch workers=2", options.progress)
     costs.attach(found)
     notes = [
         jpeg_source(options.data_dir),

@@ -21,7 +21,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from feedline.errors import PipelineFailure, add_note
 from feedline.pipeline._stages._common import FailureBudget, LogThrottle
@@ -67,14 +67,18 @@ class FailedItem:
         return (FailedItem, fields)
 
 
-@dataclass(frozen=True)
-class Collated:
+class Collated(NamedTuple):
     """A batch collated in a worker process, with what the parent needs to account for it.
+
+    A named tuple, so that the batch's arrays and tensors cross to the parent through shared
+    memory (see :mod:`feedline.pipeline._shm`) rather than torch's pickling, which hands each
+    tensor's file descriptor over in a round trip with the worker: a worker busy with its next
+    batches answered it 15 ms or more late.
 
     Attributes:
         batch: ``collate_fn``'s result (``None`` when every item failed, or it raised).
         failed: The items whose ``dataset[i]`` raised, left out of the batch.
-        count: How many items the batch had before the failed ones were left out.
+        size: How many items the batch had before the failed ones were left out.
         error: ``collate_fn``'s exception, if it raised (``None`` when it cannot be pickled:
             see ``message``).
         message: That exception as text, with the worker's traceback.
@@ -83,7 +87,7 @@ class Collated:
 
     batch: Any
     failed: list[FailedItem]
-    count: int
+    size: int
     error: BaseException | None = None
     message: str = ""
 
@@ -154,6 +158,11 @@ class BatchFetcher:
         snapshot: Called once a batch's items are in (the dataset's ``state_dict``); its
             result travels with the batch as ``(0, state)``.
         origin: Where the calls run, for error messages (``"DataLoader worker 1 (pid 42)"``).
+        cores: The cores this fetcher counts on (default: the machine's); one of several
+            worker processes counts its share of them.
+        finish: Applied to each batch, ``(number, items, dataset state)``, by the thread that
+            fetched its last item (a worker's collation): no hand-over to another thread
+            between the batch's last item and its collation.
         seed: The epoch's base seed: each call gets its item's seed from it (see
             :func:`~feedline.loader.get_item_info`).
 
@@ -183,7 +192,10 @@ class BatchFetcher:
         snapshot: Callable[[], Any] | None = None,
         origin: str = "",
         seed: int | None = None,
+        cores: int | None = None,
+        finish: Callable[[tuple[int, list[Any], Any]], Any] | None = None,
     ) -> None:
+        self._finish = finish
         self._dataset = dataset
         self._origin = origin
         self._seed = seed
@@ -195,7 +207,7 @@ class BatchFetcher:
         self._wait_for_delivery = wait_for_delivery
         self._concurrency = concurrency
         self._pool = LimitedPool(concurrency, "feedline-fetch")
-        self._cores = os.cpu_count() or 1
+        self._cores = cores or os.cpu_count() or 1
         self._item_seconds: float | None = None  # running mean; None: assume slow
         self._adjusting = threading.Lock()
         self._window_start = 0.0  # the measuring window: its start, and this process's CPU
@@ -293,7 +305,7 @@ class BatchFetcher:
             self._adjust(self.SLOW_START_SECONDS, grow=lambda limit: 2 * limit)
         loop.call_later(self.SLOW_START_SECONDS, self._slow_start, loop)
 
-    async def fetch(self, task: Task) -> tuple[int, list[Any], Any]:
+    async def fetch(self, task: Task) -> Any:
         """Return ``(batch number, items, dataset state)``.
 
         An item is a :class:`FailedItem` where its call raised; the dataset state is ``None``
@@ -313,11 +325,11 @@ class BatchFetcher:
         try:
             if watch is not None:
                 watch.start()
-            items, state = await self._fetch(indices)
+            done = await self._fetch(number, indices)
             fetched = True
             if watch is not None:
                 watch.check()
-            return number, items, None if self._snapshot is None else (0, state)
+            return done
         finally:
             if number == self._first_number:
                 self._first_fetched = True
@@ -335,19 +347,25 @@ class BatchFetcher:
             with contextlib.suppress(RuntimeError):  # the loop closed: the epoch was stopped
                 loop.call_soon_threadsafe(first.set)
 
-    async def _fetch(self, indices: list[Any]) -> tuple[list[Any], Any]:
-        # The items, and the dataset's state right after the last of them (taken in the
-        # thread that fetched it, before that thread takes up another batch's items).
-        snapshot = self._snapshot
+    async def _fetch(self, number: int, indices: list[Any]) -> Any:
+        # The batch: its items, and the dataset's state right after the last of them (taken
+        # in the thread that fetched it, before that thread takes up another batch's items),
+        # finished there.
+        snapshot, finish = self._snapshot, self._finish
         count = len(indices)
+
+        def complete(items: list[Any]) -> Any:
+            batch = (number, items, None if snapshot is None else (0, snapshot()))
+            return batch if finish is None else finish(batch)
+
         if count == 0:
-            return [], None if snapshot is None else snapshot()
+            return complete([])
         loop = asyncio.get_running_loop()
         finished: asyncio.Future[None] = loop.create_future()
         items: list[Any] = [None] * count
         jobs = self._split(count)
         left = [jobs]
-        state: list[Any] = [None]
+        done: list[Any] = [None]
         lock = threading.Lock()
 
         def run(start: int, stop: int) -> None:
@@ -379,8 +397,7 @@ class BatchFetcher:
                 left[0] -= 1
                 last = left[0] == 0
             if last:
-                if snapshot is not None:
-                    state[0] = snapshot()
+                done[0] = complete(items)
                 with contextlib.suppress(RuntimeError):  # the loop closed: the epoch was stopped
                     loop.call_soon_threadsafe(_resolve, finished)
 
@@ -388,7 +405,7 @@ class BatchFetcher:
         for j in range(jobs):
             self._pool.submit(functools.partial(run, bounds[j], bounds[j + 1]))
         await finished
-        return items, state[0]
+        return done[0]
 
     def close(self) -> None:
         """Stop the threads; calls not started yet are dropped."""

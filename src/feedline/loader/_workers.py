@@ -3,8 +3,8 @@
 Each worker is a :class:`~feedline.SubprocessIterable` whose child holds the dataset (sent
 once, when the worker starts) and, per epoch, fetches its share of the batches with a thread
 pool, like the main process does without workers. Batch ``b`` goes to worker ``b % W``, as in
-PyTorch, so the parent restores the order by taking from the workers in turn. The epoch's
-share travels on a queue of its own just before the epoch starts, as one message.
+PyTorch, so the parent restores the order by taking from the workers in turn. The parent
+deals the batches as the workers need them (:mod:`._deal`), on a queue of each worker's own.
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ import numpy as np
 
 from feedline.errors import ConfigurationError
 from feedline.pipeline import PipelineBuilder, SubprocessIterable
+from feedline.pipeline._queues import await_closed_queues, close_queue
 from feedline.pipeline._subprocess import _CLOSE_GRACE, _DEFAULT_SHM_MIN, _POLL, _Abandoned
 
+from ._deal import Dealer, TaskStream, read_start
 from ._fetch import BatchFetcher, Task, collate_in_worker
 from ._state import is_stateful
 
@@ -58,11 +60,14 @@ class _WorkerIterable:
         self._worker_init_fn = worker_init_fn  # called once, after the first seeding
 
     def __iter__(self) -> Iterator[tuple[int, list[Any], Any]]:
-        base_seed, tasks, dataset_state = self._tasks.get()
-        _seed_like_pytorch(base_seed, self._worker_id, self._num_workers, self._dataset)
-        init, self._worker_init_fn = self._worker_init_fn, None
-        if init is not None:
-            init(self._worker_id)
+        seeded = self._tasks.seed  # known at the start: seeded (and initialised) while the
+        self._tasks.seed = None  # parent starts the other workers and draws the batches
+        if seeded is not None:
+            self._seed(seeded)
+        _, epoch, base_seed, first, dataset_state, last = read_start(self._tasks.get)
+        if base_seed != seeded:
+            self._seed(base_seed)
+        tasks = TaskStream(self._tasks.queue, epoch, first, last)
         stateful = is_stateful(self._dataset)
         if stateful and dataset_state is not None:
             self._dataset.load_state_dict(dataset_state)
@@ -73,9 +78,17 @@ class _WorkerIterable:
             snapshot=self._dataset.state_dict if stateful else None,
             origin=origin,
             seed=base_seed,
+            # Its share of the cores: N workers fetching CPU-bound items with cores + 1 calls
+            # each would queue N times as many calls as there are cores.
+            cores=max(1, (os.cpu_count() or 1) // self._num_workers),
+            finish=collate_in_worker(self._collate_fn, self._auto, origin),
+            # The next batches wait until the first is on its way to the parent: the hand-offs
+            # between this process's threads after its last item are its latency, and the
+            # next batches' calls would take the cores from them.
+            wait_for_delivery=True,
         )
         pipeline = (
-            PipelineBuilder()
+            PipelineBuilder[Task]()
             .add_source(tasks)
             .pipe(
                 fetcher.fetch,
@@ -85,15 +98,23 @@ class _WorkerIterable:
                 output_order="input",
                 name="fetch",
             )
-            .pipe(collate_in_worker(self._collate_fn, self._auto, origin), name="collate_fn")
             .add_sink(self._in_flight)
             .build(num_threads=2)
         )
         try:
             with pipeline.auto_stop():
-                yield from pipeline
+                for n, batch in enumerate(pipeline):
+                    yield batch
+                    if n == 0:  # resumed: the batch was sent
+                        fetcher.first_delivered()
         finally:
             fetcher.close()
+
+    def _seed(self, base_seed: int) -> None:
+        _seed_like_pytorch(base_seed, self._worker_id, self._num_workers, self._dataset)
+        init, self._worker_init_fn = self._worker_init_fn, None
+        if init is not None:
+            init(self._worker_id)
 
 
 def _seed_like_pytorch(base_seed: int, worker_id: int, num_workers: int, dataset: Any) -> None:
@@ -111,6 +132,10 @@ def _seed_like_pytorch(base_seed: int, worker_id: int, num_workers: int, dataset
     except ImportError:  # pragma: no cover - the loader needs torch
         np.random.seed(seed % 2**32)
         return
+    # One intra-op thread per worker, as PyTorch's workers: torch's own pool in every worker
+    # oversubscribes the cores (a collate of 5 MB took 45-265 ms instead of 5 with 2 workers on
+    # 2 cores, its threads spinning against each other).
+    torch.set_num_threads(1)
     torch.manual_seed(seed)
     generate = getattr(worker, "_generate_state", None)  # PyTorch's NumPy seed for a worker
     np.random.seed(generate(base_seed, worker_id) if generate else seed % 2**32)
@@ -120,7 +145,7 @@ def _seed_like_pytorch(base_seed: int, worker_id: int, num_workers: int, dataset
         )
 
 
-_PRELOAD = ("feedline.loader._workers", "torch")
+_PRELOAD = ("feedline.loader._workers", "torch", "numpy.random")
 """What every worker imports: preloaded in the fork server, so that each worker is forked with
 them already imported (measured on a 2-core VM: a DataLoader with 2 workers had its first
 batch after 2.0-2.7 s, each worker importing torch anew; with the preload, after 0.26 s, from
@@ -148,6 +173,33 @@ def _preload_forkserver() -> None:
         forkserver.set_forkserver_preload(current + extra)
 
 
+class _Shares:
+    """A worker's queue of hands (see :mod:`._deal`).
+
+    Each start of a worker gets a new queue, so that nothing meant for a worker that was
+    ended reaches the next one.
+    """
+
+    def __init__(self) -> None:
+        self.queue: Any = None
+        self.seed: int | None = None  # the base seed of the epoch it starts for
+
+    def renew(self, ctx: Any) -> None:
+        """A new queue, for a worker about to start; the old one is closed."""
+        self.close()
+        self.queue = ctx.Queue()
+
+    def close(self) -> None:
+        """Close the queue: nothing on it is waited for."""
+        if self.queue is not None:
+            close_queue(self.queue)
+            self.queue = None
+
+    def get(self) -> Any:
+        """In the worker: the next message."""
+        return self.queue.get()
+
+
 def _identity(items: Any) -> Any:
     return items
 
@@ -173,6 +225,10 @@ def _not_picklable(dataset: Any, init: Any, error: BaseException) -> Configurati
     )
 
 
+_FEEDERS_SECONDS = 0.5
+"""How long starting workers waits for the feeder threads of the queues closed with the last
+workers (they leave within a millisecond or so) before it judges whether it may fork."""
+
 _SETTLE_SECONDS = 1.0
 """How long persistent workers left mid-epoch get to finish their batch before they are ended
 (and started anew by the next epoch)."""
@@ -181,26 +237,23 @@ _SETTLE_SECONDS = 1.0
 class _Epoch:
     """One epoch over the workers: iterable, and interruptible as a pipeline's source."""
 
-    def __init__(self, workers: WorkerSet, total: int) -> None:
+    def __init__(self, workers: WorkerSet, dealer: Dealer, number: int) -> None:
         self._workers = workers
-        self._total = total
+        self._dealer = dealer
+        self._number = number
+        self.begun = False
 
     def __iter__(self) -> Iterator[tuple[int, list[Any], Any]]:
-        return self._workers._run(self._total, None)
+        return self.iter_until(None)
 
-    def iter_until(self, stopping: Callable[[], bool]) -> Iterator[tuple[int, list[Any], Any]]:
+    def iter_until(
+        self, stopping: Callable[[], bool] | None
+    ) -> Iterator[tuple[int, list[Any], Any]]:
         """Iterate, ending early once ``stopping()`` is true (see ``SubprocessIterable``)."""
-        return self._workers._run(self._total, stopping)
-
-
-def _drain(q: Any) -> None:
-    import queue
-
-    while True:
-        try:
-            q.get_nowait()
-        except queue.Empty:
-            return
+        self.begun = True
+        if self._workers._unrun is self:
+            self._workers._unrun = None  # begun: the workers need not remember it
+        return self._workers._run(self._dealer, self._number, stopping)
 
 
 class WorkerSet:
@@ -241,16 +294,23 @@ class WorkerSet:
         collate_fn: Callable[[Any], Any] | None = None,
         auto_collation: bool = True,
     ) -> None:
+        # Imported here, before any worker forks, so that each worker does not import it anew
+        # while seeding itself (15 ms per worker before its first item, measured on 2 cores).
+        import numpy.random  # noqa: F401
+
+        self._unrun: _Epoch | None = None  # the last epoch asked for
+        self._epochs = 0  # epochs asked for: tags the messages to the workers
+        self._prefetch = prefetch
         self._persistent = persistent
         self._in_order = in_order
         self._dataset = dataset
         self._init = worker_init_fn
         self._auto = mp_context is None
         method = mp_context or "forkserver"
-        ctx = mp.get_context(method)
+        self._ctx = mp.get_context(method)
         if mp_context == "forkserver":
             _preload_forkserver()
-        self._queues = [ctx.Queue() for _ in range(num_workers)]
+        self._shares = [_Shares() for _ in range(num_workers)]
         self._workers: list[SubprocessIterable[tuple[int, list[Any], Any]]] = [
             # Built directly: the task queue pickles only while the process starts, so the
             # up-front pickling check of iterate_in_subprocess would refuse it.
@@ -274,61 +334,85 @@ class WorkerSet:
                 name=f"DataLoader worker {wid}",
                 reraise=True,  # the dataset's and worker_init_fn's own exceptions, as PyTorch
             )
-            for wid, q in enumerate(self._queues)
+            for wid, q in enumerate(self._shares)
         ]
 
-    def epoch(
-        self, tasks: list[Task], base_seed: int, dataset_states: list[Any] | None = None
-    ) -> _Epoch:
-        """Fetch ``tasks`` (batches, in order) across the workers; iterate them in order.
+    def start(self, base_seed: int | None = None) -> None:
+        """Start the workers that do not run, without waiting for them.
 
-        Each batch comes as ``(number, items, (worker, dataset state) or None)``. Every worker
-        is asked for its share before the first batch is awaited, so that they all start (and
-        fetch) at once. As a pipeline's source, the epoch ends as soon as the pipeline stops.
+        ``base_seed``, the coming epoch's, lets a started worker seed itself (and run
+        ``worker_init_fn``) at once.
+
+        Call it before drawing the epoch's batches: a fork is cheaper from a process that has
+        not yet made the sampler's permutation (with an ImageNet-sized one, 15-22 ms a worker
+        instead of 8, measured on 2 cores), and the workers start up while it is drawn.
         """
-        self._start_all()  # first: putting the shares starts the queues' feeder threads
-        count = len(self._workers)
-        shares = [tasks[w::count] for w in range(count)]
-        states = dataset_states or [None] * count
-        for q, share, state in zip(self._queues, shares, states, strict=True):
-            _drain(q)  # a share left by an epoch abandoned before that worker began it
-            q.put((base_seed, share, state))
-        return _Epoch(self, len(tasks))
-
-    def _start_all(self) -> None:
+        if self._unrun is not None and not self._unrun.begun:
+            self.close()  # asked for an epoch never iterated: its batches would come first
         # Here, in the thread that asks for the epoch (the training thread, before the
         # epoch's pipeline starts any thread): with no other thread running, a fork is as
         # safe as PyTorch's and starts a worker in milliseconds; otherwise the fork server.
         method = None
         if self._auto:
+            await_closed_queues(_FEEDERS_SECONDS)  # the last epoch's: they leave at once
             alone = threading.active_count() == 1 and "fork" in mp.get_all_start_methods()
             method = "fork" if alone else "forkserver"
             if not alone:
                 _preload_forkserver()
-        for w in self._workers:
+        for worker, shares in zip(self._workers, self._shares, strict=True):
+            if worker.pid is not None:
+                continue
+            shares.renew(self._ctx)
+            shares.seed = base_seed  # inherited or pickled by the start
             try:
-                w.start(method)
+                # Begins its first pass as soon as it runs: it waits for the start message.
+                worker.start(method, begin=True)
             except (pickle.PicklingError, AttributeError, TypeError) as error:
                 if "pickle" not in str(error):
                     raise
                 raise _not_picklable(self._dataset, self._init, error) from error
+            finally:
+                shares.seed = None
+
+    def epoch(
+        self, tasks: Iterator[Task], base_seed: int, dataset_states: list[Any] | None = None
+    ) -> _Epoch:
+        """Fetch ``tasks`` (batches, in order, drawn as needed) across the workers.
+
+        The epoch, iterated, yields ``(number, items, (worker, dataset state) or None)`` in
+        order. Every worker gets its first batches before the first one is awaited, so that
+        they all start (and fetch) at once. As a pipeline's source, the epoch ends as soon as
+        the pipeline stops.
+        """
+        self.start()  # first: a put starts the queue's feeder thread
+        self._epochs += 1
+        dealer = Dealer(tasks, len(self._workers), self._prefetch)
+        hands = dealer.first_hands()
+        states = dataset_states or [None] * len(self._workers)
+        for shares, hand, state in zip(self._shares, hands, states, strict=True):
+            shares.queue.put(("start", self._epochs, base_seed, hand, state, dealer.exhausted))
+        for worker in self._workers:
+            worker.request_epoch()  # a no-op for a worker that has just started
+        self._unrun = _Epoch(self, dealer, self._epochs)
+        return self._unrun
 
     def _run(
-        self, total: int, stopping: Callable[[], bool] | None
+        self, dealer: Dealer, number: int, stopping: Callable[[], bool] | None
     ) -> Iterator[tuple[int, list[Any], Any]]:
-        count = len(self._workers)
         iterators: list[Iterator[tuple[int, list[Any], Any]]] = []
         done = False
+
+        def send(worker: int, tasks: list[Task], last: bool) -> None:
+            self._shares[worker].queue.put(("more", number, tasks, last))
+
         try:
             for w in self._workers:
                 iterators.append(w.iter_until(stopping, settle=False))
             try:
                 if self._in_order:
-                    for i in range(total):
-                        number, items, snapshot = next(iterators[i % count])
-                        yield number, items, None if snapshot is None else (i % count, snapshot[1])
+                    yield from self._in_turn(iterators, dealer, send)
                 else:
-                    yield from self._as_they_come(iterators, total, stopping)
+                    yield from self._as_they_come(iterators, dealer, send, stopping)
             except _Abandoned:
                 return  # the pipeline stopped meanwhile: settled below
             for it in iterators:  # let each child end its pass
@@ -348,29 +432,49 @@ class WorkerSet:
             for it in iterators:
                 it.close()  # type: ignore[attr-defined]
 
+    @staticmethod
+    def _in_turn(
+        iterators: list[Iterator[tuple[int, list[Any], Any]]],
+        dealer: Dealer,
+        send: Callable[[int, list[Task], bool], None],
+    ) -> Iterator[tuple[int, list[Any], Any]]:
+        # The epoch's batches in order: the i-th from the worker it was dealt to.
+        i = 0
+        while True:
+            dealer.top_up(send)
+            if i >= dealer.dealt:
+                return
+            w = dealer.owner(i)
+            number, items, snapshot = next(iterators[w])
+            dealer.handed_out(w)
+            yield number, items, None if snapshot is None else (w, snapshot[1])
+            i += 1
+
     def _as_they_come(
         self,
         iterators: list[Iterator[tuple[int, list[Any], Any]]],
-        total: int,
+        dealer: Dealer,
+        send: Callable[[int, list[Task], bool], None],
         stopping: Callable[[], bool] | None,
     ) -> Iterator[tuple[int, list[Any], Any]]:
         # in_order=False: take each worker's next batch as soon as it is there, so that a
         # slow batch holds up only the worker fetching it (as in PyTorch).
-        count = len(self._workers)
-        left = {w: len(range(w, total, count)) for w in range(count) if w < total}
-        for w in left:
-            self._workers[w].wait_ready(stopping)
-        while left:
-            handles = {h: w for w in left for h in self._workers[w].wait_handles()}
+        for w, worker in enumerate(self._workers):
+            if dealer.holds(w):
+                worker.wait_ready(stopping)
+        while True:
+            dealer.top_up(send)
+            busy = [w for w in range(len(self._workers)) if dealer.holds(w)]
+            if not busy:
+                return
+            handles = {h: w for w in busy for h in self._workers[w].wait_handles()}
             ready = wait_for(list(handles), timeout=_POLL)
             if stopping is not None and stopping():
                 raise _Abandoned
             for w in {handles[h] for h in ready}:
                 number, items, snapshot = next(iterators[w])  # raises if the worker died
+                dealer.handed_out(w)
                 yield number, items, None if snapshot is None else (w, snapshot[1])
-                left[w] -= 1
-                if left[w] == 0:
-                    del left[w]
 
     def close(self) -> None:
         """Stop every worker process, all at once (about a second at most). Idempotent."""
@@ -379,6 +483,5 @@ class WorkerSet:
         deadline = time.monotonic() + _CLOSE_GRACE
         for w in self._workers:
             w.close(grace=max(0.0, deadline - time.monotonic()))
-        for q in self._queues:
-            q.cancel_join_thread()  # a share no worker read must not hold this process
-            q.close()
+        for shares in self._shares:
+            shares.close()

@@ -314,7 +314,13 @@ class Pipeline(Generic[T]):
 
 
 class _UntilStopped:
-    """A source that can be told to end: iterated through ``iter_until(stopping)``."""
+    """A source that can be told to end: iterated through ``iter_until(stopping)``.
+
+    Such a source may wait for long between values: the engine never takes it for cheap
+    (``waits``), so it always runs on a thread of its own and puts each value as it comes.
+    """
+
+    waits = True
 
     def __init__(self, source: Any, run: Run) -> None:
         self._source = source

@@ -7,8 +7,8 @@ and the memory is freed when the parent's array is garbage-collected. Segments t
 the parent (the parent died, an epoch was cut short) are removed by multiprocessing's resource
 tracker, which both processes share.
 
-Only plain containers are walked (dict, list, tuple); plain CPU torch tensors travel as their
-NumPy arrays (:class:`TensorRef`); anything else travels as a pickle.
+Only plain containers are walked (dict, list, tuple, named tuples); plain CPU torch tensors
+travel as their NumPy arrays (:class:`TensorRef`); anything else travels as a pickle.
 
 Segments made for one child process share a name prefix that the parent chose, so that once
 the child is gone (killed mid-epoch, interrupted, crashed) the parent removes every segment it
@@ -120,7 +120,13 @@ def pack(obj: Any, min_bytes: float, names: SegmentNames | None = None) -> Any:
         return [pack(v, min_bytes, names) for v in obj]
     if kind is tuple:
         return tuple(pack(v, min_bytes, names) for v in obj)
+    if _is_named_tuple(obj):
+        return kind._make(pack(v, min_bytes, names) for v in obj)
     return obj
+
+
+def _is_named_tuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(type(obj), "_make")
 
 
 def _children(obj: Any) -> list[Any]:
@@ -129,7 +135,7 @@ def _children(obj: Any) -> list[Any]:
     kind = type(obj)
     if kind is dict:
         return list(obj.values())
-    if kind is list or kind is tuple:
+    if kind is list or kind is tuple or _is_named_tuple(obj):
         return list(obj)
     return []
 
@@ -197,4 +203,6 @@ def unpack(obj: Any) -> Any:
         return [unpack(v) for v in obj]
     if kind is tuple:
         return tuple(unpack(v) for v in obj)
+    if _is_named_tuple(obj):
+        return kind._make(unpack(v) for v in obj)
     return obj

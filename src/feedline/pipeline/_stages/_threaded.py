@@ -546,6 +546,15 @@ class ThreadedSource(_PoolStage):
         self._ended = False  # the iterator is exhausted (what it made may still be held)
         self._done = False  # ended, and the output closed
         self.loop_puller = None
+        # A source that waits for others (it offers iter_until: a child process, a queue
+        # fed as its values are used) is never taken for cheap, however fast its values
+        # come: a batch would hold the values made while a call waits for one of them to be
+        # used, and a pull on the event loop or by the consumer would block that thread.
+        self._waits = bool(getattr(source, "waits", False))
+
+    def cheap(self) -> bool:
+        """Whether the source's values come cheap (never for a source that waits)."""
+        return not self._waits and super().cheap()
 
     def on_data(self) -> None:
         """Unused: a source has no input."""

@@ -1,0 +1,135 @@
+"""Dealing an epoch's batches to the worker processes as they need them.
+
+The parent draws batches from the sampler lazily and deals them round-robin: the ``i``-th batch
+of the epoch goes to worker ``i % W``, as in PyTorch. A worker gets a first hand when the epoch
+starts (with its start-up arguments when it starts for this epoch), and more in rounds whose
+size doubles, each one message per worker, so that the parent keeps every worker a few batches
+ahead without drawing the whole epoch first: an ImageNet-sized shuffled epoch drew its 40,000
+batches (about 0.4 s on one core) before the first one could start.
+
+Messages on a worker's queue, each tagged with the epoch's number:
+
+* ``("start", epoch, base_seed, tasks, dataset_state, last)``: the epoch's first hand;
+* ``("more", epoch, tasks, last)``: the next hand; ``last`` ends the worker's share.
+
+A worker skips messages of other epochs (hands dealt to an epoch it left early).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ._fetch import Task
+
+__all__ = ["Dealer", "TaskStream", "read_start"]
+
+_MAX_ROUND = 256
+"""The most batches a worker is dealt at once (one message)."""
+
+_POLL = 0.2  # seconds between checks of the consumer's stop while waiting for a hand
+
+
+class Dealer:
+    """Deals ``tasks`` (an epoch's numbered batches, drawn lazily) to ``workers`` workers.
+
+    Args:
+        tasks: The epoch's batches in order; drawn only as far as dealt.
+        workers: How many workers share them.
+        ahead: Batches a worker has in flight (its prefetch): it is dealt more before it
+            holds fewer than this beyond those handed out.
+
+    """
+
+    def __init__(self, tasks: Iterator[Task], workers: int, ahead: int) -> None:
+        self._tasks = tasks
+        self._workers = workers
+        self._low = max(1, ahead) + 1
+        self._round = self._low
+        self._held = [0] * workers  # dealt to each worker and not handed out yet
+        self.dealt = 0  # batches dealt so far; the i-th went to worker i % workers
+        self.exhausted = False
+
+    def first_hands(self) -> list[list[Task]]:
+        """Each worker's first hand (:attr:`exhausted` says whether that is the whole epoch)."""
+        return self._draw()
+
+    def top_up(self, send: Callable[[int, list[Task], bool], None]) -> None:
+        """Deal another round if a worker holds fewer batches than it should.
+
+        ``send(worker, tasks, last)`` delivers a hand; every worker gets one per round, and
+        the round that reaches the end of the epoch tells each that its share is complete.
+        """
+        if self.exhausted or min(self._held) >= self._low:
+            return
+        self._round = min(_MAX_ROUND, 2 * self._round)
+        for worker, hand in enumerate(self._draw()):
+            send(worker, hand, self.exhausted)
+
+    def owner(self, i: int) -> int:
+        """The worker that was dealt the epoch's ``i``-th batch."""
+        return i % self._workers
+
+    def handed_out(self, worker: int) -> None:
+        """One of ``worker``'s batches reached the consumer."""
+        self._held[worker] -= 1
+
+    def holds(self, worker: int) -> int:
+        """Batches dealt to ``worker`` and not handed out yet."""
+        return self._held[worker]
+
+    def _draw(self) -> list[list[Task]]:
+        wanted = self._round * self._workers
+        drawn = list(itertools.islice(self._tasks, wanted))
+        if len(drawn) < wanted:
+            self.exhausted = True
+        hands: list[list[Task]] = [[] for _ in range(self._workers)]
+        for k, task in enumerate(drawn):
+            hands[(self.dealt + k) % self._workers].append(task)
+        for worker, hand in enumerate(hands):
+            self._held[worker] += len(hand)
+        self.dealt += len(drawn)
+        return hands
+
+
+def read_start(get: Callable[[], Any]) -> tuple[Any, ...]:
+    """The next epoch's start message from a worker's queue, skipping other epochs' hands."""
+    while True:
+        message: tuple[Any, ...] = get()
+        if message[0] == "start":
+            return message
+
+
+class TaskStream:
+    """A worker's share of one epoch: its first hand, then the hands that follow.
+
+    Iterable, and interruptible as a pipeline's source (``iter_until``): waiting for the next
+    hand ends once the pipeline stops.
+    """
+
+    def __init__(self, q: Any, epoch: int, first: list[Task], last: bool) -> None:
+        self._queue = q
+        self._epoch = epoch
+        self._first = first
+        self._last = last
+
+    def __iter__(self) -> Iterator[Task]:
+        return self.iter_until(lambda: False)
+
+    def iter_until(self, stopping: Callable[[], bool]) -> Iterator[Task]:
+        """The share's batches, ending early once ``stopping()`` is true."""
+        yield from self._first
+        last = self._last
+        while not last:
+            try:
+                message = self._queue.get(timeout=_POLL)
+            except queue.Empty:
+                if stopping():
+                    return
+                continue
+            if message[0] != "more" or message[1] != self._epoch:
+                continue  # a hand of an epoch this worker left early
+            _, _, tasks, last = message
+            yield from tasks

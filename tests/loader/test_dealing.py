@@ -1,0 +1,149 @@
+"""The epoch's batches reach the workers as they need them, and nothing outlives its epoch."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.utils.data import Sampler  # noqa: E402
+
+from feedline import DataLoader  # noqa: E402
+from feedline.loader._deal import Dealer  # noqa: E402
+
+from ._procs import alone, no_children_left  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class CountingSampler(Sampler[int]):
+    """``range(n)``, counting how many indices were drawn (in the process that iterates it)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.drawn = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        for i in range(self.n):
+            self.drawn += 1
+            yield i
+
+
+def _tasks(n: int) -> Iterator[tuple[int, list[int]]]:
+    return ((b, [b]) for b in range(n))
+
+
+def test_the_dealer_deals_round_robin_and_only_as_far_as_needed() -> None:
+    drawn = itertools.count()
+    tasks = ((next(drawn), [b]) for b in range(1000))
+    dealer = Dealer(tasks, workers=3, ahead=2)
+    hands = dealer.first_hands()
+    assert [[n for n, _ in h] for h in hands] == [[0, 3, 6], [1, 4, 7], [2, 5, 8]]
+    assert not dealer.exhausted
+    sent: list[tuple[int, list[int], bool]] = []
+
+    def send(worker: int, hand: list[tuple[int, list[int]]], last: bool) -> None:
+        sent.append((worker, [n for n, _ in hand], last))
+
+    dealer.top_up(send)
+    assert sent == []  # every worker holds 3 batches, as many as it should
+    for i in range(3):
+        dealer.handed_out(dealer.owner(i))
+    dealer.top_up(send)  # each now holds 2: a round of 6 more each
+    assert [w for w, _, _ in sent] == [0, 1, 2]
+    assert sent[0][1] == list(range(9, 27, 3))
+    assert dealer.dealt == 27
+    # Drive it to the end: every batch dealt once, to worker i % 3, the last round saying so.
+    owners = {}
+    for w, numbers, _ in sent:
+        owners.update(dict.fromkeys(numbers, w))
+    i = 3
+    while i < dealer.dealt or not dealer.exhausted:
+        dealer.handed_out(dealer.owner(i))
+        i += 1
+        before = len(sent)
+        dealer.top_up(send)
+        for w, numbers, _ in sent[before:]:
+            owners.update(dict.fromkeys(numbers, w))
+    assert dealer.dealt == 1000
+    assert i == 1000
+    assert all(owners[n] == n % 3 for n in range(9, 1000))
+    assert sorted(owners) == list(range(9, 1000))
+    assert [last for _, _, last in sent[-3:]] == [True, True, True]
+    assert max(len(numbers) for _, numbers, _ in sent) <= 256
+
+
+def test_an_empty_epoch_is_dealt_as_finished() -> None:
+    dealer = Dealer(_tasks(0), workers=2, ahead=2)
+    assert dealer.first_hands() == [[], []]
+    assert dealer.exhausted
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_workers_get_the_epoch_as_they_need_it_not_all_at_once(in_order: bool) -> None:
+    n = 20_000
+    sampler = CountingSampler(n)
+    loader = DataLoader(
+        list(range(n)), batch_size=4, sampler=sampler, num_workers=2, in_order=in_order
+    )
+    it = iter(loader)
+    first = next(it)
+    assert first.tolist() == [0, 1, 2, 3]
+    # PyTorch draws 2 batches per worker ahead; feedline a few rounds: far from the epoch.
+    assert sampler.drawn <= 4 * 64, sampler.drawn
+    rest = [b.tolist() for b in it]
+    got = sorted([first.tolist(), *rest])
+    assert got == [list(range(i, i + 4)) for i in range(0, n, 4)]
+    if in_order:
+        assert [first.tolist(), *rest] == got
+    assert sampler.drawn == n
+    no_children_left()
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_an_epoch_left_early_leaves_nothing_for_the_next(in_order: bool) -> None:
+    # Persistent workers keep their queues: hands dealt to an epoch left early (several
+    # rounds of them by then) must not reach the next epoch, which must be whole.
+    loader = DataLoader(
+        list(range(3000)), batch_size=2, num_workers=2, persistent_workers=True, in_order=in_order
+    )
+    whole = [[i, i + 1] for i in range(0, 3000, 2)]
+    for stop in (150, None, 40, 1, None):
+        batches = []
+        for i, batch in enumerate(loader):
+            batches.append(batch.tolist())
+            if stop is not None and i + 1 == stop:
+                break
+        if stop is None:
+            assert sorted(batches) == whole
+            if in_order:
+                assert batches == whole
+        else:
+            assert len(batches) == stop
+            assert all(b in whole for b in batches)
+    loader.close()
+    no_children_left()
+
+
+def test_every_epoch_and_the_next_loader_fork_their_workers() -> None:
+    # The queues of an epoch's workers run feeder threads that leave just after it; the
+    # next epoch must not take them for the training's own threads and use the fork server
+    # (about 1.5 s the first time, against milliseconds for a fork).
+    alone()
+    parents = []
+    for loader in (DataLoader(list(range(8)), batch_size=2, num_workers=2) for _ in range(2)):
+        for _ in range(3):
+            for batch in loader:
+                workers = loader._workers
+                assert workers is not None
+                parents.append({type(w._child.process._popen).__module__ for w in workers._workers})
+                assert batch.numel() == 2
+    assert len(parents) == 2 * 3 * 4
+    assert all(p == {"multiprocessing.popen_fork"} for p in parents), parents
+    no_children_left()
