@@ -314,3 +314,27 @@ def worker_pid_collate(items: Any) -> Any:
     import os
 
     return torch.tensor(items), os.getpid()
+
+
+class Kinds(Dataset[Any]):
+    """Every kind of field ``default_collate`` stacks: arrays, tensors (one without a NumPy
+    dtype), numbers, strings, nested; ``ragged`` makes item 3's array a different shape."""
+
+    def __init__(self, n: int, ragged: bool = False) -> None:
+        self.n, self.ragged = n, ragged
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        import numpy as np
+
+        side = 5 if self.ragged and i == 3 else 4
+        return {
+            "image": np.full((side, 4, 3), i, dtype=np.uint8),
+            "mask": (torch.arange(6).reshape(2, 3) + i) % 2 == 0,
+            "half": torch.full((3,), float(i), dtype=torch.bfloat16),
+            "pair": (torch.tensor([i, -i], dtype=torch.int64), float(i) / 3),
+            "label": i,
+            "name": f"item{i}",
+        }

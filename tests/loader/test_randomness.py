@@ -3,6 +3,7 @@ per item at any concurrency."""
 
 from __future__ import annotations
 
+import json
 import random
 import warnings
 from typing import Any
@@ -159,3 +160,51 @@ def test_a_dataset_that_asks_only_after_the_first_batch_gets_its_items_from_then
     infos = [info for _, info in seen]
     assert infos[0] is None  # asked for the first time after the first batch, untracked
     assert all(info is not None and info.index == i for i, info in seen[1:])
+
+
+@pytest.mark.parametrize("own_generator", [False, True])
+def test_persistent_workers_shuffle_every_epoch_as_pytorch(own_generator: bool) -> None:
+    # PyTorch draws a persistent iterator's base seed once; feedline derives the later
+    # epochs' from it instead of drawing, so every epoch's order is PyTorch's. The first
+    # epoch's augmentation is PyTorch's too (later ones: workers reseeded, see the README).
+    def run(cls: Any, **kw: Any) -> list[Any]:
+        if own_generator:
+            kw["generator"] = torch.Generator().manual_seed(11)
+        return _epochs(
+            cls,
+            Augmenting(18),
+            batch_size=4,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=True,
+            multiprocessing_context="forkserver",
+            **kw,
+        )
+
+    expected, got = run(TorchLoader), run(DataLoader, fetch_concurrency=1)
+    assert [b[:, 0].tolist() for b in got] == [b[:, 0].tolist() for b in expected]
+    _same(got[:5], expected[:5])
+    orders = {tuple(torch.cat([b[:, 0] for b in got[e : e + 5]]).tolist()) for e in (0, 5, 10)}
+    assert len(orders) == 3  # each epoch shuffled anew
+
+
+def test_persistent_workers_resume_mid_epoch_exactly() -> None:
+    # The order and the per-item seeds: both follow from the state alone.
+    kw: dict[str, Any] = {"batch_size": 4, "shuffle": True, "num_workers": 2}
+    kw["persistent_workers"] = True
+    whole = _epochs(DataLoader, Augmenting(18, seeded=True), **kw)  # 3 epochs of 5 batches
+    torch.manual_seed(7)
+    loader = DataLoader(Augmenting(18, seeded=True), **kw)
+    head = list(loader)
+    for i, batch in enumerate(loader):  # the second epoch, left after 2 batches
+        head.append(batch)
+        if i == 1:
+            break
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    torch.manual_seed(123)  # the resumed job's own seeds must not matter
+    resumed = DataLoader(Augmenting(18, seeded=True), **kw)
+    resumed.load_state_dict(state)
+    tail = list(resumed) + list(resumed)
+    resumed.close()
+    _same(head + tail, whole)

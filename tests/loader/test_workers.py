@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 from feedline import DataLoader, SubprocessDied  # noqa: E402
 
 from ._datasets import (  # noqa: E402
+    Kinds,
     Rendezvous,
     Sleepy,
     Suicidal,
@@ -196,4 +197,32 @@ def test_a_collate_fn_exception_in_a_worker_is_raised_as_it_is() -> None:
             list(loader)
     notes = "\n".join(info.value.__notes__)
     assert "collate_fn on batch 0 in DataLoader worker 0" in notes
+    no_children_left()
+
+
+def test_default_collation_in_workers_gives_pytorchs_batches_for_every_kind() -> None:
+    # The workers stack tensors straight into shared memory: the same values, dtypes and
+    # structure as PyTorch's, nothing left in /dev/shm, and the same error for ragged items.
+    def batches(cls: Any) -> list[Any]:
+        return list(cls(Kinds(10), batch_size=4, num_workers=2))
+
+    def flat(batch: Any) -> Any:
+        if isinstance(batch, dict):
+            return {k: flat(v) for k, v in batch.items()}
+        if isinstance(batch, list | tuple):
+            return [flat(v) for v in batch]
+        if isinstance(batch, torch.Tensor):
+            return (str(batch.dtype), tuple(batch.shape), batch.float().tolist())
+        return batch
+
+    before = {f for f in os.listdir("/dev/shm") if f.startswith("psm_")}
+    ours, theirs = batches(DataLoader), batches(TorchLoader)
+    assert [flat(b) for b in ours] == [flat(b) for b in theirs]
+    del ours
+    no_children_left()
+    assert {f for f in os.listdir("/dev/shm") if f.startswith("psm_")} - before == set()
+    for cls in (TorchLoader, DataLoader):
+        with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+            list(cls(Kinds(8, ragged=True), batch_size=4, num_workers=2))
+        gc.collect()
     no_children_left()

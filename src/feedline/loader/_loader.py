@@ -32,7 +32,7 @@ from feedline.pipeline import Pipeline, PipelineBuilder
 
 from ._fetch import BatchFetcher, Collated, FailureTally, Task
 from ._seeds import RngWatch
-from ._state import Position, check_state, decode_rng, is_stateful
+from ._state import Position, check_state, decode_rng, derived_seed, is_stateful
 from ._workers import WorkerSet
 
 __all__ = ["DataLoader"]
@@ -231,6 +231,7 @@ class DataLoader(Generic[T]):
         self._current: weakref.ref[_LoaderIter[T]] | None = None
         self._pending: dict[str, Any] | None = None
         self._position: Position | None = None  # of the current or last epoch
+        self._seed_chain: tuple[int, int] | None = None  # persistent workers: see Position
         self._pin = bool(pin_memory) and bool(torch.cuda.is_available())
         if pin_memory and not self._pin:
             warnings.warn(
@@ -439,7 +440,14 @@ class _LoaderIter(Generic[T]):
             position.sampler_state = sampler_state
         # The same draws, in the same order, as PyTorch's iterator: sampler, then base seed.
         sampler_iter = iter(tl._index_sampler)
-        base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+        chain = _seed_chain(loader, state)
+        if chain is not None and chain[1] > 0:
+            base_seed = derived_seed(*chain)  # persistent workers: PyTorch draws it once
+        else:
+            base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+            if tl.persistent_workers and tl.num_workers > 0:
+                chain = (base_seed, 0)
+        loader._seed_chain = position.seed_chain = chain
         self._finish = _Finisher(
             FailureTally(loader.max_failures), tl.collate_fn, bool(tl._auto_collation)
         )
@@ -697,6 +705,18 @@ def _numbered(
             states[n] = sampler.state_dict()
         if n not in ahead:
             yield n, b
+
+
+def _seed_chain(loader: DataLoader[Any], state: dict[str, Any] | None) -> tuple[int, int] | None:
+    """The epoch's place in its persistent workers' seed chain (see ``Position``), if any."""
+    tl = loader._torch_loader
+    if not (tl.persistent_workers and tl.num_workers > 0):
+        return None
+    if state is not None:
+        saved = state["persistent_seed"]
+        return None if saved is None else (int(saved[0]), int(saved[1]))
+    previous = loader._seed_chain
+    return None if previous is None else (previous[0], previous[1] + 1)
 
 
 def _stateful_sampler(tl: Any) -> Any:

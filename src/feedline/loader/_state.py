@@ -12,10 +12,19 @@ the dataset's and sampler's own ``state_dict()`` return), so it can be written a
 from __future__ import annotations
 
 import base64
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["STATE_VERSION", "Position", "check_state", "decode_rng", "encode_rng", "is_stateful"]
+__all__ = [
+    "STATE_VERSION",
+    "Position",
+    "check_state",
+    "decode_rng",
+    "derived_seed",
+    "encode_rng",
+    "is_stateful",
+]
 
 STATE_VERSION = 2
 _ACCEPTED = (1, 2)  # version 1 held the random state as a tensor, and no dataset or sampler state
@@ -56,6 +65,9 @@ class Position:
             drawn, when the sampler is stateful.
         dataset_states: The dataset's own state after the last batch handed out, per worker
             (one slot without workers), when the dataset is stateful.
+        seed_chain: With persistent workers, ``(first base seed, epochs since)``: epochs
+            after the first derive their base seed from it instead of drawing one (PyTorch
+            draws it once per persistent iterator), so that they shuffle as PyTorch's do.
 
     """
 
@@ -65,6 +77,7 @@ class Position:
     finished: bool = False
     sampler_state: Any = None
     dataset_states: list[Any] | None = None
+    seed_chain: tuple[int, int] | None = None
 
     def to_state(self, own_generator: bool, rng_now: Any) -> dict[str, Any]:
         """The ``state_dict()`` of a loader at this position.
@@ -75,10 +88,13 @@ class Position:
                 finished.
 
         """
+        chain = self.seed_chain
         if self.finished:
             # The next epoch starts from the sampler's and the dataset's own beginning.
             rng, yielded, ahead = rng_now, 0, []
             sampler, dataset = None, None
+            if chain is not None:
+                chain = (chain[0], chain[1] + 1)
         else:
             rng, yielded, ahead = self.rng_at_start, self.yielded, sorted(self.ahead)
             sampler, dataset = self.sampler_state, self.dataset_states
@@ -93,6 +109,7 @@ class Position:
             "finished": self.finished,
             "sampler_state": sampler,
             "dataset_state": dataset,
+            "persistent_seed": None if chain is None else list(chain),
         }
 
 
@@ -113,4 +130,11 @@ def check_state(state: Any, own_generator: bool) -> dict[str, Any]:
     out.setdefault("finished", False)
     out.setdefault("sampler_state", None)
     out.setdefault("dataset_state", None)
+    out.setdefault("persistent_seed", None)
     return out
+
+
+def derived_seed(first: int, epochs_since: int) -> int:
+    """The base seed of a persistent loader's epoch after its first, as ``random_()`` gives."""
+    digest = hashlib.blake2b(f"{first}:{epochs_since}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

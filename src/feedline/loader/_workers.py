@@ -27,6 +27,7 @@ from feedline.pipeline import PipelineBuilder, SubprocessIterable
 from feedline.pipeline._queues import await_closed_queues, close_queue
 from feedline.pipeline._subprocess import _CLOSE_GRACE, _DEFAULT_SHM_MIN, _POLL, _Abandoned
 
+from ._collate import shm_collate_for
 from ._deal import Dealer, TaskStream, read_start
 from ._fetch import BatchFetcher, Task, collate_in_worker
 from ._state import is_stateful
@@ -81,7 +82,7 @@ class _WorkerIterable:
             # Its share of the cores: N workers fetching CPU-bound items with cores + 1 calls
             # each would queue N times as many calls as there are cores.
             cores=max(1, (os.cpu_count() or 1) // self._num_workers),
-            finish=collate_in_worker(self._collate_fn, self._auto, origin),
+            finish=collate_in_worker(shm_collate_for(self._collate_fn), self._auto, origin),
             # The next batches wait until the first is on its way to the parent: the hand-offs
             # between this process's threads after its last item are its latency, and the
             # next batches' calls would take the cores from them.

@@ -13,6 +13,9 @@ travel as their NumPy arrays (:class:`TensorRef`); anything else travels as a pi
 Segments made for one child process share a name prefix that the parent chose, so that once
 the child is gone (killed mid-epoch, interrupted, crashed) the parent removes every segment it
 made and the parent did not map, at once rather than when the resource tracker exits.
+
+An array made with :func:`shared_empty` lives in a segment from the start: code that fills
+one (a worker's collation) saves the child its copy, and :func:`pack` sends its name as it is.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import mmap
 import os
 import secrets
 import sys
+import threading
+import weakref
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
@@ -32,6 +37,8 @@ import numpy as np
 
 __all__ = [
     "SHM_AVAILABLE",
+    "set_segment_names",
+    "shared_empty",
     "ShmArray",
     "SegmentNames",
     "pack",
@@ -95,12 +102,87 @@ class SegmentNames:
         return f"psm_fl{os.getpid()}_{secrets.token_hex(4)}_"
 
 
+_names: SegmentNames | None = None  # this child's, once set_segment_names was called
+_made: dict[int, tuple[str, weakref.ref[np.ndarray[Any, Any]]]] = {}  # address -> segment
+_made_lock = threading.Lock()
+
+
+def set_segment_names(names: SegmentNames) -> None:
+    """Name the segments :func:`shared_empty` makes in this (child) process."""
+    global _names
+    _names = names
+
+
+def shared_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray[Any, Any]:
+    """A new array in a shared-memory segment of its own, which :func:`pack` sends uncopied.
+
+    Off Linux (no ``/dev/shm``), a plain array. A segment never sent is removed when its
+    array is garbage-collected.
+    """
+    dtype = np.dtype(dtype)
+    if not SHM_AVAILABLE:
+        return np.empty(shape, dtype)
+    size = max(1, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    name = _names() if _names is not None else f"psm_{secrets.token_hex(8)}"
+    path = os.path.join(_SHM_DIR, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        mapping = mmap.mmap(fd, size)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    resource_tracker.register("/" + name, "shared_memory")  # removed if this process dies
+    count = int(np.prod(shape, dtype=np.int64))
+    array = np.frombuffer(mapping, dtype=dtype, count=count).reshape(shape)
+    address = array.__array_interface__["data"][0]
+    with _made_lock:
+        _made[address] = (name, weakref.ref(array))
+    weakref.finalize(array, _forget, address, name)
+    return array
+
+
+def _forget(address: int, name: str) -> None:
+    # The array is gone: a segment not sent is removed (a sent one the parent unlinked).
+    with _made_lock:
+        entry = _made.get(address)
+        if entry is None or entry[0] != name:
+            return  # sent
+        del _made[address]
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(_SHM_DIR, name))
+    with contextlib.suppress(Exception):  # the tracker may already be gone at exit
+        resource_tracker.unregister("/" + name, "shared_memory")
+
+
+def _made_segment(obj: np.ndarray[Any, Any]) -> str | None:
+    # The segment ``obj`` fills entirely, if shared_empty made it (and it was not sent).
+    if not _made or not obj.flags.c_contiguous:
+        return None
+    address = obj.__array_interface__["data"][0]
+    with _made_lock:
+        entry = _made.get(address)
+        if entry is None:
+            return None
+        array = entry[1]()
+        if array is None or array.nbytes != obj.nbytes:
+            return None
+        del _made[address]  # sent: the parent unlinks it
+        return entry[0]
+
+
 def pack(obj: Any, min_bytes: float, names: SegmentNames | None = None) -> Any:
     """Replace arrays of at least ``min_bytes`` in ``obj`` by shared-memory references.
 
-    ``names`` names the segments (default: ``SharedMemory``'s random names).
+    ``names`` names the segments (default: ``SharedMemory``'s random names). An array that
+    :func:`shared_empty` made is sent as its segment, whatever its size.
     """
     if isinstance(obj, np.ndarray):
+        made = _made_segment(obj)
+        if made is not None:
+            return ShmArray(made, obj.shape, obj.dtype)
         if obj.nbytes < min_bytes or obj.dtype.hasobject:
             return obj
         name = None if names is None else names()

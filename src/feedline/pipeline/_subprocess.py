@@ -42,7 +42,15 @@ from feedline.errors import (
 from ._builder import PipelineBuilder
 from ._lifetime import die_with_parent
 from ._queues import close_queue
-from ._shm import SHM_AVAILABLE, SegmentNames, pack, release, remove_prefixed, unpack
+from ._shm import (
+    SHM_AVAILABLE,
+    SegmentNames,
+    pack,
+    release,
+    remove_prefixed,
+    set_segment_names,
+    unpack,
+)
 
 __all__ = ["SubprocessIterable", "iterate_in_subprocess", "run_pipeline_in_subprocess"]
 
@@ -92,6 +100,7 @@ def _child_main(
     gc.freeze()
     die_with_parent()
     names = SegmentNames(shm_prefix)
+    set_segment_names(names)  # shared_empty's segments, too, are this child's
     try:
         iterable = factory()
     except BaseException as error:
