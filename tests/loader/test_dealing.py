@@ -106,12 +106,20 @@ def test_workers_get_the_epoch_as_they_need_it_not_all_at_once(in_order: bool) -
     no_children_left()
 
 
-@pytest.mark.parametrize("in_order", [True, False])
-def test_an_epoch_left_early_leaves_nothing_for_the_next(in_order: bool) -> None:
+@pytest.mark.parametrize(("in_order", "concurrency"), [(True, None), (False, None), (True, 1)])
+def test_an_epoch_left_early_leaves_nothing_for_the_next(
+    in_order: bool, concurrency: int | None
+) -> None:
     # Persistent workers keep their queues: hands dealt to an epoch left early (several
-    # rounds of them by then) must not reach the next epoch, which must be whole.
+    # rounds of them by then) must not reach the next epoch, which must be whole. At a
+    # concurrency of one, the workers fetch without a pipeline.
     loader = DataLoader(
-        list(range(3000)), batch_size=2, num_workers=2, persistent_workers=True, in_order=in_order
+        list(range(3000)),
+        batch_size=2,
+        num_workers=2,
+        persistent_workers=True,
+        in_order=in_order,
+        fetch_concurrency=concurrency,
     )
     whole = [[i, i + 1] for i in range(0, 3000, 2)]
     for stop in (150, None, 40, 1, None):

@@ -112,24 +112,43 @@ class TaskStream:
     def __init__(self, q: Any, epoch: int, first: list[Task], last: bool) -> None:
         self._queue = q
         self._epoch = epoch
-        self._first = first
+        self._hand = list(first)  # dealt and not taken yet
         self._last = last
 
     def __iter__(self) -> Iterator[Task]:
         return self.iter_until(lambda: False)
 
-    def iter_until(self, stopping: Callable[[], bool]) -> Iterator[Task]:
-        """The share's batches, ending early once ``stopping()`` is true."""
-        yield from self._first
-        last = self._last
-        while not last:
+    def take(self, count: int | None) -> Iterator[Task]:
+        """The next ``count`` batches (``None``: all), taken out of the share."""
+        taken = 0
+        while count is None or taken < count:
+            if not self._hand:
+                if self._last or count is not None:
+                    return  # the rest comes through iter_until
+                self._more(lambda: False)
+                continue
+            taken += 1
+            yield self._hand.pop(0)
+
+    def _more(self, stopping: Callable[[], bool]) -> bool:
+        # Wait for this epoch's next hand into _first; False once stopping() says so.
+        while True:
             try:
                 message = self._queue.get(timeout=_POLL)
             except queue.Empty:
                 if stopping():
-                    return
+                    return False
                 continue
             if message[0] != "more" or message[1] != self._epoch:
                 continue  # a hand of an epoch this worker left early
-            _, _, tasks, last = message
-            yield from tasks
+            _, _, tasks, self._last = message
+            self._hand.extend(tasks)
+            return True
+
+    def iter_until(self, stopping: Callable[[], bool]) -> Iterator[Task]:
+        """The share's batches not taken yet, ending early once ``stopping()`` is true."""
+        while True:
+            while self._hand:
+                yield self._hand.pop(0)
+            if self._last or not self._more(stopping):
+                return

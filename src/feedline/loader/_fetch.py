@@ -276,6 +276,13 @@ class BatchFetcher:
         running = min(self._pool.running, self._pool.sampled_threads)
         return on_cores is not None and on_cores > max(self._cores, running // 2)
 
+    def _some_call_waits(self) -> bool:
+        # A call running now is off the cores (waiting on I/O, a sleep, a lock): more calls at
+        # once could use the time. Calls all on a core or queued for one would only queue
+        # more, however idle this process looks beside other processes.
+        on_cores = self._pool.running_on_cores()
+        return on_cores is None or on_cores < min(self._pool.running, self._pool.sampled_threads)
+
     def _new_window(self, now: float) -> None:
         # Start measuring how busy the cores are, and how long the calls queue, from now.
         self._window_start, self._window_cpu = now, time.process_time()
@@ -312,7 +319,10 @@ class BatchFetcher:
         without ``snapshot``.
         """
         number, indices = task
-        if self._first is None:
+        if self._first is None and self._first_fetched:  # fetch_now fetched the first batch
+            self._first, self.loop = asyncio.Event(), asyncio.get_running_loop()
+            self._first.set()
+        elif self._first is None:
             self._first, self._first_number = asyncio.Event(), number
             self.loop = asyncio.get_running_loop()
             self._pool.set_limit(self._cores + 1)
@@ -348,20 +358,68 @@ class BatchFetcher:
                 loop.call_soon_threadsafe(first.set)
 
     async def _fetch(self, number: int, indices: list[Any]) -> Any:
-        # The batch: its items, and the dataset's state right after the last of them (taken
-        # in the thread that fetched it, before that thread takes up another batch's items),
-        # finished there.
-        snapshot, finish = self._snapshot, self._finish
-        count = len(indices)
-
-        def complete(items: list[Any]) -> Any:
-            batch = (number, items, None if snapshot is None else (0, snapshot()))
-            return batch if finish is None else finish(batch)
-
-        if count == 0:
-            return complete([])
+        if not indices:
+            return self._complete(number, [])
         loop = asyncio.get_running_loop()
         finished: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: the epoch was stopped
+                loop.call_soon_threadsafe(_resolve, finished)
+
+        done = self._submit(number, indices, wake)
+        await finished
+        return done[0]
+
+    def fetch_now(self, task: Task) -> Any:
+        """:meth:`fetch`, from a thread that runs no event loop; returns once it is done.
+
+        At a concurrency of one, the items are fetched on the calling thread itself (as in a
+        PyTorch worker: no hand-over between threads); otherwise on the pool, the calling
+        thread waking up to grow the calls at once while the cores are idle (slow start).
+        Used by a worker process for its first batch, and for all of them at concurrency one.
+        """
+        number, indices = task
+        first = not self._first_fetched
+        watch = self._watch if first else None
+        if first:
+            # As many calls as cores to start with (a worker: its share, often one), not
+            # cores + 1 as in the pipeline: each extra CPU-bound call only queues for a core
+            # beside the other workers' (measured: the first batch of 2 workers 10 ms later).
+            # Items that wait on I/O leave the cores idle, and the slow start admits more.
+            self._pool.set_limit(self._cores)
+            self._new_window(time.perf_counter())
+        try:
+            if watch is not None:
+                watch.start()
+            if not indices:
+                return self._complete(number, [])
+            if self._concurrency == 1:
+                items: list[Any] = [None] * len(indices)
+                self._run_items(indices, items, 0, len(indices))
+                return self._complete(number, items)
+            finished = threading.Event()
+            done = self._submit(number, indices, finished.set)
+            while not finished.wait(self.SLOW_START_SECONDS):
+                if first and self._running and self._some_call_waits():
+                    self._adjust(self.SLOW_START_SECONDS, grow=lambda limit: 2 * limit)
+            if watch is not None:
+                watch.check()
+            return done[0]
+        finally:
+            self._first_fetched = True
+
+    def _complete(self, number: int, items: list[Any]) -> Any:
+        # The batch, with the dataset's state right after its last item (taken in the thread
+        # that fetched it, before that thread takes up another batch's items), finished there.
+        snapshot, finish = self._snapshot, self._finish
+        batch = (number, items, None if snapshot is None else (0, snapshot()))
+        return batch if finish is None else finish(batch)
+
+    def _submit(self, number: int, indices: list[Any], wake: Callable[[], None]) -> list[Any]:
+        # Fetch the batch's items on the pool; the job that finishes last completes the batch
+        # into the returned slot and calls ``wake``.
+        count = len(indices)
         items: list[Any] = [None] * count
         jobs = self._split(count)
         left = [jobs]
@@ -369,43 +427,44 @@ class BatchFetcher:
         lock = threading.Lock()
 
         def run(start: int, stop: int) -> None:
-            wall = time.perf_counter()
-            if not self._running:
-                self._begin_window(wall)
-            # The item being fetched, for get_item_info(): one attribute per item, set for the
-            # first batch and then only if the dataset asked for it (items of a microsecond
-            # lost 15% of their rate to it); the seed is derived only when asked for.
-            get = self._get
-            current = fetching(self._seed)
-            try:
-                first = start
-                if self._seed is None or (self._first_fetched and not asked()):
-                    # Untracked: a call to get_item_info returns None and turns tracking on,
-                    # for the next item on.
-                    while first < stop:
-                        items[first] = get(indices[first])
-                        first += 1
-                        if self._seed is not None and asked():
-                            break
-                for k in range(first, stop):
-                    current.index = index = indices[k]
-                    items[k] = get(index)
-            finally:
-                done_fetching()
-            self._measured((time.perf_counter() - wall) / (stop - start))
+            self._run_items(indices, items, start, stop)
             with lock:
                 left[0] -= 1
                 last = left[0] == 0
             if last:
-                done[0] = complete(items)
-                with contextlib.suppress(RuntimeError):  # the loop closed: the epoch was stopped
-                    loop.call_soon_threadsafe(_resolve, finished)
+                done[0] = self._complete(number, items)
+                wake()
 
         bounds = [count * j // jobs for j in range(jobs + 1)]
         for j in range(jobs):
             self._pool.submit(functools.partial(run, bounds[j], bounds[j + 1]))
-        await finished
-        return done[0]
+        return done
+
+    def _run_items(self, indices: list[Any], items: list[Any], start: int, stop: int) -> None:
+        wall = time.perf_counter()
+        if not self._running:
+            self._begin_window(wall)
+        # The item being fetched, for get_item_info(): one attribute per item, set for the
+        # first batch and then only if the dataset asked for it (items of a microsecond
+        # lost 15% of their rate to it); the seed is derived only when asked for.
+        get = self._get
+        current = fetching(self._seed)
+        try:
+            first = start
+            if self._seed is None or (self._first_fetched and not asked()):
+                # Untracked: a call to get_item_info returns None and turns tracking on,
+                # for the next item on.
+                while first < stop:
+                    items[first] = get(indices[first])
+                    first += 1
+                    if self._seed is not None and asked():
+                        break
+            for k in range(first, stop):
+                current.index = index = indices[k]
+                items[k] = get(index)
+        finally:
+            done_fetching()
+        self._measured((time.perf_counter() - wall) / (stop - start))
 
     def close(self) -> None:
         """Stop the threads; calls not started yet are dropped."""

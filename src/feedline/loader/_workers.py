@@ -83,33 +83,29 @@ class _WorkerIterable:
             # each would queue N times as many calls as there are cores.
             cores=max(1, (os.cpu_count() or 1) // self._num_workers),
             finish=collate_in_worker(shm_collate_for(self._collate_fn), self._auto, origin),
-            # The next batches wait until the first is on its way to the parent: the hand-offs
-            # between this process's threads after its last item are its latency, and the
-            # next batches' calls would take the cores from them.
-            wait_for_delivery=True,
         )
+        try:
+            # The first batch on this thread, as a PyTorch worker fetches (the pipeline and its
+            # threads would cost it 15-30 ms on 2 cores, measured); at a concurrency of one,
+            # every batch: one after another, so that global draws match PyTorch's.
+            for task in tasks.take(1 if self._concurrency > 1 else None):
+                yield fetcher.fetch_now(task)
+            if self._concurrency > 1:
+                yield from self._pipeline(fetcher, tasks)
+        finally:
+            fetcher.close()
+
+    def _pipeline(self, fetcher: BatchFetcher, tasks: TaskStream) -> Iterator[Any]:
+        # The batches after the first: fetched by a pipeline, several in flight.
         pipeline = (
             PipelineBuilder[Task]()
             .add_source(tasks)
-            .pipe(
-                fetcher.fetch,
-                # One call at a time: batches strictly one after another, as in PyTorch's
-                # workers, so that draws from the global random generators match.
-                concurrency=1 if self._concurrency == 1 else self._in_flight,
-                output_order="input",
-                name="fetch",
-            )
+            .pipe(fetcher.fetch, concurrency=self._in_flight, output_order="input", name="fetch")
             .add_sink(self._in_flight)
             .build(num_threads=2)
         )
-        try:
-            with pipeline.auto_stop():
-                for n, batch in enumerate(pipeline):
-                    yield batch
-                    if n == 0:  # resumed: the batch was sent
-                        fetcher.first_delivered()
-        finally:
-            fetcher.close()
+        with pipeline.auto_stop():
+            yield from pipeline
 
     def _seed(self, base_seed: int) -> None:
         _seed_like_pytorch(base_seed, self._worker_id, self._num_workers, self._dataset)
