@@ -338,3 +338,26 @@ class Kinds(Dataset[Any]):
             "label": i,
             "name": f"item{i}",
         }
+
+
+class Pictures(Dataset[Any]):
+    """``n`` JPEGs of 480x360, decoded and resized to 224x224 with feedline's decoder."""
+
+    def __init__(self, n: int) -> None:
+        import cv2
+        import numpy as np
+
+        rng = np.random.default_rng(0)
+        self.jpegs = [
+            cv2.imencode(".jpg", rng.integers(0, 255, (360, 480, 3), dtype=np.uint8))[1].tobytes()
+            for _ in range(4)
+        ]
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        from feedline.io import decode_image
+
+        return decode_image(self.jpegs[i % 4], size=(224, 224))

@@ -20,6 +20,7 @@ from feedline import DataLoader, SubprocessDied  # noqa: E402
 
 from ._datasets import (  # noqa: E402
     Kinds,
+    Pictures,
     Rendezvous,
     Sleepy,
     Suicidal,
@@ -225,4 +226,19 @@ def test_default_collation_in_workers_gives_pytorchs_batches_for_every_kind() ->
         with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
             list(cls(Kinds(8, ragged=True), batch_size=4, num_workers=2))
         gc.collect()
+    no_children_left()
+
+
+def test_workers_forked_just_after_decoding_on_threads_do_not_hang() -> None:
+    # OpenCV's own thread pool, busy in this process at a fork, left a worker's copy of its
+    # lock held: the worker's first resize waited for good (2 hangs in 60 such forks).
+    # feedline's decoder keeps OpenCV on the calling thread.
+    cv2 = pytest.importorskip("cv2")
+    pictures = Pictures(64)
+    for _ in range(12):
+        assert sum(b.shape[0] for b in DataLoader(pictures, batch_size=16)) == 64
+        assert cv2.getNumThreads() == 1
+        loader = DataLoader(pictures, batch_size=16, num_workers=2, timeout=20)
+        assert next(iter(loader)).shape == (16, 224, 224, 3)
+        loader.close()
     no_children_left()

@@ -50,12 +50,24 @@ _JPEG_MAGIC = b"\xff\xd8\xff"
 _INSTALL_HINT = "decode_image needs simplejpeg and OpenCV: pip install 'feedline[image]'"
 
 
+_cv2_serial = False
+
+
 def _libs() -> tuple[Any, Any]:
+    global _cv2_serial
     try:
         import cv2
         import simplejpeg
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(f"{_INSTALL_HINT} ({exc})") from exc
+    if not _cv2_serial:
+        # Each OpenCV call on its calling thread: feedline runs many pictures at once on
+        # threads of its own, which OpenCV's pool would only compete with; and a process
+        # forked while that pool's thread works inherits its lock held, so that the child's
+        # first blur or resize waits for good (seen: a DataLoader worker forked just after
+        # the same process decoded pictures).
+        cv2.setNumThreads(1)
+        _cv2_serial = True
     return simplejpeg, cv2
 
 

@@ -459,22 +459,32 @@ class _LoaderIter(Generic[T]):
         self._pin_pool: ThreadPoolExecutor | None = None
         replay = skip if sampler_state is None else 0
         builder: PipelineBuilder[Any] = PipelineBuilder()
+        epoch = None
         if loader._iterable:
             self._add_iterable_source(builder, tl, replay, dataset_state)
         else:
-            self._add_map_source(
+            epoch = self._add_map_source(
                 builder, loader, sampler_iter, skip, replay, base_seed, sampler, dataset_state
             )
-        builder.pipe(self._finish, name="collate_fn")
-        if loader._pin:
-            self._pin_pool = ThreadPoolExecutor(1, thread_name_prefix="feedline-pin")
-            builder.pipe(
-                functools.partial(_pin_numbered, torch),
-                executor=self._pin_pool,
-                name="pin_memory",
-            )
-        builder.add_sink(loader.in_flight)
-        self._pipeline: Pipeline[Any] = builder.build(max_failures=0)
+        self._pipeline: Pipeline[Any] | _Direct
+        if epoch is not None and not loader._pin:
+            # The workers fetch and collate; this thread takes their batches itself, as
+            # PyTorch's iterator does: a pipeline's threads would only hand them over (and
+            # take the cores from the workers while they start: 5-10 ms to the first batch).
+            self._pipeline = _Direct(epoch, self._finish)
+        else:
+            if epoch is not None:
+                builder.add_source(epoch)
+            builder.pipe(self._finish, name="collate_fn")
+            if loader._pin:
+                self._pin_pool = ThreadPoolExecutor(1, thread_name_prefix="feedline-pin")
+                builder.pipe(
+                    functools.partial(_pin_numbered, torch),
+                    executor=self._pin_pool,
+                    name="pin_memory",
+                )
+            builder.add_sink(loader.in_flight)
+            self._pipeline = builder.build(max_failures=0)
         self._finalizer = weakref.finalize(
             self, _LoaderIter._shutdown, self._pipeline, self._fetcher, self._pin_pool, self._tasks
         )
@@ -490,7 +500,9 @@ class _LoaderIter(Generic[T]):
         base_seed: int,
         sampler: Any,
         dataset_state: list[Any] | None,
-    ) -> None:
+    ) -> Any:
+        # With workers, returns their epoch (the source of the batches); else adds the
+        # source and the fetch stage to ``builder`` and returns None.
         tl = loader._torch_loader
         auto = tl._auto_collation
         batches = (b if auto else [b] for b in sampler_iter)
@@ -505,30 +517,30 @@ class _LoaderIter(Generic[T]):
         tasks = self._tasks = _Releasable(itertools.chain(first, tasks))
         order = "input" if tl.in_order else "completion"
         if tl.num_workers > 0:
-            builder.add_source(loader._worker_set().epoch(tasks, base_seed, dataset_state))
-        else:
-            self._fetcher = BatchFetcher(
-                tl.dataset,
-                loader.fetch_concurrency,
-                wait_for_delivery=True,
-                snapshot=_snapshot(tl.dataset),
-                seed=base_seed,
-            )
-            # Told when the consumer holds the first batch: only then do the other batches
-            # start, so that their threads take no CPU from the first batch's collation and
-            # hand-over (measured on 2 cores: up to 18 ms between the first batch's collation
-            # and the consumer holding it, when the next batches started at collation).
-            self._first_pending = self._fetcher
-            builder.add_source(tasks)
-            builder.pipe(
-                self._fetcher.fetch,
-                # fetch_concurrency=1: batches strictly one after another, as PyTorch fetches
-                # them, so that draws from the global random generators match.
-                concurrency=1 if loader.fetch_concurrency == 1 else loader.in_flight,
-                output_order=order,
-                name="fetch",
-                buffer_size=max(2, loader.in_flight),  # whole batches: keep this queue short
-            )
+            return loader._worker_set().epoch(tasks, base_seed, dataset_state)
+        self._fetcher = BatchFetcher(
+            tl.dataset,
+            loader.fetch_concurrency,
+            wait_for_delivery=True,
+            snapshot=_snapshot(tl.dataset),
+            seed=base_seed,
+        )
+        # Told when the consumer holds the first batch: only then do the other batches
+        # start, so that their threads take no CPU from the first batch's collation and
+        # hand-over (measured on 2 cores: up to 18 ms between the first batch's collation
+        # and the consumer holding it, when the next batches started at collation).
+        self._first_pending = self._fetcher
+        builder.add_source(tasks)
+        builder.pipe(
+            self._fetcher.fetch,
+            # fetch_concurrency=1: batches strictly one after another, as PyTorch fetches
+            # them, so that draws from the global random generators match.
+            concurrency=1 if loader.fetch_concurrency == 1 else loader.in_flight,
+            output_order=order,
+            name="fetch",
+            buffer_size=max(2, loader.in_flight),  # whole batches: keep this queue short
+        )
+        return None
 
     def _add_iterable_source(
         self, builder: PipelineBuilder[Any], tl: Any, replay: int, state: list[Any] | None
@@ -642,7 +654,7 @@ class _LoaderIter(Generic[T]):
 
     @staticmethod
     def _shutdown(
-        pipeline: Pipeline[Any],
+        pipeline: Pipeline[Any] | _Direct,
         fetcher: BatchFetcher | None,
         pin: ThreadPoolExecutor | None,
         tasks: _Releasable | None,
@@ -658,6 +670,41 @@ class _LoaderIter(Generic[T]):
     def __del__(self) -> None:
         if hasattr(self, "_finalizer"):  # __init__ may have raised before it was set
             self.close()
+
+
+class _Direct:
+    """The worker processes' batches, taken by the consumer's thread: no pipeline, no thread.
+
+    Stands in for the epoch's pipeline (``get_item``, ``stop``). Holds no reference to the
+    iterator, so dropping the iterator stops it at once.
+    """
+
+    def __init__(self, epoch: Any, finish: _Finisher) -> None:
+        stopped = self._stopped = [False]
+        self._batches: Iterator[Any] | None = epoch.iter_until(lambda: stopped[0])
+        self._finish = finish
+
+    def start(self) -> None:
+        """Nothing to start: the workers began when the epoch was asked for."""
+
+    def get_item(self, *, timeout: float | None = None) -> Any:
+        """The next batch, finished; ``EOFError`` at the end (the workers time out waits)."""
+        batches = self._batches
+        if batches is None:
+            raise EOFError
+        try:
+            fetched = next(batches)
+        except StopIteration:
+            self._batches = None
+            raise EOFError from None
+        return self._finish(fetched)
+
+    def stop(self) -> None:
+        """End the epoch's pass in the workers (the generator's cleanup settles them)."""
+        self._stopped[0] = True
+        batches, self._batches = self._batches, None
+        if batches is not None:
+            batches.close()  # type: ignore[attr-defined]
 
 
 class _Releasable:
