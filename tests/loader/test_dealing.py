@@ -155,3 +155,29 @@ def test_every_epoch_and_the_next_loader_fork_their_workers() -> None:
     assert len(parents) == 2 * 3 * 4
     assert all(p == {"multiprocessing.popen_fork"} for p in parents), parents
     no_children_left()
+
+
+@pytest.mark.parametrize("concurrency", [1, None])
+def test_persistent_workers_left_mid_epoch_are_kept(concurrency: int | None) -> None:
+    # A worker waiting for its next hand when the loop breaks is told its share is complete,
+    # so it acknowledges the stop and serves the next epoch (it was ended and started anew).
+    loader = DataLoader(
+        list(range(3000)),
+        batch_size=2,
+        num_workers=2,
+        persistent_workers=True,
+        fetch_concurrency=concurrency,
+    )
+    assert len(list(loader)) == 1500
+    workers = loader._workers
+    assert workers is not None
+    pids = [w.pid for w in workers._workers]
+    for i, _ in enumerate(loader):
+        if i == 100:
+            break
+    for batch in loader:
+        assert batch.tolist() == [0, 1]
+        break
+    assert [w.pid for w in workers._workers] == pids
+    loader.close()
+    no_children_left()

@@ -9,6 +9,7 @@ deals the batches as the workers need them (:mod:`._deal`), on a queue of each w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing as mp
 import os
@@ -422,8 +423,13 @@ class WorkerSet:
             elif not done:
                 # Persistent workers finish the batch they are on, within a common deadline.
                 deadline = time.monotonic() + _SETTLE_SECONDS
-                for w in self._workers:
-                    w.request_stop()
+                for worker, shares in zip(self._workers, self._shares, strict=True):
+                    worker.request_stop()
+                    if shares.queue is not None and not dealer.exhausted:
+                        # A worker waiting for its next hand would never see the stop:
+                        # its share is complete.
+                        with contextlib.suppress(OSError, ValueError):
+                            shares.queue.put(("more", number, [], True))
                 for w in self._workers:
                     w.settle(deadline)
             for it in iterators:
