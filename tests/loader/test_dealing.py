@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -33,6 +35,15 @@ class CountingSampler(Sampler[int]):
         for i in range(self.n):
             self.drawn += 1
             yield i
+
+
+def _persistent(**kw: Any) -> DataLoader[Any]:
+    """3,000 ints in batches of 2, over 2 persistent workers."""
+    return DataLoader(list(range(3000)), batch_size=2, num_workers=2, persistent_workers=True, **kw)
+
+
+def _segments() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("psm_")}
 
 
 def _tasks(n: int) -> Iterator[tuple[int, list[int]]]:
@@ -113,14 +124,7 @@ def test_an_epoch_left_early_leaves_nothing_for_the_next(
     # Persistent workers keep their queues: hands dealt to an epoch left early (several
     # rounds of them by then) must not reach the next epoch, which must be whole. At a
     # concurrency of one, the workers fetch without a pipeline.
-    loader = DataLoader(
-        list(range(3000)),
-        batch_size=2,
-        num_workers=2,
-        persistent_workers=True,
-        in_order=in_order,
-        fetch_concurrency=concurrency,
-    )
+    loader = _persistent(fetch_concurrency=concurrency, in_order=in_order)
     whole = [[i, i + 1] for i in range(0, 3000, 2)]
     for stop in (150, None, 40, 1, None):
         batches = []
@@ -161,13 +165,8 @@ def test_every_epoch_and_the_next_loader_fork_their_workers() -> None:
 def test_persistent_workers_left_mid_epoch_are_kept(concurrency: int | None) -> None:
     # A worker waiting for its next hand when the loop breaks is told its share is complete,
     # so it acknowledges the stop and serves the next epoch (it was ended and started anew).
-    loader = DataLoader(
-        list(range(3000)),
-        batch_size=2,
-        num_workers=2,
-        persistent_workers=True,
-        fetch_concurrency=concurrency,
-    )
+    segments = _segments()
+    loader = _persistent(fetch_concurrency=concurrency)
     assert len(list(loader)) == 1500
     workers = loader._workers
     assert workers is not None
@@ -181,3 +180,4 @@ def test_persistent_workers_left_mid_epoch_are_kept(concurrency: int | None) -> 
     assert [w.pid for w in workers._workers] == pids
     loader.close()
     no_children_left()
+    assert _segments() - segments == set()
