@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -69,3 +70,49 @@ def test_alternate_without_a_baseline_leaves_ratios_unset() -> None:
     found = alternate("case", [Contender("only", _rates([5, 7]))], 2, None)
     assert found[0].ratio is None
     assert found[0].items_per_s == 6
+
+
+def test_figures_are_written_without_exponents_and_with_their_spread() -> None:
+    from feedline.bench._common import fmt, spread
+
+    assert fmt(1784.2) == "1,784"
+    assert fmt(43.21) == "43.2"
+    assert fmt(2.5) == "2.50"
+    assert fmt(0.01234) == "0.0123"
+    assert fmt(0) == "0"
+    assert "e" not in fmt(123456789.0)
+    assert spread([3.0, 1.0, 2.0]) == "1.00-3.00"
+    assert spread([5.0]) == ""  # one round has no spread
+
+
+def test_charts_use_a_log_axis_only_where_values_span_more_than_10x() -> None:
+    from feedline.bench._report import log_axis
+
+    assert log_axis([24_000.0, 1_900.0, 300.0])
+    assert not log_axis([800.0, 500.0, 410.0])
+    assert not log_axis([])
+    assert not log_axis([0.0, 5.0])  # a missing bar does not count
+
+
+def test_generating_pictures_reports_its_steps(tmp_path: Path) -> None:
+    pytest.importorskip("cv2")
+    from feedline.bench._data import jpeg_files
+
+    seen: list[tuple[str, int, int]] = []
+    paths = jpeg_files(3, "imagenet", tmp_path, steps=lambda *a: seen.append(a))
+    assert len(paths) == 3
+    assert [(done, total) for _, done, total in seen] == [(0, 3), (1, 3), (2, 3), (3, 3)]
+    seen.clear()
+    jpeg_files(3, "imagenet", tmp_path, steps=lambda *a: seen.append(a))
+    assert seen == []  # cached: nothing to generate
+
+
+def test_plain_progress_writes_a_line_per_tenth(capsys: pytest.CaptureFixture[str]) -> None:
+    from feedline.cli import _Progress
+
+    progress = _Progress(["decode"])
+    for done in range(101):
+        progress.steps("generating", done, 100)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 11
+    assert lines[-1].endswith("generating: 100/100")

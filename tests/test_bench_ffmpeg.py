@@ -102,6 +102,7 @@ def test_bench_command_restarts_once_and_compares_with_spdl(tmp_path: Path) -> N
     env = {k: v for k, v in os.environ.items() if k != _ffmpeg.MARKER}
     env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
     out = tmp_path / "out"
+    (tmp_path / "data").mkdir()
     args = ["decode", "--quick", "--data", str(tmp_path / "data"), "--out", str(out)]
     done = subprocess.run(
         [sys.executable, "-m", "feedline", "bench", *args],

@@ -31,9 +31,15 @@ def test_bench_engine_quick_writes_json(tmp_path: Path, capsys: pytest.CaptureFi
     assert "feedline" in out
     assert_png(tmp_path / "engine.png")
     summary = (tmp_path / "summary.md").read_text()
-    assert summary.startswith("| scenario | case |")
-    # The headline row names the fastest feedline contender of the case, whichever it was.
-    assert "| engine | 3 sync no-op stages, concurrency 1 | feedline" in summary
+    assert summary.startswith("# feedline bench")
+    assert "`feedline bench engine --quick --out" in summary  # how to reproduce it
+    assert "cores" in summary
+    assert "numpy " in summary  # library versions
+    # The headline quotes feedline with its default settings only (its default sink), not
+    # the variants measured beside it.
+    headline = summary.split("## Headline")[1].split("\n## ")[0]
+    assert "| engine | 3 sync no-op stages, concurrency 1 | feedline | " in headline
+    assert "add_sink(3)" not in headline
 
 
 def assert_png(path: Path) -> None:
@@ -51,6 +57,54 @@ def test_unknown_scenario_is_a_clear_error(
     err = capsys.readouterr().err
     assert "unknown scenario" in err
     assert "engine" in err
+
+
+def test_a_missing_data_folder_is_an_error_and_nothing_is_created(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nonexistent" / "dir"
+    assert main(["bench", "engine", "--data", str(missing), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"--data {missing}: no such folder" in err
+    assert not (tmp_path / "nonexistent").exists()
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_scenario_without_its_modules_is_skipped_and_says_what_to_install(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from feedline.bench import _registry
+
+    monkeypatch.setitem(_registry.REQUIRES, "formats", ("torch", "feedline_absent_module"))
+    out = tmp_path / "out"
+    assert main(["bench", "formats", "verify", "--quick", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "skipped formats: needs feedline_absent_module: pip install 'feedline[bench]'" in (
+        printed
+    )
+    assert json.loads((out / "verify.json").read_text())["measurements"]  # the other ran
+    skipped = json.loads((out / "formats.json").read_text())
+    assert skipped["measurements"] == []
+    assert "feedline_absent_module" in skipped["skipped"]
+    summary = (out / "summary.md").read_text()
+    assert "## Not run" in summary
+    assert "- formats: needs feedline_absent_module" in summary
+    assert not (out / "formats.png").exists()
+
+
+def test_report_writes_the_summary_again_from_the_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    assert main(["bench", "verify", "--quick", "--out", str(out)]) == 0
+    first = (out / "summary.md").read_text()
+    (out / "summary.md").unlink()
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 0
+    assert (out / "summary.md").read_text() == first
+    assert "## verify" in capsys.readouterr().out
+    assert main(["report", str(tmp_path / "empty")]) == 2
+    assert "no results" in capsys.readouterr().err
 
 
 def test_bad_flag_exits_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
@@ -75,6 +129,7 @@ def test_bench_decode_quick(tmp_path: Path) -> None:
     pytest.importorskip("simplejpeg")
     pytest.importorskip("PIL")
     out = tmp_path / "out"
+    (tmp_path / "data").mkdir()
     code = main(["bench", "decode", "--quick", "--data", str(tmp_path / "data"), "--out", str(out)])
     assert code == 0
     data = json.loads((out / "decode.json").read_text())
@@ -131,6 +186,7 @@ def test_loader_scenarios_quick(scenario: str, tmp_path: Path) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("PIL")
     out = tmp_path / "out"
+    (tmp_path / "d").mkdir()
     code = main(["bench", scenario, "--quick", "--data", str(tmp_path / "d"), "--out", str(out)])
     assert code == 0
     data = json.loads((out / f"{scenario}.json").read_text())
@@ -158,3 +214,31 @@ def test_loader_scenarios_quick(scenario: str, tmp_path: Path) -> None:
         assert any(name.startswith("decode alone") for name in by_name)
         assert by_name["ThreadPoolExecutor.map"]["items_per_s"] > 0  # the hand-written way
         assert all(0 < m["extra"]["of_decode_alone"] < 3 for m in contenders)
+
+
+def test_report_pastes_the_summary_between_a_readme_s_markers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    assert main(["bench", "verify", "--quick", "--out", str(out)]) == 0
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        "# Project\n\n## Benchmarks\n\n<!-- feedline report: start -->\nold figures\n"
+        "<!-- feedline report: end -->\n\n## After\n"
+    )
+    assert main(["report", str(out), "--into", str(readme)]) == 0
+    text = readme.read_text()
+    assert "old figures" not in text
+    assert text.startswith("# Project\n\n## Benchmarks\n\n<!-- feedline report: start -->\n")
+    assert text.endswith("<!-- feedline report: end -->\n\n## After\n")
+    assert "### verify: " in text  # the summary's sections sit under the README's heading
+    assert "\n# feedline bench" not in text
+    assert "- **Machine**: " in text
+    twice = readme.read_text()
+    assert main(["report", str(out), "--into", str(readme)]) == 0
+    assert readme.read_text() == twice  # pasting again changes nothing
+    readme.write_text("no markers\n")
+    capsys.readouterr()
+    assert main(["report", str(out), "--into", str(readme)]) == 2
+    assert "<!-- feedline report: start -->" in capsys.readouterr().err
+    assert readme.read_text() == "no markers\n"

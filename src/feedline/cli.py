@@ -48,6 +48,8 @@ class _Progress:
                     console=Console(stderr=True),
                 )
                 self._task = self._rich.add_task("", total=len(scenarios), scenario="")
+        self._step_task: Any = None
+        self._step_shown = -1  # plain lines: the last tenth of the work written
 
     def __enter__(self) -> _Progress:
         if self._rich is not None:
@@ -70,6 +72,25 @@ class _Progress:
         """All scenarios ran."""
         if self._rich is not None:
             self._rich.update(self._task, completed=len(self._scenarios), description="done")
+
+    def steps(self, what: str, done: int, total: int) -> None:
+        """Long preparation work advances: a second bar on a terminal, else a line per 10%."""
+        if self._rich is not None:
+            if self._step_task is None:
+                self._step_task = self._rich.add_task("", total=total, scenario=what)
+            self._rich.update(
+                self._step_task, completed=done, total=total, scenario=what, description=""
+            )
+            if done >= total:
+                self._rich.remove_task(self._step_task)
+                self._step_task = None
+            return
+        tenth = 10 * done // max(total, 1)
+        if done == 0:
+            self._step_shown = -1
+        if tenth > self._step_shown:
+            self._step_shown = tenth
+            self(f"{what}: {done}/{total}")
 
     def __call__(self, message: str) -> None:
         if self._rich is not None:
@@ -109,7 +130,7 @@ def _restart_for_spdl(args: argparse.Namespace, names: list[str]) -> None:
 
 def _bench(args: argparse.Namespace) -> int:
     from feedline.bench import SCENARIOS, BenchOptions, run_scenarios
-    from feedline.bench._report import headline, plot
+    from feedline.bench._report import plot, summary
 
     names = args.scenarios or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
@@ -117,6 +138,14 @@ def _bench(args: argparse.Namespace) -> int:
         print(
             f"feedline bench: unknown scenario(s): {', '.join(unknown)}. "
             f"Available: {', '.join(sorted(SCENARIOS))}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.data is not None and not Path(args.data).is_dir():
+        print(
+            f"feedline bench: --data {args.data}: no such folder. Give a folder of JPEGs to "
+            "measure on your own pictures, or leave --data out to generate pictures in the "
+            "cache (~/.cache/feedline/bench, or $FEEDLINE_BENCH_DATA).",
             file=sys.stderr,
         )
         return 2
@@ -130,19 +159,60 @@ def _bench(args: argparse.Namespace) -> int:
             quick=args.quick,
             progress=progress,
             data_dir=Path(args.data) if args.data is not None else None,
+            steps=progress.steps,
         )
+        charts: list[Path] = []
         for i, name in enumerate(names):
             progress.scenario(i)
             results += run_scenarios([name], options=options, out=out)
-            plot(results[-1], out / f"{name}.png")
+            chart = plot(results[-1], out / f"{name}.png")
+            if chart is not None:
+                charts.append(chart)
         progress.done()
     for result in results:
         print(f"\n== {result.scenario} ==")
         print(result.table())
-    summary = headline(results)
-    (out / "summary.md").write_text(summary)
-    print("\n== headline (also in summary.md) ==\n" + summary)
-    print(f"results (JSON, PNG, summary.md) written to {out.resolve()}")
+    command = " ".join(["feedline bench", *args.argv])
+    for result in results:
+        result.command = command
+        result.save(out)  # again, with the command that reproduces it
+    text = summary(results, command=command)
+    (out / "summary.md").write_text(text)
+    print(f"\n{text}")
+    written = ["JSON", "summary.md"] + (["PNG charts"] if charts else [])
+    print(f"results ({', '.join(written)}) written to {out.resolve()}")
+    if not charts:
+        print("no charts drawn: matplotlib is not installed (pip install 'feedline[bench]')")
+    skipped = [r for r in results if r.skipped is not None]
+    for r in skipped:
+        print(f"skipped {r.scenario}: {r.skipped}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from feedline.bench._common import ScenarioResult
+    from feedline.bench._report import plot, splice, summary
+
+    folder = Path(args.folder)
+    files = sorted(folder.glob("*.json"))
+    if not files:
+        print(f"feedline bench report: no results (*.json) in {folder}", file=sys.stderr)
+        return 2
+    results = [ScenarioResult.load(f) for f in files]
+    for result in results:
+        plot(result, folder / f"{result.scenario}.png")
+    text = summary(results, command=results[0].command)
+    (folder / "summary.md").write_text(text)
+    if args.into is None:
+        print(text)
+        return 0
+    target = Path(args.into)
+    try:
+        target.write_text(splice(target.read_text(), text))
+    except (OSError, ValueError) as error:
+        print(f"feedline report: --into {target}: {error}", file=sys.stderr)
+        return 2
+    print(f"summary.md written to {folder} and into {target}")
     return 0
 
 
@@ -186,6 +256,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to write the results: JSON, PNG plots, summary.md (default: ./bench-results)",
     )
     bench.set_defaults(func=_bench)
+    report = sub.add_parser(
+        "report",
+        help="write summary.md and the charts again from a results folder's JSON",
+        description="Regenerate summary.md (tables with spreads, machine, versions, commit) "
+        "and the PNG charts from the JSON results that feedline bench wrote.",
+    )
+    report.add_argument(
+        "folder", nargs="?", default="bench-results", help="(default: ./bench-results)"
+    )
+    report.add_argument(
+        "--into",
+        metavar="FILE",
+        help="also paste the summary into this Markdown file (a README), between the lines "
+        "'<!-- feedline report: start -->' and '<!-- feedline report: end -->'",
+    )
+    report.set_defaults(func=_report)
     return parser
 
 
@@ -201,6 +287,7 @@ def main(argv: list[str] | None = None, *, may_restart: bool = False) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.may_restart = may_restart
+    args.argv = list(sys.argv[1:] if argv is None else argv)[1:]
     code: int = args.func(args)
     return code
 

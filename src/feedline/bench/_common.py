@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 import resource
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -15,15 +13,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ._machine import machine_info
+
 __all__ = [
     "Contender",
     "Measurement",
     "ScenarioResult",
     "alternate",
-    "machine_info",
+    "fmt",
     "make_result",
     "paired_ratio",
     "process_cpu_seconds",
+    "round_ratios",
+    "spread",
     "threaded_loop",
 ]
 
@@ -46,6 +48,7 @@ class Measurement:
     runs: list[float]
     ratio: float | None = None  # to the case's baseline
     extra: dict[str, float] = field(default_factory=dict)
+    ratio_runs: list[float] = field(default_factory=list)  # the per-round ratios behind it
 
 
 @dataclass
@@ -57,15 +60,28 @@ class ScenarioResult:
     measurements: list[Measurement]
     notes: list[str] = field(default_factory=list)
     machine: dict[str, Any] = field(default_factory=dict)
+    skipped: str | None = None  # why the scenario did not run (a module to install)
+    unit: str = "items/s"  # what items_per_s counts
+    headline: list[str] = field(default_factory=list)  # contenders with default settings
+    command: str = ""  # the command line that produced it
+
+    @classmethod
+    def load(cls, path: Path) -> ScenarioResult:
+        """Read a result that :meth:`save` wrote."""
+        data = json.loads(path.read_text())
+        data["measurements"] = [Measurement(**m) for m in data["measurements"]]
+        return cls(**data)
 
     def table(self) -> str:
         """A plain-text table of the results."""
+        if self.skipped is not None:
+            return f"skipped: {self.skipped}"
         rows = [("case", "contender", "items/s", f"x {self.baseline}", "runs (items/s)")]
         for m in self.measurements:
             ratio = "-" if m.ratio is None else f"{m.ratio:.2f}x"
-            runs = " ".join(f"{r:,.0f}" for r in m.runs)
-            extra = "".join(f"  {k}={v:.3g}" for k, v in m.extra.items())
-            rows.append((m.case, m.contender, f"{m.items_per_s:,.0f}", ratio, runs + extra))
+            runs = " ".join(fmt(r) for r in m.runs)
+            extra = "".join(f"  {k}={fmt(v)}" for k, v in m.extra.items())
+            rows.append((m.case, m.contender, fmt(m.items_per_s), ratio, runs + extra))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         out = []
         for i, r in enumerate(rows):
@@ -85,6 +101,33 @@ class ScenarioResult:
         path = directory / f"{self.scenario}.json"
         path.write_text(json.dumps(self.to_json(), indent=2))
         return path
+
+
+def fmt(value: float) -> str:
+    """A figure for a table: thousands separated, no exponent, about three significant digits.
+
+    >>> fmt(1784.2), fmt(43.21), fmt(2.345), fmt(0.01234)
+    ('1,784', '43.2', '2.35', '0.0123')
+    """
+    if not math.isfinite(value):
+        return str(value)
+    size = abs(value)
+    if size >= 100 or value == 0:
+        return f"{value:,.0f}"
+    if size >= 10:
+        return f"{value:.1f}"
+    if size >= 1:
+        return f"{value:.2f}"
+    digits = 2 - math.floor(math.log10(size))
+    return f"{value:.{digits}f}"
+
+
+def spread(runs: Sequence[float]) -> str:
+    """How much the rounds of a figure varied: ``min-max`` (one round: empty)."""
+    finite = [r for r in runs if math.isfinite(r)]
+    if len(finite) < 2:
+        return ""
+    return f"{fmt(min(finite))}-{fmt(max(finite))}"
 
 
 def alternate(
@@ -135,6 +178,7 @@ def alternate(
     if base is not None:
         for m in out:
             m.ratio = paired_ratio(m.runs, base)
+            m.ratio_runs = round_ratios(m.runs, base)
     return out
 
 
@@ -145,17 +189,22 @@ def process_cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+def round_ratios(runs: Sequence[float], base: Sequence[float]) -> list[float]:
+    """``runs[i] / base[i]`` for each round with a finite rate and a positive finite baseline."""
+    return [
+        r / b
+        for r, b in zip(runs, base, strict=True)
+        if math.isfinite(r) and math.isfinite(b) and b > 0
+    ]
+
+
 def paired_ratio(runs: Sequence[float], base: Sequence[float]) -> float | None:
     """The median over rounds of ``runs[i] / base[i]``, skipping rounds without a valid pair.
 
     Each round's runs were taken moments apart, so a machine that drifts between rounds
     cancels out. ``None`` if no round has a finite rate and a positive finite baseline.
     """
-    pairs = [
-        r / b
-        for r, b in zip(runs, base, strict=True)
-        if math.isfinite(r) and math.isfinite(b) and b > 0
-    ]
+    pairs = round_ratios(runs, base)
     return statistics.median(pairs) if pairs else None
 
 
@@ -165,8 +214,15 @@ def make_result(
     measurements: list[Measurement],
     notes: list[str],
     spdl_installed: bool,
+    *,
+    unit: str = "items/s",
+    headline: Sequence[str] = (),
 ) -> ScenarioResult:
-    """Wrap a scenario's measurements with its notes and where they were taken."""
+    """Wrap a scenario's measurements with its notes and where they were taken.
+
+    ``unit`` says what ``items_per_s`` counts; ``headline`` names the contenders that run
+    with feedline's default settings, the ones a summary's headline may quote.
+    """
     if not spdl_installed:
         notes = [*notes, "spdl is not installed (pip install 'feedline[bench]'): no SPDL column"]
     return ScenarioResult(
@@ -175,19 +231,9 @@ def make_result(
         measurements=measurements,
         notes=notes,
         machine=machine_info(),
+        unit=unit,
+        headline=list(headline),
     )
-
-
-def machine_info() -> dict[str, Any]:
-    """Where the numbers were taken."""
-    import os
-
-    return {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
 
 
 def threaded_loop(

@@ -149,6 +149,7 @@ def jpeg_files(
     kind: str = "imagenet",
     directory: str | Path | None = None,
     progress: Any = None,
+    steps: Any = None,
 ) -> list[Path]:
     """Paths of ``count`` deterministic JPEGs of ``kind``, generating the missing ones.
 
@@ -160,6 +161,7 @@ def jpeg_files(
         kind: ``"imagenet"`` (varied sizes around 500x375) or ``"large"`` (1280x960 photos).
         directory: The cache root (see :func:`cache_dir`), or a folder of the user's JPEGs.
         progress: Called with a message before generating, when anything is missing.
+        steps: Called with (what, done, total) as pictures are generated (a progress bar).
 
     """
     if kind not in ("imagenet", "large"):
@@ -173,13 +175,18 @@ def jpeg_files(
     missing = [i for i, p in enumerate(paths) if not p.exists()]
     if missing and progress is not None:
         progress(f"generating {len(missing)} {kind} JPEGs in {folder} (cached for later runs)")
-    for i in missing:
+    what = f"generating {kind} JPEGs"
+    for done, i in enumerate(missing):
+        if steps is not None:
+            steps(what, done, len(missing))
         rng = np.random.default_rng([i, 0 if kind == "imagenet" else 1])
         height, width = _imagenet_shape(rng) if kind == "imagenet" else (960, 1280)
         data = _encode_jpeg(natural_image(rng, height, width))
         tmp = paths[i].with_suffix(".tmp")
         tmp.write_bytes(data)
         tmp.replace(paths[i])  # never leave a half-written file for the next run
+    if missing and steps is not None:
+        steps(what, len(missing), len(missing))
     return paths
 
 

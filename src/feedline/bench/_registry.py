@@ -1,15 +1,24 @@
-"""The scenarios ``feedline bench`` knows, by name, and how they are run."""
+"""The scenarios ``feedline bench`` knows, by name, what each needs, and how they are run."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ._common import ScenarioResult
 
-__all__ = ["SCENARIOS", "BenchOptions", "run_scenarios"]
+__all__ = [
+    "EXTRAS",
+    "REQUIRES",
+    "SCENARIOS",
+    "BenchOptions",
+    "install_hint",
+    "missing_modules",
+    "run_scenarios",
+]
 
 
 @dataclass(frozen=True)
@@ -21,12 +30,15 @@ class BenchOptions:
         progress: Called with a one-line message as work advances.
         data_dir: Where generated datasets are cached (None: the default cache), or a folder
             of the user's JPEGs for the picture scenarios (see :func:`._data.user_jpegs`).
+        steps: Called with (what, done, total) during long preparation, such as generating
+            pictures, so that a progress bar can show it.
 
     """
 
     quick: bool = False
     progress: Callable[[str], None] | None = None
     data_dir: Path | None = None
+    steps: Callable[[str, int, int], None] | None = None
 
 
 SCENARIOS: dict[str, str] = {
@@ -41,6 +53,45 @@ SCENARIOS: dict[str, str] = {
 }
 """Scenario name -> one line on what it measures. The module of the same name runs it."""
 
+_PICTURES = ("cv2", "simplejpeg")  # generating the JPEGs, and feedline's decoder
+
+REQUIRES: dict[str, tuple[str, ...]] = {
+    "decode": _PICTURES,
+    "engine": (),
+    "formats": (),
+    "images": ("torch", "PIL", *_PICTURES),  # its baseline is PyTorch + Pillow
+    "latency": ("torch", *_PICTURES),
+    "memory": ("torch",),
+    "startup": ("torch", *_PICTURES),
+    "verify": (),
+}
+"""Scenario name -> the modules it cannot run without. Contenders that need more (SPDL,
+Pillow, obstore, ISA-L) are left out with a note when their module is missing."""
+
+EXTRAS: dict[str, str] = {
+    "cv2": "image",
+    "simplejpeg": "image",
+    "torch": "torch",
+    "isal": "npz",
+    "obstore": "remote",
+    "av": "video",
+    "spdl": "bench",
+    "PIL": "bench",
+    "matplotlib": "bench",
+}
+"""Module -> the extra of feedline that installs it."""
+
+
+def missing_modules(modules: tuple[str, ...] | list[str]) -> list[str]:
+    """The modules of ``modules`` that cannot be imported here (found, not imported)."""
+    return [m for m in modules if importlib.util.find_spec(m) is None]
+
+
+def install_hint(modules: list[str]) -> str:
+    """``needs X, Y: pip install 'feedline[a,b]'`` (or ``'feedline[bench]'`` for all)."""
+    extras = sorted({EXTRAS.get(m, "bench") for m in modules})
+    return f"needs {', '.join(modules)}: pip install 'feedline[{','.join(extras)}]'"
+
 
 def run_scenarios(
     names: list[str],
@@ -48,14 +99,24 @@ def run_scenarios(
     options: BenchOptions,
     out: Path | None,
 ) -> list[ScenarioResult]:
-    """Run the named scenarios in order; write each result as JSON under ``out``."""
+    """Run the named scenarios in order; write each result as JSON under ``out``.
+
+    A scenario whose modules are not installed is not run: its result has no measurements
+    and says, in ``skipped``, what to install.
+    """
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         raise ValueError(f"unknown scenario(s) {unknown}; choose from {sorted(SCENARIOS)}")
     results = []
     for name in names:
-        module = importlib.import_module(f"feedline.bench.{name}")
-        result: ScenarioResult = module.run(options)
+        absent = missing_modules(REQUIRES[name])
+        if absent:
+            result = ScenarioResult(
+                scenario=name, baseline="", measurements=[], skipped=install_hint(absent)
+            )
+        else:
+            module = importlib.import_module(f"feedline.bench.{name}")
+            result = module.run(options)
         if out is not None:
             result.save(out)
         results.append(result)

@@ -1,119 +1,280 @@
-"""Turning results into what a person reads: PNG charts and the README's headline table."""
+"""Turning results into what a person reads: ``summary.md`` and PNG charts.
+
+``summary.md`` says where the figures were taken (machine, versions, commit, date, command),
+then a headline table (feedline with its default settings against the usual way, per case),
+then every scenario's table with the spread of each figure over its rounds. The README's
+Benchmarks section is one such file, pasted whole.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from ._common import Measurement, ScenarioResult
+from ._common import Measurement, ScenarioResult, fmt, spread
 
-__all__ = ["headline", "plot"]
+__all__ = ["MARKERS", "log_axis", "plot", "splice", "summary"]
 
-
-def _best_feedline(ms: list[Measurement]) -> Measurement | None:
-    ours = [m for m in ms if m.contender.startswith("feedline")]
-    return max(ours, key=lambda m: m.items_per_s) if ours else None
+MARKERS = ("<!-- feedline report: start -->", "<!-- feedline report: end -->")
+"""What encloses a summary pasted into a Markdown file by :func:`splice`."""
 
 
-def headline(results: Sequence[ScenarioResult]) -> str:
-    """A Markdown table: per scenario and case, feedline's best contender against the baseline."""
+@dataclass(frozen=True)
+class _Metric:
+    """The figure a scenario is read by: its label, where it is, and which way is better."""
+
+    label: str
+    get: Callable[[Measurement], float | None]
+    higher_is_better: bool
+
+
+def _extra(key: str) -> Callable[[Measurement], float | None]:
+    return lambda m: m.extra.get(key)
+
+
+def _primary(result: ScenarioResult) -> _Metric:
+    if result.scenario == "memory":
+        return _Metric("peak PSS (MiB)", _extra("peak_pss_mib"), False)
+    if result.scenario == "startup":
+        return _Metric("first batch (ms)", _extra("first_batch_ms"), False)
+    return _Metric(result.unit, lambda m: m.items_per_s, True)
+
+
+# Extra figures worth a column: key -> (label, how to write it).
+def _percent(v: float) -> str:
+    return f"{100 * v:.0f}%"
+
+
+def _times(v: float) -> str:
+    return f"{v:.2f}x"
+
+
+_COLUMNS: dict[str, tuple[str, Callable[[float], str]]] = {
+    "of_bound": ("of bound", _percent),
+    "of_decode_alone": ("of decode alone", _percent),
+    "vs_spdl": ("vs SPDL", _times),
+    "scaling": ("vs 1 thread", _times),
+    "first_batch_ms": ("first batch (ms)", fmt),
+    "p50_us": ("p50 (µs)", fmt),
+    "p99_us": ("p99 (µs)", fmt),
+    "cpu_s_per_1000": ("CPU s / 1000", fmt),
+    "peak_pss_mib": ("peak PSS (MiB)", fmt),
+    "peak_rss_mib": ("peak RSS (MiB)", fmt),
+}
+
+
+def _by_case(result: ScenarioResult) -> dict[str, list[Measurement]]:
+    cases: dict[str, list[Measurement]] = {}
+    for m in result.measurements:
+        cases.setdefault(m.case, []).append(m)
+    return cases
+
+
+def _ratio(m: Measurement) -> str:
+    if m.ratio is None:
+        return ""
+    text = _times(m.ratio)
+    if len(m.ratio_runs) > 1:
+        text += f" ({_times(min(m.ratio_runs))}-{_times(max(m.ratio_runs))})"
+    return text
+
+
+def _header(results: Sequence[ScenarioResult], command: str) -> list[str]:
+    info = next((r.machine for r in results if r.machine), {})
+    versions = info.get("versions", {})
+    ours = versions.get("feedline", "?")
+    commit = info.get("commit")
+    lines = [
+        "# feedline bench",
+        "",
+        f"- **Command**: `{command or 'feedline bench'}`"
+        + (f", run {info['time']}" if info.get("time") else ""),
+        f"- **feedline**: {ours}" + (f", commit {commit}" if commit else ""),
+    ]
+    if info:
+        memory = info.get("memory_gib")
+        lines.append(
+            f"- **Machine**: {info.get('cpu', '?')}, {info.get('cpus', '?')} cores"
+            + (f", {memory} GiB memory" if memory else "")
+            + f"; {info.get('platform', '?')}; Python {info.get('python', '?')}"
+        )
+    others = [f"{name} {v}" for name, v in versions.items() if name != "feedline"]
+    if others:
+        lines.append(f"- **Libraries**: {', '.join(others)}")
+    lines += [
+        "- **Reading the figures**: each is the median of the rounds a scenario ran (every "
+        "contender once per round, in turn); the range after it is the lowest and highest "
+        "round. A ratio is the median of per-round ratios to the baseline's run in the same "
+        "round, so that a machine whose speed drifts between rounds does not skew it; its "
+        "range is over the rounds too. Compare ratios within one run, not figures across runs.",
+        "",
+    ]
+    return lines
+
+
+def _headline(results: Sequence[ScenarioResult]) -> list[str]:
     rows = [
-        "| scenario | case | feedline | items/s | baseline | ratio |",
+        "## Headline (feedline with its default settings)",
+        "",
+        "| scenario | case | feedline | figure | baseline | ratio (range) |",
         "|---|---|---|---:|---|---:|",
     ]
     for result in results:
-        cases: dict[str, list[Measurement]] = {}
-        for m in result.measurements:
-            cases.setdefault(m.case, []).append(m)
-        for case, ms in cases.items():
-            best = _best_feedline(ms)
-            if best is None:
-                continue
-            ratio = "- (baseline not installed)" if best.ratio is None else f"{best.ratio:.2f}x"
-            if result.scenario == "startup" and best.ratio:  # a rate of first batches: as a wait
-                ratio = f"{1 / best.ratio:.2f}x the wait"
-            if result.scenario == "memory":
-                value = f"{best.extra['peak_pss_mib']:,.0f} MiB PSS"
-            elif result.scenario == "startup":
-                value = f"{best.extra['first_batch_ms']:,.0f} ms to 1st batch"
-            else:
-                value = f"{best.items_per_s:,.0f}"
-            rows.append(
-                f"| {result.scenario} | {case} | {best.contender} | {value} | "
-                f"{result.baseline} | {ratio} |"
-            )
-    return "\n".join(rows) + "\n"
+        if result.skipped is not None:
+            continue
+        metric = _primary(result)
+        for case, ms in _by_case(result).items():
+            for m in ms:
+                if m.contender not in result.headline:
+                    continue
+                value = metric.get(m)
+                if value is None:
+                    continue
+                ratio = _ratio(m)
+                if result.scenario == "startup" and m.ratio:  # a rate of first batches
+                    ratio = f"{1 / m.ratio:.2f}x the wait"
+                elif result.scenario == "memory" and m.ratio:
+                    ratio = f"{m.ratio:.2f}x the memory"
+                rows.append(
+                    f"| {result.scenario} | {case} | {m.contender} | {fmt(value)} "
+                    f"{metric.label} | {result.baseline} | {ratio or '-'} |"
+                )
+    return [*rows, ""]
+
+
+def _section(result: ScenarioResult) -> list[str]:
+    from ._registry import SCENARIOS  # the one-line descriptions
+
+    title = f"## {result.scenario}: {SCENARIOS.get(result.scenario, '')}".rstrip(": ")
+    if result.skipped is not None:
+        return [title, "", f"Skipped: {result.skipped}.", ""]
+    keys = [k for k in _COLUMNS if any(k in m.extra for m in result.measurements)]
+    head = ["case", "contender", result.unit, "range", f"x {result.baseline}"]
+    head += [_COLUMNS[k][0] for k in keys]
+    rows = [
+        "| " + " | ".join(head) + " |",
+        "|---|---|" + "---:|" * (len(head) - 2),
+    ]
+    for case, ms in _by_case(result).items():
+        for m in ms:
+            cells = [case, m.contender, fmt(m.items_per_s), spread(m.runs), _ratio(m)]
+            cells += [_COLUMNS[k][1](m.extra[k]) if k in m.extra else "" for k in keys]
+            rows.append("| " + " | ".join(cells) + " |")
+    notes = [f"- {n}" for n in result.notes]
+    return [title, "", *rows, "", *notes, ""]
+
+
+def summary(results: Sequence[ScenarioResult], *, command: str = "") -> str:
+    """The Markdown report of a run: where, the headline, then each scenario in full."""
+    lines = _header(results, command)
+    lines += _headline(results)
+    for result in results:
+        lines += _section(result)
+    skipped = [r for r in results if r.skipped is not None]
+    if skipped:
+        lines += ["## Not run", ""]
+        lines += [f"- {r.scenario}: {r.skipped}" for r in skipped]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def splice(document: str, summary_text: str) -> str:
+    """``document`` with the text between its :data:`MARKERS` replaced by ``summary_text``.
+
+    The summary's title is left out and its sections become subsections (``###``), so that
+    it sits under a heading of the document's own.
+
+    Raises:
+        ValueError: If the document lacks either marker, or has them out of order.
+
+    """
+    start, end = MARKERS
+    i, j = document.find(start), document.find(end)
+    if i < 0 or j < i:
+        raise ValueError(
+            f"put the lines {start!r} and {end!r} where the results should go, in that order"
+        )
+    lines = summary_text.splitlines()
+    if lines and lines[0].startswith("# "):
+        lines = lines[1:]
+    body = "\n".join("#" + line if line.startswith("## ") else line for line in lines)
+    return document[: i + len(start)] + "\n" + body.strip("\n") + "\n" + document[j:]
+
+
+def log_axis(values: Sequence[float]) -> bool:
+    """Whether a chart of ``values`` needs a logarithmic axis: they span more than 10x."""
+    positive = [v for v in values if v > 0 and math.isfinite(v)]
+    return bool(positive) and max(positive) > 10 * min(positive)
 
 
 def plot(result: ScenarioResult, path: Path) -> Path | None:
-    """Draw the result as a PNG (throughput per case and contender; memory and CPU beside it).
+    """Draw the result as a PNG, one unit per chart.
 
-    Returns the path, or ``None`` when matplotlib is not installed.
+    The scenario's own figure per case and contender comes first, then first-batch time,
+    CPU and memory, each on a chart of its own. An axis whose values span more than 10x is
+    logarithmic. Returns the path, or ``None`` when matplotlib is not installed or there is
+    nothing to draw.
     """
+    if result.skipped is not None or not result.measurements:
+        return None
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import FuncFormatter, MaxNLocator
+        from matplotlib.ticker import FuncFormatter
     except ImportError:
         return None
-    cases: dict[str, list[Measurement]] = {}
-    for m in result.measurements:
-        cases.setdefault(m.case, []).append(m)
-    side = [
-        key
-        for key in ("peak_pss_mib", "cpu_s_per_1000", "first_batch_ms")
-        if any(key in m.extra for m in result.measurements)
-    ]
-    panels = 1 + len(side)
-    rows = sum(len(ms) for ms in cases.values()) + len(cases)
-    fig, axes = plt.subplots(
-        1, panels, figsize=(7 + 4 * len(side), 1.0 + 0.32 * rows), squeeze=False
-    )
-    labels: list[str] = []
-    ys: list[float] = []
-    y = 0.0
+    primary = _primary(result)
+    panels: list[_Metric] = [primary]
+    titles = {
+        "first_batch_ms": "first batch (ms)",
+        "cpu_s_per_1000": "CPU s per 1000 items",
+        "peak_pss_mib": "peak PSS (MiB)",
+    }
+    for key, label in titles.items():
+        if label != primary.label and any(key in m.extra for m in result.measurements):
+            panels.append(_Metric(label, _extra(key), False))
+    cases = _by_case(result)
+    flat = [m for ms in cases.values() for m in ms]
+    labels, ys, y = [], [], 0.0
     for case, ms in cases.items():
         for m in ms:
             labels.append(f"{case} | {m.contender}" if len(cases) > 1 else m.contender)
             ys.append(y)
             y += 1
         y += 0.6
-    colours = [
-        "tab:orange" if m.contender.startswith("feedline") else "tab:gray"
-        for ms in cases.values()
-        for m in ms
-    ]
-    flat = [m for ms in cases.values() for m in ms]
-    ax = axes[0][0]
-    ax.barh(ys, [m.items_per_s for m in flat], color=colours)
-    for yy, m in zip(ys, flat, strict=True):
-        note = f" {m.items_per_s:,.0f}" + (f" ({m.ratio:.2f}x)" if m.ratio is not None else "")
-        ax.text(m.items_per_s, yy, note, va="center", fontsize=7)
-    ax.set_yticks(ys, labels, fontsize=7)
-    ax.invert_yaxis()
-    top = max((m.items_per_s for m in flat), default=0.0)
-    if top > 0:
-        ax.set_xlim(0, top * 1.35)  # room for the figures written after the longest bar
-    ax.xaxis.set_major_locator(MaxNLocator(nbins=4))  # few ticks: they never run together
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
-    ax.set_xlabel("items/s (higher is better)")
-    ax.set_title(f"{result.scenario}: throughput", fontsize=9)
-    titles = {
-        "peak_pss_mib": "peak PSS, MiB (lower is better)",
-        "cpu_s_per_1000": "CPU s per 1000 items (lower is better)",
-        "first_batch_ms": "ms to the first batch (lower is better)",
-    }
-    for k, key in enumerate(side, start=1):
-        axk = axes[0][k]
-        values = [m.extra.get(key, 0.0) for m in flat]
-        axk.barh(ys, values, color=colours)
-        axk.set_yticks(ys, [""] * len(ys))
-        axk.invert_yaxis()
-        axk.set_title(titles[key], fontsize=9)
-    fig.tight_layout()
+    colours = ["tab:orange" if m.contender.startswith("feedline") else "tab:gray" for m in flat]
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(4.5 * len(panels), 1.2 + 0.3 * len(ys)), squeeze=False
+    )
+    for k, metric in enumerate(panels):
+        ax = axes[0][k]
+        values = [metric.get(m) for m in flat]
+        shown = [v if v is not None and math.isfinite(v) and v > 0 else 0.0 for v in values]
+        ax.barh(ys, shown, color=colours)
+        positive = [v for v in shown if v > 0]
+        if log_axis(positive):
+            ax.set_xscale("log")
+        if positive:
+            left = min(positive) / 2 if ax.get_xscale() == "log" else 0
+            ax.set_xlim(left, max(positive) * (3 if ax.get_xscale() == "log" else 1.3))
+        for yy, v, m in zip(ys, shown, flat, strict=True):
+            if v <= 0:
+                continue
+            note = f" {fmt(v)}"
+            if k == 0 and m.ratio is not None and primary.higher_is_better:
+                note += f" ({m.ratio:.2f}x)"
+            ax.text(v, yy, note, va="center", fontsize=7)
+        ax.set_yticks(ys, labels if k == 0 else [""] * len(ys), fontsize=7)
+        ax.invert_yaxis()
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt(v)))
+        better = "higher" if metric.higher_is_better else "lower"
+        ax.set_title(f"{metric.label} ({better} is better)", fontsize=9)
+    fig.suptitle(f"feedline bench {result.scenario}", fontsize=10)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # grows to fit every label: none clipped
     plt.close(fig)
     return path

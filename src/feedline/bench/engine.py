@@ -115,11 +115,11 @@ def _overhead(n: int, repeats: int, sink: int, progress: Any) -> list[Measuremen
                 return _drain(_feedline_pipeline(range(n), op, 3, conc, threads, sink, True))
 
             contenders = [
-                Contender("feedline", ours),
-                Contender("feedline, resumable", resumable),
+                Contender("feedline, add_sink(3)", ours),
+                Contender("feedline, add_sink(3), resumable", resumable),
                 # What a user gets without add_sink: a sink that grows while it, rather than
                 # the stages, is what keeps the consumer waiting.
-                Contender("feedline, default sink", functools.partial(ours, size=None)),
+                Contender("feedline", functools.partial(ours, size=None)),
             ]
             if sp is not None:
 
@@ -224,9 +224,10 @@ def run(options: BenchOptions) -> ScenarioResult:
     measurements += _gil_free(n_hash, repeats, progress)
     notes = [
         f"{repeats} alternating run(s) per contender, medians; no-op cases move {n_items} items "
-        f"with add_sink(buffer_size={sink}) (SPDL's default) unless the contender says "
-        "'default sink' (feedline's, which starts at 3, or 16 at concurrency 8, and doubles up "
-        "to 64 items while it keeps the consumer waiting), and num_threads=max(8, concurrency); "
+        f"with add_sink(buffer_size={sink}) (SPDL's default) where the contender says so, "
+        "else with feedline's default sink (which starts at 3, or 16 at concurrency 8, and "
+        "doubles up to 64 items while it keeps the consumer waiting), and "
+        "num_threads=max(8, concurrency); "
         "the queues between stages are each library's defaults (feedline: max(2, concurrency) "
         "after a sync stage, max(8, concurrency) after an async one, each doubling up to 64 "
         "items while both its stages are cheap and its size keeps the next stage waiting)",
@@ -237,5 +238,10 @@ def run(options: BenchOptions) -> ScenarioResult:
         "stopped on a full buffer",
     ]
     return make_result(
-        "engine", "spdl / ThreadPoolExecutor.map", measurements, notes, _spdl() is not None
+        "engine",
+        "spdl / ThreadPoolExecutor.map",
+        measurements,
+        notes,
+        _spdl() is not None,
+        headline=["feedline"],
     )

@@ -117,4 +117,12 @@ def run(options: BenchOptions) -> ScenarioResult:
         "sample is materialised",
         "sample: 3x224x224 uint8 image (npy: the image alone), 224x224 int32 mask, 4 floats",
     ]
-    return make_result("formats", "numpy.load", measurements, notes, spdl is not None)
+    return make_result(
+        "formats",
+        "numpy.load",
+        measurements,
+        notes,
+        spdl is not None,
+        unit="samples/s",
+        headline=["feedline"],
+    )

@@ -44,6 +44,7 @@ from ._common import (
     alternate,
     make_result,
     paired_ratio,
+    round_ratios,
     threaded_loop,
 )
 from ._data import jpeg_files, jpeg_source
@@ -178,7 +179,7 @@ def run(options: BenchOptions) -> ScenarioResult:
     repeats = 1 if quick else 5
     count = 64 if quick else 1024
     cores = os.cpu_count() or 1
-    files = jpeg_files(count, "imagenet", options.data_dir, progress)
+    files = jpeg_files(count, "imagenet", options.data_dir, progress, options.steps)
     paths = [str(p) for p in files]
     pictures = [Path(p).read_bytes() for p in paths]
     case = f"{count} JPEGs -> batches of {BATCH}x224x224x3"
@@ -224,6 +225,7 @@ def run(options: BenchOptions) -> ScenarioResult:
     alone = next(m for m in found if m.contender == threads_ref)
     for m in found:
         m.ratio = paired_ratio(m.runs, best_pil.runs)
+        m.ratio_runs = round_ratios(m.runs, best_pil.runs)
         if m.contender in (BOUND, threads_ref):
             continue
         vs_spdl = paired_ratio(m.runs, spdl.runs) if spdl is not None else None
@@ -253,4 +255,12 @@ def run(options: BenchOptions) -> ScenarioResult:
         "peak PSS / RSS: this process and its children, sampled every 100 ms during a pass; "
         "the benchmark's own process (Python, torch, OpenCV loaded) is in every figure",
     ]
-    return make_result("images", "best PyTorch + PIL", found, notes, True)
+    return make_result(
+        "images",
+        "best PyTorch + PIL",
+        found,
+        notes,
+        True,
+        unit="images/s",
+        headline=["feedline DataLoader", "feedline pipeline"],
+    )

@@ -106,7 +106,15 @@ def run(options: BenchOptions) -> ScenarioResult:
         "children included",
         "both interpreters import torch (the DataLoader is PyTorch's or built on its samplers)",
     ]
-    return make_result("memory", "PyTorch workers=4", measurements, notes, True)
+    return make_result(
+        "memory",
+        "PyTorch workers=4",
+        measurements,
+        notes,
+        True,
+        unit="paths/s",
+        headline=["feedline"],
+    )
 
 
 if __name__ == "__main__":

@@ -39,7 +39,9 @@ def _make(kind: str, workers: int, dataset: Any, shuffle: bool) -> Any:
 def run(options: BenchOptions) -> ScenarioResult:
     """Run the startup scenario; ``options.quick`` shrinks it to a smoke test."""
     repeats = 1 if options.quick else 5
-    pictures = read_all(jpeg_files(32, "imagenet", options.data_dir, options.progress))
+    pictures = read_all(
+        jpeg_files(32, "imagenet", options.data_dir, options.progress, options.steps)
+    )
     DecodeDataset(pictures, "feedline")[0]  # import the decoder's libraries now, not in
     # whichever contender runs first
     costs = LoaderCosts(periodic=False)  # one sample, once the batch is there: none timed
@@ -88,4 +90,12 @@ def run(options: BenchOptions) -> ScenarioResult:
         "(worker processes included), over the 32 items of that batch; peak PSS / RSS: this "
         "process and its children when the first batch has arrived",
     ]
-    return make_result("startup", "PyTorch workers=2", found, notes, True)
+    return make_result(
+        "startup",
+        "PyTorch workers=2",
+        found,
+        notes,
+        True,
+        unit="first batches/s",
+        headline=["feedline", "feedline workers=2", "feedline workers=4"],
+    )
