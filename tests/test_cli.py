@@ -234,6 +234,9 @@ def test_report_pastes_the_summary_between_a_readme_s_markers(
     assert "### verify: " in text  # the summary's sections sit under the README's heading
     assert "\n# feedline bench" not in text
     assert "- **Machine**: " in text
+    assert "commit" not in text
+    assert ", run 20" not in text
+    assert ", run 20" in (out / "summary.md").read_text()  # the run's own summary does
     twice = readme.read_text()
     assert main(["report", str(out), "--into", str(readme)]) == 0
     assert readme.read_text() == twice  # pasting again changes nothing

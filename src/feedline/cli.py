@@ -208,7 +208,9 @@ def _report(args: argparse.Namespace) -> int:
         return 0
     target = Path(args.into)
     try:
-        target.write_text(splice(target.read_text(), text))
+        target.write_text(
+            splice(target.read_text(), summary(results, command=results[0].command, dated=False))
+        )
     except (OSError, ValueError) as error:
         print(f"feedline report: --into {target}: {error}", file=sys.stderr)
         return 2
@@ -268,8 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--into",
         metavar="FILE",
-        help="also paste the summary into this Markdown file (a README), between the lines "
-        "'<!-- feedline report: start -->' and '<!-- feedline report: end -->'",
+        help="also paste the summary, without its date and commit, into this Markdown file (a "
+        "README), between the lines '<!-- feedline report: start -->' and "
+        "'<!-- feedline report: end -->'",
     )
     report.set_defaults(func=_report)
     return parser

@@ -295,8 +295,19 @@ def test_stats_report_every_stage() -> None:
     assert slow_stats.task_p50 <= slow_stats.task_p90 <= slow_stats.task_p99
     assert stats.bottleneck == "slow"
     assert "slow" in str(stats)
+    assert "\n100 items in " in str(stats)
     with pytest.raises(KeyError, match="no stage named"):
         stats["missing"]
+
+
+def test_stats_count_batches_as_batches() -> None:
+    batched = PipelineBuilder().add_source(range(100)).aggregate(10).build()
+    assert len(list(batched)) == 10
+    assert "\n10 batches from 100 source items in " in str(batched.stats())
+    assert " batches/s); bottleneck" in str(batched.stats())
+    flat = PipelineBuilder().add_source(range(100)).aggregate(10).disaggregate().build()
+    assert len(list(flat)) == 100
+    assert "\n100 items in " in str(flat.stats())
 
 
 def test_stats_name_the_consumer_when_it_is_slowest() -> None:

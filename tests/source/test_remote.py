@@ -172,9 +172,33 @@ def test_a_listing_that_fails_names_the_store_and_the_prefix(s3: str) -> None:
     store = RemoteStore("s3://no-such-bucket/x", endpoint=s3, **CREDENTIALS, retries=0)
     with pytest.raises(
         RemoteReadError, match=r"listing keys under 'train' from s3://no-such-bucket"
-    ):
+    ) as info:
         store.keys("train")
     assert store.stats().failures == 1
+    # S3's XML error body comes out as its code and message, on one line.
+    message = str(info.value)
+    assert "HTTP 404 Not Found: NoSuchBucket: " in message
+    assert "<" not in message
+    assert "\n" not in message
+
+
+def test_error_descriptions_keep_status_retries_and_the_servers_words() -> None:
+    from feedline.source.remote import _describe
+
+    xml = (
+        "Generic S3 error: Error performing GET http://x/b/k in 5ms, after 3 retries, "
+        "max_retries: 3 - Server returned non-2xx status code: 403 Forbidden: <?xml "
+        'version="1.0"?><Error><Code>AccessDenied</Code><Message>Access Denied</Message>'
+        "<RequestId>1</RequestId></Error>\n\nDebug source:\nGeneric {\n}"
+    )
+    assert _describe(OSError(xml)) == "HTTP 403 Forbidden: AccessDenied: Access Denied, " + (
+        "after 3 retries"
+    )
+    long = "word " * 200
+    described = _describe(ValueError(long + "\nDebug source: ..."))
+    assert described.startswith("ValueError: word word")
+    assert described.endswith("word ...")  # cut between words, and marked
+    assert len(described) < 320
 
 
 # -- a server that fails -----------------------------------------------------------------------
@@ -223,6 +247,13 @@ def test_a_server_that_stays_down_gives_an_error_naming_key_and_retries(flaky: s
     assert info.value.key == "down"
     assert "retried up to 2 time(s)" in str(info.value)
     assert _Flaky.attempts["/down"] == 3
+    # One line: the key, the status, the server's words; obstore's debug dump stays in the
+    # __cause__.
+    message = str(info.value)
+    assert "\n" not in message
+    assert "reading 'down' from" in message
+    assert "(HTTP 503 Service Unavailable: try later, after 2 retries)" in message
+    assert "Debug source" in str(info.value.__cause__)
     assert store.stats().failures == 1
 
 

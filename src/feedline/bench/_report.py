@@ -81,16 +81,16 @@ def _ratio(m: Measurement) -> str:
     return text
 
 
-def _header(results: Sequence[ScenarioResult], command: str) -> list[str]:
+def _header(results: Sequence[ScenarioResult], command: str, dated: bool) -> list[str]:
     info = next((r.machine for r in results if r.machine), {})
     versions = info.get("versions", {})
     ours = versions.get("feedline", "?")
-    commit = info.get("commit")
+    commit = info.get("commit") if dated else None
     lines = [
         "# feedline bench",
         "",
         f"- **Command**: `{command or 'feedline bench'}`"
-        + (f", run {info['time']}" if info.get("time") else ""),
+        + (f", run {info['time']}" if dated and info.get("time") else ""),
         f"- **feedline**: {ours}" + (f", commit {commit}" if commit else ""),
     ]
     if info:
@@ -166,9 +166,13 @@ def _section(result: ScenarioResult) -> list[str]:
     return [title, "", *rows, "", *notes, ""]
 
 
-def summary(results: Sequence[ScenarioResult], *, command: str = "") -> str:
-    """The Markdown report of a run: where, the headline, then each scenario in full."""
-    lines = _header(results, command)
+def summary(results: Sequence[ScenarioResult], *, command: str = "", dated: bool = True) -> str:
+    """The Markdown report of a run: where, the headline, then each scenario in full.
+
+    ``dated=False`` leaves out the date and the git commit, for documents that describe the
+    code rather than one run (a README: its commit message says which run it was).
+    """
+    lines = _header(results, command, dated)
     lines += _headline(results)
     for result in results:
         lines += _section(result)

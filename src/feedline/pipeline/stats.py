@@ -274,8 +274,12 @@ class PipelineStats:
                 f"{s.busy:>7.0%}{s.starved:>9.0%}{s.blocked:>9.0%}{occ:>7}"
             )
         rate = self.items_out / self.elapsed if self.elapsed > 0 else 0.0
+        grouping = [s.kind for s in self.stages if s.kind in ("aggregate", "disaggregate")]
+        unit = "batches" if grouping and grouping[-1] == "aggregate" else "items"
+        source = self.stages[0].items_out if self.stages else 0
+        made = f" from {source} source items" if unit == "batches" else ""
         lines.append(
-            f"{self.items_out} items in {self.elapsed:.2f}s ({rate:,.0f}/s); "
+            f"{self.items_out} {unit}{made} in {self.elapsed:.2f}s ({rate:,.0f} {unit}/s); "
             f"bottleneck: {self.bottleneck} ({self.reason})"
         )
         return "\n".join(lines)

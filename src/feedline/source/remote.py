@@ -11,6 +11,7 @@ that name the object and say what to change.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -616,16 +617,49 @@ _ENDPOINT_KEYS = (
 )
 
 
-def _describe(error: Exception) -> str:
-    """The first line of an obstore error (the rest is a debug dump), and whether it timed out.
+_STATUS = re.compile(r"status code: (\d{3})([^:]*)(?::\s*(.*))?")
+_RETRIES = re.compile(r"after (\d+) retries")
+_XML_FIELD = re.compile(r"<(Code|Message)>([^<]*)</\1>")
 
-    The full text stays available as the ``__cause__`` of the error we raise.
+
+def _shorten(text: str, limit: int) -> str:
+    """``text`` cut to about ``limit`` characters at a word boundary, marked when cut."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    cut = text[:limit].rsplit(" ", 1)[0]
+    return cut.rstrip(",;:") + " ..."
+
+
+def _describe(error: Exception) -> str:
+    """One line on why a request failed: the HTTP status, the retries, the server's words.
+
+    obstore's message is a first line that repeats the request, then a multi-line debug
+    dump; a cloud store's error body is XML. This keeps the status (``HTTP 503 Service
+    Unavailable``), how many retries were spent, and the body's code and message (or the
+    first words of a plain body). The full text stays available as the ``__cause__`` of the
+    error we raise.
     """
     text = str(error)
-    head = text.split("\n", 1)[0][:_MESSAGE_CHARS]
+    head = text.split("\n", 1)[0]
+    found = _STATUS.search(head)
+    if found is None:
+        cause = f"{type(error).__name__}: {_shorten(head, _MESSAGE_CHARS)}"
+    else:
+        code, reason, body = found.group(1), found.group(2).strip(), found.group(3) or ""
+        cause = f"HTTP {code}" + (f" {reason}" if reason else "")
+        if body.lstrip().startswith("<"):  # XML, which may go on past the first line
+            fields = dict(_XML_FIELD.findall(text))
+            body = ": ".join(v for v in (fields.get("Code"), fields.get("Message")) if v)
+        if body.strip():
+            cause += f": {_shorten(body, 160)}"
+    retries = _RETRIES.search(head)
+    if retries is not None and retries.group(1) != "0":
+        count = int(retries.group(1))
+        cause += f", after {count} {'retry' if count == 1 else 'retries'}"
     if "TimedOut" in text or "kind: Timeout" in text:
-        head += " [timed out]"
-    return f"{type(error).__name__}: {head}"
+        cause += " [timed out]"
+    return cause
 
 
 def _bad_range(error: Exception) -> bool:
