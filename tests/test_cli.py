@@ -245,3 +245,34 @@ def test_report_pastes_the_summary_between_a_readme_s_markers(
     assert main(["report", str(out), "--into", str(readme)]) == 2
     assert "<!-- feedline report: start -->" in capsys.readouterr().err
     assert readme.read_text() == "no markers\n"
+
+
+def test_bench_train_quick_reports_headspace(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("cv2")
+    out = tmp_path / "out"
+    (tmp_path / "d").mkdir()
+    assert (
+        main(["bench", "train", "--quick", "--data", str(tmp_path / "d"), "--out", str(out)]) == 0
+    )
+    data = json.loads((out / "train.json").read_text())
+    assert data["unit"] == "steps/s"
+    cases = {m["case"] for m in data["measurements"]}
+    assert len(cases) == 6  # JPEG, NPZ with numpy.load, NPZ with load_npz; x model, launches
+    for m in data["measurements"]:
+        assert m["items_per_s"] > 0
+        assert m["extra"]["step_p50_ms"] > 0
+        assert m["extra"]["step_p99_ms"] >= m["extra"]["step_p50_ms"]
+        if m["contender"] == "cached batches (upper bound)":
+            assert m["ratio"] == 1.0
+        else:
+            assert m["ratio"] > 0
+            assert m["extra"]["vs_pytorch"] > 0
+    assert {"feedline DataLoader", "feedline pipeline"} <= {
+        m["contender"] for m in data["measurements"]
+    }
+    headline = (out / "summary.md").read_text().split("## Headline")[1].split("\n## ")[0]
+    assert "| train | JPEG files (decode releases the GIL), model step | feedline DataLoader" in (
+        headline
+    )
+    assert_png(out / "train.png")

@@ -49,6 +49,7 @@ SCENARIOS: dict[str, str] = {
     "latency": "DataLoader over reads that wait on a slow server, against PyTorch's",
     "memory": "peak memory (PSS) of a DataLoader over 2 million file paths",
     "startup": "time to the first batch, against PyTorch's DataLoader with workers",
+    "train": "headspace: training steps/s beside each loader, against cached batches",
     "verify": "checking object bodies (MD5, CRC-32) per GiB, against copying them",
 }
 """Scenario name -> one line on what it measures. The module of the same name runs it."""
@@ -63,6 +64,7 @@ REQUIRES: dict[str, tuple[str, ...]] = {
     "latency": ("torch", *_PICTURES),
     "memory": ("torch",),
     "startup": ("torch", *_PICTURES),
+    "train": ("torch", *_PICTURES),
     "verify": (),
 }
 """Scenario name -> the modules it cannot run without. Contenders that need more (SPDL,

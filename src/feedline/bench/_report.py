@@ -55,6 +55,12 @@ _COLUMNS: dict[str, tuple[str, Callable[[float], str]]] = {
     "of_bound": ("of bound", _percent),
     "of_decode_alone": ("of decode alone", _percent),
     "vs_spdl": ("vs SPDL", _times),
+    "vs_pytorch": ("vs best PyTorch", _times),
+    "step_p50_ms": ("step p50 (ms)", fmt),
+    "p50_vs_cached": ("p50 vs cached", _times),
+    "step_p99_ms": ("step p99 (ms)", fmt),
+    "p99_vs_cached": ("p99 vs cached", _times),
+    "wait_p50_ms": ("wait p50 (ms)", fmt),
     "scaling": ("vs 1 thread", _times),
     "first_batch_ms": ("first batch (ms)", fmt),
     "p50_us": ("p50 (µs)", fmt),
@@ -207,6 +213,10 @@ def splice(document: str, summary_text: str) -> str:
     return document[: i + len(start)] + "\n" + body.strip("\n") + "\n" + document[j:]
 
 
+def _tick(value: float, _position: object) -> str:
+    return f"{value:,.0f}" if abs(value) >= 10 else fmt(value)
+
+
 def log_axis(values: Sequence[float]) -> bool:
     """Whether a chart of ``values`` needs a logarithmic axis: they span more than 10x."""
     positive = [v for v in values if v > 0 and math.isfinite(v)]
@@ -274,7 +284,7 @@ def plot(result: ScenarioResult, path: Path) -> Path | None:
             ax.text(v, yy, note, va="center", fontsize=7)
         ax.set_yticks(ys, labels if k == 0 else [""] * len(ys), fontsize=7)
         ax.invert_yaxis()
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt(v)))
+        ax.xaxis.set_major_formatter(FuncFormatter(_tick))
         better = "higher" if metric.higher_is_better else "lower"
         ax.set_title(f"{metric.label} ({better} is better)", fontsize=9)
     fig.suptitle(f"feedline bench {result.scenario}", fontsize=10)
