@@ -42,6 +42,8 @@ def test_every_readme_with_python_blocks_is_collected() -> None:
     assert "--markdown-docs" in config
     blocks = sum(p.read_text().count("```python") for p in READMES)
     assert blocks >= 7
+
+
 def test_the_benchmarks_section_is_one_pasted_summary() -> None:
     from feedline.bench._report import MARKERS
 

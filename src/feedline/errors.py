@@ -54,6 +54,9 @@ class PipelineFailure(FeedlineError):
         num_failures: How many items that stage had failed on when the pipeline stopped.
         num_items: How many items that stage had received by then.
         sample: A short ``repr`` of the last item that failed (``None`` when unknown).
+        source: Which item of the source that sample came from: its number and, when the
+            stages changed it on the way, a short ``repr`` of it (the path or key the pipeline
+            started with); ``None`` when unknown.
         last_error: The last exception the stage raised (also the ``__cause__``).
 
     """
@@ -67,16 +70,19 @@ class PipelineFailure(FeedlineError):
         last_error: BaseException | None,
         budget: str,
         hint: str = "raise the budget with build(max_failures=...)",
+        source: str | None = None,
     ) -> None:
         self.stage = stage
         self.num_failures = num_failures
         self.num_items = num_items
         self.sample = sample
+        self.source = source
         self.last_error = last_error
         last = f"{type(last_error).__name__}: {last_error}" if last_error is not None else "?"
+        where = f" ({source})" if source is not None else ""
         super().__init__(
             f"stage {stage!r} failed on {num_failures} of {num_items} items, more than the "
-            f"failure budget ({budget}); last failure on sample {sample}: {last}. "
+            f"failure budget ({budget}); last failure on sample {sample}{where}: {last}. "
             f"Fix the cause, or {hint} "
             "(an int is a count, a float in (0, 1) a fraction of the stage's items)."
         )
@@ -85,7 +91,7 @@ class PipelineFailure(FeedlineError):
         return (
             type(self),
             (self.stage, self.num_failures, self.num_items, self.sample, self.last_error, ""),
-            {"args": self.args},
+            {"args": self.args, "source": self.source},
         )
 
 
@@ -104,10 +110,12 @@ class SubprocessFailure(PipelineFailure):
         self.num_failures = 1
         self.num_items = 0
         self.sample: str | None = None
+        self.source: str | None = None
         self.last_error: BaseException | None = origin
         if isinstance(origin, PipelineFailure):
             self.stage, self.num_failures = origin.stage, origin.num_failures
             self.num_items, self.sample = origin.num_items, origin.sample
+            self.source = origin.source
             self.last_error = origin.last_error
 
     def __reduce__(self) -> tuple[object, ...]:

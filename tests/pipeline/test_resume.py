@@ -148,7 +148,7 @@ def test_failed_items_count_as_done_and_are_not_retried(caplog: pytest.LogCaptur
         first = build()
         assert take(first, 6) == [1, 2, 3, 4, 6, 7]
     # The sample is named by its value and its place in the source.
-    assert "failed on sample [source item 0] 0" in caplog.text
+    assert "failed on sample 0 (source item 0)" in caplog.text
     state = first.state_dict()
     assert state["done_below"] == 8  # 5 failed, and counts as done
     # The stage may have run ahead of the consumer and failed on 10 already: done too.
@@ -168,7 +168,7 @@ def test_failure_past_the_budget_names_the_source_item() -> None:
     pipeline = pipeline.pipe(lambda s: 1 / (s != "B")).build(resumable=True)
     with pytest.raises(PipelineFailure) as caught:
         list(pipeline)
-    assert "[source item 1] 'B'" in str(caught.value)
+    assert "'B' (source item 1: 'b')" in str(caught.value)
 
 
 def test_process_pool_stage_resumes() -> None:

@@ -25,7 +25,14 @@ from ._defs import (
     op_kind,
 )
 from ._pipeline import Pipeline
-from ._resume import TaggedAsyncOp, TaggedOp, merge_group
+from ._resume import (
+    TaggedAsyncGenerator,
+    TaggedAsyncOp,
+    TaggedGenerator,
+    TaggedOp,
+    merge_group,
+    split_group,
+)
 
 __all__ = ["PipelineBuilder"]
 
@@ -433,12 +440,11 @@ class PipelineBuilder(Generic[T]):
             )
         if not isinstance(resumable, bool):
             raise ConfigurationError(f"resumable must be True or False, got {resumable!r}")
-        stages = tuple(self._stages)
         if resumable:
-            stages = self._resumable_stages()
+            self._check_resumable()
         config = PipelineConfig(
             source=self._source,
-            stages=stages,
+            stages=self._tagged_stages(),
             sink=self._sink_config(),
             num_threads=num_threads,
             max_failures=max_failures,
@@ -447,9 +453,8 @@ class PipelineBuilder(Generic[T]):
         )
         return Pipeline(config)
 
-    def _resumable_stages(self) -> tuple[StageConfig, ...]:
-        # Every op works on the value of a numbered item and every group merges the numbers
-        # (see _resume). Refuses what cannot be resumed exactly.
+    def _check_resumable(self) -> None:
+        # Refuses what cannot be resumed exactly.
         assert self._source is not None
         if isinstance(self._source.source, Pipeline):
             raise ConfigurationError(
@@ -457,7 +462,6 @@ class PipelineBuilder(Generic[T]):
                 "(its items may come in a different order on the next pass); move the inner "
                 "pipeline's source and stages into this one, or build without resumable=True"
             )
-        stages: list[StageConfig] = []
         for s in self._stages:
             if isinstance(s, DisaggregateConfig) or (
                 isinstance(s, PipeConfig) and s.kind in (OpKind.GENERATOR, OpKind.ASYNC_GENERATOR)
@@ -473,11 +477,24 @@ class PipelineBuilder(Generic[T]):
                     f"and {what} stage turns one into many, which cannot be resumed part-way; "
                     f"{instead}, or build without resumable=True"
                 )
+
+    def _tagged_stages(self) -> tuple[StageConfig, ...]:
+        # Items travel as Tagged records (see _resume): every op works on the value, groups
+        # merge and split the numbers and source items.
+        wrappers: dict[OpKind, Callable[[Any], Callable[..., Any]]] = {
+            OpKind.FUNCTION: TaggedOp,
+            OpKind.COROUTINE: TaggedAsyncOp,
+            OpKind.GENERATOR: TaggedGenerator,
+            OpKind.ASYNC_GENERATOR: TaggedAsyncGenerator,
+        }
+        stages: list[StageConfig] = []
+        for s in self._stages:
             if isinstance(s, PipeConfig):
-                wrapped = TaggedAsyncOp(s.op) if s.kind is OpKind.COROUTINE else TaggedOp(s.op)
-                stages.append(dataclasses.replace(s, op=wrapped))
-            else:
+                stages.append(dataclasses.replace(s, op=wrappers[s.kind](s.op)))
+            elif isinstance(s, AggregateConfig):
                 stages.append(dataclasses.replace(s, collect=merge_group))
+            else:
+                stages.append(dataclasses.replace(s, split=split_group))
         return tuple(stages)
 
     def _sink_config(self) -> SinkConfig:

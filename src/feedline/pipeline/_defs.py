@@ -99,6 +99,7 @@ class DisaggregateConfig:
     name: str
     buffer_size: int
     grows: bool = True
+    split: Callable[[Any], Iterable[Any]] | None = None  # the elements of an item (default: it)
 
 
 StageConfig = PipeConfig | AggregateConfig | DisaggregateConfig

@@ -33,6 +33,7 @@ from ._defs import (
 from ._executors import Submitter, WorkerPool
 from ._growth import Growth
 from ._queue import EMPTY, Channel
+from ._resume import TaggedOp
 from ._stages._async import AsyncSource, AsyncStage
 from ._stages._common import FailureBudget, JobContext, StageBase
 from ._stages._sink import SinkReader
@@ -43,6 +44,7 @@ from ._stages._threaded import (
     GeneratorWork,
     ThreadedSource,
     ThreadedStage,
+    ValueWork,
     Work,
 )
 from .stats import PipelineStats, find_bottleneck
@@ -191,9 +193,12 @@ class Run:
                 cfg.executor is None or isinstance(cfg.executor, ThreadPoolExecutor)
             )
             if threaded:
-                work = (
-                    FunctionWork(cfg.op) if cfg.kind is OpKind.FUNCTION else GeneratorWork(cfg.op)
-                )
+                if isinstance(cfg.op, TaggedOp):  # the usual case: no wrapper call per item
+                    work = ValueWork(cfg.op.op)
+                elif cfg.kind is OpKind.FUNCTION:
+                    work = FunctionWork(cfg.op)
+                else:
+                    work = GeneratorWork(cfg.op)
                 return ThreadedStage(
                     self,
                     cfg.name,
@@ -226,7 +231,7 @@ class Run:
         if isinstance(cfg, AggregateConfig):
             work, kind = AggregateWork(cfg.size, cfg.drop_last, cfg.collect), "aggregate"
         elif isinstance(cfg, DisaggregateConfig):
-            work, kind = DisaggregateWork(), "disaggregate"
+            work, kind = DisaggregateWork(cfg.split), "disaggregate"
         else:  # pragma: no cover - the builder only makes the kinds above
             raise TypeError(f"unknown stage config {cfg!r}")
         return ThreadedStage(self, cfg.name, kind, work, 1, self._pool, False, inp, out, budget)

@@ -103,38 +103,45 @@ class Pipeline(Generic[T]):
         run.start()
 
     def _new_run(self) -> Run:
-        # Called under the holder's lock, which state_dict() takes too.
+        # Called under the holder's lock, which state_dict() takes too. The source's items
+        # are numbered and carry their source item (see _resume); a resumable pipeline also
+        # skips those done and marks those received or skipped.
         config = self._config
-        if not config.resumable:
-            return Run(config, _wrap_source)
-        progress = self._loaded or Progress()
-        self._progress = progress  # before _loaded is cleared: never a moment with neither
-        self._loaded = None
+        progress: Progress | None = None
+        on_failed = None
+        if config.resumable:
+            progress = self._loaded or Progress()
+            self._progress = progress  # before _loaded is cleared: never a moment with neither
+            self._loaded = None
+
+            def failed(item: Any) -> None:
+                if isinstance(item, Tagged):  # skipped: an uninterrupted run skips it too
+                    progress.mark(item.tag)
+
+            on_failed = failed
         src = config.source
         if src.is_async:
             source = tag_async_source(src.source, progress)  # type: ignore[arg-type]
             config = dataclasses.replace(config, source=dataclasses.replace(src, source=source))
 
         def wrap(source: Any, run: Run) -> Any:  # a sync source
-            return tag_source(source, progress, lambda: run.stopping)
+            return tag_source(_wrap_source(source, run), progress, lambda: run.stopping)
 
-        def failed(item: Any) -> None:
-            if isinstance(item, Tagged):  # skipped: an uninterrupted run skips it too
-                progress.mark(item.tag)
-
-        return Run(config, wrap, on_failed=failed)
+        return Run(config, wrap, on_failed=on_failed)
 
     def _receiver(self, run: Run) -> Callable[[float | None], Any]:
-        # What hands the consumer its items: the run's get, or, when resumable, one that
-        # marks each item's source numbers done and unwraps it.
+        # What hands the consumer its items: the run's get, unwrapping each, and, when
+        # resumable, marking its source numbers done.
+        get = run.get
         if not self._config.resumable:
-            return run.get
-        get, unwrap = run.get, self._unwrap
+            return lambda timeout: get(timeout).value
+        unwrap = self._unwrap
         return lambda timeout: unwrap(get(timeout))
 
-    def _unwrap(self, item: Any) -> Any:
+    def _unwrap(self, item: Tagged) -> Any:
         # A Tagged item reaches the consumer: its source numbers are done.
-        self._progress.mark(item.tag)
+        if self._config.resumable:
+            self._progress.mark(item.tag)
         return item.value
 
     def stop(self) -> None:
@@ -173,9 +180,7 @@ class Pipeline(Generic[T]):
                 "get_item(), or iterate it with a for loop"
             )
         try:
-            item: T = run.get(timeout)
-            if self._config.resumable:
-                item = self._unwrap(item)
+            item: T = self._unwrap(run.get(timeout))
         except EOFError:
             self._epoch_done(run)
             self.stop()

@@ -1,12 +1,17 @@
-"""Resumable pipelines: which source items the consumer has received, and how to skip them.
+"""Items that remember their source: for failure messages, and for resuming.
 
-A pipeline built with ``resumable=True`` numbers the items of its source (0, 1, 2, ...) and
-carries each number with the item through every stage: an item travels as a :class:`Tagged`
-pair, every op is wrapped to call the user's function on the value alone, and ``aggregate``
-merges the numbers of a group. When the consumer receives an item, its numbers are marked
-done; so is the number of an item a stage failed on (it was skipped, and an uninterrupted run
-skips it too). A state is the lowest number not yet done plus the few done above it (stages
-that pass items on in completion order deliver out of order), so it stays small.
+Every pipeline numbers the items of its source (0, 1, 2, ...) and carries each number, and
+the source item itself, with the item through every stage: an item travels as a
+:class:`Tagged` record, every op is wrapped to call the user's function on the value alone,
+``aggregate`` merges the numbers and source items of a group, and ``disaggregate`` deals them
+out again. So a stage that fails on the bytes of a picture names the path or key the item
+started from, and the consumer receives the value alone.
+
+A pipeline built with ``resumable=True`` also keeps track of the numbers: when the consumer
+receives an item, its numbers are marked done; so is the number of an item a stage failed on
+(it was skipped, and an uninterrupted run skips it too). A state is the lowest number not yet
+done plus the few done above it (stages that pass items on in completion order deliver out of
+order), so it stays small.
 
 Resuming iterates the source again from the start and passes on only the numbers not done:
 the source must yield the same items in the same order on each pass (a list, or a sampler
@@ -16,55 +21,89 @@ seeded for the epoch). Nothing is replayed but the source itself.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import reprlib
 import threading
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
-
-from ._stages._common import sample_repr
 
 __all__ = [
     "STATE_VERSION",
     "Progress",
     "Tagged",
+    "TaggedAsyncGenerator",
     "TaggedAsyncOp",
+    "TaggedGenerator",
     "TaggedOp",
     "merge_group",
+    "sample_repr",
+    "split_group",
     "tag_async_source",
     "tag_source",
 ]
 
 STATE_VERSION = 1
 
+_repr = reprlib.Repr()
+_repr.maxstring = 80
+_repr.maxother = 80
+_repr.maxlist = 6
+_repr.maxdict = 6
+
+
+def sample_repr(item: Any) -> str:
+    """A short, safe ``repr`` of an item, for error messages."""
+    try:
+        return _repr.repr(item)
+    except Exception:  # a broken __repr__ must not hide the real error
+        return f"<{type(item).__name__} object>"
+
 
 class Tagged:
-    """An item on its way through a resumable pipeline, with the source number(s) it came from.
+    """An item on its way through a pipeline, with the source item(s) it came from.
 
-    ``tag`` is an int for one source item, or a tuple of ints once :func:`merge_group` has
-    grouped several.
+    ``tag`` is the source number, an int for one source item, or a tuple of ints once
+    :func:`merge_group` has grouped several; ``origin`` is the source item itself (or a tuple
+    of them, in the same order).
     """
 
-    __slots__ = ("tag", "value")
+    __slots__ = ("origin", "tag", "value")
 
-    def __init__(self, tag: int | tuple[int, ...], value: Any) -> None:
+    def __init__(self, tag: int | tuple[int, ...], value: Any, origin: Any = None) -> None:
         self.tag = tag
         self.value = value
+        self.origin = origin
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Tagged, (self.tag, self.value))
+        return (Tagged, (self.tag, self.value, self.origin))
+
+    def source(self) -> str:
+        """Which source item(s) this came from, for messages.
+
+        The number(s), and the source item(s) themselves where the stages changed the value.
+        """
+        if isinstance(self.tag, int):
+            if self.value is self.origin:  # untouched: the sample says what it is
+                return f"source item {self.tag}"
+            return f"source item {self.tag}: {sample_repr(self.origin)}"
+        pairs = list(zip(self.tag, self.origin or (), strict=False))[:3]
+        shown = ", ".join(f"{n} ({sample_repr(o)})" for n, o in pairs)
+        return f"source items {shown}" + (", ..." if len(self.tag) > 3 else "")
 
     def __repr__(self) -> str:
-        # What failure messages show: where in the source the sample was, then the sample
-        # (first, as messages cut a long repr at its end).
-        if isinstance(self.tag, int):
-            where = f"source item {self.tag}"
-        else:
-            shown = ", ".join(map(str, self.tag[:4])) + (", ..." if len(self.tag) > 4 else "")
-            where = f"source items {shown}"
-        return f"[{where}] {sample_repr(self.value)}"
+        return f"{sample_repr(self.value)} ({self.source()})"
+
+
+def _first_seen(number: int, value: Any) -> Tagged:
+    return Tagged(number, value, value)
 
 
 class TaggedOp:
-    """A sync op applied to a :class:`Tagged` item's value; pickles when the op does."""
+    """A sync op applied to a :class:`Tagged` item's value; pickles when the op does.
+
+    The record is updated in place (one item has one holder at a time, and an op that raises
+    leaves it as it was, for the failure message).
+    """
 
     __slots__ = ("op",)
 
@@ -72,7 +111,8 @@ class TaggedOp:
         self.op = op
 
     def __call__(self, item: Tagged) -> Tagged:
-        return Tagged(item.tag, self.op(item.value))
+        item.value = self.op(item.value)
+        return item
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (TaggedOp, (self.op,))
@@ -87,21 +127,77 @@ class TaggedAsyncOp:
         self.op = op
 
     async def __call__(self, item: Tagged) -> Tagged:
-        return Tagged(item.tag, await self.op(item.value))
+        item.value = await self.op(item.value)
+        return item
+
+
+class TaggedGenerator:
+    """A generator op applied to a :class:`Tagged` item's value: each output keeps its source."""
+
+    __slots__ = ("op",)
+
+    def __init__(self, op: Callable[[Any], Iterable[Any]]) -> None:
+        self.op = op
+
+    def __call__(self, item: Tagged) -> Iterator[Tagged]:
+        tag, origin = item.tag, item.origin
+        for value in self.op(item.value):
+            yield Tagged(tag, value, origin)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (TaggedGenerator, (self.op,))
+
+
+class TaggedAsyncGenerator:
+    """An async generator op applied to a :class:`Tagged` item's value."""
+
+    __slots__ = ("op",)
+
+    def __init__(self, op: Callable[[Any], AsyncIterable[Any]]) -> None:
+        self.op = op
+
+    async def __call__(self, item: Tagged) -> AsyncIterator[Tagged]:
+        tag, origin = item.tag, item.origin
+        async for value in self.op(item.value):
+            yield Tagged(tag, value, origin)
 
 
 def merge_group(group: list[Tagged]) -> Tagged:
-    """What ``aggregate`` emits in a resumable pipeline: the values, under all their numbers."""
+    """What ``aggregate`` emits: the values, under all their numbers and source items."""
     tags: list[int] = []
+    origins: list[Any] = []
     values = []
     for item in group:
         tag = item.tag
         if isinstance(tag, int):
             tags.append(tag)
+            origins.append(item.origin)
         else:
             tags.extend(tag)
+            origins.extend(item.origin)
         values.append(item.value)
-    return Tagged(tuple(tags), values)
+    return Tagged(tuple(tags), values, tuple(origins))
+
+
+def split_group(item: Tagged) -> Iterator[Tagged]:
+    """What ``disaggregate`` passes on: each element, with its own source where it is known.
+
+    The elements of a group that :func:`merge_group` made keep their numbers and source
+    items; the elements of any other iterable (a list an op made of one item) share the
+    item's.
+    """
+    tag, origin = item.tag, item.origin
+    if isinstance(tag, tuple):
+        values = item.value if isinstance(item.value, list) else list(item.value)
+        if len(values) == len(tag):
+            for number, source, value in zip(tag, origin, values, strict=True):
+                yield Tagged(number, value, source)
+            return
+        for value in values:
+            yield Tagged(tag, value, origin)
+        return
+    for value in item.value:
+        yield Tagged(tag, value, origin)
 
 
 class Progress:
@@ -191,23 +287,28 @@ _SKIP_CHECK = 256  # skipped items between two looks at whether the run is stopp
 
 
 class _TaggedSource:
-    """The source's items numbered from 0, without those already done."""
+    """The source's items numbered from 0, without those already done (when resuming)."""
 
     def __init__(
-        self, source: Iterable[Any], progress: Progress, stopping: Callable[[], bool]
+        self, source: Iterable[Any], progress: Progress | None, stopping: Callable[[], bool]
     ) -> None:
         self._source = source
         self._progress = progress
         self._stopping = stopping
+        # A source that waits for others keeps saying so (see _threaded.ThreadedSource).
+        self.waits = bool(getattr(source, "waits", False))
 
     def __iter__(self) -> Iterator[Tagged]:
-        done, stopping = self._progress.skipper(), self._stopping
         iterator = iter(self._source)
-        skipped = 0
         try:
+            if self._progress is None:
+                yield from map(_first_seen, itertools.count(), iterator)  # no Python loop
+                return
+            done, stopping = self._progress.skipper(), self._stopping
+            skipped = 0
             for number, value in enumerate(iterator):
                 if not done(number):
-                    yield Tagged(number, value)
+                    yield Tagged(number, value, value)
                     continue
                 # Skipping a long run of done items happens within one step of the source:
                 # a stop must not wait for all of it.
@@ -216,16 +317,16 @@ class _TaggedSource:
                     return
         finally:
             # Closing this wrapper (the run stops, or ends) closes the user's iterator, so
-            # that a generator's ``finally`` runs as it does without resumable=True.
+            # that a generator's ``finally`` runs as it does unwrapped.
             close = getattr(iterator, "close", None)
             if close is not None:
                 close()
 
 
 def tag_source(
-    source: Iterable[Any], progress: Progress, stopping: Callable[[], bool]
+    source: Iterable[Any], progress: Progress | None, stopping: Callable[[], bool]
 ) -> Iterable[Tagged]:
-    """Number the items of a sync source, skipping those ``progress`` had done.
+    """Number the items of a sync source, skipping those ``progress`` had done (if any).
 
     ``stopping`` tells a long skip to give up (the run is stopping).
     """
@@ -233,18 +334,18 @@ def tag_source(
 
 
 class _TaggedAsyncSource:
-    def __init__(self, source: AsyncIterable[Any], progress: Progress) -> None:
+    def __init__(self, source: AsyncIterable[Any], progress: Progress | None) -> None:
         self._source = source
         self._progress = progress
 
     async def __aiter__(self) -> AsyncIterator[Tagged]:
-        done = self._progress.skipper()
+        done = self._progress.skipper() if self._progress is not None else None
         iterator = aiter(self._source)
         number = 0
         try:
             async for value in iterator:
-                if not done(number):
-                    yield Tagged(number, value)
+                if done is None or not done(number):
+                    yield Tagged(number, value, value)
                 elif number % _SKIP_CHECK == 0:
                     await asyncio.sleep(0)  # a stop cancels the source here if not sooner
                 number += 1
@@ -254,6 +355,8 @@ class _TaggedAsyncSource:
                 await aclose()
 
 
-def tag_async_source(source: AsyncIterable[Any], progress: Progress) -> AsyncIterable[Tagged]:
-    """Number the items of an async source, skipping those ``progress`` had done."""
+def tag_async_source(
+    source: AsyncIterable[Any], progress: Progress | None
+) -> AsyncIterable[Tagged]:
+    """Number the items of an async source, skipping those ``progress`` had done (if any)."""
     return _TaggedAsyncSource(source, progress)

@@ -23,6 +23,7 @@ from typing import Any
 
 from .._defs import OpKind
 from .._queue import EMPTY, Channel
+from .._resume import TaggedAsyncOp
 from ._common import BATCH, INLINE_ABORT, FailureBudget, RunContext, StageBase
 
 __all__ = ["AsyncSource", "AsyncStage", "LoopSignal"]
@@ -160,7 +161,10 @@ class AsyncStage(_AsyncProducer):
     ) -> None:
         super().__init__(run, name, "pipe", concurrency, budget)
         self._pull = pull  # runs a cheap upstream threaded job on the loop instead of waiting
-        self._op = op
+        # A coroutine op on Tagged items (see _resume) is called here on the value, without
+        # the wrapper's own coroutine per item.
+        self._on_value = isinstance(op, TaggedAsyncOp)
+        self._op = op.op if isinstance(op, TaggedAsyncOp) else op
         self._kind = kind
         self._concurrency = concurrency
         self._executor = executor
@@ -258,10 +262,13 @@ class AsyncStage(_AsyncProducer):
                 continue
             t0 = c.task_started()
             try:
-                if kind is OpKind.COROUTINE:
-                    result = await self._op(item)
-                else:
+                if kind is not OpKind.COROUTINE:
                     result = await run.call_in_executor(self._executor, self._op, item)
+                elif self._on_value:
+                    item.value = await self._op(item.value)
+                    result = item
+                else:
+                    result = await self._op(item)
             except Exception as error:
                 c.task_ended(t0)
                 self.record_failure(item, error)
@@ -295,6 +302,7 @@ class AsyncStage(_AsyncProducer):
         """
         c = self.counters
         op = self._op
+        on_value = self._on_value
         run = self.run
         loop = run.loop
         taken = self._taken
@@ -309,7 +317,11 @@ class AsyncStage(_AsyncProducer):
                         break
                     item = taken.popleft()
                     try:
-                        result = await op(item)
+                        if on_value:
+                            item.value = await op(item.value)
+                            result = item
+                        else:
+                            result = await op(item)
                     except Exception as error:
                         t = c.lap(t)
                         self.record_failure(item, error)

@@ -4,32 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import reprlib
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from feedline.errors import PipelineFailure
 
+from .._resume import Tagged, sample_repr
 from ..stats import StageCounters
 
-__all__ = ["BATCH", "FailureBudget", "RunContext", "StageBase", "sample_repr"]
+__all__ = ["BATCH", "FailureBudget", "RunContext", "StageBase"]
 
 _log = logging.getLogger("feedline.pipeline")
-
-_repr = reprlib.Repr()
-_repr.maxstring = 80
-_repr.maxother = 80
-_repr.maxlist = 6
-_repr.maxdict = 6
-
-
-def sample_repr(item: Any) -> str:
-    """A short, safe ``repr`` of an item, for error messages."""
-    try:
-        return _repr.repr(item)
-    except Exception:  # a broken __repr__ must not hide the real error
-        return f"<{type(item).__name__} object>"
 
 
 class RunContext(Protocol):
@@ -174,9 +160,17 @@ class StageBase:
         return 0 <= self.counters.ewma < INLINE_BELOW
 
     def record_failure(self, item: Any, error: Exception) -> None:
-        """Count a failed item, log it (rate-limited), and stop the run past the budget."""
+        """Count a failed item, log it (rate-limited), and stop the run past the budget.
+
+        The item is named by its value and, for an item that carries it (``Tagged``, see
+        ``_resume``), by the source item it came from.
+        """
         c = self.counters
-        sample = sample_repr(item)
+        if isinstance(item, Tagged):
+            sample, source = sample_repr(item.value), item.source()
+        else:
+            sample, source = sample_repr(item), None
+        where = f" ({source})" if source is not None else ""
         with c.lock:
             c.failures += 1
             c.last_error = error
@@ -185,9 +179,10 @@ class StageBase:
             more = self._throttle.admit()
         if more is not None:
             _log.warning(
-                "stage %r failed on sample %s: %s: %s [%d failure(s) so far]%s",
+                "stage %r failed on sample %s%s: %s: %s [%d failure(s) so far]%s",
                 self.name,
                 sample,
+                where,
                 type(error).__name__,
                 error,
                 failures,
@@ -196,7 +191,7 @@ class StageBase:
             )
         if self._budget.exceeded(failures, items):
             failure = PipelineFailure(
-                self.name, failures, items, sample, error, self._budget.description
+                self.name, failures, items, sample, error, self._budget.description, source=source
             )
             failure.__cause__ = error
             self.run.fail(failure)

@@ -33,6 +33,7 @@ from ._common import (
 __all__ = [
     "AggregateWork",
     "DisaggregateWork",
+    "ValueWork",
     "FunctionWork",
     "GeneratorWork",
     "ThreadedSource",
@@ -64,6 +65,20 @@ class FunctionWork(Work):
 
     def __call__(self, item: Any) -> Any:
         return self.op(item)
+
+
+class ValueWork(Work):
+    """Call a sync function on the value of a ``Tagged`` item, which keeps its source.
+
+    What ``_resume.TaggedOp`` does, without a call of its own per item.
+    """
+
+    def __init__(self, op: Callable[[Any], Any]) -> None:
+        self.op = op
+
+    def __call__(self, item: Any) -> Any:
+        item.value = self.op(item.value)
+        return item
 
 
 class GeneratorWork(Work):
@@ -109,12 +124,15 @@ class AggregateWork(Work):
 
 
 class DisaggregateWork(Work):
-    """Pass on the elements of each incoming iterable."""
+    """Pass on the elements of each incoming iterable (as ``split`` finds them, if given)."""
 
     iterates = True
 
+    def __init__(self, split: Callable[[Any], Iterable[Any]] | None = None) -> None:
+        self._split = split
+
     def __call__(self, item: Iterable[Any]) -> Iterator[Any]:
-        return iter(item)
+        return iter(item if self._split is None else self._split(item))
 
 
 class _PoolStage(StageBase):
