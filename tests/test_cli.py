@@ -268,7 +268,7 @@ def test_bench_train_quick_reports_headspace(tmp_path: Path) -> None:
         else:
             assert m["ratio"] > 0
             assert m["extra"]["vs_pytorch"] > 0
-    assert {"feedline DataLoader", "feedline pipeline"} <= {
+    assert {"feedline DataLoader", "feedline DataLoader, workers=2", "feedline pipeline"} <= {
         m["contender"] for m in data["measurements"]
     }
     headline = (out / "summary.md").read_text().split("## Headline")[1].split("\n## ")[0]
