@@ -5,6 +5,7 @@ import sys
 import types
 
 import feedline
+import feedline.distributed
 import feedline.io
 import feedline.loader
 import feedline.pipeline
@@ -12,7 +13,8 @@ import feedline.source
 
 
 def test_all_is_sorted_and_complete() -> None:
-    for module in (feedline, feedline.pipeline, feedline.io, feedline.loader, feedline.source):
+    modules = (feedline, feedline.pipeline, feedline.io, feedline.loader, feedline.source)
+    for module in (*modules, feedline.distributed):
         names = list(module.__all__)
         assert names == sorted(names), f"{module.__name__}.__all__ is not sorted"
         for name in names:

@@ -1,0 +1,19 @@
+"""Locality-aware distributed loading: the planning it rests on.
+
+Every rank trains on exactly the global mini-batch a regular distributed loader gives it
+(``DistributedSampler`` + ``DataLoader``), but, after the first epoch, mostly from samples
+it already holds: which rank holds which sample is a hash every rank computes
+(:func:`holders`), and each step's plan (:func:`plan_step`, Algorithm 1 of the
+locality-aware loading paper in :func:`balance`) says who trains on what and who sends
+what to whom. :func:`simulate_beta` estimates the exchanged share without processes.
+
+The loader that runs these plans over ``torch.distributed`` is not here yet.
+"""
+
+from ._balance import balance
+from ._placement import holders
+from ._plan import StepPlan, plan_step
+from ._sequence import GlobalSequence
+from ._simulate import simulate_beta
+
+__all__ = ["GlobalSequence", "StepPlan", "balance", "holders", "plan_step", "simulate_beta"]

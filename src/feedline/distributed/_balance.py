@@ -1,0 +1,55 @@
+"""Algorithm 1 of the locality-aware loading paper: balance the ranks' shares of a batch.
+
+Each rank holds some of a global batch's samples and must train on exactly its local batch
+size. Ranks with a surplus send samples to ranks with a deficit; the volume is fixed (the sum
+of the deficits), and the algorithm keeps the number of messages low: it repeatedly pairs the
+largest surplus with the largest deficit and moves as much as the smaller allows, so each
+message settles at least one rank (at most ``p - 1`` messages, a 2-approximation of the
+fewest). Ties go to the lower rank, so every rank computes the same plan.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+__all__ = ["balance"]
+
+
+def balance(held: np.ndarray, wanted: np.ndarray) -> list[tuple[int, int, int]]:
+    """The transfers ``(source rank, destination rank, samples)`` that even out a batch.
+
+    Afterwards every rank has ``wanted`` samples where it had ``held``.
+
+    Raises:
+        ValueError: If the totals differ (the ranks cannot end with what they want).
+
+    """
+    excess = np.asarray(held, dtype=np.int64) - np.asarray(wanted, dtype=np.int64)
+    if int(excess.sum()) != 0:
+        raise ValueError(
+            f"the ranks hold {int(np.sum(held))} samples but want {int(np.sum(wanted))}"
+        )
+    ranks = np.nonzero(excess)[0].tolist()
+    amounts = excess[excess != 0].tolist()
+    # Max-heaps as min-heaps of (-amount, rank): the largest first, the lower rank on ties.
+    surplus = [(-a, r) for r, a in zip(ranks, amounts, strict=True) if a > 0]
+    deficit = [(a, r) for r, a in zip(ranks, amounts, strict=True) if a < 0]
+    heapq.heapify(surplus)
+    heapq.heapify(deficit)
+    plan: list[tuple[int, int, int]] = []
+    while surplus:
+        s_amount, s_rank = surplus[0]
+        d_amount, d_rank = deficit[0]
+        moved = min(-s_amount, -d_amount)
+        plan.append((s_rank, d_rank, moved))
+        if -s_amount == moved:
+            heapq.heappop(surplus)
+        else:
+            heapq.heapreplace(surplus, (s_amount + moved, s_rank))
+        if -d_amount == moved:
+            heapq.heappop(deficit)
+        else:
+            heapq.heapreplace(deficit, (d_amount + moved, d_rank))
+    return plan

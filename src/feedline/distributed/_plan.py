@@ -1,0 +1,94 @@
+"""The plan of one global step: who trains on which samples, and who sends what to whom.
+
+Every rank computes the same plan from the same inputs (the step's samples, as the regular
+split gives them, and each sample's holder), so no rank asks another what to do. A rank
+trains on the samples of the step it holds, up to its local batch size; ranks holding more
+send the rest (Algorithm 1 decides how many to whom), and samples nobody holds are read from
+storage by the ranks still short, before any exchange is planned. Each rank ends with exactly
+its local batch size, and the union over ranks is exactly the regular global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._balance import balance
+
+__all__ = ["StepPlan", "plan_step"]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step, for every rank.
+
+    Attributes:
+        keep: Per rank, the samples it holds and trains on.
+        read: Per rank, the samples it reads from storage (held by nobody).
+        sends: ``(source, destination, samples)``: what the source sends the destination.
+        size: The global batch (all ranks' local batches together).
+
+    """
+
+    keep: list[np.ndarray]
+    read: list[np.ndarray]
+    sends: list[tuple[int, int, np.ndarray]]
+    size: int
+
+    @property
+    def exchanged(self) -> int:
+        """Samples sent between ranks."""
+        return sum(len(s) for _, _, s in self.sends)
+
+    @property
+    def beta(self) -> float:
+        """The exchanged share of the global batch (the paper's beta for this step)."""
+        return self.exchanged / self.size if self.size else 0.0
+
+    def batch(self, rank: int) -> np.ndarray:
+        """What ``rank`` trains on: what it keeps, reads and receives (in that order)."""
+        received = [s for _, dst, s in self.sends if dst == rank]
+        return np.concatenate([self.keep[rank], self.read[rank], *received])
+
+
+def plan_step(step: np.ndarray, holder: np.ndarray) -> StepPlan:
+    """Plan one global step for every rank.
+
+    Args:
+        step: A ``(rows, world)`` array of sample indices: column ``r`` is rank ``r``'s
+            regular local batch.
+        holder: Each sample's rank (``-1``: held nowhere).
+
+    """
+    rows, world = step.shape
+    flat = step.ravel()
+    owner = holder[flat]
+    held = owner >= 0
+    counts = np.bincount(owner[held], minlength=world)
+    wanted = np.full(world, rows, dtype=np.int64)
+    # Samples held by nobody go to the ranks that fall short, largest shortfall first.
+    missing = flat[~held]
+    short = np.maximum(wanted - counts, 0)
+    read_counts = np.zeros(world, dtype=np.int64)
+    left = len(missing)
+    for rank in np.argsort(-short, kind="stable"):
+        if left == 0 or short[rank] == 0:
+            break
+        take = min(int(short[rank]), left)
+        read_counts[rank] = take
+        left -= take
+    starts = np.concatenate(([0], np.cumsum(read_counts)))
+    read = [missing[starts[r] : starts[r + 1]] for r in range(world)]
+    # What each rank holds, in step order; keep up to what it still wants, send the rest.
+    order = np.argsort(np.where(held, owner, world), kind="stable")
+    bounds = np.concatenate(([0], np.cumsum(counts)))
+    wanted_held = wanted - read_counts
+    keep_counts = np.minimum(counts, wanted_held)
+    keep = [flat[order[bounds[r] : bounds[r] + keep_counts[r]]] for r in range(world)]
+    sends = []
+    cursor = bounds[:-1] + keep_counts  # the next sample each rank gives away
+    for src, dst, count in balance(counts, wanted_held):
+        sends.append((src, dst, flat[order[cursor[src] : cursor[src] + count]]))
+        cursor[src] += count
+    return StepPlan(keep=keep, read=read, sends=sends, size=flat.size)

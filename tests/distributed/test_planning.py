@@ -1,0 +1,139 @@
+"""The distributed planner, without processes: the reference split, placement, Algorithm 1."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from feedline.distributed import GlobalSequence, balance, holders, plan_step, simulate_beta
+
+
+@pytest.mark.parametrize(
+    ("size", "world", "local", "drop_last", "shuffle"),
+    [
+        (103, 4, 8, False, True),
+        (103, 4, 8, True, True),
+        (64, 3, 5, False, False),
+        (10, 4, 3, False, True),
+    ],
+)
+def test_the_regular_split_is_distributed_samplers(
+    size: int, world: int, local: int, drop_last: bool, shuffle: bool
+) -> None:
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sequence = GlobalSequence(size, world, local, seed=7, shuffle=shuffle, drop_last=drop_last)
+    data = list(range(size))
+    for epoch in (0, 3):
+        loaders = []
+        for rank in range(world):
+            sampler = DistributedSampler(
+                data, world, rank, shuffle=shuffle, seed=7, drop_last=drop_last
+            )
+            sampler.set_epoch(epoch)
+            loaders.append(list(DataLoader(data, local, sampler=sampler, drop_last=drop_last)))
+        assert {len(batches) for batches in loaders} == {sequence.steps}  # no rank waits
+        grid = sequence.grid(epoch)
+        for step in range(sequence.steps):
+            mine = sequence.step(epoch, step, grid)
+            for rank in range(world):
+                assert mine[:, rank].tolist() == loaders[rank][step].tolist()
+    assert isinstance(torch.__version__, str)
+
+
+def test_an_impossible_split_says_why() -> None:
+    with pytest.raises(ValueError, match="drop_last=True leaves nothing"):
+        GlobalSequence(3, 4, 2, drop_last=True)
+    with pytest.raises(ValueError, match="world must be a positive int"):
+        GlobalSequence(3, 0, 2)
+
+
+def test_holders_are_spread_and_move_little_when_the_world_changes() -> None:
+    size = 200_000
+    four = holders(size, 4, seed=1)[0]
+    counts = np.bincount(four, minlength=4)
+    assert counts.min() > 0.95 * size / 4
+    # Growing to 5 ranks moves about a fifth; shrinking to 3 moves only rank 3's samples.
+    five = holders(size, 5, seed=1)[0]
+    assert 0.18 < np.mean(four != five) < 0.22
+    assert set(five[four != five].tolist()) == {4}
+    three = holders(size, 3, seed=1)[0]
+    assert np.array_equal(three[four != 3], four[four != 3])
+    # Another seed, another placement; the same seed, the same placement on every rank.
+    assert np.mean(holders(size, 4, seed=2)[0] != four) > 0.7
+    assert np.array_equal(holders(size, 4, seed=1)[0], four)
+
+
+def test_replicas_go_to_other_ranks() -> None:
+    placed = holders(50_000, 8, seed=3, replicas=3)
+    assert placed.shape == (3, 50_000)
+    for sample in range(0, 50_000, 997):
+        assert len(set(placed[:, sample].tolist())) == 3
+    assert np.bincount(placed[2], minlength=8).min() > 5_500
+    with pytest.raises(ValueError, match="replicas"):
+        holders(10, 2, seed=0, replicas=3)
+
+
+def test_algorithm_1_on_the_papers_example_and_at_random() -> None:
+    # Red holds 2 of a 12-sample batch, Green 6, Blue 4: Green sends Red 2.
+    assert balance(np.array([2, 6, 4]), np.array([4, 4, 4])) == [(1, 0, 2)]
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        world = int(rng.integers(2, 40))
+        held = np.bincount(rng.integers(0, world, world * 16), minlength=world)
+        wanted = np.full(world, 16)
+        plan = balance(held, wanted)
+        after = held.copy()
+        for src, dst, count in plan:
+            assert count > 0
+            assert held[src] > wanted[src]  # only ranks with a surplus send
+            after[src] -= count
+            after[dst] += count
+        assert np.array_equal(after, wanted)
+        unsettled = int(np.count_nonzero(held != wanted))
+        assert len(plan) <= max(unsettled - 1, 0)  # each message settles a rank
+        assert plan == balance(held, wanted)  # every rank computes the same plan
+    with pytest.raises(ValueError, match="hold 3 samples but want 4"):
+        balance(np.array([1, 2]), np.array([2, 2]))
+
+
+def test_a_step_plan_gives_every_rank_its_batch_from_the_regular_global_batch() -> None:
+    sequence = GlobalSequence(1000, 8, 16, seed=5)
+    placed = holders(1000, 8, seed=5)[0]
+    placed[::17] = -1  # some samples held by nobody: read from storage
+    for step in range(sequence.steps):
+        regular = sequence.step(1, step)
+        plan = plan_step(regular, placed)
+        batches = [plan.batch(rank) for rank in range(8)]
+        assert [len(b) for b in batches] == [regular.shape[0]] * 8  # exactly its local size
+        assert Counter(np.concatenate(batches).tolist()) == Counter(regular.ravel().tolist())
+        for rank in range(8):
+            assert all(placed[s] == rank for s in plan.keep[rank])  # kept: held by the rank
+            assert all(placed[s] == -1 for s in plan.read[rank])  # read: held by nobody
+        for src, _dst, samples in plan.sends:
+            assert all(placed[s] == src for s in samples)  # sent by its holder
+        deficits = np.maximum(
+            regular.shape[0]
+            - np.bincount(placed[regular.ravel()][placed[regular.ravel()] >= 0], minlength=8)
+            - np.array([len(r) for r in plan.read]),
+            0,
+        ).sum()
+        assert plan.exchanged == deficits  # Algorithm 1 moves exactly the deficits
+        assert plan.beta == plan.exchanged / regular.size
+
+
+@pytest.mark.parametrize("world", [16, 64, 256, 1024])
+def test_simulated_beta_matches_the_papers_medians(world: int) -> None:
+    steps = 300 if world <= 64 else 40
+    for local, paper in ((32, 0.069), (64, 0.048), (128, 0.034)):
+        median = float(np.median(simulate_beta(world, local, steps=steps, batches_per_epoch=40)))
+        assert abs(median - paper) <= 0.003, (world, local, median)
+
+
+def test_replicas_lower_the_exchanged_share() -> None:
+    one = float(np.median(simulate_beta(16, 32, steps=60)))
+    two = float(np.median(simulate_beta(16, 32, steps=60, replicas=2)))
+    assert two < one / 10
