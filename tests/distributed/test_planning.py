@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -137,3 +138,40 @@ def test_replicas_lower_the_exchanged_share() -> None:
     one = float(np.median(simulate_beta(16, 32, steps=60)))
     two = float(np.median(simulate_beta(16, 32, steps=60, replicas=2)))
     assert two < one / 10
+
+
+def test_the_cost_model_is_the_papers_equations() -> None:
+    from feedline.distributed import CostModel, expected_beta
+
+    m = CostModel(D=1000.0, V=10.0, R=100.0, U=50.0, R_c=1000.0, alpha=0.8, b=32)
+    assert m.training_time(4) == 1000 / (4 * 10)  # (1)
+    assert m.storage_time() == 10.0  # (2)
+    assert m.preprocessing_time(4) == 5.0  # (3)
+    assert m.loading_time(4) == 15.0  # (4)
+    assert m.crossover() == 10.0  # (5)
+    assert m.epoch_time(4) == 25.0  # (6): training dominates below the crossover
+    assert m.epoch_time(100) == m.loading_time(100)  # and loading above it
+    assert m.io_time(4, "distributed cache") == pytest.approx(0.2 * 10 + 0.8 * 1.0 * 3 / 4)  # (7)
+    assert m.io_time(4, "locality-aware", beta=0.05) == pytest.approx(2 + 0.8 * 1.0 * 0.05)  # (8)
+    assert m.io_time(4, "locality-aware") == pytest.approx(2 + 0.8 * expected_beta(4, 32))
+    with pytest.raises(ValueError, match="alpha"):
+        CostModel(D=1.0, V=1.0, R=1.0, U=1.0, R_c=1.0, alpha=1.5)
+
+
+def test_expected_beta_agrees_with_the_planner() -> None:
+    from feedline.distributed import expected_beta
+
+    assert expected_beta(1, 32) == 0.0
+    for world, local in ((8, 32), (64, 64), (256, 128)):
+        simulated = float(np.mean(simulate_beta(world, local, steps=200, batches_per_epoch=40)))
+        assert abs(simulated - expected_beta(world, local)) < 0.003
+
+
+def test_the_cost_plot_is_drawn(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from feedline.distributed import CostModel
+
+    model = CostModel(D=1e6, V=1e3, R=2e4, U=3e3, R_c=2e5)
+    path = model.plot([1, 4, 16, 64, 256], tmp_path / "cost.png")
+    assert path is not None
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

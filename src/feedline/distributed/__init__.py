@@ -5,15 +5,26 @@ Every rank trains on exactly the global mini-batch a regular distributed loader 
 it already holds: which rank holds which sample is a hash every rank computes
 (:func:`holders`), and each step's plan (:func:`plan_step`, Algorithm 1 of the
 locality-aware loading paper in :func:`balance`) says who trains on what and who sends
-what to whom. :func:`simulate_beta` estimates the exchanged share without processes.
+what to whom. :func:`simulate_beta` estimates the exchanged share without processes, and
+:class:`CostModel` is the paper's cost model (equations 1 to 8) with it.
 
 The loader that runs these plans over ``torch.distributed`` is not here yet.
 """
 
 from ._balance import balance
+from ._cost import CostModel, expected_beta
 from ._placement import holders
 from ._plan import StepPlan, plan_step
 from ._sequence import GlobalSequence
 from ._simulate import simulate_beta
 
-__all__ = ["GlobalSequence", "StepPlan", "balance", "holders", "plan_step", "simulate_beta"]
+__all__ = [
+    "CostModel",
+    "GlobalSequence",
+    "StepPlan",
+    "balance",
+    "expected_beta",
+    "holders",
+    "plan_step",
+    "simulate_beta",
+]
