@@ -134,10 +134,30 @@ def test_simulated_beta_matches_the_papers_medians(world: int) -> None:
         assert abs(median - paper) <= 0.003, (world, local, median)
 
 
-def test_replicas_lower_the_exchanged_share() -> None:
-    one = float(np.median(simulate_beta(16, 32, steps=60)))
-    two = float(np.median(simulate_beta(16, 32, steps=60, replicas=2)))
-    assert two < one / 10
+@pytest.mark.parametrize("world", [16, 64, 256])
+def test_half_the_dataset_replicated_leaves_almost_nothing_to_exchange(world: int) -> None:
+    alone = float(np.median(simulate_beta(world, 32, steps=20, batches_per_epoch=40)))
+    spared = float(np.median(simulate_beta(world, 32, steps=20, batches_per_epoch=40, spare=0.5)))
+    assert alone > 0.06
+    assert spared <= 0.001
+
+
+def test_spreading_replicas_keeps_each_sample_with_a_holder_and_is_optimal() -> None:
+    from feedline.distributed._replicas import spread
+
+    # Rank 0 holds 4 samples, rank 1 none, rank 2 two; two of rank 0's are also on rank 1,
+    # one of rank 2's on rank 1: each ends with 2.
+    first = np.array([0, 0, 0, 0, 2, 2])
+    second = np.array([1, 1, -1, -1, 1, -1])
+    trainer = spread(first, second, 3, 2)
+    assert np.bincount(trainer, minlength=3).tolist() == [2, 2, 2]
+    assert all(t in (f, s) for t, f, s in zip(trainer, first, second, strict=True))
+    # A chain: rank 0 is over, rank 2 is short, and only through rank 1 can it give.
+    first = np.array([0, 0, 0, 1, 1, 2])
+    second = np.array([1, -1, -1, 2, -1, -1])
+    trainer = spread(first, second, 3, 2)
+    assert np.bincount(trainer, minlength=3).tolist() == [2, 2, 2]
+    assert trainer.tolist() == [1, 0, 0, 2, 1, 2]
 
 
 def test_the_cost_model_is_the_papers_equations() -> None:

@@ -3,15 +3,17 @@
 Beta is what the locality-aware method moves between ranks per step, as a share of the
 global batch: the sum of the ranks' deficits (Algorithm 1 moves exactly that). The paper
 simulated it for evenly cached datasets; this draws global batches from the run's own
-placement (:func:`~._placement.holders`) and, with replicas, lets each sample count for
-whichever of its holders is shortest, so that spare cache lowers it.
+placement (:func:`~._placement.holders`) and, with spare cache for second copies, assigns
+the replicated samples exactly (:func:`~._replicas.spread`), so that the spare cache lowers
+it.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ._placement import holders
+from ._placement import holders, mix64
+from ._replicas import spread
 
 __all__ = ["simulate_beta"]
 
@@ -22,42 +24,31 @@ def simulate_beta(
     *,
     steps: int = 200,
     batches_per_epoch: int = 8,
-    replicas: int = 1,
+    spare: float = 0.0,
     seed: int = 0,
 ) -> np.ndarray:
     """Beta for ``steps`` random global batches of ``world * local_batch`` samples.
 
-    The dataset has ``batches_per_epoch`` global batches, every sample cached by its holder
-    (and ``replicas - 1`` more ranks). Returns one beta per step.
+    The dataset has ``batches_per_epoch`` global batches, every sample cached by its holder;
+    ``spare`` is the room for second copies, as a share of the dataset (``0.5``: half the
+    samples, chosen by hash, have a second holder), and each batch's replicated samples are
+    assigned by :func:`~._replicas.spread`. Returns one beta per step.
     """
+    if not 0 <= spare <= 1:
+        raise ValueError(f"spare is a share of the dataset, in [0, 1]; got {spare!r}")
     batch = world * local_batch
     size = batch * batches_per_epoch
-    placed = holders(size, world, seed, replicas)
+    placed = holders(size, world, seed, 2 if spare > 0 and world > 1 else 1)
+    second = np.full(size, -1, dtype=np.int64)
+    if placed.shape[0] > 1:
+        chosen = mix64(np.arange(size, dtype=np.uint64), seed + 1) % np.uint64(1 << 20)
+        replicated = chosen < np.uint64(int(spare * (1 << 20)))
+        second[replicated] = placed[1, replicated]
     rng = np.random.default_rng(seed)
     out = np.empty(steps)
     for k in range(steps):
         members = rng.choice(size, batch, replace=False)
-        if replicas == 1:
-            counts = np.bincount(placed[0, members], minlength=world)
-        else:
-            counts = _assign_replicas(placed[:, members], world, local_batch)
+        trainer = spread(placed[0, members], second[members], world, local_batch)
+        counts = np.bincount(trainer, minlength=world)
         out[k] = np.maximum(local_batch - counts, 0).sum() / batch
     return out
-
-
-def _assign_replicas(options: np.ndarray, world: int, local_batch: int) -> np.ndarray:
-    """Counts per rank after giving each sample to one of its holders.
-
-    Greedily the one furthest below the local batch size: a stand-in for the exact
-    assignment.
-    """
-    counts = np.bincount(options[0], minlength=world)
-    for copy in range(1, options.shape[0]):
-        # Move samples from ranks over their share to their other holder where that one
-        # is short, as long as it helps.
-        for sample in np.argsort(-counts[options[0]], kind="stable"):
-            first, other = options[0, sample], options[copy, sample]
-            if counts[first] > local_batch and counts[other] < local_batch:
-                counts[first] -= 1
-                counts[other] += 1
-    return counts
