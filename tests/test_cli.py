@@ -27,7 +27,7 @@ def test_bench_engine_quick_writes_json(tmp_path: Path, capsys: pytest.CaptureFi
     assert feedline_rates
     assert all(r > 0 for r in feedline_rates)
     out = capsys.readouterr().out
-    assert "== engine ==" in out
+    assert "## engine: " in out
     assert "feedline" in out
     assert_png(tmp_path / "engine.png")
     summary = (tmp_path / "summary.md").read_text()
@@ -103,8 +103,9 @@ def test_report_writes_the_summary_again_from_the_json(
     assert main(["report", str(out)]) == 0
     assert (out / "summary.md").read_text() == first
     assert "## verify" in capsys.readouterr().out
+    (tmp_path / "empty").mkdir()
     assert main(["report", str(tmp_path / "empty")]) == 2
-    assert "no results" in capsys.readouterr().err
+    assert "no results of feedline bench" in capsys.readouterr().err
 
 
 def test_bad_flag_exits_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
@@ -276,3 +277,24 @@ def test_bench_train_quick_reports_headspace(tmp_path: Path) -> None:
         headline
     )
     assert_png(out / "train.png")
+
+
+def test_report_names_each_run_and_leaves_out_what_is_not_a_result(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    assert main(["bench", "verify", "--quick", "--out", str(out)]) == 0
+    assert main(["bench", "formats", "--quick", "--out", str(tmp_path / "other")]) == 0
+    (tmp_path / "other" / "formats.json").rename(out / "formats.json")
+    (out / "notes.json").write_text("[1, 2]")
+    (out / "empty.json").write_text("{}")
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "notes.json is not a feedline bench result" in printed
+    assert "empty.json is not a feedline bench result" in printed
+    summary = (out / "summary.md").read_text()
+    assert "- **Commands** (results of several runs): `formats`: `feedline bench formats" in summary
+    assert "`verify`: `feedline bench verify --quick" in summary
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert "no such folder" in capsys.readouterr().err

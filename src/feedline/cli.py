@@ -154,6 +154,7 @@ def _bench(args: argparse.Namespace) -> int:
     # PyTorch warns whenever a loader has more workers than cores; the benchmark means to.
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     results = []
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     with _Progress(names) as progress:
         options = BenchOptions(
             quick=args.quick,
@@ -169,12 +170,10 @@ def _bench(args: argparse.Namespace) -> int:
             if chart is not None:
                 charts.append(chart)
         progress.done()
-    for result in results:
-        print(f"\n== {result.scenario} ==")
-        print(result.table())
     command = " ".join(["feedline bench", *args.argv])
     for result in results:
         result.command = command
+        result.machine["run_started"] = started  # which results came from one run
         result.save(out)  # again, with the command that reproduces it
     text = summary(results, command=command)
     (out / "summary.md").write_text(text)
@@ -194,11 +193,21 @@ def _report(args: argparse.Namespace) -> int:
     from feedline.bench._report import plot, splice, summary
 
     folder = Path(args.folder)
-    files = sorted(folder.glob("*.json"))
-    if not files:
-        print(f"feedline bench report: no results (*.json) in {folder}", file=sys.stderr)
+    if not folder.is_dir():
+        print(f"feedline report: {folder}: no such folder", file=sys.stderr)
         return 2
-    results = [ScenarioResult.load(f) for f in files]
+    results = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            results.append(ScenarioResult.load(path))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            print(f"feedline report: {path.name} is not a feedline bench result: left out")
+    if not results:
+        print(
+            f"feedline report: no results of feedline bench (*.json) in {folder}",
+            file=sys.stderr,
+        )
+        return 2
     for result in results:
         plot(result, folder / f"{result.scenario}.png")
     text = summary(results, command=results[0].command)
@@ -265,7 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
         "and the PNG charts from the JSON results that feedline bench wrote.",
     )
     report.add_argument(
-        "folder", nargs="?", default="bench-results", help="(default: ./bench-results)"
+        "folder",
+        nargs="?",
+        default="bench-results",
+        help="the folder feedline bench wrote its JSON results to (default: ./bench-results)",
     )
     report.add_argument(
         "--into",

@@ -181,6 +181,21 @@ class RemoteNotFoundError(RemoteReadError, FileNotFoundError):
         self.filename = key
 
 
+def rebuilds(error: BaseException) -> bool:
+    """Whether ``error`` survives pickling as itself, so another process can re-raise it.
+
+    An exception class whose ``__init__`` takes other arguments than its message pickles,
+    but unpickling it raises a ``TypeError`` about that ``__init__`` instead.
+    """
+    import pickle
+
+    try:
+        copy = pickle.loads(pickle.dumps(error))
+    except Exception:
+        return False
+    return type(copy) is type(error)
+
+
 def add_note(error: BaseException, note: str) -> None:
     """Attach ``note`` to ``error`` (PEP 678; shown below the traceback from Python 3.11).
 

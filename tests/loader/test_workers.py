@@ -201,6 +201,36 @@ def test_a_collate_fn_exception_in_a_worker_is_raised_as_it_is() -> None:
     no_children_left()
 
 
+class TwoArgumentError(Exception):
+    """An exception whose class cannot be rebuilt from its pickle (two required arguments)."""
+
+    def __init__(self, path: str, code: int) -> None:
+        super().__init__(f"{path}: code {code}")
+
+
+class RaisesTwoArgumentError:
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> int:
+        if i == 9:
+            raise TwoArgumentError("train/9.jpg", 5)
+        return i
+
+
+def test_an_exception_that_cannot_cross_processes_comes_as_pytorchs_runtime_error() -> None:
+    # PyTorch re-raises what it cannot rebuild as a RuntimeError; so does feedline, with the
+    # original type, message, index and traceback (never a TypeError about its __init__).
+    for cls in (TorchLoader, DataLoader):
+        with pytest.raises(RuntimeError, match="TwoArgumentError") as info:
+            list(cls(RaisesTwoArgumentError(), batch_size=4, num_workers=2))
+        assert "train/9.jpg: code 5" in str(info.value)
+    notes = "\n".join(info.value.__notes__)
+    assert "raised by dataset[9] in DataLoader worker" in notes
+    assert "Traceback" in notes
+    no_children_left()
+
+
 def test_default_collation_in_workers_gives_pytorchs_batches_for_every_kind() -> None:
     # The workers stack tensors straight into shared memory: the same values, dtypes and
     # structure as PyTorch's, nothing left in /dev/shm, and the same error for ragged items.

@@ -3,6 +3,7 @@ from __future__ import annotations
 import functools
 import mmap
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -156,3 +157,23 @@ def test_torch_tensors_cross_as_arrays_with_their_values_and_types() -> None:
     assert nested["n"] == 3
     assert flag.item() is True
     assert _segments() - before == set()
+
+
+class _TwoArgumentError(Exception):
+    def __init__(self, path: str, code: int) -> None:
+        super().__init__(f"{path}: code {code}")
+
+
+def _raises_two_argument_error() -> Iterator[int]:
+    yield 1
+    raise _TwoArgumentError("a.bin", 3)
+
+
+def test_an_exception_that_cannot_be_rebuilt_is_reported_with_its_text() -> None:
+    # Unpickling it here would raise a TypeError about its __init__ instead.
+    from feedline.pipeline import iterate_in_subprocess
+
+    with pytest.raises(SubprocessFailure, match=r"_TwoArgumentError: a\.bin: code 3") as info:
+        list(iterate_in_subprocess(_raises_two_argument_error))
+    assert "Traceback" in str(info.value)
+    assert info.value.__cause__ is None

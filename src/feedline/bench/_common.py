@@ -72,25 +72,6 @@ class ScenarioResult:
         data["measurements"] = [Measurement(**m) for m in data["measurements"]]
         return cls(**data)
 
-    def table(self) -> str:
-        """A plain-text table of the results."""
-        if self.skipped is not None:
-            return f"skipped: {self.skipped}"
-        rows = [("case", "contender", "items/s", f"x {self.baseline}", "runs (items/s)")]
-        for m in self.measurements:
-            ratio = "-" if m.ratio is None else f"{m.ratio:.2f}x"
-            runs = " ".join(fmt(r) for r in m.runs)
-            extra = "".join(f"  {k}={fmt(v)}" for k, v in m.extra.items())
-            rows.append((m.case, m.contender, fmt(m.items_per_s), ratio, runs + extra))
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        out = []
-        for i, r in enumerate(rows):
-            out.append("  ".join(r[j].ljust(widths[j]) for j in range(4)) + "  " + r[4])
-            if i == 0:
-                out.append("-" * (sum(widths) + 8 + len(r[4])))
-        out.extend(f"note: {n}" for n in self.notes)
-        return "\n".join(out)
-
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
         return asdict(self)

@@ -78,13 +78,25 @@ def _by_case(result: ScenarioResult) -> dict[str, list[Measurement]]:
     return cases
 
 
-def _ratio(m: Measurement) -> str:
-    if m.ratio is None:
+def _ratio(result: ScenarioResult, m: Measurement) -> str:
+    """The ratio to the baseline as the scenario is read, with its range over rounds.
+
+    ``startup`` measures a rate of first batches but is read as a wait (lower is better),
+    so its ratio is inverted; ``memory``'s is already one of peak memory.
+    """
+    if not m.ratio:
         return ""
-    text = _times(m.ratio)
-    if len(m.ratio_runs) > 1:
-        text += f" ({_times(min(m.ratio_runs))}-{_times(max(m.ratio_runs))})"
+    invert = result.scenario == "startup"
+    runs = [1 / r if invert else r for r in m.ratio_runs if r]
+    text = _times(1 / m.ratio if invert else m.ratio)
+    if len(runs) > 1:
+        text += f" ({_times(min(runs))}-{_times(max(runs))})"
     return text
+
+
+def _ratio_label(result: ScenarioResult) -> str:
+    what = {"startup": "wait ", "memory": "peak PSS "}.get(result.scenario, "")
+    return f"{what}x {result.baseline}"
 
 
 def _header(results: Sequence[ScenarioResult], command: str, dated: bool) -> list[str]:
@@ -92,11 +104,28 @@ def _header(results: Sequence[ScenarioResult], command: str, dated: bool) -> lis
     versions = info.get("versions", {})
     ours = versions.get("feedline", "?")
     commit = info.get("commit") if dated else None
+
+    # Results gathered from several runs say so, each with its own command and time.
+    def started(r: ScenarioResult) -> str:
+        return str(r.machine.get("run_started", ""))
+
+    runs = {(r.command or command, started(r)) for r in results if r.machine}
+    if len(runs) > 1:
+        shown = [
+            f"`{r.scenario}`: `{r.command or command or 'feedline bench'}`"
+            + (f" ({started(r)})" if dated and started(r) else "")
+            for r in results
+        ]
+        where = "- **Commands** (results of several runs): " + "; ".join(shown)
+    else:
+        when = str(info.get("run_started") or info.get("time", ""))
+        where = f"- **Command**: `{command or 'feedline bench'}`" + (
+            f", run {when}" if dated and when else ""
+        )
     lines = [
         "# feedline bench",
         "",
-        f"- **Command**: `{command or 'feedline bench'}`"
-        + (f", run {info['time']}" if dated and info.get("time") else ""),
+        where,
         f"- **feedline**: {ours}" + (f", commit {commit}" if commit else ""),
     ]
     if info:
@@ -138,11 +167,11 @@ def _headline(results: Sequence[ScenarioResult]) -> list[str]:
                 value = metric.get(m)
                 if value is None:
                     continue
-                ratio = _ratio(m)
-                if result.scenario == "startup" and m.ratio:  # a rate of first batches
-                    ratio = f"{1 / m.ratio:.2f}x the wait"
-                elif result.scenario == "memory" and m.ratio:
-                    ratio = f"{m.ratio:.2f}x the memory"
+                ratio = _ratio(result, m)
+                if ratio and result.scenario == "startup":
+                    ratio = ratio.replace("x", "x the wait", 1)
+                elif ratio and result.scenario == "memory":
+                    ratio = ratio.replace("x", "x the memory", 1)
                 rows.append(
                     f"| {result.scenario} | {case} | {m.contender} | {fmt(value)} "
                     f"{metric.label} | {result.baseline} | {ratio or '-'} |"
@@ -157,7 +186,7 @@ def _section(result: ScenarioResult) -> list[str]:
     if result.skipped is not None:
         return [title, "", f"Skipped: {result.skipped}.", ""]
     keys = [k for k in _COLUMNS if any(k in m.extra for m in result.measurements)]
-    head = ["case", "contender", result.unit, "range", f"x {result.baseline}"]
+    head = ["case", "contender", result.unit, "range", _ratio_label(result)]
     head += [_COLUMNS[k][0] for k in keys]
     rows = [
         "| " + " | ".join(head) + " |",
@@ -165,7 +194,7 @@ def _section(result: ScenarioResult) -> list[str]:
     ]
     for case, ms in _by_case(result).items():
         for m in ms:
-            cells = [case, m.contender, fmt(m.items_per_s), spread(m.runs), _ratio(m)]
+            cells = [case, m.contender, fmt(m.items_per_s), spread(m.runs), _ratio(result, m)]
             cells += [_COLUMNS[k][1](m.extra[k]) if k in m.extra else "" for k in keys]
             rows.append("| " + " | ".join(cells) + " |")
     notes = [f"- {n}" for n in result.notes]
@@ -268,13 +297,20 @@ def plot(result: ScenarioResult, path: Path) -> Path | None:
         ax = axes[0][k]
         values = [metric.get(m) for m in flat]
         shown = [v if v is not None and math.isfinite(v) and v > 0 else 0.0 for v in values]
-        ax.barh(ys, shown, color=colours)
         positive = [v for v in shown if v > 0]
-        if log_axis(positive):
+        log = log_axis(positive)
+        if log:
+            # On a log axis a bar's length says nothing: dots, with a guide line.
             ax.set_xscale("log")
+            for yy, v in zip(ys, shown, strict=True):
+                if v > 0:
+                    ax.axhline(yy, color="0.92", linewidth=0.8, zorder=0)
+            ax.scatter([v if v > 0 else float("nan") for v in shown], ys, c=colours, s=22, zorder=2)
+        else:
+            ax.barh(ys, shown, color=colours)
         if positive:
-            left = min(positive) / 2 if ax.get_xscale() == "log" else 0
-            ax.set_xlim(left, max(positive) * (3 if ax.get_xscale() == "log" else 1.3))
+            left = min(positive) / 2 if log else 0
+            ax.set_xlim(left, max(positive) * (8 if log else 1.6))  # room for the labels
         for yy, v, m in zip(ys, shown, flat, strict=True):
             if v <= 0:
                 continue
@@ -287,7 +323,18 @@ def plot(result: ScenarioResult, path: Path) -> Path | None:
         ax.xaxis.set_major_formatter(FuncFormatter(_tick))
         better = "higher" if metric.higher_is_better else "lower"
         ax.set_title(f"{metric.label} ({better} is better)", fontsize=9)
-    fig.suptitle(f"feedline bench {result.scenario}", fontsize=10)
+    from matplotlib.patches import Patch
+
+    fig.legend(
+        handles=[
+            Patch(color="tab:orange", label="feedline"),
+            Patch(color="tab:gray", label="others"),
+        ],
+        loc="upper right",
+        fontsize=8,
+        ncols=2,
+    )
+    fig.suptitle(f"feedline bench {result.scenario}", fontsize=10, x=0.02, ha="left")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")  # grows to fit every label: none clipped
     plt.close(fig)

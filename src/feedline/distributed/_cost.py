@@ -53,7 +53,21 @@ def expected_beta(p: int, b: int) -> float:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Equations (1) to (8) of the paper, with its variable names (see the module's text)."""
+    """Equations (1) to (8) of the locality-aware loading paper, with its variable names.
+
+    Rates are in samples per second, times in seconds per epoch.
+
+    Attributes:
+        D: Samples in the dataset.
+        V: One rank's training rate.
+        R: The storage system's rate, all ranks together (a shared file system's limit).
+        U: One rank's preprocessing rate (decoding, augmenting).
+        R_c: The rate of reads from other ranks' caches.
+        alpha: The share of the dataset that the ranks' caches hold together.
+        R_b: The rate of the exchange that balances a batch (default: ``R_c``).
+        b: The local batch size, for ``beta`` when a method is not given one.
+
+    """
 
     D: float
     V: float

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from feedline.errors import PipelineFailure, add_note
+from feedline.errors import PipelineFailure, add_note, rebuilds
 from feedline.pipeline._stages._common import FailureBudget, LogThrottle
 
 from ._pool import LimitedPool
@@ -56,13 +56,7 @@ class FailedItem:
     origin: str = ""  # the worker process it failed in ("" for this process)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        import pickle
-
-        error = self.error
-        try:
-            pickle.dumps(error)
-        except Exception:
-            error = None
+        error = self.error if self.error is not None and rebuilds(self.error) else None
         fields = (self.index, self.error_type, self.message, self.traceback, error, self.origin)
         return (FailedItem, fields)
 

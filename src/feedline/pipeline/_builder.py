@@ -190,8 +190,7 @@ class PipelineBuilder(Generic[T]):
                 sink's ``buffer_size`` applies instead); defaults to ``max(2, concurrency)``,
                 and ``max(8, concurrency)`` for a coroutine or async-generator op, whose
                 cheap hand-overs on the event loop come in longer bursts through a longer
-                queue (measured: three async no-op stages at concurrency 1 spent about a
-                quarter less CPU per item with 8 than with 2). A default-sized queue grows
+                queue, with fewer task switches per item. A default-sized queue grows
                 while both this stage and the next are cheap (under 20 µs per call) and its
                 size keeps the next stage waiting: it doubles each time the next stage finds
                 it empty after it filled since it last did, up to 64 items and 16 MiB of
@@ -322,8 +321,7 @@ class PipelineBuilder(Generic[T]):
         time the consumer has to wait on an empty buffer that became full since it last
         waited, the buffer doubles. That happens when the buffer's size, not the pipeline's
         speed, keeps the consumer waiting: fast event-loop stages fill 3 places before the
-        woken consumer runs (3 no-op async stages move about twice as many items per second
-        with 64 places as with 3), and bursts (a ``disaggregate``, a generator) fill it even
+        woken consumer runs, and bursts (a ``disaggregate``, a generator) fill it even
         when the pipeline is the slower side. A consumer slower than the pipeline never waits,
         so it leaves the buffer as it started. Growth stops at 64 items and at 64 MiB of
         items like the one measured (arrays, tensors, buffers, and lists, dicts and

@@ -37,6 +37,7 @@ from feedline.errors import (
     SubprocessDied,
     SubprocessFailure,
     add_note,
+    rebuilds,
 )
 
 from ._builder import PipelineBuilder
@@ -62,12 +63,11 @@ _STARTUP_SECONDS = 120.0  # the least a child gets to start and make its iterabl
 
 
 def _error_message(error: BaseException) -> tuple[BaseException | None, str]:
+    # The error itself, if the parent can rebuild it from its pickle (an exception class
+    # whose __init__ takes other arguments than its message cannot be, and unpickling it in
+    # the parent would raise a TypeError about that instead); its traceback as text always.
     text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    try:
-        pickle.dumps(error)
-    except Exception:
-        return None, text
-    return error, text
+    return (error if rebuilds(error) else None), text
 
 
 def _send(data_q: Any, stop: Any, message: tuple[Any, ...]) -> bool:
@@ -357,11 +357,20 @@ class SubprocessIterable(Generic[T]):
 
     def _raise(self, message: tuple[Any, ...], when: str) -> None:
         _, error, text = message
+        where = "" if when == "in the child process" else f" {when}"
         if self._reraise and error is not None and not isinstance(error, PipelineFailure):
-            where = "" if when == "in the child process" else f" {when}"
             add_note(error, f"raised in {self._name}{where}")
             add_note(error, f"Original traceback in {self._name}:\n{text}")
             raise error
+        if self._reraise and error is None:
+            # As PyTorch's DataLoader does with an exception it cannot rebuild.
+            last = text.strip().splitlines()[-1] if text.strip() else "an exception"
+            raise RuntimeError(
+                f"{last} (raised in {self._name}{where}; its class cannot be rebuilt in this "
+                "process from its pickle, so it comes as a RuntimeError: give its __init__ "
+                "the message as its only required argument, or define __reduce__)\n"
+                f"Original traceback in {self._name}:\n{text}"
+            )
         failure = SubprocessFailure(f"error {when}:\n{text}", error)
         raise failure from error
 
