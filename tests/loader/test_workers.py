@@ -272,3 +272,31 @@ def test_feedlines_decoder_keeps_opencv_on_the_calling_thread() -> None:
     assert next(iter(loader)).shape == (16, 224, 224, 3)
     loader.close()
     no_children_left()
+
+
+def test_a_main_script_without_a_guard_is_named_as_the_cause(tmp_path: Any) -> None:
+    # Under the fork server, a worker imports the main script again; one that iterates a
+    # loader at import time makes the worker fail as it starts. The error says what to do.
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import feedline\n"
+        "loader = feedline.DataLoader(list(range(8)), batch_size=4, num_workers=1,\n"
+        "                             multiprocessing_context='forkserver')\n"
+        "if __name__ != '__main__':  # the worker, importing this script again\n"
+        "    list(loader)\n"
+        "else:\n"
+        "    try:\n"
+        "        list(loader)\n"
+        "    except RuntimeError as error:\n"
+        "        print('CAUGHT', type(error).__name__, error)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    caught = [line for line in done.stdout.splitlines() if line.startswith("CAUGHT")]
+    assert caught, done.stdout + done.stderr
+    assert "SubprocessDied" in caught[0]
+    assert "if __name__ == '__main__':" in caught[0]

@@ -347,11 +347,19 @@ class SubprocessIterable(Generic[T]):
             if error.signal is not None
             else f"exited (exit code {code})"
         )
-        hint = (
-            "; SIGKILL is what the out-of-memory killer sends"
-            if error.signal == "SIGKILL"
-            else "; a crash in native code or running out of memory are the usual causes"
-        )
+        if error.signal == "SIGKILL":
+            hint = "; SIGKILL is what the out-of-memory killer sends"
+        elif not self._ready and code == 1:
+            # Python itself failed before the child could start its iterable: its traceback
+            # went to stderr. Under the fork server or spawn, the usual cause is a main
+            # script that starts processes at import time, which the child imports again.
+            hint = (
+                " (exit code 1 while starting: its traceback is on stderr above). With the "
+                "fork server or spawn, the child imports the main script again: put the code "
+                "that iterates the loader under `if __name__ == '__main__':`"
+            )
+        else:
+            hint = "; a crash in native code or running out of memory are the usual causes"
         error.args = (f"{self._name} (pid {pid}) {how} before it finished{hint}",)
         return error
 
