@@ -195,3 +195,32 @@ def test_the_cost_plot_is_drawn(tmp_path: Path) -> None:
     path = model.plot([1, 4, 16, 64, 256], tmp_path / "cost.png")
     assert path is not None
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_one_ranks_plan_is_its_part_of_the_whole_plan() -> None:
+    from feedline.distributed import plan_for
+
+    sequence = GlobalSequence(5000, 16, 32, seed=2)
+    placed = holders(5000, 16, seed=2)[0]
+    placed[::13] = -1
+    regular = sequence.step(0, 3)
+    whole = plan_step(regular, placed)
+    for rank in range(16):
+        mine = plan_for(regular, placed, rank)
+        assert mine.keep.tolist() == whole.keep[rank].tolist()
+        assert mine.read.tolist() == whole.read[rank].tolist()
+        assert [(d, s.tolist()) for d, s in mine.sends] == [
+            (d, s.tolist()) for src, d, s in whole.sends if src == rank
+        ]
+        assert mine.receives == [(src, len(s)) for src, d, s in whole.sends if d == rank]
+
+
+def test_both_heap_encodings_of_algorithm_1_agree() -> None:
+    from feedline.distributed._balance import _balance_tuples
+
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        world = int(rng.integers(2, 300))
+        held = np.bincount(rng.integers(0, world, world * 8), minlength=world)
+        wanted = np.full(world, 8)
+        assert balance(held, wanted) == _balance_tuples(held - wanted)

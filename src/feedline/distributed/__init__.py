@@ -14,17 +14,19 @@ The loader that runs these plans over ``torch.distributed`` is not here yet.
 from ._balance import balance
 from ._cost import CostModel, expected_beta
 from ._placement import holders
-from ._plan import StepPlan, plan_step
+from ._plan import RankPlan, StepPlan, plan_for, plan_step
 from ._sequence import GlobalSequence
 from ._simulate import simulate_beta
 
 __all__ = [
     "CostModel",
     "GlobalSequence",
+    "RankPlan",
     "StepPlan",
     "balance",
     "expected_beta",
     "holders",
+    "plan_for",
     "plan_step",
     "simulate_beta",
 ]

@@ -31,9 +31,45 @@ def balance(held: np.ndarray, wanted: np.ndarray) -> list[tuple[int, int, int]]:
         raise ValueError(
             f"the ranks hold {int(np.sum(held))} samples but want {int(np.sum(wanted))}"
         )
+    world = len(excess)
+    if world > _RANKS:
+        return _balance_tuples(excess)
+    # Each heap entry is one int, -(imbalance << 16) + rank: the min-heap pops the largest
+    # imbalance first and, among equals, the lowest rank (int comparisons, no tuples).
+    ranks = np.nonzero(excess)[0]
+    amounts = excess[ranks]
+    keys = (-(np.abs(amounts) << _SHIFT) + ranks).tolist()
+    positive = (amounts > 0).tolist()
+    surplus = [k for k, p in zip(keys, positive, strict=True) if p]
+    deficit = [k for k, p in zip(keys, positive, strict=True) if not p]
+    heapq.heapify(surplus)
+    heapq.heapify(deficit)
+    plan: list[tuple[int, int, int]] = []
+    heappop, heapreplace, mask = heapq.heappop, heapq.heapreplace, _RANKS - 1
+    while surplus:
+        s_key, d_key = surplus[0], deficit[0]
+        s_amount, d_amount = -(s_key >> _SHIFT), -(d_key >> _SHIFT)
+        moved = min(s_amount, d_amount)
+        plan.append((s_key & mask, d_key & mask, moved))
+        if s_amount == moved:
+            heappop(surplus)
+        else:
+            heapreplace(surplus, s_key + (moved << _SHIFT))
+        if d_amount == moved:
+            heappop(deficit)
+        else:
+            heapreplace(deficit, d_key + (moved << _SHIFT))
+    return plan
+
+
+_SHIFT = 16
+_RANKS = 1 << _SHIFT  # worlds up to this size use the int-keyed heaps
+
+
+def _balance_tuples(excess: np.ndarray) -> list[tuple[int, int, int]]:
+    # The same algorithm with (imbalance, rank) tuples, for worlds of any size.
     ranks = np.nonzero(excess)[0].tolist()
     amounts = excess[excess != 0].tolist()
-    # Max-heaps as min-heaps of (-amount, rank): the largest first, the lower rank on ties.
     surplus = [(-a, r) for r, a in zip(ranks, amounts, strict=True) if a > 0]
     deficit = [(a, r) for r, a in zip(ranks, amounts, strict=True) if a < 0]
     heapq.heapify(surplus)

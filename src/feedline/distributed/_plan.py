@@ -16,7 +16,7 @@ import numpy as np
 
 from ._balance import balance
 
-__all__ = ["StepPlan", "plan_step"]
+__all__ = ["RankPlan", "StepPlan", "plan_for", "plan_step"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,85 @@ class StepPlan:
         return np.concatenate([self.keep[rank], self.read[rank], *received])
 
 
+@dataclass(frozen=True)
+class RankPlan:
+    """One step, for one rank: all a rank needs, computed in about a millisecond at scale.
+
+    Attributes:
+        keep: The samples it holds and trains on.
+        read: The samples it reads from storage (held by nobody).
+        sends: ``(destination, samples)``: what it sends to other ranks.
+        receives: ``(source, count)``: how many samples each other rank sends it.
+
+    """
+
+    keep: np.ndarray
+    read: np.ndarray
+    sends: list[tuple[int, np.ndarray]]
+    receives: list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class _Shares:
+    # What every rank computes alike for a step: holdings, reads, transfers.
+    flat: np.ndarray
+    owner: np.ndarray
+    missing: np.ndarray
+    read_starts: np.ndarray
+    keep_counts: np.ndarray
+    transfers: list[tuple[int, int, int]]
+
+
+def _shares(step: np.ndarray, holder: np.ndarray) -> _Shares:
+    rows, world = step.shape
+    flat = step.ravel()
+    owner = holder[flat]
+    held = owner >= 0
+    counts = np.bincount(owner[held], minlength=world)
+    wanted = np.full(world, rows, dtype=np.int64)
+    # Samples held by nobody go to the ranks that fall short, largest shortfall first.
+    missing = flat[~held]
+    read_counts = np.zeros(world, dtype=np.int64)
+    if missing.size:
+        short = np.maximum(wanted - counts, 0)
+        left = len(missing)
+        for rank in np.argsort(-short, kind="stable").tolist():
+            if left == 0 or short[rank] == 0:
+                break
+            take = min(int(short[rank]), left)
+            read_counts[rank] = take
+            left -= take
+    read_starts = np.concatenate(([0], np.cumsum(read_counts)))
+    wanted_held = wanted - read_counts
+    return _Shares(
+        flat=flat,
+        owner=owner,
+        missing=missing,
+        read_starts=read_starts,
+        keep_counts=np.minimum(counts, wanted_held),
+        transfers=balance(counts, wanted_held),
+    )
+
+
+def plan_for(step: np.ndarray, holder: np.ndarray, rank: int) -> RankPlan:
+    """What ``rank`` does in a step (see :func:`plan_step`, which plans every rank alike)."""
+    shares = _shares(step, holder)
+    mine = shares.flat[shares.owner == rank]  # what the rank holds, in step order
+    kept = int(shares.keep_counts[rank])
+    sends = []
+    cursor = kept
+    for src, dst, count in shares.transfers:
+        if src == rank:
+            sends.append((dst, mine[cursor : cursor + count]))
+            cursor += count
+    return RankPlan(
+        keep=mine[:kept],
+        read=shares.missing[shares.read_starts[rank] : shares.read_starts[rank + 1]],
+        sends=sends,
+        receives=[(src, count) for src, dst, count in shares.transfers if dst == rank],
+    )
+
+
 def plan_step(step: np.ndarray, holder: np.ndarray) -> StepPlan:
     """Plan one global step for every rank.
 
@@ -61,34 +140,17 @@ def plan_step(step: np.ndarray, holder: np.ndarray) -> StepPlan:
         holder: Each sample's rank (``-1``: held nowhere).
 
     """
-    rows, world = step.shape
-    flat = step.ravel()
-    owner = holder[flat]
-    held = owner >= 0
-    counts = np.bincount(owner[held], minlength=world)
-    wanted = np.full(world, rows, dtype=np.int64)
-    # Samples held by nobody go to the ranks that fall short, largest shortfall first.
-    missing = flat[~held]
-    short = np.maximum(wanted - counts, 0)
-    read_counts = np.zeros(world, dtype=np.int64)
-    left = len(missing)
-    for rank in np.argsort(-short, kind="stable"):
-        if left == 0 or short[rank] == 0:
-            break
-        take = min(int(short[rank]), left)
-        read_counts[rank] = take
-        left -= take
-    starts = np.concatenate(([0], np.cumsum(read_counts)))
-    read = [missing[starts[r] : starts[r + 1]] for r in range(world)]
-    # What each rank holds, in step order; keep up to what it still wants, send the rest.
-    order = np.argsort(np.where(held, owner, world), kind="stable")
-    bounds = np.concatenate(([0], np.cumsum(counts)))
-    wanted_held = wanted - read_counts
-    keep_counts = np.minimum(counts, wanted_held)
-    keep = [flat[order[bounds[r] : bounds[r] + keep_counts[r]]] for r in range(world)]
+    world = step.shape[1]
+    shares = _shares(step, holder)
+    flat, owner = shares.flat, shares.owner
+    order = np.argsort(np.where(owner >= 0, owner, world), kind="stable")
+    bounds = np.concatenate(([0], np.cumsum(np.bincount(owner[owner >= 0], minlength=world))))
+    keep = [flat[order[bounds[r] : bounds[r] + shares.keep_counts[r]]] for r in range(world)]
+    starts = shares.read_starts
+    read = [shares.missing[starts[r] : starts[r + 1]] for r in range(world)]
     sends = []
-    cursor = bounds[:-1] + keep_counts  # the next sample each rank gives away
-    for src, dst, count in balance(counts, wanted_held):
+    cursor = bounds[:-1] + shares.keep_counts  # the next sample each rank gives away
+    for src, dst, count in shares.transfers:
         sends.append((src, dst, flat[order[cursor[src] : cursor[src] + count]]))
         cursor[src] += count
     return StepPlan(keep=keep, read=read, sends=sends, size=flat.size)
