@@ -86,10 +86,11 @@ def _shares(step: np.ndarray, holder: np.ndarray) -> _Shares:
     flat = step.ravel()
     owner = holder[flat]
     held = owner >= 0
-    counts = np.bincount(owner[held], minlength=world)
+    everything = bool(held.all())
+    counts = np.bincount(owner if everything else owner[held], minlength=world)
     wanted = np.full(world, rows, dtype=np.int64)
     # Samples held by nobody go to the ranks that fall short, largest shortfall first.
-    missing = flat[~held]
+    missing = flat[:0] if everything else flat[~held]
     read_counts = np.zeros(world, dtype=np.int64)
     if missing.size:
         short = np.maximum(wanted - counts, 0)
