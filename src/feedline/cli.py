@@ -1,8 +1,9 @@
 """The ``feedline`` command.
 
 ``feedline bench [SCENARIO ...] [--quick] [--data DIR] [--out DIR]`` runs benchmarks that
-compare feedline with what users would otherwise run, prints a table per scenario and a
-headline table, and writes JSON results, PNG charts and ``summary.md``.
+compare feedline with what users would otherwise run, prints ``summary.md`` (a headline
+table, then every scenario's table) and writes it with JSON results and PNG charts.
+``feedline report [DIR] [--into FILE]`` writes the summary and charts again from the JSON.
 """
 
 from __future__ import annotations
@@ -162,19 +163,19 @@ def _bench(args: argparse.Namespace) -> int:
             data_dir=Path(args.data) if args.data is not None else None,
             steps=progress.steps,
         )
+        command = " ".join(["feedline bench", *args.argv])
         charts: list[Path] = []
         for i, name in enumerate(names):
             progress.scenario(i)
-            results += run_scenarios([name], options=options, out=out)
-            chart = plot(results[-1], out / f"{name}.png")
+            (result,) = run_scenarios([name], options=options, out=None)
+            result.command = command  # what reproduces it
+            result.machine["run_started"] = started  # which results came from one run
+            result.save(out)  # as each scenario ends: a run cut short keeps what it measured
+            results.append(result)
+            chart = plot(result, out / f"{name}.png")
             if chart is not None:
                 charts.append(chart)
         progress.done()
-    command = " ".join(["feedline bench", *args.argv])
-    for result in results:
-        result.command = command
-        result.machine["run_started"] = started  # which results came from one run
-        result.save(out)  # again, with the command that reproduces it
     text = summary(results, command=command)
     (out / "summary.md").write_text(text)
     print(f"\n{text}")

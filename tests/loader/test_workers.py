@@ -221,6 +221,7 @@ class RaisesTwoArgumentError:
 def test_an_exception_that_cannot_cross_processes_comes_as_pytorchs_runtime_error() -> None:
     # PyTorch re-raises what it cannot rebuild as a RuntimeError; so does feedline, with the
     # original type, message, index and traceback (never a TypeError about its __init__).
+    segments, threads = _segments(), threading.active_count()
     for cls in (TorchLoader, DataLoader):
         with pytest.raises(RuntimeError, match="TwoArgumentError") as info:
             list(cls(RaisesTwoArgumentError(), batch_size=4, num_workers=2))
@@ -229,6 +230,11 @@ def test_an_exception_that_cannot_cross_processes_comes_as_pytorchs_runtime_erro
     assert "raised by dataset[9] in DataLoader worker" in notes
     assert "Traceback" in notes
     no_children_left()
+    assert _segments() - segments == set()
+    deadline = time.monotonic() + 5  # PyTorch's queue feeders take a moment to end
+    while threading.active_count() > threads and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= threads
 
 
 def test_default_collation_in_workers_gives_pytorchs_batches_for_every_kind() -> None:
@@ -293,9 +299,12 @@ def test_a_main_script_without_a_guard_is_named_as_the_cause(tmp_path: Any) -> N
         "    except RuntimeError as error:\n"
         "        print('CAUGHT', type(error).__name__, error)\n"
     )
+    segments = _segments()
     done = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
     )
+    assert _segments() - segments == set()  # the failed start left no shared memory
+    no_children_left()
     caught = [line for line in done.stdout.splitlines() if line.startswith("CAUGHT")]
     assert caught, done.stdout + done.stderr
     assert "SubprocessDied" in caught[0]

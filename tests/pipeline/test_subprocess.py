@@ -172,8 +172,12 @@ def _raises_two_argument_error() -> Iterator[int]:
 def test_an_exception_that_cannot_be_rebuilt_is_reported_with_its_text() -> None:
     # Unpickling it here would raise a TypeError about its __init__ instead.
     from feedline.pipeline import iterate_in_subprocess
+    from tests.loader._procs import no_children_left
 
+    iterable = iterate_in_subprocess(_raises_two_argument_error)
     with pytest.raises(SubprocessFailure, match=r"_TwoArgumentError: a\.bin: code 3") as info:
-        list(iterate_in_subprocess(_raises_two_argument_error))
+        list(iterable)
     assert "Traceback" in str(info.value)
     assert info.value.__cause__ is None
+    iterable.close()
+    no_children_left()  # the child is gone, not left a zombie

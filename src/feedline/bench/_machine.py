@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import platform
@@ -78,15 +79,22 @@ def _commit() -> str | None:
     return head + ("+dirty" if dirty else "") if head else None
 
 
+@functools.lru_cache(maxsize=1)
+def _fixed() -> tuple[tuple[str, Any], ...]:
+    # What does not change during a run: looked up once (the commit costs two git calls).
+    return (
+        ("cpu", _cpu_model()),
+        ("cpus", os.cpu_count()),
+        ("memory_gib", _memory_gib()),
+        ("platform", platform.platform()),
+        ("python", sys.version.split()[0]),
+        ("versions", _versions()),
+        ("commit", _commit()),
+    )
+
+
 def machine_info() -> dict[str, Any]:
     """The machine (CPU model, cores, memory), Python, library versions, commit and time."""
-    return {
-        "cpu": _cpu_model(),
-        "cpus": os.cpu_count(),
-        "memory_gib": _memory_gib(),
-        "platform": platform.platform(),
-        "python": sys.version.split()[0],
-        "versions": _versions(),
-        "commit": _commit(),
-        "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    }
+    info = {key: (dict(value) if isinstance(value, dict) else value) for key, value in _fixed()}
+    info["time"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    return info

@@ -34,12 +34,40 @@ def _extra(key: str) -> Callable[[Measurement], float | None]:
     return lambda m: m.extra.get(key)
 
 
+@dataclass(frozen=True)
+class _Reading:
+    """How a scenario is read where it is not a rate (higher is better) against a baseline.
+
+    ``metric`` is the figure its charts and headline show; ``invert`` turns its ratio of
+    rates into one of waits; ``ratio_of`` names what the ratio compares.
+    """
+
+    metric: _Metric
+    invert: bool = False
+    ratio_of: str = ""
+
+
+_READINGS = {
+    "memory": _Reading(
+        _Metric("peak PSS (MiB)", lambda m: m.extra.get("peak_pss_mib"), False), ratio_of="peak PSS"
+    ),
+    "startup": _Reading(
+        _Metric("first batch (ms)", lambda m: m.extra.get("first_batch_ms"), False),
+        invert=True,
+        ratio_of="wait",
+    ),
+}
+
+
+def _reading(result: ScenarioResult) -> _Reading:
+    found = _READINGS.get(result.scenario)
+    if found is not None:
+        return found
+    return _Reading(_Metric(result.unit, lambda m: m.items_per_s, True))
+
+
 def _primary(result: ScenarioResult) -> _Metric:
-    if result.scenario == "memory":
-        return _Metric("peak PSS (MiB)", _extra("peak_pss_mib"), False)
-    if result.scenario == "startup":
-        return _Metric("first batch (ms)", _extra("first_batch_ms"), False)
-    return _Metric(result.unit, lambda m: m.items_per_s, True)
+    return _reading(result).metric
 
 
 # Extra figures worth a column: key -> (label, how to write it).
@@ -78,25 +106,28 @@ def _by_case(result: ScenarioResult) -> dict[str, list[Measurement]]:
     return cases
 
 
-def _ratio(result: ScenarioResult, m: Measurement) -> str:
+def _ratio(result: ScenarioResult, m: Measurement, *, named: bool = False) -> str:
     """The ratio to the baseline as the scenario is read, with its range over rounds.
 
     ``startup`` measures a rate of first batches but is read as a wait (lower is better),
-    so its ratio is inverted; ``memory``'s is already one of peak memory.
+    so its ratio is inverted; ``memory``'s is already one of peak memory. ``named`` says
+    what the ratio compares after it ("1.05x the wait"), for tables without a column label.
     """
     if not m.ratio:
         return ""
-    invert = result.scenario == "startup"
-    runs = [1 / r if invert else r for r in m.ratio_runs if r]
-    text = _times(1 / m.ratio if invert else m.ratio)
+    reading = _reading(result)
+    runs = [1 / r if reading.invert else r for r in m.ratio_runs if r]
+    text = _times(1 / m.ratio if reading.invert else m.ratio)
+    if named and reading.ratio_of:
+        text += f" the {reading.ratio_of}"
     if len(runs) > 1:
         text += f" ({_times(min(runs))}-{_times(max(runs))})"
     return text
 
 
 def _ratio_label(result: ScenarioResult) -> str:
-    what = {"startup": "wait ", "memory": "peak PSS "}.get(result.scenario, "")
-    return f"{what}x {result.baseline}"
+    what = _reading(result).ratio_of
+    return f"{what + ' ' if what else ''}x {result.baseline}"
 
 
 def _header(results: Sequence[ScenarioResult], command: str, dated: bool) -> list[str]:
@@ -167,11 +198,7 @@ def _headline(results: Sequence[ScenarioResult]) -> list[str]:
                 value = metric.get(m)
                 if value is None:
                     continue
-                ratio = _ratio(result, m)
-                if ratio and result.scenario == "startup":
-                    ratio = ratio.replace("x", "x the wait", 1)
-                elif ratio and result.scenario == "memory":
-                    ratio = ratio.replace("x", "x the memory", 1)
+                ratio = _ratio(result, m, named=True)
                 rows.append(
                     f"| {result.scenario} | {case} | {m.contender} | {fmt(value)} "
                     f"{metric.label} | {result.baseline} | {ratio or '-'} |"
