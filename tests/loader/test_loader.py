@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 import feedline  # noqa: E402
 from feedline import ConfigurationError, DataLoader, PathList, PipelineFailure  # noqa: E402
 from feedline.loader._fetch import BatchFetcher  # noqa: E402
+from feedline.loader._pool import thread_times  # noqa: E402
 
 from ._datasets import (  # noqa: E402
     Failing,
@@ -481,6 +482,53 @@ def test_cpu_bound_items_get_few_calls_at_once_and_io_bound_many() -> None:
     assert limit_after(Spin(), 60) <= max(cores + 1, 8)  # saturating the cores: few at once
     # Waiting on I/O: about as many at once as there are calls to make (2 batches of 16).
     assert limit_after(Slow(10_000, 0.02), 12) >= 16
+
+
+@pytest.mark.skipif(thread_times() is None, reason="needs /proc/thread-self/schedstat")
+def test_a_worker_with_one_core_fetches_on_its_own_thread_until_items_wait() -> None:
+    # A worker process whose share of the cores is one fetches as a PyTorch worker does:
+    # CPU-bound items one after another on its own thread (no pool, no hand-over). Items
+    # that sleep go to the pool from the first batch on, several at once.
+    class Where:
+        def __init__(self, seconds: float) -> None:
+            self.seconds = seconds
+            self.threads: list[int] = []
+
+        def __len__(self) -> int:
+            return 10_000
+
+        def __getitem__(self, i: int) -> int:
+            self.threads.append(threading.get_ident())
+            if self.seconds:
+                time.sleep(self.seconds)
+            else:
+                hashlib.sha256(bytes(2**18)).digest()
+            return i
+
+    busy = Where(0.0)
+    fetcher = BatchFetcher(busy, 8, cores=1, origin="test worker")
+    try:
+        wanted = [list(range(8 * b, 8 * b + 8)) for b in range(3)]
+        batches = [fetcher.fetch_now((b, indices)) for b, indices in enumerate(wanted)]
+        assert [items for _, items, _ in batches] == wanted
+        assert fetcher.inline
+        assert set(busy.threads) == {threading.get_ident()}
+    finally:
+        fetcher.close()
+
+    sleepy = Where(0.02)
+    fetcher = BatchFetcher(sleepy, 8, cores=1, origin="test worker")
+    try:
+        number, items, _ = fetcher.fetch_now((0, list(range(16))))
+        assert (number, items) == (0, list(range(16)))
+        assert not fetcher.inline
+        assert sleepy.threads[:2] == [threading.get_ident()] * 2  # judged after two items
+        assert len(set(sleepy.threads[2:]) - {threading.get_ident()}) >= 2  # then the pool
+    finally:
+        fetcher.close()
+    # More than one core for the worker: the pool from the start, as before.
+    assert not BatchFetcher(busy, 8, cores=2).inline
+    assert not BatchFetcher(busy, 1, cores=1).inline  # one call at a time needs no judging
 
 
 @pytest.mark.slow

@@ -118,6 +118,11 @@ class TaskStream:
     def __iter__(self) -> Iterator[Task]:
         return self.iter_until(lambda: False)
 
+    @property
+    def complete(self) -> bool:
+        """Whether every batch of the share was taken."""
+        return self._last and not self._hand
+
     def take(self, count: int | None) -> Iterator[Task]:
         """The next ``count`` batches (``None``: all), taken out of the share."""
         taken = 0

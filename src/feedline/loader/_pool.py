@@ -12,14 +12,31 @@ import collections
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["LimitedPool"]
+__all__ = ["LimitedPool", "thread_times"]
 
 _log = logging.getLogger("feedline.loader")
 
 T = TypeVar("T")
+
+
+def thread_times() -> tuple[float, float] | None:
+    """The calling thread's seconds on a core and runnable but waiting for one, so far.
+
+    The first from the thread's CPU clock; the second from ``/proc/thread-self/schedstat``
+    (Linux), whose own on-core figure lags by up to a scheduler tick for a running thread.
+    ``None`` where it cannot be read. What a call's wall time holds beyond the two, it spent
+    off the cores: on I/O, a sleep, a lock.
+    """
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            queued = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.thread_time(), queued / 1e9
 
 
 class LimitedPool:

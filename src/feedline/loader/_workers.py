@@ -86,12 +86,17 @@ class _WorkerIterable:
             finish=collate_in_worker(shm_collate_for(self._collate_fn), self._auto, origin),
         )
         try:
-            # The first batch on this thread, as a PyTorch worker fetches (the pipeline and its
-            # threads would cost it 15-30 ms on 2 cores, measured); at a concurrency of one,
-            # every batch: one after another, so that global draws match PyTorch's.
-            for task in tasks.take(1 if self._concurrency > 1 else None):
+            # Batches one after another on this thread, as a PyTorch worker fetches them (a
+            # pipeline and its threads cost 15-30 ms on 2 cores, measured, and take the cores
+            # from the other workers): the first one always, then while the fetcher keeps
+            # their items on this thread; at a concurrency of one, every batch, so that global
+            # draws match PyTorch's.
+            several = self._concurrency > 1
+            for task in tasks.take(1 if several and not fetcher.inline else None):
                 yield fetcher.fetch_now(task)
-            if self._concurrency > 1:
+                if several and not fetcher.inline:
+                    break  # its items wait: several at once from here
+            if several and not tasks.complete:
                 yield from self._pipeline(fetcher, tasks)
         finally:
             fetcher.close()
