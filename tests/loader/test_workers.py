@@ -182,6 +182,28 @@ def test_workers_fork_only_while_no_other_thread_runs(context: Any) -> None:
     no_children_left()
 
 
+def test_first_hands_too_large_to_write_at_once_still_fork_every_worker() -> None:
+    # Each worker is started and given its first batches before the next one forks. A hand
+    # larger than an empty pipe takes without blocking goes through the queue's feeder
+    # thread: it is put only once every worker has forked, so no fork sees a thread.
+    alone()
+    dataset = list(range(3 * 3 * 8192))
+    loader = DataLoader(dataset, batch_size=8192, num_workers=3)
+    reference = TorchLoader(dataset, batch_size=8192, num_workers=0)
+    it = iter(loader)
+    got = [next(it)]
+    workers = loader._workers
+    assert workers is not None
+    kinds = {type(w._child.process._popen).__module__ for w in workers._workers}
+    assert kinds == {"multiprocessing.popen_fork"}
+    got += list(it)
+    assert len(got) == len(reference) == 9
+    for a, b in zip(got, reference, strict=True):
+        assert torch.equal(a, b)
+    loader.close()
+    no_children_left()
+
+
 def test_batches_are_collated_in_the_workers_as_in_pytorch() -> None:
     for cls in (TorchLoader, DataLoader):
         loader = cls(list(range(8)), batch_size=4, num_workers=2, collate_fn=worker_pid_collate)

@@ -512,7 +512,7 @@ class _LoaderIter(Generic[T]):
             batches, skip, replay, sampler, frozenset(self.position.ahead), self._sampler_states
         )
         if tl.num_workers > 0:
-            loader._worker_set().start(base_seed)  # before the sampler's first draw
+            loader._worker_set().start(base_seed, count=1)  # before the sampler's first draw
         first = list(itertools.islice(tasks, 1))  # the sampler draws its seed now, here
         tasks = self._tasks = _Releasable(itertools.chain(first, tasks))
         order = "input" if tl.in_order else "completion"

@@ -25,7 +25,7 @@ import numpy as np
 
 from feedline.errors import ConfigurationError
 from feedline.pipeline import PipelineBuilder, SubprocessIterable
-from feedline.pipeline._queues import await_closed_queues, close_queue
+from feedline.pipeline._queues import await_closed_queues, close_queue, write_first
 from feedline.pipeline._subprocess import _CLOSE_GRACE, _DEFAULT_SHM_MIN, _POLL, _Abandoned
 
 from ._collate import shm_collate_for
@@ -340,42 +340,62 @@ class WorkerSet:
             for wid, q in enumerate(self._shares)
         ]
 
-    def start(self, base_seed: int | None = None) -> None:
-        """Start the workers that do not run, without waiting for them.
+    def start(self, base_seed: int | None = None, count: int | None = None) -> None:
+        """Start the workers that do not run (the first ``count`` of them), without waiting.
 
         ``base_seed``, the coming epoch's, lets a started worker seed itself (and run
         ``worker_init_fn``) at once.
 
-        Call it before drawing the epoch's batches: a fork is cheaper from a process that has
-        not yet made the sampler's permutation (with an ImageNet-sized one, 15-22 ms a worker
-        instead of 8, measured on 2 cores), and the workers start up while it is drawn.
+        The loader starts the first worker before drawing the epoch's batches: a fork is
+        cheaper from a process that has not yet made the sampler's permutation (with an
+        ImageNet-sized one, 15-22 ms a worker instead of 8, measured on 2 cores), and it
+        starts up while the permutation is drawn. :meth:`epoch` starts the others.
         """
+        self._drop_unrun()
+        method = self._start_method()
+        for worker, shares in list(zip(self._workers, self._shares, strict=True))[:count]:
+            self._start_one(worker, shares, method, base_seed)
+
+    def _drop_unrun(self) -> None:
+        # An epoch asked for and never iterated: its batches would come first. Its workers
+        # are ended (and started anew).
         if self._unrun is not None and not self._unrun.begun:
-            self.close()  # asked for an epoch never iterated: its batches would come first
+            self._unrun = None
+            self.close()
+
+    def _start_method(self) -> str | None:
         # Here, in the thread that asks for the epoch (the training thread, before the
         # epoch's pipeline starts any thread): with no other thread running, a fork is as
         # safe as PyTorch's and starts a worker in milliseconds; otherwise the fork server.
-        method = None
-        if self._auto:
-            await_closed_queues(_FEEDERS_SECONDS)  # the last epoch's: they leave at once
-            alone = threading.active_count() == 1 and "fork" in mp.get_all_start_methods()
-            method = "fork" if alone else "forkserver"
-            if not alone:
-                _preload_forkserver()
-        for worker, shares in zip(self._workers, self._shares, strict=True):
-            if worker.pid is not None:
-                continue
-            shares.renew(self._ctx)
-            shares.seed = base_seed  # inherited or pickled by the start
-            try:
-                # Begins its first pass as soon as it runs: it waits for the start message.
-                worker.start(method, begin=True)
-            except (pickle.PicklingError, AttributeError, TypeError) as error:
-                if "pickle" not in str(error):
-                    raise
-                raise _not_picklable(self._dataset, self._init, error) from error
-            finally:
-                shares.seed = None
+        if not self._auto or all(w.pid is not None for w in self._workers):
+            return None
+        await_closed_queues(_FEEDERS_SECONDS)  # the last epoch's: they leave at once
+        return "fork" if self._alone() else "forkserver"
+
+    @staticmethod
+    def _alone() -> bool:
+        return threading.active_count() == 1 and "fork" in mp.get_all_start_methods()
+
+    def _start_one(
+        self, worker: Any, shares: _Shares, method: str | None, base_seed: int | None
+    ) -> None:
+        if worker.pid is not None:
+            return
+        if method == "fork" and not self._alone():
+            method = "forkserver"  # a thread started since: forking is no longer safe
+        if method == "forkserver":
+            _preload_forkserver()
+        shares.renew(self._ctx)
+        shares.seed = base_seed  # inherited or pickled by the start
+        try:
+            # Begins its first pass as soon as it runs: it waits for the start message.
+            worker.start(method, begin=True)
+        except (pickle.PicklingError, AttributeError, TypeError) as error:
+            if "pickle" not in str(error):
+                raise
+            raise _not_picklable(self._dataset, self._init, error) from error
+        finally:
+            shares.seed = None
 
     def epoch(
         self, tasks: Iterator[Task], base_seed: int, dataset_states: list[Any] | None = None
@@ -386,14 +406,28 @@ class WorkerSet:
         order. Every worker gets its first batches before the first one is awaited, so that
         they all start (and fetch) at once. As a pipeline's source, the epoch ends as soon as
         the pipeline stops.
+
+        A worker that does not run yet is started here and given its first batches at once,
+        before the next one starts: the first batch, the one the consumer waits for, begins
+        while the other workers start. Their messages are written without a feeder thread
+        (:func:`write_first`), so that the process has no thread when the next worker forks.
         """
-        self.start()  # first: a put starts the queue's feeder thread
+        self._drop_unrun()
         self._epochs += 1
         dealer = Dealer(tasks, len(self._workers), self._prefetch)
         hands = dealer.first_hands()
         states = dataset_states or [None] * len(self._workers)
-        for shares, hand, state in zip(self._shares, hands, states, strict=True):
-            shares.queue.put(("start", self._epochs, base_seed, hand, state, dealer.exhausted))
+        method = self._start_method()
+        later = []
+        for worker, shares, hand, state in zip(
+            self._workers, self._shares, hands, states, strict=True
+        ):
+            self._start_one(worker, shares, method, base_seed)
+            message = ("start", self._epochs, base_seed, hand, state, dealer.exhausted)
+            if not write_first(shares.queue, message):
+                later.append((shares, message))  # put once every worker has forked
+        for shares, message in later:
+            shares.queue.put(message)
         for worker in self._workers:
             worker.request_epoch()  # a no-op for a worker that has just started
         self._unrun = _Epoch(self, dealer, self._epochs)

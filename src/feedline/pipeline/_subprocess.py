@@ -42,7 +42,7 @@ from feedline.errors import (
 
 from ._builder import PipelineBuilder
 from ._lifetime import die_with_parent
-from ._queues import close_queue
+from ._queues import close_queue, write_first
 from ._shm import (
     SHM_AVAILABLE,
     SegmentNames,
@@ -106,7 +106,10 @@ def _child_main(
     except BaseException as error:
         data_q.put(("init-error", *_error_message(error)))
         return
-    data_q.put(("ready",))
+    # Without starting the feeder thread: that waits for the thread to run (about 1.5 ms on
+    # cores busy with the other workers' starts), before this child's first item.
+    if not write_first(data_q, ("ready",)):
+        data_q.put(("ready",))
     while True:
         command = "epoch" if begin else cmd_q.get()  # begin: the first pass is asked already
         begin = False
