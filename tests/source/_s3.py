@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -16,10 +18,44 @@ def _body(i: int) -> bytes:
 
 def s3_server() -> Iterator[str]:
     """A moto S3 server on loopback holding 40 objects ``data/<i>``; yields its endpoint."""
+    with moto_bucket(BUCKET, {f"data/{i}": _body(i) for i in range(40)}) as (endpoint, _):
+        yield endpoint
+
+
+@contextmanager
+def moto_bucket(bucket: str, objects: Mapping[str, bytes]) -> Iterator[tuple[str, dict[str, int]]]:
+    """A moto S3 server on loopback whose ``bucket`` holds ``objects``.
+
+    Yields its endpoint and a dict whose ``"GET"`` counts the object GETs served so far.
+    """
     import boto3
     from moto import server as moto_server
+    from werkzeug.serving import make_server
 
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    counts = {"GET": 0}
+    lock = threading.Lock()
+
+    class Counting(moto_server.ThreadedMotoServer):
+        def _server_entry(self) -> None:
+            app = moto_server.DomainDispatcherApplication(moto_server.create_backend_app)
+
+            def counted(environ: dict[str, str], start_response: object) -> object:
+                if environ["REQUEST_METHOD"] == "GET" and environ["PATH_INFO"].count("/") > 1:
+                    with lock:
+                        counts["GET"] += 1
+                return app(environ, start_response)  # type: ignore[arg-type]
+
+            self._server = make_server(
+                self._ip_address,
+                self._port,
+                counted,  # type: ignore[arg-type]
+                True,
+                request_handler=moto_server.MotoRequestHandler,
+            )
+            self._server_ready_event.set()
+            self._server.serve_forever()
+
+    server = Counting(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:
         host, port = server.get_host_and_port()
@@ -31,10 +67,11 @@ def s3_server() -> Iterator[str]:
             aws_secret_access_key="test",
             region_name="us-east-1",
         )
-        client.create_bucket(Bucket=BUCKET)
-        for i in range(40):
-            client.put_object(Bucket=BUCKET, Key=f"data/{i}", Body=_body(i))
-        yield endpoint
+        client.create_bucket(Bucket=bucket)
+        for key, body in objects.items():
+            client.put_object(Bucket=bucket, Key=key, Body=body)
+        counts["GET"] = 0
+        yield endpoint, counts
     finally:
         server.stop()
         inner = getattr(server, "_server", None)  # stop() leaves the listening socket open

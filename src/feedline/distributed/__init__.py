@@ -8,21 +8,30 @@ locality-aware loading paper in :func:`balance`) says who trains on what and who
 what to whom. :func:`simulate_beta` estimates the exchanged share without processes, and
 :class:`CostModel` is the paper's cost model (equations 1 to 8) with it.
 
-The loader that runs these plans over ``torch.distributed`` is not here yet.
+:class:`DistributedLoader` runs the plans over ``torch.distributed``: each rank reads what
+it holds once (its cache keeps it), and then trains mostly on it.
 """
 
 from ._balance import balance
 from ._cost import CostModel, expected_beta
+from ._exchange import ExchangeError, ExchangeTimeout
+from ._loader import DistributedLoader, LoaderStats
 from ._placement import holders
 from ._plan import RankPlan, StepPlan, plan_for, plan_step
+from ._samples import StoredSamples
 from ._sequence import GlobalSequence
 from ._simulate import simulate_beta
 
 __all__ = [
     "CostModel",
+    "DistributedLoader",
+    "ExchangeError",
+    "ExchangeTimeout",
     "GlobalSequence",
+    "LoaderStats",
     "RankPlan",
     "StepPlan",
+    "StoredSamples",
     "balance",
     "expected_beta",
     "holders",

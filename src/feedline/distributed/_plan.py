@@ -61,6 +61,7 @@ class RankPlan:
         read: The samples it reads from storage (held by nobody).
         sends: ``(destination, samples)``: what it sends to other ranks.
         receives: ``(source, count)``: how many samples each other rank sends it.
+        exchanged: Samples sent between all ranks in the step (beta times the global batch).
 
     """
 
@@ -68,6 +69,7 @@ class RankPlan:
     read: np.ndarray
     sends: list[tuple[int, np.ndarray]]
     receives: list[tuple[int, int]]
+    exchanged: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ def plan_for(step: np.ndarray, holder: np.ndarray, rank: int) -> RankPlan:
         read=shares.missing[shares.read_starts[rank] : shares.read_starts[rank + 1]],
         sends=sends,
         receives=[(src, count) for src, dst, count in shares.transfers if dst == rank],
+        exchanged=sum(count for _, _, count in shares.transfers),
     )
 
 

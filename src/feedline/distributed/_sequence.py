@@ -33,6 +33,9 @@ class GlobalSequence:
             tail that does not fill a whole world or a whole local batch is left out
             (``False``: the order is padded with its own start to a multiple of the world
             size, and the last local batch may be short).
+        skip: Samples at the start of each epoch's order that are left out: those a run
+            trained on before it restarted with another world size (the rest of the epoch is
+            split over the new ranks as the sampler would split a dataset of what is left).
 
     """
 
@@ -42,13 +45,17 @@ class GlobalSequence:
     seed: int = 0
     shuffle: bool = True
     drop_last: bool = False
+    skip: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("size", "world", "local_batch"):
+        for name, least in (("size", 0), ("world", 1), ("local_batch", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.drop_last and self.size < self.world:
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                kind = "an int >= 0" if least == 0 else "a positive int"
+                raise ValueError(f"{name} must be {kind}, got {value!r}")
+        if not 0 <= self.skip <= self.size:
+            raise ValueError(f"skip must be between 0 and size {self.size}, got {self.skip!r}")
+        if self.drop_last and 0 < self.size < self.world and self.skip == 0:
             raise ValueError(
                 f"drop_last=True leaves nothing of {self.size} samples for {self.world} ranks; "
                 "use drop_last=False (the order is padded) or fewer ranks"
@@ -57,9 +64,10 @@ class GlobalSequence:
     @property
     def per_rank(self) -> int:
         """Samples each rank sees per epoch (``DistributedSampler.num_samples``)."""
+        left = self.size - self.skip
         if self.drop_last:
-            return self.size // self.world
-        return math.ceil(self.size / self.world)
+            return left // self.world
+        return math.ceil(left / self.world)
 
     @property
     def steps(self) -> int:
@@ -78,8 +86,9 @@ class GlobalSequence:
             base = torch.randperm(self.size, generator=generator).numpy().astype(np.int64)
         else:
             base = np.arange(self.size, dtype=np.int64)
+        base = base[self.skip :]
         total = self.per_rank * self.world
-        if total <= self.size:
+        if total <= base.size:
             return base[:total]
         return np.resize(base, total)  # repeats the order from its start, as the sampler pads
 

@@ -1,0 +1,196 @@
+"""Sending raw samples between ranks over a dedicated ``torch.distributed`` group.
+
+Each step, a rank sends every destination of its plan one header and one payload, and
+receives the same from every source (both sides know from the plan how many samples travel,
+so the header's size is known in advance). The header holds the step's tag and, per sample,
+its index, length and CRC-32; the payload is the samples' bytes end to end. A payload that does
+not match its header raises :class:`ExchangeError`, naming the source rank and the sample.
+
+Messages are tagged by iteration and step, so that a message of one step never matches
+another's. A peer that never answers is reported after ``timeout`` seconds (one that died, at
+once: its connection closes), never waited on for good.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from feedline.errors import FeedlineError
+
+__all__ = ["Exchange", "ExchangeError", "ExchangeTimeout", "Received"]
+
+_MISSING = -1
+"""The length sent for a sample its sender could not read (counted as a failure there)."""
+
+
+Received = dict[int, list[tuple[int, bytes | None]]]
+"""Per source rank, the ``(index, bytes)`` it sent (``None``: it could not read the sample)."""
+
+
+class ExchangeError(FeedlineError, ValueError):
+    """A sample received from another rank does not match its header (length, CRC, index)."""
+
+
+class ExchangeTimeout(FeedlineError, RuntimeError):
+    """Another rank sent nothing within the timeout, or its connection broke.
+
+    That rank died, hangs, or stopped iterating.
+    """
+
+
+class Exchange:
+    """Point-to-point transfers of raw samples for one rank.
+
+    Args:
+        group: The process group the samples travel in (gloo: bytes in CPU memory).
+        rank: This rank.
+        timeout: Seconds to wait for a peer before :class:`ExchangeTimeout`.
+
+    """
+
+    def __init__(self, group: Any, rank: int, timeout: float) -> None:
+        self._group = group
+        self.rank = rank
+        self.timeout = timeout
+        self.sent_samples = 0
+        self.sent_bytes = 0
+        self.received_samples = 0
+        self.received_bytes = 0
+
+    def swap(
+        self,
+        tag: int,
+        where: str,
+        sends: Sequence[tuple[int, np.ndarray, list[Any]]],
+        receives: Sequence[tuple[int, int]],
+    ) -> Received:
+        """Send ``sends`` and receive ``receives``.
+
+        Args:
+            tag: This step's tag, the same on every rank (under 2**29).
+            where: The step, for messages (``"epoch 1, step 7"``).
+            sends: ``(destination, indices, samples)``: a sample is bytes-like, or ``None``
+                where it could not be read.
+            receives: ``(source, count)``: how many samples each source sends.
+
+        """
+        import torch
+        import torch.distributed as dist
+
+        pending: list[tuple[Any, str]] = []
+        outgoing = []  # kept alive until the sends complete
+        for dst, indices, samples in sends:
+            header, payload = _pack(tag, indices, samples)
+            outgoing += [header, payload]
+            what = f"the send of {len(indices)} sample(s) to rank {dst}"
+            pending.append((dist.isend(header, dst, group=self._group, tag=2 * tag), what))
+            if payload.numel():
+                work = dist.isend(payload, dst, group=self._group, tag=2 * tag + 1)
+                pending.append((work, what))
+            self.sent_samples += len(indices)
+            self.sent_bytes += int(payload.numel())
+        headers = {}
+        for src, count in receives:
+            headers[src] = torch.empty(2 + 3 * count, dtype=torch.int64)
+            work = dist.irecv(headers[src], src, group=self._group, tag=2 * tag)
+            pending.append((work, f"the header of {count} sample(s) from rank {src}"))
+        self._wait(pending[len(pending) - len(receives) :], where)
+        payloads = {}
+        receiving = []
+        for src, count in receives:
+            lengths = headers[src][2 + count : 2 + 2 * count].numpy()
+            payloads[src] = torch.empty(int(lengths[lengths > 0].sum()), dtype=torch.uint8)
+            if payloads[src].numel():
+                work = dist.irecv(payloads[src], src, group=self._group, tag=2 * tag + 1)
+                receiving.append((work, f"{count} sample(s) from rank {src}"))
+        self._wait(receiving + pending[: len(pending) - len(receives)], where)
+        received: Received = {}
+        for src, count in receives:
+            received[src] = _unpack(headers[src].numpy(), payloads[src].numpy(), tag, src, where)
+            self.received_samples += count
+            self.received_bytes += int(payloads[src].numel())
+        return received
+
+    def _wait(self, pending: list[tuple[Any, str]], where: str) -> None:
+        # gloo's waits cannot be resumed once they time out (the pair is closed), so each
+        # wait is given what is left of the whole timeout.
+        import datetime
+
+        deadline = time.monotonic() + self.timeout
+        for work, what in pending:
+            left = max(0.001, deadline - time.monotonic())
+            try:
+                work.wait(datetime.timedelta(seconds=left))
+            except RuntimeError as error:
+                timed_out = "Timed out" in str(error) or time.monotonic() >= deadline
+                cause = (
+                    f"it sent nothing within {self.timeout:g} s: that rank hangs or stopped "
+                    "iterating. Every rank must iterate the loader alike (the same epochs, "
+                    "and the same steps before a break); raise timeout= if storage reads are "
+                    "this slow"
+                    if timed_out
+                    else f"{error}. That rank probably died; its own log says why"
+                )
+                raise ExchangeTimeout(
+                    f"rank {self.rank}: {what} failed ({where}): {cause}"
+                ) from error
+
+
+def _pack(tag: int, indices: np.ndarray, samples: list[Any]) -> tuple[Any, Any]:
+    # The header [tag, count, indices..., lengths..., crcs...] and the joined payload.
+    import torch
+
+    count = len(indices)
+    header = np.zeros(2 + 3 * count, dtype=np.int64)
+    header[0], header[1] = tag, count
+    header[2 : 2 + count] = indices
+    parts = []
+    for k, sample in enumerate(samples):
+        if sample is None:
+            header[2 + count + k] = _MISSING
+            continue
+        view = memoryview(sample).cast("B")
+        header[2 + count + k] = len(view)
+        header[2 + 2 * count + k] = zlib.crc32(view)
+        parts.append(view)
+    joined = bytearray(b"".join(parts))
+    payload = torch.frombuffer(joined, dtype=torch.uint8) if joined else torch.empty(0)
+    return torch.from_numpy(header), payload.to(torch.uint8)
+
+
+def _unpack(
+    header: np.ndarray, payload: np.ndarray, tag: int, src: int, where: str
+) -> list[tuple[int, bytes | None]]:
+    count = int(header[1]) if header.size >= 2 else -1
+    if header.size < 2 or header[0] != tag or header.size != 2 + 3 * count:
+        raise ExchangeError(
+            f"rank {src} sent a header for another step (tag {int(header[0])}, expected {tag}; "
+            f"{where}): the ranks iterate differently"
+        )
+    indices = header[2 : 2 + count]
+    lengths = header[2 + count : 2 + 2 * count]
+    crcs = header[2 + 2 * count :]
+    data = payload.tobytes()
+    samples: list[tuple[int, bytes | None]] = []
+    offset = 0
+    for index, length, crc in zip(indices.tolist(), lengths.tolist(), crcs.tolist(), strict=True):
+        if length == _MISSING:
+            samples.append((index, None))
+            continue
+        blob = data[offset : offset + length]
+        offset += length
+        if len(blob) != length or zlib.crc32(blob) != crc:
+            raise ExchangeError(
+                f"sample {index} from rank {src} is damaged ({where}): {len(blob)} bytes with "
+                f"CRC-32 {zlib.crc32(blob):08x}, the sender's header says {length} bytes with "
+                f"{crc:08x}"
+            )
+        samples.append((index, blob))
+    if offset != len(data):
+        raise ExchangeError(f"rank {src} sent {len(data)} bytes for samples of {offset} ({where})")
+    return samples

@@ -1,0 +1,545 @@
+"""The locality-aware loader: each rank's batches of the regular sequence, mostly from its cache.
+
+Per step, every rank computes its part of the plan (:func:`plan_for`), gets the raw bytes of
+what it keeps and sends (from its cache, else from storage, caching what it holds) and of
+what it reads for itself, swaps samples with the other ranks (:class:`Exchange`, on a group
+of its own), then decodes and collates its local batch. These run as stages of a feedline
+pipeline, several steps ahead of the training loop: reads of later steps overlap the
+exchange of the current one, which runs one step at a time, in order, on every rank.
+
+The first epoch is planned like the others: a sample's holder reads it from storage then
+(and keeps it), so every sample is read once, by the rank that will hold it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from feedline.errors import ConfigurationError, add_note
+from feedline.pipeline import Pipeline, PipelineBuilder
+from feedline.source import ObjectCache
+
+from ._exchange import Exchange, Received
+from ._placement import holders, mix64
+from ._plan import RankPlan, plan_for
+from ._sequence import GlobalSequence
+
+__all__ = ["DistributedLoader", "LoaderStats"]
+
+_log = logging.getLogger("feedline.distributed")
+
+T = TypeVar("T")
+
+_ABANDON_SECONDS = 1.0
+"""How long a loop left by an exception waits for its exchange thread to leave."""
+
+_TAGS = 1 << 28
+"""Exchange tags wrap here (gloo tags are ints; two per step)."""
+
+
+@dataclass
+class LoaderStats:
+    """What one rank's loader has done so far.
+
+    Attributes:
+        storage_reads: Samples read from storage (``samples[i]``).
+        storage_bytes: Their bytes.
+        cache_hits: Samples found in this rank's cache.
+        sent_samples: Samples sent to other ranks; ``sent_bytes``, their bytes.
+        received_samples: Samples received; ``received_bytes``, their bytes.
+        failures: Samples that could not be read and were left out (within the budget).
+        betas: Each step's exchanged share of the global batch (the paper's beta).
+
+    """
+
+    storage_reads: int = 0
+    storage_bytes: int = 0
+    cache_hits: int = 0
+    sent_samples: int = 0
+    sent_bytes: int = 0
+    received_samples: int = 0
+    received_bytes: int = 0
+    failures: int = 0
+    betas: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Step:
+    # One step on its way through the stages.
+    epoch: int
+    step: int
+    plan: RankPlan
+    beta: float
+    kept: list[Any] = field(default_factory=list)
+    read: list[Any] = field(default_factory=list)
+    sends: list[tuple[int, np.ndarray, list[Any]]] = field(default_factory=list)
+    received: Received = field(default_factory=dict)
+    error: BaseException | None = None
+
+
+class _Exchanger:
+    """One iteration's exchanges, on a thread of their own, in step order.
+
+    It takes each step's bytes from the read pipeline, swaps samples with the other ranks,
+    and hands the step to a pool that transforms and collates it; the training loop takes
+    the results in order. At most ``ahead`` steps wait for the loop, so when every rank
+    leaves its loop after the same step (a ``break`` at the same place, as data-parallel
+    training does), every rank has exchanged, or may exchange, the same steps: leaving, a
+    rank completes exactly those (:meth:`stop` with ``drain``) and no peer waits for it.
+    """
+
+    def __init__(
+        self, loader: DistributedLoader[Any], reads: Pipeline[_Step], tag_base: int, ahead: int
+    ) -> None:
+        self._loader = loader
+        self._reads = reads
+        self._tag_base = tag_base
+        self._ahead = ahead
+        self.taken = 0  # steps the training loop took
+        self._done = 0  # steps exchanged
+        self._limit: int | None = None  # exchange steps below this, then stop (a drain)
+        self._cond = threading.Condition()
+        self._ready: collections.deque[Future[tuple[int, Any]] | None] = collections.deque()
+        self._abandon = False
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="feedline-transform")
+        self._thread = threading.Thread(target=self._main, name="feedline-exchange", daemon=True)
+
+    def start(self) -> None:
+        """Start the read pipeline and the exchanges."""
+        self._reads.start()
+        self._thread.start()
+
+    def next(self) -> Future[tuple[int, Any]] | None:
+        """The next step's result (``None``: the epoch is over)."""
+        with self._cond:
+            while not self._ready:
+                self._cond.wait()
+            ready = self._ready.popleft()
+            self._cond.notify_all()
+            return ready
+
+    def _main(self) -> None:
+        loader = self._loader
+        try:
+            while True:
+                with self._cond:
+                    # Room for the result, unless draining (nobody takes the results then).
+                    while self._limit is None and not self._abandon:
+                        if len(self._ready) < self._ahead:
+                            break
+                        self._cond.wait()
+                    if self._stopping():
+                        return
+                try:
+                    item = self._reads.get_item()
+                except EOFError:
+                    break
+                if item.error is None:
+                    item.received = loader._exchange.swap(
+                        (self._tag_base + item.step) % _TAGS,
+                        f"epoch {item.epoch}, step {item.step}",
+                        item.sends,
+                        item.plan.receives,
+                    )
+                    loader._exchanged(item.beta)
+                with self._cond:
+                    self._done += 1
+                    if self._limit is None:
+                        self._ready.append(self._pool.submit(loader._finish, item))
+                        self._cond.notify_all()
+        except BaseException as error:
+            failed: Future[tuple[int, Any]] = Future()
+            failed.set_exception(error)
+            with self._cond:
+                self._ready.append(failed)
+                self._cond.notify_all()
+            return
+        with self._cond:
+            self._ready.append(None)
+            self._cond.notify_all()
+
+    def _stopping(self) -> bool:
+        # Under the lock: abandoned, or the drain is complete.
+        return self._abandon or (self._limit is not None and self._done >= self._limit)
+
+    def stop(self, drain: bool) -> None:
+        """Stop; with ``drain``, after the steps the other ranks may exchange with this one."""
+        with self._cond:
+            if drain:
+                self._limit = self.taken + self._ahead
+            else:
+                self._abandon = True
+            self._ready.clear()
+            self._cond.notify_all()
+        # Draining waits for the last exchanges (their peers make them too). Otherwise the
+        # thread leaves at once, unless a peer keeps it in an exchange (until the timeout).
+        self._thread.join(None if drain else _ABANDON_SECONDS)
+        self._reads.stop()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class DistributedLoader(Generic[T]):
+    """Each rank's local batches of the regular distributed sequence, mostly from its cache.
+
+    Every global batch is exactly the one ``DistributedSampler`` and a ``DataLoader`` per
+    rank would give (so are the gradients), but after the first epoch each rank trains on the
+    samples of the batch it already holds, and the ranks exchange only the rest.
+
+    Args:
+        samples: A map-style dataset of raw samples: ``len(samples)`` and ``samples[i]``
+            returning bytes (an object's body, a file's contents); see
+            :class:`StoredSamples` for objects in a :class:`~feedline.RemoteStore` or files.
+        batch_size: Samples per rank and step (the local batch).
+        transform: Turns a sample's bytes into what the batch holds (decoding,
+            augmentation), on the rank that trains on it; ``None``: the bytes as they are.
+        collate_fn: Makes the batch from the transformed samples; default: PyTorch's
+            ``default_collate`` (a list without torch).
+        shuffle, seed, drop_last: As ``DistributedSampler``'s (and ``drop_last`` as the
+            rank's ``DataLoader``'s too).
+        rank, world_size: This rank and the number of ranks; default: from
+            ``torch.distributed``, which must then be initialised (a world of one without).
+        cache: Where this rank keeps the samples it holds: memory first, then the disk
+            tier of a :class:`~feedline.source.ObjectCache` given a ``directory`` (kept
+            across restarts). Default: 2 GiB in memory.
+        cached_share: The share of its samples each rank keeps (the paper's alpha), when the
+            cache cannot hold its whole share of the dataset (about ``len(samples) /
+            world_size`` samples): a deterministic subset every rank computes alike; the rest
+            is read from storage when a step needs it.
+        prefetch: Steps prepared ahead of the training loop (at least 2).
+        read_concurrency: Reads (from storage or the cache) in flight at once.
+        timeout: Seconds a rank waits for another's samples before it raises (a rank that
+            died, hangs or stopped iterating).
+        max_failures: Samples whose read may fail before the loader raises (an int, or a
+            fraction of the samples); failed ones are left out of their batch. With 0, the
+            first failure raises the read's own exception.
+        group: The process group the samples travel in; default: a new gloo group of all
+            ranks, made here (every rank must construct its loader at the same point, as
+            for any group), so that exchanges never interleave with the training's own
+            collectives.
+
+    """
+
+    def __init__(
+        self,
+        samples: Any,
+        *,
+        batch_size: int,
+        transform: Callable[[bytes], Any] | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        cache: ObjectCache | None = None,
+        cached_share: float = 1.0,
+        prefetch: int = 2,
+        read_concurrency: int = 16,
+        timeout: float = 300.0,
+        max_failures: int | float | None = 0,
+        group: Any = None,
+    ) -> None:
+        if not hasattr(samples, "__len__") or not hasattr(samples, "__getitem__"):
+            raise ConfigurationError(
+                f"samples must be a map-style dataset of raw samples (len() and [i]), got "
+                f"{type(samples).__name__}; wrap objects in a store with StoredSamples"
+            )
+        if not 0.0 <= cached_share <= 1.0:
+            raise ConfigurationError(f"cached_share must be in [0, 1], got {cached_share!r}")
+        for name, value, least in (
+            ("prefetch", prefetch, 1),
+            ("read_concurrency", read_concurrency, 1),
+            ("batch_size", batch_size, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigurationError(f"{name} must be an int >= {least}, got {value!r}")
+        if timeout <= 0:
+            raise ConfigurationError(f"timeout must be > 0 seconds, got {timeout!r}")
+        self.rank, self.world_size, exchange_group = _world(rank, world_size, group)
+        self.samples = samples
+        self.batch_size = batch_size
+        self._transform = transform
+        self._collate = collate_fn or _default_collate()
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.cache = cache if cache is not None else ObjectCache(memory_bytes=2 << 30)
+        self.cached_share = cached_share
+        self.prefetch = max(2, prefetch)
+        self.read_concurrency = read_concurrency
+        self._budget_limit = max_failures
+        self._exchange = Exchange(exchange_group, self.rank, timeout)
+        self._sequence = GlobalSequence(
+            len(samples), self.world_size, batch_size, seed, shuffle, drop_last
+        )
+        self._holder = _holders(len(samples), self.world_size, seed, cached_share)
+        self._stats = LoaderStats()
+        self._lock = threading.Lock()
+        self._epoch = 0
+        self._step = 0  # steps of self._epoch handed out
+        self._skip = 0  # samples of the epoch's order consumed before an elastic restart
+        self._iterations = 0  # iterations begun: tags messages, the same on every rank
+        self._pool = ThreadPoolExecutor(read_concurrency, thread_name_prefix="feedline-read")
+        self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False)
+
+    # -- the sequence --------------------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch``'s order from the next iteration on (``DistributedSampler.set_epoch``).
+
+        Without it, each iteration after a finished epoch takes the next epoch.
+        """
+        if epoch != self._epoch:
+            self._epoch, self._step, self._skip = epoch, 0, 0
+
+    def _epoch_sequence(self) -> GlobalSequence:
+        if not self._skip:
+            return self._sequence
+        return GlobalSequence(
+            len(self.samples),
+            self.world_size,
+            self.batch_size,
+            self.seed,
+            self.shuffle,
+            self.drop_last,
+            skip=self._skip,
+        )
+
+    def __len__(self) -> int:
+        """Steps in an epoch: the same on every rank."""
+        return self._epoch_sequence().steps
+
+    # -- iterating -----------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[T]:
+        sequence = self._epoch_sequence()
+        if self._step >= sequence.steps:  # the last epoch was finished: the next one
+            self._epoch, self._step, self._skip = self._epoch + 1, 0, 0
+            sequence = self._sequence
+        epoch, first = self._epoch, self._step
+        self._iterations += 1
+        generation = self._iterations
+        grid = sequence.grid(epoch)
+
+        def steps() -> Iterator[_Step]:
+            for k in range(first, sequence.steps):
+                rows = sequence.step(epoch, k, grid)
+                plan = plan_for(rows, self._holder, self.rank)
+                yield _Step(epoch, k, plan, plan.exchanged / rows.size if rows.size else 0.0)
+
+        reads: Pipeline[_Step] = (
+            PipelineBuilder[_Step]()
+            .add_source(steps())
+            .pipe(self._gather, concurrency=self.prefetch, output_order="input", name="read")
+            .add_sink(self.prefetch)
+            .build(max_failures=0)
+        )
+        tag_base = generation * (sequence.steps + 1)
+        return self._run(_Exchanger(self, reads, tag_base, self.prefetch))
+
+    def _run(self, exchanger: _Exchanger) -> Iterator[T]:
+        exchanger.start()
+        leaving_early = True
+        try:
+            while True:
+                done = exchanger.next()
+                if done is None:
+                    leaving_early = False
+                    return
+                number, batch = done.result()
+                self._step = number + 1
+                exchanger.taken += 1
+                yield batch
+        except BaseException:
+            leaving_early = False  # an error: the others will fail too, no drain
+            raise
+        finally:
+            exchanger.stop(drain=leaving_early)
+
+    def _gather(self, item: _Step) -> _Step:
+        # The bytes of what this rank keeps and sends (its cache, else storage) and of what it
+        # reads for itself.
+        plan = item.plan
+        try:
+            wanted = [plan.keep, plan.read, *(s for _, s in plan.sends)]
+            flat = np.concatenate(wanted) if wanted else np.empty(0, np.int64)
+            held = np.ones(len(flat), dtype=bool)
+            held[len(plan.keep) : len(plan.keep) + len(plan.read)] = False
+            got = list(self._pool.map(self._get, flat.tolist(), held.tolist()))
+            cursor = len(plan.keep) + len(plan.read)
+            item.kept = got[: len(plan.keep)]
+            item.read = got[len(plan.keep) : cursor]
+            for dst, indices in plan.sends:
+                item.sends.append((dst, indices, got[cursor : cursor + len(indices)]))
+                cursor += len(indices)
+        except BaseException as error:
+            item.error = error
+        return item
+
+    def _exchanged(self, beta: float) -> None:
+        exchange = self._exchange
+        with self._lock:
+            self._stats.betas.append(beta)
+            self._stats.sent_samples = exchange.sent_samples
+            self._stats.sent_bytes = exchange.sent_bytes
+            self._stats.received_samples = exchange.received_samples
+            self._stats.received_bytes = exchange.received_bytes
+
+    def _get(self, index: int, held: bool) -> bytes | None:
+        key = str(index)
+        if held:
+            data = self.cache.get(key)
+            if data is not None:
+                with self._lock:
+                    self._stats.cache_hits += 1
+                return data
+        try:
+            raw = self.samples[index]
+            data = bytes(raw) if not isinstance(raw, bytes) else raw
+        except Exception as error:
+            self._failed(index, error)
+            return None
+        with self._lock:
+            self._stats.storage_reads += 1
+            self._stats.storage_bytes += len(data)
+        if held:
+            self.cache.put(key, data)
+        return data
+
+    def _failed(self, index: int, error: Exception) -> None:
+        from feedline.pipeline._stages._common import FailureBudget
+
+        with self._lock:
+            self._stats.failures += 1
+            failures, seen = self._stats.failures, self._stats.storage_reads + 1
+        budget = FailureBudget(self._budget_limit)
+        if self._budget_limit == 0 or budget.exceeded(failures, seen):
+            add_note(
+                error,
+                f"feedline.distributed: reading sample {index} on rank {self.rank} "
+                f"({failures} failure(s), budget {budget.description})",
+            )
+            raise error
+        _log.warning("sample %d could not be read and is left out: %s", index, error)
+
+    def _finish(self, item: _Step) -> tuple[int, Any]:
+        # The local batch: kept, read, then received (by source rank), transformed, collated.
+        if item.error is not None:
+            raise item.error
+        raw = list(item.kept) + list(item.read)
+        for src in sorted(item.received):
+            raw += [data for _, data in item.received[src]]
+        present = [data for data in raw if data is not None]
+        transform = self._transform
+        values = present if transform is None else [transform(data) for data in present]
+        return item.step, self._collate(values)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader is: the epoch and the steps of it handed out (JSON-friendly).
+
+        Taken after a ``break`` (or an exception in the loop), it describes the last batch
+        handed out: a resumed run continues with the next one.
+        """
+        sequence = self._epoch_sequence()
+        trained = min(self._step * self.batch_size, sequence.per_rank) * self.world_size
+        consumed = min(len(self.samples), self._skip + trained)  # padding repeats, not new
+        return {
+            "epoch": self._epoch,
+            "step": self._step,
+            "consumed": consumed,
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+            "size": len(self.samples),
+            "seed": self.seed,
+            "skip": self._skip,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (from :meth:`state_dict`, of any rank).
+
+        With the same world size and batch size, exactly where it was; with others, the same
+        epoch's order from the first sample not yet trained on (nothing lost or repeated).
+        """
+        if state.get("size") != len(self.samples) or state.get("seed") != self.seed:
+            raise ConfigurationError(
+                f"this state is of another dataset or seed (size {state.get('size')}, seed "
+                f"{state.get('seed')}; this loader: {len(self.samples)}, {self.seed})"
+            )
+        self._epoch = int(state["epoch"])
+        same = state["world_size"] == self.world_size and state["batch_size"] == self.batch_size
+        if same:
+            self._skip, self._step = int(state.get("skip", 0)), int(state["step"])
+        else:
+            self._skip, self._step = int(state["consumed"]), 0
+
+    # -- the rest ------------------------------------------------------------------------------
+
+    def stats(self) -> LoaderStats:
+        """A copy of what this rank's loader has done so far."""
+        with self._lock:
+            copy = LoaderStats(**{**self._stats.__dict__, "betas": list(self._stats.betas)})
+        return copy
+
+    def close(self) -> None:
+        """Stop the read threads and wait for them. Idempotent."""
+        self._finalizer.detach()
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> DistributedLoader[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _holders(size: int, world: int, seed: int, share: float) -> np.ndarray:
+    # Each sample's holder, or -1 where the holder does not keep it (outside cached_share).
+    placed = holders(size, world, seed)[0]
+    if share < 1.0:
+        draw = mix64(np.arange(size, dtype=np.uint64), seed ^ 0xCAC4E) >> np.uint64(11)
+        kept = draw.astype(np.float64) / float(1 << 53) < share
+        placed = np.where(kept, placed, -1).astype(placed.dtype)
+    return np.asarray(placed)
+
+
+def _world(rank: int | None, world_size: int | None, group: Any) -> tuple[int, int, Any]:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch is a dependency of this package's users
+        dist = None  # type: ignore[assignment]
+    ready = dist is not None and dist.is_available() and dist.is_initialized()
+    if not ready:
+        if (world_size or 1) != 1:
+            raise ConfigurationError(
+                f"world_size={world_size} needs torch.distributed: call "
+                "torch.distributed.init_process_group() first (torchrun sets its variables)"
+            )
+        return rank or 0, 1, None
+    actual_rank, actual_world = dist.get_rank(), dist.get_world_size()
+    if (rank is not None and rank != actual_rank) or (
+        world_size is not None and world_size != actual_world
+    ):
+        raise ConfigurationError(
+            f"rank={rank}, world_size={world_size} differ from torch.distributed's "
+            f"({actual_rank} of {actual_world}); leave them out to use its values"
+        )
+    if group is None and actual_world > 1:
+        group = dist.new_group(backend="gloo")
+    return actual_rank, actual_world, group
+
+
+def _default_collate() -> Callable[[list[Any]], Any]:
+    try:
+        from torch.utils.data import default_collate
+    except ImportError:  # pragma: no cover - without torch: the list as it is
+        return list
+    return default_collate

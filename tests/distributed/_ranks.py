@@ -1,0 +1,285 @@
+"""Real torch.distributed gloo groups on loopback, and an S3 server that counts its GETs.
+
+``run_ranks(world, scenario, **args)`` starts ``world`` processes (spawned, as torchrun's
+are separate interpreters), each joining one gloo group over TCP on 127.0.0.1 and calling
+``scenario(rank, world, **args)``; it returns each rank's result, or raises what a rank
+raised. Scenarios are module-level functions of this module, so the children can import them.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import queue
+import socket
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+BUCKET = "feedline-ranks"
+CREDENTIALS = {"access_key_id": "test", "secret_access_key": "test", "region": "us-east-1"}
+
+
+def body(i: int) -> bytes:
+    """Object ``i``: its index in 8 bytes, then 200 to 2,000 bytes that depend on it."""
+    import numpy as np
+
+    size = 200 + (i * 7919) % 1800
+    tail = np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
+    return i.to_bytes(8, "little") + tail
+
+
+def index_of(data: bytes) -> int:
+    """The sample's index (the transform of these tests), after checking its bytes."""
+    i = int.from_bytes(data[:8], "little")
+    if data != body(i):
+        raise ValueError(f"sample {i} arrived damaged")
+    return i
+
+
+class Samples:
+    """``count`` samples in memory (``body(i)``); sample ``broken`` raises ``KeyError``."""
+
+    def __init__(self, count: int, broken: int | None = None) -> None:
+        self.count = count
+        self.broken = broken
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> bytes:
+        if not 0 <= i < self.count:
+            raise IndexError(i)
+        if i == self.broken:
+            raise KeyError(f"no sample {i}")
+        return body(i)
+
+
+@contextmanager
+def counting_s3(count: int) -> Iterator[tuple[str, dict[str, int]]]:
+    """A moto S3 server on loopback with objects ``data/0`` .. ``data/<count-1>``.
+
+    Yields its endpoint and a dict whose ``"GET"`` counts the object GETs it has served.
+    """
+    from tests.source._s3 import moto_bucket
+
+    with moto_bucket(BUCKET, {f"data/{i}": body(i) for i in range(count)}) as served:
+        yield served
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(
+    rank: int, world: int, port: int, scenario: str, args: dict[str, Any], out: Any, hang: float
+) -> None:
+    import datetime
+    import faulthandler
+
+    faulthandler.dump_traceback_later(hang, exit=False)  # where a hung rank is, in the log
+
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        result = globals()[scenario](rank, world, **args)
+        out.put((rank, "ok", json.dumps(result)))
+    except BaseException as error:  # reported to the test, which raises it
+        out.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            with suppress(Exception):
+                dist.destroy_process_group()
+
+
+def run_ranks(
+    world: int,
+    scenario: Callable[..., Any],
+    timeout: float = 120.0,
+    may_die: bool = False,
+    **args: Any,
+) -> list[Any]:
+    """Run ``scenario`` on ``world`` ranks; returns the results (rank order) or raises.
+
+    A rank that exits without a result raises, unless ``may_die``: its result is then None.
+    """
+    import time
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(r, world, port, scenario.__name__, args, out, max(1.0, timeout - 3)),
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[str, str]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world and time.monotonic() < deadline:
+            try:
+                rank, status, payload = out.get(timeout=0.2)
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and out.empty():
+                    break
+                continue
+            results[rank] = (status, payload)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        out.close()
+        out.join_thread()
+    problems = [f"rank {r}: {text}" for r, (status, text) in results.items() if status != "ok"]
+    missing = [r for r in range(world) if r not in results]
+    if missing and not may_die:
+        codes = {r: procs[r].exitcode for r in missing}
+        problems.append(f"ranks without a result (exit codes {codes}; timeout {timeout} s)")
+    if problems:
+        raise AssertionError("\n".join(problems))
+    return [json.loads(results[r][1]) if r in results else None for r in range(world)]
+
+
+# -- scenarios (run in each rank) ------------------------------------------------------------
+
+
+def _loader(samples: Any, **options: Any) -> Any:
+    from feedline.distributed import DistributedLoader
+
+    return DistributedLoader(samples, transform=index_of, collate_fn=list, **options)
+
+
+def epochs_from_s3(
+    rank: int, world: int, endpoint: str, count: int, epochs: int, **options: Any
+) -> dict[str, Any]:
+    """Every epoch's batches of this rank, and its reads and exchanges per epoch."""
+    from feedline import RemoteStore
+    from feedline.distributed import StoredSamples
+
+    store = RemoteStore(f"s3://{BUCKET}", endpoint=endpoint, **CREDENTIALS)
+    loader = _loader(StoredSamples(store, [f"data/{i}" for i in range(count)]), **options)
+    found: dict[str, Any] = {"batches": [], "reads": [], "sent": [], "betas": []}
+    with loader:
+        for epoch in range(epochs):
+            loader.set_epoch(epoch)
+            before = loader.stats()
+            found["batches"].append([batch for batch in loader])
+            after = loader.stats()
+            found["reads"].append(after.storage_reads - before.storage_reads)
+            found["sent"].append(after.sent_samples - before.sent_samples)
+            found["betas"].append(after.betas[len(before.betas) :])
+        found["steps"] = len(loader)
+    return found
+
+
+def epochs_in_memory(
+    rank: int, world: int, count: int, epochs: int, **options: Any
+) -> dict[str, Any]:
+    """Every epoch's batches of this rank, for samples in memory."""
+    loader = _loader(Samples(count), **options)
+    with loader:
+        batches = []
+        for epoch in range(epochs):
+            loader.set_epoch(epoch)
+            batches.append([batch for batch in loader])
+        return {"batches": batches, "steps": len(loader), "reads": loader.stats().storage_reads}
+
+
+def break_and_save(
+    rank: int, world: int, count: int, epoch: int, stop_after: int, state_dir: str, **options: Any
+) -> dict[str, Any]:
+    """Train ``stop_after`` steps of ``epoch``, break, and save this rank's state."""
+    loader = _loader(Samples(count), **options)
+    with loader:
+        loader.set_epoch(epoch)
+        seen = []
+        for step, batch in enumerate(loader):
+            seen.append(batch)
+            if step + 1 == stop_after:
+                break
+        Path(state_dir, f"rank{rank}.json").write_text(json.dumps(loader.state_dict()))
+    return {"batches": seen}
+
+
+def resume_and_finish(
+    rank: int, world: int, count: int, state_file: str, **options: Any
+) -> dict[str, Any]:
+    """Load a saved state (of any world size) and train the rest of its epoch."""
+    loader = _loader(Samples(count), **options)
+    with loader:
+        loader.load_state_dict(json.loads(Path(state_file).read_text()))
+        return {"batches": [batch for batch in loader]}
+
+
+def die_mid_epoch(rank: int, world: int, count: int, **options: Any) -> dict[str, Any]:
+    """Rank 1 exits in the middle of epoch 1; the others must raise, not hang."""
+    import time
+
+    loader = _loader(Samples(count), **options)
+    with loader:
+        for _ in loader:  # epoch 0 fills the caches
+            pass
+        loader.set_epoch(1)
+        started = time.monotonic()
+        try:
+            for step, _ in enumerate(loader):
+                if rank == 1 and step == 2:
+                    os._exit(0)
+        except Exception as error:
+            return {
+                "error": type(error).__name__,
+                "message": str(error),
+                "seconds": time.monotonic() - started,
+            }
+    return {"error": None}
+
+
+def epochs_with_disk_cache(
+    rank: int, world: int, count: int, epochs: int, cache_dir: str, **options: Any
+) -> dict[str, Any]:
+    """Epochs with a disk cache per rank; what was read, and the threads left after close."""
+
+    from feedline.source import ObjectCache
+
+    cache = ObjectCache(memory_bytes=0, directory=Path(cache_dir, f"rank{rank}"))
+    loader = _loader(Samples(count), cache=cache, **options)
+    with loader:
+        batches = []
+        for epoch in range(epochs):
+            loader.set_epoch(epoch)
+            batches.append([batch for batch in loader])
+        reads = loader.stats().storage_reads
+    left = [t.name for t in threading.enumerate() if t.name.startswith("feedline")]
+    return {"batches": batches, "reads": reads, "threads": left}
+
+
+def failing_reads(rank: int, world: int, count: int, **options: Any) -> dict[str, Any]:
+    """One epoch where sample 7 cannot be read."""
+    loader = _loader(Samples(count, broken=7), **options)
+    batches = []
+    try:
+        with loader:
+            batches = [batch for batch in loader]
+    except Exception as error:
+        notes = "\n".join(getattr(error, "__notes__", []))
+        return {"error": type(error).__name__, "notes": notes, "batches": batches}
+    return {"error": None, "batches": batches}

@@ -1,0 +1,39 @@
+"""What travels between ranks is checked: damaged or misplaced samples raise."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+import numpy as np
+
+from feedline.distributed import ExchangeError
+from feedline.distributed._exchange import _pack, _unpack
+
+
+def _roundtrip(header: object, payload: object, tag: int = 5) -> list[tuple[int, bytes | None]]:
+    return _unpack(header.numpy(), payload.numpy(), tag, src=1, where="epoch 0, step 3")  # type: ignore[attr-defined]
+
+
+def test_samples_and_unreadable_ones_cross_intact() -> None:
+    samples = [b"alpha", None, bytes(range(256)) * 40, b""]
+    header, payload = _pack(5, np.array([10, 11, 12, 13]), samples)
+    assert _roundtrip(header, payload) == list(zip([10, 11, 12, 13], samples, strict=True))
+
+
+@pytest.mark.parametrize("where", [0, 100, -1])
+def test_a_flipped_byte_raises_naming_the_sample_and_the_sender(where: int) -> None:
+    header, payload = _pack(5, np.array([10, 11]), [b"x" * 100, b"y" * 50])
+    damaged = payload.clone()
+    damaged[where] ^= 0xFF
+    with pytest.raises(ExchangeError, match=r"sample 1[01] from rank 1 is damaged"):
+        _roundtrip(header, damaged)
+
+
+def test_a_short_payload_or_another_steps_header_raises() -> None:
+    header, payload = _pack(5, np.array([10]), [b"x" * 100])
+    with pytest.raises(ExchangeError, match="damaged"):
+        _roundtrip(header, payload[:60])
+    with pytest.raises(ExchangeError, match="another step"):
+        _roundtrip(header, payload, tag=6)

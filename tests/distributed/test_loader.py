@@ -1,0 +1,180 @@
+"""DistributedLoader on real gloo groups: the regular global batches, from each rank's cache."""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+
+from . import _ranks  # noqa: E402
+from ._ranks import counting_s3, run_ranks  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(300)]
+
+
+def regular(count: int, world: int, batch: int, epoch: int, **options: Any) -> list[list[int]]:
+    """Each step's samples (all ranks together, sorted), as DistributedSampler + DataLoader."""
+    steps: list[list[int]] = []
+    for rank in range(world):
+        sampler = DistributedSampler(
+            range(count),
+            num_replicas=world,
+            rank=rank,
+            shuffle=options.get("shuffle", True),
+            seed=options.get("seed", 0),
+            drop_last=options.get("drop_last", False),
+        )
+        sampler.set_epoch(epoch)
+        loader = DataLoader(
+            range(count),
+            batch_size=batch,
+            sampler=sampler,
+            drop_last=options.get("drop_last", False),
+        )
+        for k, b in enumerate(loader):
+            if k == len(steps):
+                steps.append([])
+            steps[k] += b.tolist()
+    return [sorted(s) for s in steps]
+
+
+def global_steps(results: list[Any], epoch: int) -> list[list[int]]:
+    """Each step's samples over all ranks, sorted; checks every rank had as many steps."""
+    counts = {len(r["batches"][epoch]) for r in results}
+    assert len(counts) == 1, f"ranks ran different numbers of steps: {counts}"
+    steps = counts.pop()
+    return [sorted(x for r in results for x in r["batches"][epoch][k]) for k in range(steps)]
+
+
+def test_three_epochs_from_s3_are_the_regular_batches_and_read_storage_once() -> None:
+    count, world, batch = 45, 3, 4
+    with counting_s3(count) as (endpoint, served):
+        served["GET"] = 0
+        results = run_ranks(
+            world,
+            _ranks.epochs_from_s3,
+            endpoint=endpoint,
+            count=count,
+            epochs=3,
+            batch_size=batch,
+            seed=7,
+        )
+        gets = served["GET"]
+    for epoch in range(3):
+        assert global_steps(results, epoch) == regular(count, world, batch, epoch, seed=7)
+        for r in results:
+            assert all(
+                len(b) == batch or k == len(r["batches"][epoch]) - 1
+                for k, b in enumerate(r["batches"][epoch])
+            )
+    # Epoch 0 reads every sample once (padding repeats some of the order, not the reads);
+    # the later epochs read nothing: every sample is in its holder's cache.
+    assert [sum(r["reads"][e] for r in results) for e in range(3)] == [count, 0, 0]
+    assert gets == count
+    # Samples do travel between ranks (the plan balances each step) but not all of them.
+    sent = sum(r["sent"][1] for r in results)
+    trained = sum(len(b) for r in results for b in r["batches"][1])
+    assert 0 < sent < trained
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize(("count", "world", "batch"), [(23, 4, 3), (10, 3, 4), (7, 2, 5)])
+def test_sizes_not_divisible_give_equal_steps_and_the_regular_batches(
+    count: int, world: int, batch: int, drop_last: bool
+) -> None:
+    results = run_ranks(
+        world,
+        _ranks.epochs_in_memory,
+        count=count,
+        epochs=2,
+        batch_size=batch,
+        drop_last=drop_last,
+        seed=3,
+    )
+    assert len({r["steps"] for r in results}) == 1
+    for epoch in range(2):
+        assert global_steps(results, epoch) == regular(
+            count, world, batch, epoch, drop_last=drop_last, seed=3
+        )
+
+
+def test_break_then_resume_with_the_same_world_continues_exactly(tmp_path: Path) -> None:
+    count, world, batch = 40, 2, 4
+    options = {"count": count, "batch_size": batch, "seed": 5}
+    whole = run_ranks(world, _ranks.epochs_in_memory, epochs=2, **options)
+    first = run_ranks(
+        world, _ranks.break_and_save, epoch=1, stop_after=2, state_dir=str(tmp_path), **options
+    )
+    resumed = run_ranks(
+        world, _ranks.resume_and_finish, state_file=str(tmp_path / "rank0.json"), **options
+    )
+    for r in range(world):
+        assert first[r]["batches"] + resumed[r]["batches"] == whole[r]["batches"][1]
+    state = json.loads((tmp_path / "rank0.json").read_text())
+    assert (state["epoch"], state["step"]) == (1, 2)
+
+
+@pytest.mark.parametrize(("before", "after"), [(4, 3), (2, 4)])
+def test_an_elastic_restart_loses_and_repeats_nothing(
+    tmp_path: Path, before: int, after: int
+) -> None:
+    count, batch = 48, 2
+    options = {"count": count, "batch_size": batch, "seed": 9}
+    first = run_ranks(
+        before, _ranks.break_and_save, epoch=0, stop_after=3, state_dir=str(tmp_path), **options
+    )
+    resumed = run_ranks(
+        after, _ranks.resume_and_finish, state_file=str(tmp_path / "rank0.json"), **options
+    )
+    trained = [x for r in first for b in r["batches"] for x in b]
+    trained += [x for r in resumed for b in r["batches"] for x in b]
+    assert collections.Counter(trained) == collections.Counter(range(count))
+    steps = {len(r["batches"]) for r in resumed}
+    assert len(steps) == 1
+
+
+def test_a_rank_that_dies_makes_the_others_raise_not_hang() -> None:
+    results = run_ranks(3, _ranks.die_mid_epoch, may_die=True, count=60, batch_size=4, timeout=90.0)
+    assert results[1] is None  # it exited
+    for r in (0, 2):
+        assert results[r]["error"] in {"ExchangeTimeout"}, results[r]
+        assert results[r]["seconds"] < 30
+
+
+def test_caches_on_disk_survive_a_restart_and_spare_storage(tmp_path: Path) -> None:
+    # A job restarted with the same world finds each rank's disk cache: no storage read.
+    options = {"count": 30, "batch_size": 3, "seed": 2, "cache_dir": str(tmp_path)}
+    first = run_ranks(2, _ranks.epochs_with_disk_cache, epochs=1, **options)
+    second = run_ranks(2, _ranks.epochs_with_disk_cache, epochs=1, **options)
+    assert sum(r["reads"] for r in first) == 30
+    assert sum(r["reads"] for r in second) == 0
+    assert global_steps(first, 0) == global_steps(second, 0) == regular(30, 2, 3, 0, seed=2)
+    assert all(r["threads"] == [] for r in first + second)
+
+
+def test_a_cache_for_part_of_the_share_reads_the_rest_each_epoch() -> None:
+    results = run_ranks(
+        2, _ranks.epochs_in_memory, count=200, epochs=3, batch_size=5, cached_share=0.5, seed=4
+    )
+    for epoch in range(3):
+        assert global_steps(results, epoch) == regular(200, 2, 5, epoch, seed=4)
+    reads = sum(r["reads"] for r in results)
+    # Epoch 0 reads everything once; each later epoch the half nobody keeps (a hash decides
+    # which half, so about 100 samples).
+    assert 200 + 2 * 70 < reads < 200 + 2 * 130
+
+
+def test_a_failed_read_raises_its_own_exception_or_is_left_out_within_the_budget() -> None:
+    strict = run_ranks(2, _ranks.failing_reads, count=24, batch_size=3, max_failures=0)
+    assert any(r["error"] == "KeyError" and "sample 7" in r["notes"] for r in strict)
+    lenient = run_ranks(2, _ranks.failing_reads, count=24, batch_size=3, max_failures=1)
+    assert all(r["error"] is None for r in lenient)
+    trained = sorted(x for r in lenient for b in r["batches"] for x in b)
+    assert trained == [i for i in range(24) if i != 7]

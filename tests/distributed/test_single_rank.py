@@ -1,0 +1,81 @@
+"""DistributedLoader in one process (a world of one): its sequence, state and arguments."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.utils.data import DataLoader  # noqa: E402
+
+from feedline import ConfigurationError  # noqa: E402
+from feedline.distributed import DistributedLoader  # noqa: E402
+
+from ._ranks import Samples, index_of  # noqa: E402
+
+
+def _loader(count: int = 20, **options: object) -> DistributedLoader[list[int]]:
+    return DistributedLoader(
+        Samples(count),
+        batch_size=4,
+        transform=index_of,
+        collate_fn=list,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def test_one_rank_gives_the_shuffled_dataloaders_batches_each_epoch() -> None:
+    with _loader(seed=3) as loader:
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            generator = torch.Generator()
+            generator.manual_seed(3 + epoch)
+            order = torch.randperm(20, generator=generator).tolist()
+            reference = [b.tolist() for b in DataLoader(order, batch_size=4)]
+            assert [sorted(b) for b in loader] == [sorted(b) for b in reference]
+            assert len(loader) == 5
+        assert loader.stats().storage_reads == 20  # the second epoch from the cache
+        assert loader.stats().cache_hits == 20
+
+
+def test_state_after_break_resumes_at_the_next_batch_and_is_json() -> None:
+    with _loader() as whole:
+        expected = list(whole)
+    with _loader() as first:
+        taken = []
+        for step, batch in enumerate(first):
+            taken.append(batch)
+            if step == 1:
+                break
+        state = json.loads(json.dumps(first.state_dict()))
+    assert (state["epoch"], state["step"]) == (0, 2)
+    with _loader() as resumed:
+        resumed.load_state_dict(state)
+        assert taken + list(resumed) == expected
+        assert len(list(resumed)) == 5  # then the next epoch, whole
+
+
+def test_an_exception_in_the_loop_keeps_the_position() -> None:
+    with _loader() as loader:
+        with pytest.raises(RuntimeError, match="boom"):
+            for step, _ in enumerate(loader):
+                if step == 2:
+                    raise RuntimeError("boom")
+        assert loader.state_dict()["step"] == 3
+
+
+def test_empty_dataset_and_bad_arguments() -> None:
+    with _loader(count=0) as empty:
+        assert list(empty) == []
+    with pytest.raises(ConfigurationError, match="map-style"):
+        DistributedLoader(iter([b"x"]), batch_size=2)
+    with pytest.raises(ConfigurationError, match="cached_share"):
+        _loader(cached_share=1.5)
+    with pytest.raises(ConfigurationError, match="batch_size"):
+        DistributedLoader(Samples(4), batch_size=0)
+    with pytest.raises(ConfigurationError, match="init_process_group"):
+        _loader(world_size=2)
+    with _loader() as loader, pytest.raises(ConfigurationError, match="another dataset"):
+        loader.load_state_dict({**loader.state_dict(), "size": 99})
