@@ -126,6 +126,32 @@ def test_bench_formats_quick(tmp_path: Path) -> None:
     assert all(m["extra"]["cpu_s_per_1000"] >= 0 for m in data["measurements"])
 
 
+@pytest.mark.timeout(600)
+def test_bench_distributed_quick_reads_the_store_once_with_the_locality_aware_loader(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("simplejpeg")
+    out = tmp_path / "out"
+    (tmp_path / "data").mkdir()
+    code = main(
+        ["bench", "distributed", "--quick", "--data", str(tmp_path / "data"), "--out", str(out)]
+    )
+    assert code == 0
+    data = json.loads((out / "distributed.json").read_text())
+    cases = {m["case"] for m in data["measurements"]}
+    assert cases == {"2 ranks, epoch 0", "2 ranks, epochs 1-2"}
+    gets = {n.split(":")[0]: n for n in data["notes"] if " GETs " in n}
+    # The regular loader reads every sample each epoch; the locality-aware one, once.
+    assert "(3.00 per sample)" in gets["2 ranks, regular"]
+    assert "(1.00 per sample)" in gets["2 ranks, locality-aware"]
+    later = [m for m in data["measurements"] if m["case"] == "2 ranks, epochs 1-2"]
+    ours = next(m for m in later if m["contender"] == "feedline.distributed")
+    assert 0 < ours["extra"]["beta_percent"] < 50
+    assert ours["extra"]["exchanged_mb"] > 0
+    assert ours["extra"]["store_gets"] == 0  # the later epochs read nothing from the store
+
+
 def test_bench_decode_quick(tmp_path: Path) -> None:
     pytest.importorskip("simplejpeg")
     pytest.importorskip("PIL")

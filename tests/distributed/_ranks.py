@@ -283,3 +283,21 @@ def failing_reads(rank: int, world: int, count: int, **options: Any) -> dict[str
         notes = "\n".join(getattr(error, "__notes__", []))
         return {"error": type(error).__name__, "notes": notes, "batches": batches}
     return {"error": None, "batches": batches}
+
+
+def break_then_next_epoch(rank: int, world: int, count: int, **options: Any) -> dict[str, Any]:
+    """Break out of epoch 0 after 2 steps (every rank), then run epoch 1 whole."""
+    import threading
+    import time
+
+    loader = _loader(Samples(count), **options)
+    with loader:
+        for step, _ in enumerate(loader):
+            if step == 1:
+                started = time.monotonic()
+                break
+        left = time.monotonic() - started
+        loader.set_epoch(1)
+        batches = [[], [batch for batch in loader]]
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("feedline")]
+    return {"batches": batches, "break_seconds": left, "threads": threads}

@@ -121,6 +121,15 @@ def test_break_then_resume_with_the_same_world_continues_exactly(tmp_path: Path)
     assert (state["epoch"], state["step"]) == (1, 2)
 
 
+def test_a_break_at_the_same_step_on_every_rank_then_the_next_epoch() -> None:
+    # Leaving the loop, each rank completes the exchanges its peers may have begun (up to
+    # prefetch steps), so nobody waits for a peer, and the next epoch starts clean.
+    results = run_ranks(3, _ranks.break_then_next_epoch, count=90, batch_size=2, prefetch=3)
+    assert global_steps(results, 1) == regular(90, 3, 2, 1)
+    assert all(r["break_seconds"] < 10 for r in results)
+    assert all(r["threads"] == [] for r in results)
+
+
 @pytest.mark.parametrize(("before", "after"), [(4, 3), (2, 4)])
 def test_an_elastic_restart_loses_and_repeats_nothing(
     tmp_path: Path, before: int, after: int

@@ -43,6 +43,7 @@ class BenchOptions:
 
 SCENARIOS: dict[str, str] = {
     "decode": "JPEG decode + resize per library, 1 and 2 threads",
+    "distributed": "epochs on 4 and 8 ranks from a slow shared store, against the regular split",
     "engine": "pipeline overhead and hand-off latency against SPDL and a thread pool",
     "formats": "NPY / NPZ loading against numpy.load and SPDL",
     "images": "JPEG files to batches: DataLoaders and pipelines against the machine's bound",
@@ -58,6 +59,7 @@ _PICTURES = ("cv2", "simplejpeg")  # generating the JPEGs, and feedline's decode
 
 REQUIRES: dict[str, tuple[str, ...]] = {
     "decode": _PICTURES,
+    "distributed": ("torch", *_PICTURES),
     "engine": (),
     "formats": (),
     "images": ("torch", "PIL", *_PICTURES),  # its baseline is PyTorch + Pillow

@@ -96,6 +96,11 @@ _COLUMNS: dict[str, tuple[str, Callable[[float], str]]] = {
     "cpu_s_per_1000": ("CPU s / 1000", fmt),
     "peak_pss_mib": ("peak PSS (MiB)", fmt),
     "peak_rss_mib": ("peak RSS (MiB)", fmt),
+    "epoch_s": ("s per epoch", fmt),
+    "model_s": ("cost model (s)", fmt),
+    "store_gets": ("store GETs", fmt),
+    "exchanged_mb": ("exchanged (MB)", fmt),
+    "beta_percent": ("beta (%)", fmt),
 }
 
 

@@ -1,14 +1,17 @@
 """A slow object store for the benchmarks: an HTTP/1.1 server that waits before each reply.
 
-Runs in its own process (``python -m feedline.bench._server DELAY FILE...``), so that serving
-does not compete for the benchmark's GIL, and on asyncio with keep-alive connections, so that
-its own cost per request stays small next to the delay it adds, as a remote store's would.
-``GET /<i>`` returns file ``i % len(files)``; it prints its port on stdout when ready.
+Runs in its own process (``python -m feedline.bench._server DELAY RATE FILE...``), so that
+serving does not compete for the benchmark's GIL, and on asyncio with keep-alive connections,
+so that its own cost per request stays small next to the delay it adds, as a remote store's
+would. ``GET /<i>`` returns file ``i % len(files)``; ``GET /stats`` how many GETs and bytes it
+served. A ``RATE`` above 0 caps the bytes per second of all replies together (a token bucket:
+the shared file system of a cluster, scaled down). It prints its port on stdout when ready.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,18 +19,46 @@ from pathlib import Path
 __all__ = ["ServerProcess"]
 
 
-async def _serve(delay: float, bodies: list[bytes]) -> None:
+class _Bucket:
+    """Bytes per second for all connections together: a reply waits until its bytes are due."""
+
+    def __init__(self, rate: float) -> None:
+        self._rate = rate
+        self._due = 0.0  # when the bytes granted so far have all been sent
+
+    async def take(self, size: int) -> None:
+        if self._rate <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        self._due = max(self._due, now) + size / self._rate
+        await asyncio.sleep(self._due - now)
+
+
+async def _serve(delay: float, rate: float, bodies: list[bytes]) -> None:
+    bucket = _Bucket(rate)
+    served = {"gets": 0, "bytes": 0}
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
                 request = await reader.readuntil(b"\r\n\r\n")
-                target = request.split(b" ", 2)[1]
+                target = request.split(b" ", 2)[1].strip(b"/")
+                if target == b"stats":
+                    body = json.dumps(served).encode()
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
+                    writer.write(body)
+                    await writer.drain()
+                    continue
                 await asyncio.sleep(delay)
                 try:
-                    body = bodies[int(target.strip(b"/")) % len(bodies)]
+                    body = bodies[int(target) % len(bodies)]
                     head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body)
                 except ValueError:
                     body, head = b"", b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"
+                await bucket.take(len(body))
+                served["gets"] += 1
+                served["bytes"] += len(body)
                 writer.write(head + body)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
@@ -44,9 +75,16 @@ async def _serve(delay: float, bodies: list[bytes]) -> None:
 class ServerProcess:
     """Start the server in a child process; ``url`` is where it listens. Close it when done."""
 
-    def __init__(self, files: list[Path], delay: float) -> None:
+    def __init__(self, files: list[Path], delay: float, rate: float = 0.0) -> None:
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "feedline.bench._server", str(delay), *map(str, files)],
+            [
+                sys.executable,
+                "-m",
+                "feedline.bench._server",
+                str(delay),
+                str(rate),
+                *map(str, files),
+            ],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -57,6 +95,14 @@ class ServerProcess:
             raise RuntimeError("the benchmark's HTTP server did not start")
         self.url = f"http://127.0.0.1:{port}"
         self.pid = self._process.pid
+
+    def served(self) -> dict[str, int]:
+        """GETs and bytes served so far: ``{"gets": ..., "bytes": ...}``."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.url}/stats", timeout=10) as reply:
+            counts: dict[str, int] = json.loads(reply.read())
+        return counts
 
     def cpu_seconds(self) -> float:
         """CPU time the server process has used so far (Linux ``/proc``)."""
@@ -80,5 +126,5 @@ class ServerProcess:
 
 
 if __name__ == "__main__":
-    _bodies = [Path(p).read_bytes() for p in sys.argv[2:]] or [b"x" * 1024]
-    asyncio.run(_serve(float(sys.argv[1]), _bodies))
+    _bodies = [Path(p).read_bytes() for p in sys.argv[3:]] or [b"x" * 1024]
+    asyncio.run(_serve(float(sys.argv[1]), float(sys.argv[2]), _bodies))

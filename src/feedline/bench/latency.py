@@ -72,11 +72,11 @@ def _torch(dataset: Any, workers: int) -> Any:
     return torch.utils.data.DataLoader(dataset, batch_size=BATCH, num_workers=workers)
 
 
-def _feedline(dataset: Any, tuned: bool = False) -> Any:
+def _feedline(dataset: Any, tuned: bool = False, workers: int = 0) -> Any:
     from feedline import DataLoader
 
     if not tuned:
-        return DataLoader(dataset, batch_size=BATCH)
+        return DataLoader(dataset, batch_size=BATCH, num_workers=workers)
     return DataLoader(
         dataset, batch_size=BATCH, fetch_concurrency=FETCH_CONCURRENCY, prefetch_factor=4
     )
@@ -118,6 +118,9 @@ def _contenders(
     setups: list[tuple[str, Any]] = [
         ("PyTorch workers=2", lambda: _torch(dataset, 2)),
         ("PyTorch workers=4", lambda: _torch(dataset, 4)),
+        # Worker processes over PyTorch's dataset: their first batch beside PyTorch's.
+        ("feedline workers=2", lambda: _feedline(dataset, workers=2)),
+        ("feedline workers=4", lambda: _feedline(dataset, workers=4)),
         ("feedline", lambda: _feedline(big)),
         (TUNED, lambda: _feedline(big, tuned=True)),
         ("ThreadPoolExecutor", lambda: _PoolLoader(big)),
@@ -126,7 +129,7 @@ def _contenders(
         cores = os.cpu_count() or 1
         keys = range(len(big))
         setups.insert(
-            4,
+            6,
             (
                 "feedline pipeline",
                 lambda: SlotPipeline(
@@ -137,7 +140,7 @@ def _contenders(
         store = _remote_store(big.url)
         if store is not None:
             setups.insert(
-                5,
+                7,
                 (
                     "feedline pipeline, RemoteStore",
                     lambda: SlotPipeline(
@@ -229,6 +232,8 @@ def run(options: BenchOptions) -> ScenarioResult:
         f"feedline: DataLoader(batch_size={BATCH}) with its defaults (fetch_concurrency "
         f"{min(64, 2 * BATCH)}, prefetch_factor 2); {TUNED}: also prefetch_factor=4; "
         "num_workers=0; the server is another process (asyncio, keep-alive)",
+        "feedline workers=N: DataLoader(batch_size=32, num_workers=N) over PyTorch's items, "
+        "for its first batch beside PyTorch's with as many workers",
         f"feedline pipeline: a read stage {READS_PER_CORE * cores} wide, then a decode stage "
         f"{cores} wide writing into pooled batch buffers (feedline.io.BufferPool); with "
         "RemoteStore, the reads are feedline.RemoteStore.read (obstore) awaited on the event "

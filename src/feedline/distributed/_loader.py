@@ -357,8 +357,10 @@ class DistributedLoader(Generic[T]):
                 self._step = number + 1
                 exchanger.taken += 1
                 yield batch
+        except GeneratorExit:
+            raise  # a break, or the loop's own exception dropping the iterator: drain
         except BaseException:
-            leaving_early = False  # an error: the others will fail too, no drain
+            leaving_early = False  # the loader's error (the others fail too): no drain
             raise
         finally:
             exchanger.stop(drain=leaving_early)
