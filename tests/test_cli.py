@@ -264,6 +264,10 @@ def test_report_pastes_the_summary_between_a_readme_s_markers(
     assert "commit" not in text
     assert ", run 20" not in text
     assert ", run 20" in (out / "summary.md").read_text()  # the run's own summary does
+    # Where the results were written is this machine's: the README's command leaves it out.
+    assert "- **Command**: `feedline bench verify --quick`" in text
+    assert str(out) not in text
+    assert f"--out {out}" in (out / "summary.md").read_text()
     twice = readme.read_text()
     assert main(["report", str(out), "--into", str(readme)]) == 0
     assert readme.read_text() == twice  # pasting again changes nothing

@@ -186,7 +186,8 @@ def epochs_from_s3(
             after = loader.stats()
             found["reads"].append(after.storage_reads - before.storage_reads)
             found["sent"].append(after.sent_samples - before.sent_samples)
-            found["betas"].append(after.betas[len(before.betas) :])
+            steps = after.steps - before.steps
+            found["betas"].append((after.beta_sum - before.beta_sum) / max(1, steps))
         found["steps"] = len(loader)
     return found
 
@@ -301,3 +302,12 @@ def break_then_next_epoch(rank: int, world: int, count: int, **options: Any) -> 
         batches = [[], [batch for batch in loader]]
     threads = [t.name for t in threading.enumerate() if t.name.startswith("feedline")]
     return {"batches": batches, "break_seconds": left, "threads": threads}
+
+
+def mismatched_settings(rank: int, world: int, count: int, **options: Any) -> dict[str, Any]:
+    """Rank 1 builds its loader with another seed."""
+    try:
+        _loader(Samples(count), seed=rank % 2, **options)
+    except Exception as error:
+        return {"error": type(error).__name__, "message": str(error)}
+    return {"error": None}

@@ -79,3 +79,28 @@ def test_empty_dataset_and_bad_arguments() -> None:
         _loader(world_size=2)
     with _loader() as loader, pytest.raises(ConfigurationError, match="another dataset"):
         loader.load_state_dict({**loader.state_dict(), "size": 99})
+
+
+def test_the_state_after_a_whole_epoch_is_the_next_epochs_start() -> None:
+    with _loader(seed=1) as loader:
+        first = list(loader)
+        state = loader.state_dict()
+        assert (state["epoch"], state["step"]) == (1, 0)
+        second = list(loader)  # without set_epoch: the next epoch
+    with _loader(seed=1) as resumed:
+        resumed.load_state_dict(state)
+        resumed.set_epoch(1)  # a loop resuming at the saved epoch, as Lightning does
+        assert list(resumed) == second
+        resumed.set_epoch(1)  # asked for again once finished: that epoch from its start
+        assert list(resumed) == second
+    assert sorted(x for b in first for x in b) == list(range(20))
+
+
+def test_a_sample_that_cannot_be_read_is_left_out_each_epoch_and_counted_once() -> None:
+    with DistributedLoader(
+        Samples(12, broken=5), batch_size=4, transform=index_of, collate_fn=list, max_failures=1
+    ) as loader:
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            assert sorted(x for b in loader for x in b) == [i for i in range(12) if i != 5]
+        assert loader.stats().failures == 1

@@ -9,6 +9,7 @@ Benchmarks section is one such file, pasted whole.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,19 +146,21 @@ def _header(results: Sequence[ScenarioResult], command: str, dated: bool) -> lis
     def started(r: ScenarioResult) -> str:
         return str(r.machine.get("run_started", ""))
 
+    def said(r: ScenarioResult | None) -> str:
+        # The command; for a README (undated), without where its results were written.
+        text = (r.command if r is not None else "") or command or "feedline bench"
+        return text if dated else re.sub(r" --out(=| )\S+", "", text)
+
     runs = {(r.command or command, started(r)) for r in results if r.machine}
     if len(runs) > 1:
         shown = [
-            f"`{r.scenario}`: `{r.command or command or 'feedline bench'}`"
-            + (f" ({started(r)})" if dated and started(r) else "")
+            f"`{r.scenario}`: `{said(r)}`" + (f" ({started(r)})" if dated and started(r) else "")
             for r in results
         ]
         where = "- **Commands** (results of several runs): " + "; ".join(shown)
     else:
         when = str(info.get("run_started") or info.get("time", ""))
-        where = f"- **Command**: `{command or 'feedline bench'}`" + (
-            f", run {when}" if dated and when else ""
-        )
+        where = f"- **Command**: `{said(None)}`" + (f", run {when}" if dated and when else "")
     lines = [
         "# feedline bench",
         "",

@@ -84,8 +84,7 @@ def _rank(rank: int, world: int, port: int, kind: str, url: str, count: int, out
         epochs = []
         for epoch in range(EPOCHS):
             (sampler or loader).set_epoch(epoch)
-            sent_before = 0 if sampler else loader.stats().sent_bytes
-            betas_before = 0 if sampler else len(loader.stats().betas)
+            before = None if sampler else loader.stats()
             dist.barrier()
             start = time.perf_counter()
             for _ in loader:
@@ -93,15 +92,20 @@ def _rank(rank: int, world: int, port: int, kind: str, url: str, count: int, out
             dist.barrier()
             seconds = time.perf_counter() - start
             gets = _served(url)["gets"] if rank == 0 else 0
-            sent = torch.tensor([0 if sampler else loader.stats().sent_bytes - sent_before])
-            dist.all_reduce(sent)
-            betas = [] if sampler else loader.stats().betas[betas_before:]
+            after = None if sampler else loader.stats()
+            sent, beta = 0, 0.0
+            if before is not None and after is not None:
+                sent = after.sent_bytes - before.sent_bytes
+                steps = after.steps - before.steps
+                beta = (after.beta_sum - before.beta_sum) / steps if steps else 0.0
+            total = torch.tensor([sent])
+            dist.all_reduce(total)
             epochs.append(
                 {
                     "seconds": seconds,
                     "gets": gets,
-                    "exchanged_bytes": int(sent.item()),
-                    "beta": statistics.fmean(betas) if betas else 0.0,
+                    "exchanged_bytes": int(total.item()),
+                    "beta": beta,
                 }
             )
         if sampler is None:

@@ -33,7 +33,7 @@ Received = dict[int, list[tuple[int, bytes | None]]]
 
 
 class ExchangeError(FeedlineError, ValueError):
-    """A sample received from another rank does not match its header (length, CRC, index)."""
+    """What another rank sent does not match its header (a sample's length or CRC, the step)."""
 
 
 class ExchangeTimeout(FeedlineError, RuntimeError):
@@ -99,7 +99,8 @@ class Exchange:
             headers[src] = torch.empty(2 + 3 * count, dtype=torch.int64)
             work = dist.irecv(headers[src], src, group=self._group, tag=2 * tag)
             pending.append((work, f"the header of {count} sample(s) from rank {src}"))
-        self._wait(pending[len(pending) - len(receives) :], where)
+        deadline = time.monotonic() + self.timeout  # for the whole step
+        self._wait(pending[len(pending) - len(receives) :], where, deadline)
         payloads = {}
         receiving = []
         for src, count in receives:
@@ -108,7 +109,7 @@ class Exchange:
             if payloads[src].numel():
                 work = dist.irecv(payloads[src], src, group=self._group, tag=2 * tag + 1)
                 receiving.append((work, f"{count} sample(s) from rank {src}"))
-        self._wait(receiving + pending[: len(pending) - len(receives)], where)
+        self._wait(receiving + pending[: len(pending) - len(receives)], where, deadline)
         received: Received = {}
         for src, count in receives:
             received[src] = _unpack(headers[src].numpy(), payloads[src].numpy(), tag, src, where)
@@ -116,12 +117,11 @@ class Exchange:
             self.received_bytes += int(payloads[src].numel())
         return received
 
-    def _wait(self, pending: list[tuple[Any, str]], where: str) -> None:
+    def _wait(self, pending: list[tuple[Any, str]], where: str, deadline: float) -> None:
         # gloo's waits cannot be resumed once they time out (the pair is closed), so each
-        # wait is given what is left of the whole timeout.
+        # wait is given what is left of the step's timeout.
         import datetime
 
-        deadline = time.monotonic() + self.timeout
         for work, what in pending:
             left = max(0.001, deadline - time.monotonic())
             try:
@@ -168,8 +168,9 @@ def _unpack(
 ) -> list[tuple[int, bytes | None]]:
     count = int(header[1]) if header.size >= 2 else -1
     if header.size < 2 or header[0] != tag or header.size != 2 + 3 * count:
+        got = int(header[0]) if header.size else None
         raise ExchangeError(
-            f"rank {src} sent a header for another step (tag {int(header[0])}, expected {tag}; "
+            f"rank {src} sent a header for another step (tag {got}, expected {tag}; "
             f"{where}): the ranks iterate differently"
         )
     indices = header[2 : 2 + count]

@@ -45,6 +45,9 @@ _ABANDON_SECONDS = 1.0
 _TAGS = 1 << 28
 """Exchange tags wrap here (gloo tags are ints; two per step)."""
 
+_TIMEOUT = 1800.0
+"""The default wait for a peer: torch.distributed's own default for its groups."""
+
 
 @dataclass
 class LoaderStats:
@@ -57,7 +60,8 @@ class LoaderStats:
         sent_samples: Samples sent to other ranks; ``sent_bytes``, their bytes.
         received_samples: Samples received; ``received_bytes``, their bytes.
         failures: Samples that could not be read and were left out (within the budget).
-        betas: Each step's exchanged share of the global batch (the paper's beta).
+        steps: Steps exchanged; ``beta_sum``, the sum of their exchanged shares of the
+            global batch (the paper's beta): ``beta_sum / steps`` is the mean beta.
 
     """
 
@@ -69,7 +73,13 @@ class LoaderStats:
     received_samples: int = 0
     received_bytes: int = 0
     failures: int = 0
-    betas: list[float] = field(default_factory=list)
+    steps: int = 0
+    beta_sum: float = 0.0
+
+    @property
+    def beta(self) -> float:
+        """The mean exchanged share of the global batch over the steps so far."""
+        return self.beta_sum / self.steps if self.steps else 0.0
 
 
 @dataclass
@@ -97,12 +107,9 @@ class _Exchanger:
     rank completes exactly those (:meth:`stop` with ``drain``) and no peer waits for it.
     """
 
-    def __init__(
-        self, loader: DistributedLoader[Any], reads: Pipeline[_Step], tag_base: int, ahead: int
-    ) -> None:
+    def __init__(self, loader: DistributedLoader[Any], reads: Pipeline[_Step], ahead: int) -> None:
         self._loader = loader
         self._reads = reads
-        self._tag_base = tag_base
         self._ahead = ahead
         self.taken = 0  # steps the training loop took
         self._done = 0  # steps exchanged
@@ -143,14 +150,14 @@ class _Exchanger:
                     item = self._reads.get_item()
                 except EOFError:
                     break
-                if item.error is None:
-                    item.received = loader._exchange.swap(
-                        (self._tag_base + item.step) % _TAGS,
-                        f"epoch {item.epoch}, step {item.step}",
-                        item.sends,
-                        item.plan.receives,
-                    )
-                    loader._exchanged(item.beta)
+                # Even after a failed read (sent as missing): the peers wait for this step.
+                item.received = loader._exchange.swap(
+                    _tag(item.epoch, item.step),
+                    f"epoch {item.epoch}, step {item.step}",
+                    item.sends,
+                    item.plan.receives,
+                )
+                loader._exchanged(item.beta)
                 with self._cond:
                     self._done += 1
                     if self._limit is None:
@@ -214,10 +221,13 @@ class DistributedLoader(Generic[T]):
             cache cannot hold its whole share of the dataset (about ``len(samples) /
             world_size`` samples): a deterministic subset every rank computes alike; the rest
             is read from storage when a step needs it.
-        prefetch: Steps prepared ahead of the training loop (at least 2).
+        prefetch: Steps prepared ahead of the training loop (values under 2 count as 2).
         read_concurrency: Reads (from storage or the cache) in flight at once.
-        timeout: Seconds a rank waits for another's samples before it raises (a rank that
-            died, hangs or stopped iterating).
+        timeout: Seconds a rank waits for another's samples of a step before it raises (a
+            rank that hangs or stopped iterating; one that died is reported at once). A rank
+            that pauses its loop (a checkpoint, an evaluation on one rank) holds up the
+            others' exchanges of the steps after the ones they took: the default, 30
+            minutes, is torch.distributed's own.
         max_failures: Samples whose read may fail before the loader raises (an int, or a
             fraction of the samples); failed ones are left out of their batch. With 0, the
             first failure raises the read's own exception.
@@ -244,7 +254,7 @@ class DistributedLoader(Generic[T]):
         cached_share: float = 1.0,
         prefetch: int = 2,
         read_concurrency: int = 16,
-        timeout: float = 300.0,
+        timeout: float = _TIMEOUT,
         max_failures: int | float | None = 0,
         group: Any = None,
     ) -> None:
@@ -265,6 +275,7 @@ class DistributedLoader(Generic[T]):
         if timeout <= 0:
             raise ConfigurationError(f"timeout must be > 0 seconds, got {timeout!r}")
         self.rank, self.world_size, exchange_group = _world(rank, world_size, group)
+        self._own_group = exchange_group if group is None else None
         self.samples = samples
         self.batch_size = batch_size
         self._transform = transform
@@ -280,23 +291,52 @@ class DistributedLoader(Generic[T]):
             len(samples), self.world_size, batch_size, seed, shuffle, drop_last
         )
         self._holder = _holders(len(samples), self.world_size, seed, cached_share)
+        if self.world_size > 1:
+            self._agree(exchange_group)
         self._stats = LoaderStats()
+        self._unreadable: set[int] = set()  # samples whose read failed within the budget
         self._lock = threading.Lock()
         self._epoch = 0
         self._step = 0  # steps of self._epoch handed out
         self._skip = 0  # samples of the epoch's order consumed before an elastic restart
-        self._iterations = 0  # iterations begun: tags messages, the same on every rank
         self._pool = ThreadPoolExecutor(read_concurrency, thread_name_prefix="feedline-read")
         self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False)
+
+    def _agree(self, group: Any) -> None:
+        # Ranks that plan with different settings would exchange the wrong samples, or wait
+        # for each other: compare them once, here.
+        import torch.distributed as dist
+
+        mine = {
+            "len(samples)": len(self.samples),
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "cached_share": self.cached_share,
+            "prefetch": self.prefetch,
+        }
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=group)
+        for other, theirs in enumerate(everyone):
+            differ = {k: (v, theirs.get(k)) for k, v in mine.items() if theirs.get(k) != v}
+            if differ:
+                shown = ", ".join(f"{k} {a!r} here, {b!r} there" for k, (a, b) in differ.items())
+                raise ConfigurationError(
+                    f"rank {self.rank}'s DistributedLoader differs from rank {other}'s: {shown}. "
+                    "Every rank must build it over the same dataset with the same settings"
+                )
 
     # -- the sequence --------------------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch``'s order from the next iteration on (``DistributedSampler.set_epoch``).
 
+        Another epoch, or the current one once it is finished, starts from its first step;
+        the current one part-way (after :meth:`load_state_dict`) goes on where it was.
         Without it, each iteration after a finished epoch takes the next epoch.
         """
-        if epoch != self._epoch:
+        if epoch != self._epoch or self._step >= self._epoch_sequence().steps:
             self._epoch, self._step, self._skip = epoch, 0, 0
 
     def _epoch_sequence(self) -> GlobalSequence:
@@ -324,8 +364,6 @@ class DistributedLoader(Generic[T]):
             self._epoch, self._step, self._skip = self._epoch + 1, 0, 0
             sequence = self._sequence
         epoch, first = self._epoch, self._step
-        self._iterations += 1
-        generation = self._iterations
         grid = sequence.grid(epoch)
 
         def steps() -> Iterator[_Step]:
@@ -341,8 +379,7 @@ class DistributedLoader(Generic[T]):
             .add_sink(self.prefetch)
             .build(max_failures=0)
         )
-        tag_base = generation * (sequence.steps + 1)
-        return self._run(_Exchanger(self, reads, tag_base, self.prefetch))
+        return self._run(_Exchanger(self, reads, self.prefetch))
 
     def _run(self, exchanger: _Exchanger) -> Iterator[T]:
         exchanger.start()
@@ -367,34 +404,56 @@ class DistributedLoader(Generic[T]):
 
     def _gather(self, item: _Step) -> _Step:
         # The bytes of what this rank keeps and sends (its cache, else storage) and of what it
-        # reads for itself.
+        # reads for itself. A sample that cannot be read is None (its sends still go, so
+        # that no peer waits); the error, if over the budget, is raised after the exchange.
         plan = item.plan
+        wanted = [plan.keep, plan.read, *(s for _, s in plan.sends)]
+        flat = np.concatenate(wanted).tolist() if wanted else []
+        held = [True] * len(flat)
+        held[len(plan.keep) : len(plan.keep) + len(plan.read)] = [False] * len(plan.read)
+        unique = dict(zip(flat, held, strict=True))  # a padded step may repeat a sample
         try:
-            wanted = [plan.keep, plan.read, *(s for _, s in plan.sends)]
-            flat = np.concatenate(wanted) if wanted else np.empty(0, np.int64)
-            held = np.ones(len(flat), dtype=bool)
-            held[len(plan.keep) : len(plan.keep) + len(plan.read)] = False
-            got = list(self._pool.map(self._get, flat.tolist(), held.tolist()))
-            cursor = len(plan.keep) + len(plan.read)
-            item.kept = got[: len(plan.keep)]
-            item.read = got[len(plan.keep) : cursor]
-            for dst, indices in plan.sends:
-                item.sends.append((dst, indices, got[cursor : cursor + len(indices)]))
-                cursor += len(indices)
-        except BaseException as error:
+            found = dict(
+                zip(
+                    unique, self._pool.map(self._get_or_error, unique, unique.values()), strict=True
+                )
+            )
+        except BaseException as error:  # the pool was shut down (the loader closed)
             item.error = error
+            found = {index: (None, None) for index in unique}
+        got = []
+        for index in flat:
+            data, failure = found[index]
+            got.append(data)
+            if failure is not None and item.error is None:
+                item.error = failure
+        cursor = len(plan.keep) + len(plan.read)
+        item.kept = got[: len(plan.keep)]
+        item.read = got[len(plan.keep) : cursor]
+        for dst, indices in plan.sends:
+            item.sends.append((dst, indices, got[cursor : cursor + len(indices)]))
+            cursor += len(indices)
         return item
+
+    def _get_or_error(self, index: int, held: bool) -> tuple[bytes | None, BaseException | None]:
+        try:
+            return self._get(index, held), None
+        except BaseException as error:
+            return None, error
 
     def _exchanged(self, beta: float) -> None:
         exchange = self._exchange
         with self._lock:
-            self._stats.betas.append(beta)
+            self._stats.steps += 1
+            self._stats.beta_sum += beta
             self._stats.sent_samples = exchange.sent_samples
             self._stats.sent_bytes = exchange.sent_bytes
             self._stats.received_samples = exchange.received_samples
             self._stats.received_bytes = exchange.received_bytes
 
     def _get(self, index: int, held: bool) -> bytes | None:
+        if index in self._unreadable:
+            return None  # failed before and counted then: left out again, not read again
         key = str(index)
         if held:
             data = self.cache.get(key)
@@ -420,7 +479,8 @@ class DistributedLoader(Generic[T]):
 
         with self._lock:
             self._stats.failures += 1
-            failures, seen = self._stats.failures, self._stats.storage_reads + 1
+            stats = self._stats
+            failures, seen = stats.failures, stats.storage_reads + stats.cache_hits + 1
         budget = FailureBudget(self._budget_limit)
         if self._budget_limit == 0 or budget.exceeded(failures, seen):
             add_note(
@@ -429,6 +489,7 @@ class DistributedLoader(Generic[T]):
                 f"({failures} failure(s), budget {budget.description})",
             )
             raise error
+        self._unreadable.add(index)
         _log.warning("sample %d could not be read and is left out: %s", index, error)
 
     def _finish(self, item: _Step) -> tuple[int, Any]:
@@ -452,17 +513,21 @@ class DistributedLoader(Generic[T]):
         handed out: a resumed run continues with the next one.
         """
         sequence = self._epoch_sequence()
-        trained = min(self._step * self.batch_size, sequence.per_rank) * self.world_size
-        consumed = min(len(self.samples), self._skip + trained)  # padding repeats, not new
+        epoch, step, skip = self._epoch, self._step, self._skip
+        if step >= sequence.steps:  # finished: the next epoch, from its start
+            epoch, step, skip = epoch + 1, 0, 0
+            sequence = self._sequence
+        trained = min(step * self.batch_size, sequence.per_rank) * self.world_size
+        consumed = min(len(self.samples), skip + trained)  # padding repeats, not new
         return {
-            "epoch": self._epoch,
-            "step": self._step,
+            "epoch": epoch,
+            "step": step,
             "consumed": consumed,
             "world_size": self.world_size,
             "batch_size": self.batch_size,
             "size": len(self.samples),
             "seed": self.seed,
-            "skip": self._skip,
+            "skip": skip,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -488,19 +553,31 @@ class DistributedLoader(Generic[T]):
     def stats(self) -> LoaderStats:
         """A copy of what this rank's loader has done so far."""
         with self._lock:
-            copy = LoaderStats(**{**self._stats.__dict__, "betas": list(self._stats.betas)})
+            copy = LoaderStats(**self._stats.__dict__)
         return copy
 
     def close(self) -> None:
-        """Stop the read threads and wait for them. Idempotent."""
+        """Stop the read threads and wait for them, and end the group it made. Idempotent."""
         self._finalizer.detach()
         self._pool.shutdown(wait=True)
+        group, self._own_group = self._own_group, None
+        if group is not None:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group(group)
 
     def __enter__(self) -> DistributedLoader[T]:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _tag(epoch: int, step: int) -> int:
+    # The same on every rank for the same step; a break drains the exchanges under way, so
+    # a step's tag may be used again when it is iterated again.
+    return (epoch * 1_000_003 + step) % _TAGS
 
 
 def _holders(size: int, world: int, seed: int, share: float) -> np.ndarray:
@@ -520,6 +597,11 @@ def _world(rank: int | None, world_size: int | None, group: Any) -> tuple[int, i
         dist = None  # type: ignore[assignment]
     ready = dist is not None and dist.is_available() and dist.is_initialized()
     if not ready:
+        if rank not in (None, 0):
+            raise ConfigurationError(
+                f"rank={rank} needs torch.distributed: call "
+                "torch.distributed.init_process_group() first (torchrun sets its variables)"
+            )
         if (world_size or 1) != 1:
             raise ConfigurationError(
                 f"world_size={world_size} needs torch.distributed: call "
