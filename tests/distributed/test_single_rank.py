@@ -75,6 +75,10 @@ def test_empty_dataset_and_bad_arguments() -> None:
         _loader(cached_share=1.5)
     with pytest.raises(ConfigurationError, match="batch_size"):
         DistributedLoader(Samples(4), batch_size=0)
+    with pytest.raises(ConfigurationError, match="transform_concurrency"):
+        _loader(transform_concurrency=0)
+    with pytest.raises(ConfigurationError, match="init_process_group"):
+        _loader(rank=1)
     with pytest.raises(ConfigurationError, match="init_process_group"):
         _loader(world_size=2)
     with _loader() as loader, pytest.raises(ConfigurationError, match="another dataset"):

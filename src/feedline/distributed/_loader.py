@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -117,7 +118,9 @@ class _Exchanger:
         self._cond = threading.Condition()
         self._ready: collections.deque[Future[tuple[int, Any]] | None] = collections.deque()
         self._abandon = False
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="feedline-transform")
+        self._pool = ThreadPoolExecutor(
+            loader.transform_concurrency, thread_name_prefix="feedline-transform"
+        )
         self._thread = threading.Thread(target=self._main, name="feedline-exchange", daemon=True)
 
     def start(self) -> None:
@@ -164,6 +167,8 @@ class _Exchanger:
                         self._ready.append(self._pool.submit(loader._finish, item))
                         self._cond.notify_all()
         except BaseException as error:
+            if self._limit is not None:  # draining: nobody will take the error
+                _log.warning("exchanges after the loop was left failed: %s", error)
             failed: Future[tuple[int, Any]] = Future()
             failed.set_exception(error)
             with self._cond:
@@ -223,6 +228,9 @@ class DistributedLoader(Generic[T]):
             is read from storage when a step needs it.
         prefetch: Steps prepared ahead of the training loop (values under 2 count as 2).
         read_concurrency: Reads (from storage or the cache) in flight at once.
+        transform_concurrency: Threads that transform and collate steps, each step on one
+            thread, at most ``prefetch`` steps at once (default: the cores, up to that). A
+            transform that releases the GIL (feedline's decoders) uses that many cores.
         timeout: Seconds a rank waits for another's samples of a step before it raises (a
             rank that hangs or stopped iterating; one that died is reported at once). A rank
             that pauses its loop (a checkpoint, an evaluation on one rank) holds up the
@@ -254,6 +262,7 @@ class DistributedLoader(Generic[T]):
         cached_share: float = 1.0,
         prefetch: int = 2,
         read_concurrency: int = 16,
+        transform_concurrency: int | None = None,
         timeout: float = _TIMEOUT,
         max_failures: int | float | None = 0,
         group: Any = None,
@@ -268,6 +277,11 @@ class DistributedLoader(Generic[T]):
         for name, value, least in (
             ("prefetch", prefetch, 1),
             ("read_concurrency", read_concurrency, 1),
+            (
+                "transform_concurrency",
+                1 if transform_concurrency is None else transform_concurrency,
+                1,
+            ),
             ("batch_size", batch_size, 1),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -285,6 +299,9 @@ class DistributedLoader(Generic[T]):
         self.cached_share = cached_share
         self.prefetch = max(2, prefetch)
         self.read_concurrency = read_concurrency
+        self.transform_concurrency = transform_concurrency or min(
+            self.prefetch, os.cpu_count() or 1
+        )
         self._budget_limit = max_failures
         self._exchange = Exchange(exchange_group, self.rank, timeout)
         self._sequence = GlobalSequence(
@@ -295,6 +312,7 @@ class DistributedLoader(Generic[T]):
             self._agree(exchange_group)
         self._stats = LoaderStats()
         self._unreadable: set[int] = set()  # samples whose read failed within the budget
+        self._flights: dict[int, Future[Any]] = {}  # samples being read, by index
         self._lock = threading.Lock()
         self._epoch = 0
         self._step = 0  # steps of self._epoch handed out
@@ -436,10 +454,23 @@ class DistributedLoader(Generic[T]):
         return item
 
     def _get_or_error(self, index: int, held: bool) -> tuple[bytes | None, BaseException | None]:
+        # Steps are gathered several at once, and padding repeats samples across them: a
+        # sample being read is waited for, not read again.
+        with self._lock:
+            flight = self._flights.get(index)
+            mine = flight is None
+            if flight is None:
+                flight = self._flights[index] = Future()
+        if not mine:
+            return flight.result()  # type: ignore[no-any-return]
         try:
-            return self._get(index, held), None
+            result: tuple[bytes | None, BaseException | None] = (self._get(index, held), None)
         except BaseException as error:
-            return None, error
+            result = (None, error)
+        with self._lock:
+            del self._flights[index]
+        flight.set_result(result)
+        return result
 
     def _exchanged(self, beta: float) -> None:
         exchange = self._exchange
