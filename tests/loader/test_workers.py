@@ -33,6 +33,14 @@ from ._procs import alone, no_children_left  # noqa: E402
 pytestmark = pytest.mark.timeout(180)
 
 
+def _zombie() -> bool:
+    """Whether a child of this process has exited and not been waited for (and reap it)."""
+    try:
+        return os.waitpid(-1, os.WNOHANG)[0] != 0
+    except ChildProcessError:  # no child at all
+        return False
+
+
 def _segments() -> set[str]:
     return {f for f in os.listdir("/dev/shm") if f.startswith("psm_")}
 
@@ -187,6 +195,7 @@ def test_first_hands_too_large_to_write_at_once_still_fork_every_worker() -> Non
     # larger than an empty pipe takes without blocking goes through the queue's feeder
     # thread: it is put only once every worker has forked, so no fork sees a thread.
     alone()
+    segments = _segments()
     dataset = list(range(3 * 3 * 8192))
     loader = DataLoader(dataset, batch_size=8192, num_workers=3)
     reference = TorchLoader(dataset, batch_size=8192, num_workers=0)
@@ -202,6 +211,10 @@ def test_first_hands_too_large_to_write_at_once_still_fork_every_worker() -> Non
         assert torch.equal(a, b)
     loader.close()
     no_children_left()
+    assert not _zombie()
+    assert _segments() <= segments  # nothing left in /dev/shm
+    alone()  # no thread left (queue feeders end within the grace)
+    assert threading.active_count() == 1
 
 
 def test_batches_are_collated_in_the_workers_as_in_pytorch() -> None:

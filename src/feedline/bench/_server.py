@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["ServerProcess"]
+__all__ = ["ServerProcess", "served"]
 
 
 class _Bucket:
@@ -72,6 +72,15 @@ async def _serve(delay: float, rate: float, bodies: list[bytes]) -> None:
         await server.serve_forever()
 
 
+def served(url: str) -> dict[str, int]:
+    """GETs and bytes the server at ``url`` has served so far (from any process)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/stats", timeout=30) as reply:
+        counts: dict[str, int] = json.loads(reply.read())
+    return counts
+
+
 class ServerProcess:
     """Start the server in a child process; ``url`` is where it listens. Close it when done."""
 
@@ -98,11 +107,7 @@ class ServerProcess:
 
     def served(self) -> dict[str, int]:
         """GETs and bytes served so far: ``{"gets": ..., "bytes": ...}``."""
-        import urllib.request
-
-        with urllib.request.urlopen(f"{self.url}/stats", timeout=10) as reply:
-            counts: dict[str, int] = json.loads(reply.read())
-        return counts
+        return served(self.url)
 
     def cpu_seconds(self) -> float:
         """CPU time the server process has used so far (Linux ``/proc``)."""

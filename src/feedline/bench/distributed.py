@@ -23,7 +23,7 @@ from ._common import Measurement, ScenarioResult, make_result
 from ._data import jpeg_files, jpeg_source
 from ._loaders import HttpDataset
 from ._registry import BenchOptions
-from ._server import ServerProcess
+from ._server import ServerProcess, served
 
 __all__ = ["run"]
 
@@ -91,7 +91,7 @@ def _rank(rank: int, world: int, port: int, kind: str, url: str, count: int, out
                 pass
             dist.barrier()
             seconds = time.perf_counter() - start
-            gets = _served(url)["gets"] if rank == 0 else 0
+            gets = served(url)["gets"] if rank == 0 else 0
             after = None if sampler else loader.stats()
             sent, beta = 0, 0.0
             if before is not None and after is not None:
@@ -114,14 +114,6 @@ def _rank(rank: int, world: int, port: int, kind: str, url: str, count: int, out
             out.put(json.dumps(epochs))
     finally:
         dist.destroy_process_group()
-
-
-def _served(url: str) -> dict[str, int]:
-    import urllib.request
-
-    with urllib.request.urlopen(f"{url}/stats", timeout=30) as reply:
-        counts: dict[str, int] = json.loads(reply.read())
-    return counts
 
 
 def _run_world(kind: str, world: int, server: ServerProcess, count: int) -> list[dict[str, Any]]:

@@ -82,25 +82,26 @@ class Exchange:
         import torch
         import torch.distributed as dist
 
-        pending: list[tuple[Any, str]] = []
+        sending: list[tuple[Any, str]] = []
         outgoing = []  # kept alive until the sends complete
         for dst, indices, samples in sends:
             header, payload = _pack(tag, indices, samples)
             outgoing += [header, payload]
             what = f"the send of {len(indices)} sample(s) to rank {dst}"
-            pending.append((dist.isend(header, dst, group=self._group, tag=2 * tag), what))
+            sending.append((dist.isend(header, dst, group=self._group, tag=2 * tag), what))
             if payload.numel():
                 work = dist.isend(payload, dst, group=self._group, tag=2 * tag + 1)
-                pending.append((work, what))
+                sending.append((work, what))
             self.sent_samples += len(indices)
             self.sent_bytes += int(payload.numel())
         headers = {}
+        heading: list[tuple[Any, str]] = []
         for src, count in receives:
             headers[src] = torch.empty(2 + 3 * count, dtype=torch.int64)
             work = dist.irecv(headers[src], src, group=self._group, tag=2 * tag)
-            pending.append((work, f"the header of {count} sample(s) from rank {src}"))
+            heading.append((work, f"the header of {count} sample(s) from rank {src}"))
         deadline = time.monotonic() + self.timeout  # for the whole step
-        self._wait(pending[len(pending) - len(receives) :], where, deadline)
+        self._wait(heading, where, deadline)  # the payloads' sizes are in the headers
         payloads = {}
         receiving = []
         for src, count in receives:
@@ -109,7 +110,7 @@ class Exchange:
             if payloads[src].numel():
                 work = dist.irecv(payloads[src], src, group=self._group, tag=2 * tag + 1)
                 receiving.append((work, f"{count} sample(s) from rank {src}"))
-        self._wait(receiving + pending[: len(pending) - len(receives)], where, deadline)
+        self._wait(receiving + sending, where, deadline)
         received: Received = {}
         for src, count in receives:
             received[src] = _unpack(headers[src].numpy(), payloads[src].numpy(), tag, src, where)

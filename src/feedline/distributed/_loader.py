@@ -3,9 +3,10 @@
 Per step, every rank computes its part of the plan (:func:`plan_for`), gets the raw bytes of
 what it keeps and sends (from its cache, else from storage, caching what it holds) and of
 what it reads for itself, swaps samples with the other ranks (:class:`Exchange`, on a group
-of its own), then decodes and collates its local batch. These run as stages of a feedline
-pipeline, several steps ahead of the training loop: reads of later steps overlap the
-exchange of the current one, which runs one step at a time, in order, on every rank.
+of its own), then transforms and collates its local batch. The reads are a feedline
+pipeline several steps ahead of the training loop; the exchanges run on a thread of their
+own (:class:`_Exchanger`), one step at a time, in order, on every rank, overlapping the
+reads of later steps; a small pool transforms.
 
 The first epoch is planned like the others: a sample's holder reads it from storage then
 (and keeps it), so every sample is read once, by the rank that will hold it.
