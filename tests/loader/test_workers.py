@@ -241,8 +241,15 @@ def test_batches_are_collated_in_the_workers_as_in_pytorch() -> None:
 def test_a_collate_fn_exception_in_a_worker_is_raised_as_it_is() -> None:
     for cls in (TorchLoader, DataLoader):
         loader = cls(list(range(8)), batch_size=4, num_workers=2, collate_fn=failing_collate)
+        it = iter(loader)
         with pytest.raises(KeyError, match="label") as info:
-            list(loader)
+            list(it)
+        # PyTorch's iterator ends its workers when it is collected, which a reference held
+        # by the raised exception's traceback can put off: end them here.
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        del it
     notes = "\n".join(info.value.__notes__)
     assert "collate_fn on batch 0 in DataLoader worker 0" in notes
     no_children_left()
