@@ -189,6 +189,7 @@ def epochs_from_s3(
             steps = after.steps - before.steps
             found["betas"].append((after.beta_sum - before.beta_sum) / max(1, steps))
         found["steps"] = len(loader)
+        found["copies"] = loader.stats().copies_kept
     return found
 
 

@@ -53,8 +53,10 @@ def global_steps(results: list[Any], epoch: int) -> list[list[int]]:
     return [sorted(x for r in results for x in r["batches"][epoch][k]) for k in range(steps)]
 
 
-def test_three_epochs_from_s3_are_the_regular_batches_and_read_storage_once() -> None:
-    count, world, batch = 45, 3, 4
+def three_epochs_from_s3(
+    count: int, world: int, batch: int, **options: Any
+) -> tuple[list[Any], int]:
+    """Each rank's results of 3 epochs (seed 7) from the counting S3 server, and its GETs."""
     with counting_s3(count) as (endpoint, served):
         served["GET"] = 0
         results = run_ranks(
@@ -65,8 +67,14 @@ def test_three_epochs_from_s3_are_the_regular_batches_and_read_storage_once() ->
             epochs=3,
             batch_size=batch,
             seed=7,
+            **options,
         )
-        gets = served["GET"]
+        return results, served["GET"]
+
+
+def test_three_epochs_from_s3_are_the_regular_batches_and_read_storage_once() -> None:
+    count, world, batch = 45, 3, 4
+    results, gets = three_epochs_from_s3(count, world, batch)
     for epoch in range(3):
         assert global_steps(results, epoch) == regular(count, world, batch, epoch, seed=7)
         for r in results:
@@ -82,6 +90,31 @@ def test_three_epochs_from_s3_are_the_regular_batches_and_read_storage_once() ->
     sent = sum(r["sent"][1] for r in results)
     trained = sum(len(b) for r in results for b in r["batches"][1])
     assert 0 < sent < trained
+
+
+def test_replicas_lower_the_exchanged_share_and_still_read_storage_once() -> None:
+    # Every sample cached on two ranks: either may train on it, so few samples travel
+    # after the first epoch, in which the reading holder also sends each sample's copy.
+    count, world, batch = 96, 4, 4
+    found = {}
+    for replicas in (1.0, 2.0):
+        results, gets = three_epochs_from_s3(count, world, batch, replicas=replicas)
+        for epoch in range(3):
+            assert global_steps(results, epoch) == regular(count, world, batch, epoch, seed=7)
+        assert [sum(r["reads"][e] for r in results) for e in range(3)] == [count, 0, 0]
+        assert gets == count
+        found[replicas] = results
+    # Each sample's second holder got its copy in epoch 0 (none has two copies elsewhere).
+    assert sum(r["copies"] for r in found[2.0]) == count
+    assert sum(r["copies"] for r in found[1.0]) == 0
+
+    def beta(results: list[Any]) -> float:
+        return sum(r["betas"][e] for r in results for e in (1, 2)) / (2 * len(results))
+
+    assert beta(found[2.0]) < beta(found[1.0]) / 4, (beta(found[2.0]), beta(found[1.0]))
+    assert sum(r["sent"][e] for r in found[2.0] for e in (1, 2)) < sum(
+        r["sent"][e] for r in found[1.0] for e in (1, 2)
+    )
 
 
 @pytest.mark.parametrize("drop_last", [False, True])

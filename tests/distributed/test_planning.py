@@ -224,3 +224,45 @@ def test_both_heap_encodings_of_algorithm_1_agree() -> None:
         held = np.bincount(rng.integers(0, world, world * 8), minlength=world)
         wanted = np.full(world, 8)
         assert balance(held, wanted) == _balance_tuples(held - wanted)
+
+
+@pytest.mark.parametrize("missing", [False, True])
+def test_replicas_change_who_trains_and_the_copies_fill_every_second_holder(
+    missing: bool,
+) -> None:
+    from feedline.distributed import plan_for
+    from feedline.distributed._placement import second_copies
+
+    size, world, local = 3000, 8, 16
+    sequence = GlobalSequence(size, world, local, seed=4)
+    placed = holders(size, world, seed=4, replicas=2)
+    if missing:
+        placed[0, ::11] = -1  # outside the cached share: read from storage, never copied
+    second = second_copies(placed, 4, 0.5)
+    assert np.all(second[placed[0] < 0] == -1)
+    assert 0.4 < np.mean(second >= 0) < 0.6
+    regular = sequence.step(1, 2)
+    one, two = plan_step(regular, placed[0]), plan_step(regular, placed[0], second)
+    for plan in (one, two):  # the regular global batch, each rank its local batch size
+        assert Counter(np.concatenate([plan.batch(r) for r in range(world)]).tolist()) == Counter(
+            regular.ravel().tolist()
+        )
+        assert {len(plan.batch(r)) for r in range(world)} == {local}
+    assert two.exchanged < one.exchanged
+    plans = [plan_for(regular, placed[0], r, second, copies=True) for r in range(world)]
+    copied: Counter[int] = Counter()
+    for src, plan in enumerate(plans):
+        whole = two.keep[src].tolist() + [x for s, _, x in two.sends if s == src for x in x]
+        assert plan.keep.tolist() == two.keep[src].tolist()
+        for dst, samples in plan.copies:
+            # A copy goes from the holder that takes a sample to its other holder.
+            assert set(samples.tolist()) <= set(whole)
+            assert all(dst in (placed[0, i], second[i]) and dst != src for i in samples)
+            assert (src, len(samples)) in plans[dst].copies_in
+            copied.update(samples.tolist())
+        assert sum(n for _, n in plan.copies_in) == sum(
+            len(s) for p in plans for d, s in p.copies if d == src
+        )
+    replicated = [i for i in regular.ravel().tolist() if second[i] >= 0]
+    assert copied == Counter(replicated)
+    assert plan_for(regular, placed[0], 0, second).copies == []  # only when asked

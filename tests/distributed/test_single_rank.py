@@ -71,6 +71,8 @@ def test_empty_dataset_and_bad_arguments() -> None:
         assert list(empty) == []
     with pytest.raises(ConfigurationError, match="map-style"):
         DistributedLoader(iter([b"x"]), batch_size=2)
+    with pytest.raises(ConfigurationError, match="replicas must be between 1"):
+        DistributedLoader(Samples(4), batch_size=2, replicas=3)
     with pytest.raises(ConfigurationError, match="cached_share"):
         _loader(cached_share=1.5)
     with pytest.raises(ConfigurationError, match="batch_size"):

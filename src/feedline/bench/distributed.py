@@ -6,8 +6,9 @@ file system of a cluster, scaled down); the samples are ImageNet-like JPEGs (raw
 the figures are those of loading, not decoding). Per epoch: its time (the slowest rank's),
 the store's GETs and bytes, the bytes the ranks exchanged, beta. Contenders: the regular
 loader (``DistributedSampler``'s split, ``feedline.DataLoader`` reading the store, the
-baseline) and ``feedline.distributed.DistributedLoader``. The cost model predicts each epoch
-from the store's parameters and the loader's own rate measured on one rank.
+baseline) and ``feedline.distributed.DistributedLoader``, with one copy of each sample over
+the ranks' caches and with two. The cost model predicts the epochs that read the store. The
+planner's time per step at the paper's largest scale is measured without processes.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ RATE = 20e6  # bytes per second, all ranks together
 _NAMES = {
     "regular": "regular (DistributedSampler + feedline.DataLoader)",
     "locality-aware": "feedline.distributed",
+    "replicas": "feedline.distributed, 2 copies",
 }
+PLAN_WORLD, PLAN_BATCH = 1024, 128  # the paper's largest world; a global batch of 131,072
 
 
 class _Raw:
@@ -80,7 +83,10 @@ def _rank(rank: int, world: int, port: int, kind: str, url: str, count: int, out
             from feedline.distributed import DistributedLoader
 
             sampler = None
-            loader = DistributedLoader(samples, batch_size=BATCH, collate_fn=list, seed=0)
+            copies = 2.0 if kind == "replicas" else 1.0
+            loader = DistributedLoader(
+                samples, batch_size=BATCH, collate_fn=list, seed=0, replicas=copies
+            )
         epochs = []
         for epoch in range(EPOCHS):
             (sampler or loader).set_epoch(epoch)
@@ -180,6 +186,32 @@ def _measure(
     return found
 
 
+def _planning(steps: int) -> str:
+    # plan_for's time per step at PLAN_WORLD ranks, one copy and (fewer steps) two copies.
+
+    from feedline.distributed import GlobalSequence, holders, plan_for
+    from feedline.distributed._placement import second_copies
+
+    size = PLAN_WORLD * PLAN_BATCH * 4
+    sequence = GlobalSequence(size, PLAN_WORLD, PLAN_BATCH, seed=0)
+    placed = holders(size, PLAN_WORLD, seed=0, replicas=2)
+    grid = sequence.grid(1)
+    found = []
+    for second, count in ((None, steps), (second_copies(placed, 0, 0.5), max(2, steps // 10))):
+        times = []
+        for k in range(count):
+            rows = sequence.step(1, k % sequence.steps, grid)
+            start = time.perf_counter()
+            plan_for(rows, placed[0], k % PLAN_WORLD, second)
+            times.append((time.perf_counter() - start) * 1e3)
+        found.append(f"{statistics.median(times):.2f} ms ({min(times):.2f}-{max(times):.2f})")
+    return (
+        f"planning one step (plan_for, every rank computes it) at p = {PLAN_WORLD:,} and a "
+        f"global batch of {PLAN_WORLD * PLAN_BATCH:,}, median of {steps} steps: {found[0]}; "
+        f"with half the samples on two ranks (maximum flow in Python): {found[1]}"
+    )
+
+
 def run(options: BenchOptions) -> ScenarioResult:
     """Run the distributed scenario; ``options.quick`` shrinks it to a smoke test."""
     progress = options.progress
@@ -198,6 +230,7 @@ def run(options: BenchOptions) -> ScenarioResult:
         f"{RATE / 1e6:g} MB/s to all ranks together",
         f"{1 if options.quick else 2} alternating round(s) per contender, medians; samples/s "
         "is the dataset over the epoch's time (the slowest rank's, between two barriers)",
+        _planning(5 if options.quick else 50),
     ]
     repeats = 1 if options.quick else 2
     with ServerProcess(files, DELAY, RATE) as server:
@@ -231,5 +264,5 @@ def run(options: BenchOptions) -> ScenarioResult:
         notes,
         True,
         unit="samples/s",
-        headline=[_NAMES["locality-aware"]],
+        headline=[_NAMES["locality-aware"], _NAMES["replicas"]],
     )

@@ -38,27 +38,29 @@ def balance(held: np.ndarray, wanted: np.ndarray) -> list[tuple[int, int, int]]:
     # imbalance first and, among equals, the lowest rank (int comparisons, no tuples).
     ranks = np.nonzero(excess)[0]
     amounts = excess[ranks]
-    keys = (-(np.abs(amounts) << _SHIFT) + ranks).tolist()
-    positive = (amounts > 0).tolist()
-    surplus = [k for k, p in zip(keys, positive, strict=True) if p]
-    deficit = [k for k, p in zip(keys, positive, strict=True) if not p]
+    keys = -(np.abs(amounts) << _SHIFT) + ranks
+    positive = amounts > 0
+    surplus, deficit = keys[positive].tolist(), keys[~positive].tolist()
     heapq.heapify(surplus)
     heapq.heapify(deficit)
     plan: list[tuple[int, int, int]] = []
-    heappop, heapreplace, mask = heapq.heappop, heapq.heapreplace, _RANKS - 1
+    # The loop is the planner's hot spot at scale (about p / 2 transfers a step): locals only.
+    append, heappop, heapreplace = plan.append, heapq.heappop, heapq.heapreplace
+    shift, mask = _SHIFT, _RANKS - 1
     while surplus:
         s_key, d_key = surplus[0], deficit[0]
-        s_amount, d_amount = -(s_key >> _SHIFT), -(d_key >> _SHIFT)
-        moved = min(s_amount, d_amount)
-        plan.append((s_key & mask, d_key & mask, moved))
-        if s_amount == moved:
-            heappop(surplus)
-        else:
-            heapreplace(surplus, s_key + (moved << _SHIFT))
-        if d_amount == moved:
+        s_neg, d_neg = s_key >> shift, d_key >> shift  # minus the imbalances
+        if s_neg < d_neg:  # the surplus is larger: the deficit is settled
+            append((s_key & mask, d_key & mask, -d_neg))
+            heapreplace(surplus, s_key - (d_neg << shift))
             heappop(deficit)
-        else:
-            heapreplace(deficit, d_key + (moved << _SHIFT))
+        else:  # the surplus is settled (and the deficit too, if equal)
+            append((s_key & mask, d_key & mask, -s_neg))
+            heappop(surplus)
+            if s_neg == d_neg:
+                heappop(deficit)
+            else:
+                heapreplace(deficit, d_key - (s_neg << shift))
     return plan
 
 

@@ -9,7 +9,8 @@ own (:class:`_Exchanger`), one step at a time, in order, on every rank, overlapp
 reads of later steps; a small pool transforms.
 
 The first epoch is planned like the others: a sample's holder reads it from storage then
-(and keeps it), so every sample is read once, by the rank that will hold it.
+(and keeps it), so every sample is read once, by the rank that will hold it. With replicas,
+the holder that reads a sample also sends it to its other holder in that epoch.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from feedline.pipeline import Pipeline, PipelineBuilder
 from feedline.source import ObjectCache
 
 from ._exchange import Exchange, Received
-from ._placement import holders, mix64
+from ._placement import holders, mix64, second_copies
 from ._plan import RankPlan, plan_for
 from ._sequence import GlobalSequence
 
@@ -62,6 +63,8 @@ class LoaderStats:
         sent_samples: Samples sent to other ranks; ``sent_bytes``, their bytes.
         received_samples: Samples received; ``received_bytes``, their bytes.
         failures: Samples that could not be read and were left out (within the budget).
+        copies_kept: Second copies received from other ranks and kept (with ``replicas``;
+            they are counted in ``received_samples`` too).
         steps: Steps exchanged; ``beta_sum``, the sum of their exchanged shares of the
             global batch (the paper's beta): ``beta_sum / steps`` is the mean beta.
 
@@ -75,6 +78,7 @@ class LoaderStats:
     received_samples: int = 0
     received_bytes: int = 0
     failures: int = 0
+    copies_kept: int = 0
     steps: int = 0
     beta_sum: float = 0.0
 
@@ -94,6 +98,7 @@ class _Step:
     kept: list[Any] = field(default_factory=list)
     read: list[Any] = field(default_factory=list)
     sends: list[tuple[int, np.ndarray, list[Any]]] = field(default_factory=list)
+    copies: list[tuple[int, np.ndarray, list[Any]]] = field(default_factory=list)
     received: Received = field(default_factory=dict)
     error: BaseException | None = None
 
@@ -155,12 +160,7 @@ class _Exchanger:
                 except EOFError:
                     break
                 # Even after a failed read (sent as missing): the peers wait for this step.
-                item.received = loader._exchange.swap(
-                    _tag(item.epoch, item.step),
-                    f"epoch {item.epoch}, step {item.step}",
-                    item.sends,
-                    item.plan.receives,
-                )
+                loader._swap(item)
                 loader._exchanged(item.beta)
                 with self._cond:
                     self._done += 1
@@ -227,6 +227,13 @@ class DistributedLoader(Generic[T]):
             cache cannot hold its whole share of the dataset (about ``len(samples) /
             world_size`` samples): a deterministic subset every rank computes alike; the rest
             is read from storage when a step needs it.
+        replicas: Copies of each cached sample over the ranks' caches, from 1 to 2 (1.5: a
+            hash-chosen half of them has a second holder): spare cache, about ``(replicas -
+            1) * len(samples) / world_size`` samples per rank beyond a rank's share. Either
+            holder may train on such a sample, and each step's assignment keeps as many
+            samples as possible where they are held (an exact maximum flow), so far fewer
+            travel between ranks. The second copies are sent by the holder that reads a
+            sample, in the first epoch the loader iterates.
         prefetch: Steps prepared ahead of the training loop (values under 2 count as 2).
         read_concurrency: Reads (from storage or the cache) in flight at once.
         transform_concurrency: Threads that transform and collate steps, each step on one
@@ -261,6 +268,7 @@ class DistributedLoader(Generic[T]):
         world_size: int | None = None,
         cache: ObjectCache | None = None,
         cached_share: float = 1.0,
+        replicas: float = 1.0,
         prefetch: int = 2,
         read_concurrency: int = 16,
         transform_concurrency: int | None = None,
@@ -275,6 +283,11 @@ class DistributedLoader(Generic[T]):
             )
         if not 0.0 <= cached_share <= 1.0:
             raise ConfigurationError(f"cached_share must be in [0, 1], got {cached_share!r}")
+        if isinstance(replicas, bool) or not 1.0 <= replicas <= 2.0:
+            raise ConfigurationError(
+                f"replicas must be between 1 (one copy of each sample) and 2 (two), got "
+                f"{replicas!r}"
+            )
         for name, value, least in (
             ("prefetch", prefetch, 1),
             ("read_concurrency", read_concurrency, 1),
@@ -298,6 +311,7 @@ class DistributedLoader(Generic[T]):
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.cache = cache if cache is not None else ObjectCache(memory_bytes=2 << 30)
         self.cached_share = cached_share
+        self.replicas = float(replicas)
         self.prefetch = max(2, prefetch)
         self.read_concurrency = read_concurrency
         self.transform_concurrency = transform_concurrency or min(
@@ -308,7 +322,10 @@ class DistributedLoader(Generic[T]):
         self._sequence = GlobalSequence(
             len(samples), self.world_size, batch_size, seed, shuffle, drop_last
         )
-        self._holder = _holders(len(samples), self.world_size, seed, cached_share)
+        self._holder, self._second = _holders(
+            len(samples), self.world_size, seed, cached_share, self.replicas - 1.0
+        )
+        self._fill_epoch: int | None = None  # the epoch whose reads also fill the replicas
         if self.world_size > 1:
             self._agree(exchange_group)
         self._stats = LoaderStats()
@@ -333,6 +350,7 @@ class DistributedLoader(Generic[T]):
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
             "cached_share": self.cached_share,
+            "replicas": self.replicas,
             "prefetch": self.prefetch,
         }
         everyone: list[Any] = [None] * self.world_size
@@ -384,11 +402,14 @@ class DistributedLoader(Generic[T]):
             sequence = self._sequence
         epoch, first = self._epoch, self._step
         grid = sequence.grid(epoch)
+        if self._fill_epoch is None:
+            self._fill_epoch = epoch
+        copies = self._second is not None and epoch == self._fill_epoch
 
         def steps() -> Iterator[_Step]:
             for k in range(first, sequence.steps):
                 rows = sequence.step(epoch, k, grid)
-                plan = plan_for(rows, self._holder, self.rank)
+                plan = plan_for(rows, self._holder, self.rank, self._second, copies=copies)
                 yield _Step(epoch, k, plan, plan.exchanged / rows.size if rows.size else 0.0)
 
         reads: Pipeline[_Step] = (
@@ -426,8 +447,8 @@ class DistributedLoader(Generic[T]):
         # reads for itself. A sample that cannot be read is None (its sends still go, so
         # that no peer waits); the error, if over the budget, is raised after the exchange.
         plan = item.plan
-        wanted = [plan.keep, plan.read, *(s for _, s in plan.sends)]
-        flat = np.concatenate(wanted).tolist() if wanted else []
+        wanted = [plan.keep, plan.read, *(s for _, s in plan.sends), *(s for _, s in plan.copies)]
+        flat = np.concatenate(wanted).tolist()
         held = [True] * len(flat)
         held[len(plan.keep) : len(plan.keep) + len(plan.read)] = [False] * len(plan.read)
         unique = dict(zip(flat, held, strict=True))  # a padded step may repeat a sample
@@ -452,7 +473,42 @@ class DistributedLoader(Generic[T]):
         for dst, indices in plan.sends:
             item.sends.append((dst, indices, got[cursor : cursor + len(indices)]))
             cursor += len(indices)
+        for dst, indices in plan.copies:
+            item.copies.append((dst, indices, got[cursor : cursor + len(indices)]))
+            cursor += len(indices)
         return item
+
+    def _swap(self, item: _Step) -> None:
+        # One message per peer: the samples it trains on, then the copies it keeps.
+        plan = item.plan
+        if not plan.copies and not plan.copies_in:
+            item.received = self._exchange.swap(
+                _tag(item.epoch, item.step), _where(item), item.sends, plan.receives
+            )
+            return
+        outgoing: dict[int, tuple[list[np.ndarray], list[Any]]] = {}
+        for dst, indices, got in [*item.sends, *item.copies]:
+            parts = outgoing.setdefault(dst, ([], []))
+            parts[0].append(indices)
+            parts[1].extend(got)
+        sends = [(dst, np.concatenate(i), d) for dst, (i, d) in sorted(outgoing.items())]
+        trained = dict(plan.receives)
+        incoming = collections.Counter(trained)
+        incoming.update(dict(plan.copies_in))
+        received = self._exchange.swap(
+            _tag(item.epoch, item.step), _where(item), sends, sorted(incoming.items())
+        )
+        kept = 0
+        for src, samples in received.items():
+            count = trained.get(src, 0)
+            for index, data in samples[count:]:
+                if data is not None:
+                    self.cache.put(str(index), data)
+                    kept += 1
+            if count:
+                item.received[src] = samples[:count]
+        with self._lock:
+            self._stats.copies_kept += kept
 
     def _get_or_error(self, index: int, held: bool) -> tuple[bytes | None, BaseException | None]:
         # Steps are gathered several at once, and padding repeats samples across them: a
@@ -612,14 +668,23 @@ def _tag(epoch: int, step: int) -> int:
     return (epoch * 1_000_003 + step) % _TAGS
 
 
-def _holders(size: int, world: int, seed: int, share: float) -> np.ndarray:
-    # Each sample's holder, or -1 where the holder does not keep it (outside cached_share).
-    placed = holders(size, world, seed)[0]
+def _where(item: _Step) -> str:
+    return f"epoch {item.epoch}, step {item.step}"
+
+
+def _holders(
+    size: int, world: int, seed: int, share: float, spare: float
+) -> tuple[np.ndarray, np.ndarray | None]:
+    # Each sample's holder, or -1 where the holder does not keep it (outside cached_share),
+    # and, with spare cache, each sample's second holder (None without).
+    replicated = spare > 0 and world > 1
+    placed = holders(size, world, seed, 2 if replicated else 1)
+    first = placed[0]
     if share < 1.0:
         draw = mix64(np.arange(size, dtype=np.uint64), seed ^ 0xCAC4E) >> np.uint64(11)
         kept = draw.astype(np.float64) / float(1 << 53) < share
-        placed = np.where(kept, placed, -1).astype(placed.dtype)
-    return np.asarray(placed)
+        placed[0] = first = np.where(kept, first, -1).astype(first.dtype)
+    return first, second_copies(placed, seed, spare) if replicated else None
 
 
 def _world(rank: int | None, world_size: int | None, group: Any) -> tuple[int, int, Any]:

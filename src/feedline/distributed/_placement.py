@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["holders", "jump_hash", "mix64"]
+__all__ = ["holders", "jump_hash", "mix64", "second_copies"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -70,3 +70,19 @@ def holders(size: int, world: int, seed: int, replicas: int = 1) -> np.ndarray:
     # of the cache misses.
     dtype = np.int16 if world < 1 << 15 else np.int32
     return np.stack(rows).astype(dtype)
+
+
+def second_copies(placed: np.ndarray, seed: int, share: float) -> np.ndarray:
+    """Each sample's second holder where a hash-chosen ``share`` of them has one, else ``-1``.
+
+    ``placed`` is :func:`holders` with two rows (or one: nobody has a second copy); a sample
+    with no first holder (``-1``: not cached) has no second one either.
+    """
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"share is a share of the samples, in [0, 1]; got {share!r}")
+    size = placed.shape[1]
+    if placed.shape[0] < 2 or share == 0.0:
+        return np.full(size, -1, dtype=placed.dtype)
+    draw = mix64(np.arange(size, dtype=np.uint64), seed + 1) % np.uint64(1 << 20)
+    chosen = (draw < np.uint64(round(share * (1 << 20)))) & (placed[0] >= 0)
+    return np.where(chosen, placed[1], -1).astype(placed.dtype)

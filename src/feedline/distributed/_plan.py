@@ -6,15 +6,23 @@ trains on the samples of the step it holds, up to its local batch size; ranks ho
 send the rest (Algorithm 1 decides how many to whom), and samples nobody holds are read from
 storage by the ranks still short, before any exchange is planned. Each rank ends with exactly
 its local batch size, and the union over ranks is exactly the regular global batch.
+
+Where samples have a second holder (spare cache for replicas), :func:`~._replicas.spread`
+first picks which holder of each such sample takes it, so that as few as possible travel.
+A rank's plan can also list the copies that fill the second holders' caches: each sample
+goes from the holder that takes it to its other holder (the loader sends them in its first
+epoch, when the samples are read from storage anyway).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from ._balance import balance
+from ._replicas import spread
 
 __all__ = ["RankPlan", "StepPlan", "plan_for", "plan_step"]
 
@@ -62,6 +70,9 @@ class RankPlan:
         sends: ``(destination, samples)``: what it sends to other ranks.
         receives: ``(source, count)``: how many samples each other rank sends it.
         exchanged: Samples sent between all ranks in the step (beta times the global batch).
+        copies: ``(destination, samples)``: samples it takes whose other holder is the
+            destination, to keep there (asked for with ``copies=True``; else empty).
+        copies_in: ``(source, count)``: how many such copies each other rank sends it.
 
     """
 
@@ -70,24 +81,35 @@ class RankPlan:
     sends: list[tuple[int, np.ndarray]]
     receives: list[tuple[int, int]]
     exchanged: int = 0
+    copies: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    copies_in: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class _Shares:
     # What every rank computes alike for a step: holdings, reads, transfers.
     flat: np.ndarray
-    owner: np.ndarray
+    owner: np.ndarray  # the holder that takes each sample (-1: held nowhere)
+    other: np.ndarray | None  # each sample's other holder (-1: none); None without replicas
     missing: np.ndarray
     read_starts: np.ndarray
     keep_counts: np.ndarray
     transfers: list[tuple[int, int, int]]
 
 
-def _shares(step: np.ndarray, holder: np.ndarray) -> _Shares:
+def _shares(step: np.ndarray, holder: np.ndarray, second: np.ndarray | None) -> _Shares:
     rows, world = step.shape
     flat = step.ravel()
-    owner = holder[flat]
+    owner = np.take(holder, flat)  # faster than holder[flat] for a batch of random indices
     held = owner >= 0
+    other = None
+    if second is not None:
+        other = np.take(second, flat)
+        if (other >= 0).any():
+            first = owner
+            owner = np.full(flat.shape, -1, dtype=np.int64)
+            owner[held] = spread(first[held], other[held], world, rows)
+            other = np.where(owner == first, other, first)  # the holder that does not take it
     everything = bool(held.all())
     counts = np.bincount(owner if everything else owner[held], minlength=world)
     wanted = np.full(world, rows, dtype=np.int64)
@@ -108,6 +130,7 @@ def _shares(step: np.ndarray, holder: np.ndarray) -> _Shares:
     return _Shares(
         flat=flat,
         owner=owner,
+        other=other,
         missing=missing,
         read_starts=read_starts,
         keep_counts=np.minimum(counts, wanted_held),
@@ -115,37 +138,73 @@ def _shares(step: np.ndarray, holder: np.ndarray) -> _Shares:
     )
 
 
-def plan_for(step: np.ndarray, holder: np.ndarray, rank: int) -> RankPlan:
-    """What ``rank`` does in a step (see :func:`plan_step`, which plans every rank alike)."""
-    shares = _shares(step, holder)
+def plan_for(
+    step: np.ndarray,
+    holder: np.ndarray,
+    rank: int,
+    second: np.ndarray | None = None,
+    *,
+    copies: bool = False,
+) -> RankPlan:
+    """What ``rank`` does in a step (see :func:`plan_step`, which plans every rank alike).
+
+    With ``copies``, the plan also lists the copies that fill the second holders' caches.
+    """
+    shares = _shares(step, holder, second)
     mine = shares.flat[shares.owner == rank]  # what the rank holds, in step order
     kept = int(shares.keep_counts[rank])
-    sends = []
+    sends, receives, exchanged = [], [], 0
     cursor = kept
     for src, dst, count in shares.transfers:
+        exchanged += count
         if src == rank:
             sends.append((dst, mine[cursor : cursor + count]))
             cursor += count
+        elif dst == rank:
+            receives.append((src, count))
     return RankPlan(
         keep=mine[:kept],
         read=shares.missing[shares.read_starts[rank] : shares.read_starts[rank + 1]],
         sends=sends,
-        receives=[(src, count) for src, dst, count in shares.transfers if dst == rank],
-        exchanged=sum(count for _, _, count in shares.transfers),
+        receives=receives,
+        exchanged=exchanged,
+        **(_copies(shares, rank) if copies else {}),
     )
 
 
-def plan_step(step: np.ndarray, holder: np.ndarray) -> StepPlan:
+def _copies(shares: _Shares, rank: int) -> dict[str, Any]:
+    # Every sample the rank takes goes to its other holder, and every sample it is the other
+    # holder of comes from the holder that takes it: both sides count the same samples.
+    other, owner, world = shares.other, shares.owner, len(shares.keep_counts)
+    if other is None:
+        return {}
+    out = (owner == rank) & (other >= 0)
+    samples, destinations = shares.flat[out], other[out]
+    order = np.argsort(destinations, kind="stable")
+    samples, destinations = samples[order], destinations[order]
+    ranks, starts = np.unique(destinations, return_index=True)
+    bounds = [*starts.tolist(), len(samples)]
+    copies = [
+        (int(dst), samples[bounds[k] : bounds[k + 1]]) for k, dst in enumerate(ranks.tolist())
+    ]
+    incoming = np.bincount(owner[(other == rank) & (owner >= 0)], minlength=world)
+    copies_in = [(int(src), int(incoming[src])) for src in np.nonzero(incoming)[0]]
+    return {"copies": copies, "copies_in": copies_in}
+
+
+def plan_step(step: np.ndarray, holder: np.ndarray, second: np.ndarray | None = None) -> StepPlan:
     """Plan one global step for every rank.
 
     Args:
         step: A ``(rows, world)`` array of sample indices: column ``r`` is rank ``r``'s
             regular local batch.
         holder: Each sample's rank (``-1``: held nowhere).
+        second: Each sample's second holder (``-1``: none), where spare cache keeps
+            replicas (:func:`~._placement.second_copies`); either holder may take it.
 
     """
     world = step.shape[1]
-    shares = _shares(step, holder)
+    shares = _shares(step, holder, second)
     flat, owner = shares.flat, shares.owner
     order = np.argsort(np.where(owner >= 0, owner, world), kind="stable")
     bounds = np.concatenate(([0], np.cumsum(np.bincount(owner[owner >= 0], minlength=world))))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._placement import holders, mix64
+from ._placement import holders, second_copies
 from ._replicas import spread
 
 __all__ = ["simulate_beta"]
@@ -39,11 +39,7 @@ def simulate_beta(
     batch = world * local_batch
     size = batch * batches_per_epoch
     placed = holders(size, world, seed, 2 if spare > 0 and world > 1 else 1)
-    second = np.full(size, -1, dtype=np.int64)
-    if placed.shape[0] > 1:
-        chosen = mix64(np.arange(size, dtype=np.uint64), seed + 1) % np.uint64(1 << 20)
-        replicated = chosen < np.uint64(int(spare * (1 << 20)))
-        second[replicated] = placed[1, replicated]
+    second = second_copies(placed, seed, spare)
     rng = np.random.default_rng(seed)
     out = np.empty(steps)
     for k in range(steps):
