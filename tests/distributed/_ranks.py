@@ -232,29 +232,6 @@ def resume_and_finish(
         return {"batches": [batch for batch in loader]}
 
 
-def die_mid_epoch(rank: int, world: int, count: int, **options: Any) -> dict[str, Any]:
-    """Rank 1 exits in the middle of epoch 1; the others must raise, not hang."""
-    import time
-
-    loader = _loader(Samples(count), **options)
-    with loader:
-        for _ in loader:  # epoch 0 fills the caches
-            pass
-        loader.set_epoch(1)
-        started = time.monotonic()
-        try:
-            for step, _ in enumerate(loader):
-                if rank == 1 and step == 2:
-                    os._exit(0)
-        except Exception as error:
-            return {
-                "error": type(error).__name__,
-                "message": str(error),
-                "seconds": time.monotonic() - started,
-            }
-    return {"error": None}
-
-
 def epochs_with_disk_cache(
     rank: int, world: int, count: int, epochs: int, cache_dir: str, **options: Any
 ) -> dict[str, Any]:
@@ -312,3 +289,42 @@ def mismatched_settings(rank: int, world: int, count: int, **options: Any) -> di
     except Exception as error:
         return {"error": type(error).__name__, "message": str(error)}
     return {"error": None}
+
+
+def stop_mid_epoch(
+    rank: int, world: int, count: int, victim: int, how: str, **options: Any
+) -> dict[str, Any]:
+    """Rank ``victim`` exits (``how="exit"``) or gets Ctrl-C (``"interrupt"``) at step 2 of
+    epoch 1: how fast it leaves, its state and threads, and what the others raise."""
+    import signal
+    import time
+
+    loader = _loader(Samples(count), **options)
+    found: dict[str, Any] = {"error": None}
+    with loader:
+        for _ in loader:  # epoch 0 fills the caches
+            pass
+        loader.set_epoch(1)
+        started = time.monotonic()
+        try:
+            for step, _ in enumerate(loader):
+                if rank == victim and step == 2:
+                    if how == "exit":
+                        os._exit(0)
+                    started = time.monotonic()
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(5)  # the KeyboardInterrupt comes first
+        except KeyboardInterrupt:
+            found["error"] = "KeyboardInterrupt"
+        except Exception as error:
+            found["error"], found["message"] = type(error).__name__, str(error)
+        found["seconds"] = time.monotonic() - started
+        found["state"] = loader.state_dict()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # the exchange thread leaves once its step is done
+        left = [t.name for t in threading.enumerate() if t.name.startswith("feedline")]
+        if not left:
+            break
+        time.sleep(0.05)
+    found["threads"] = left
+    return found

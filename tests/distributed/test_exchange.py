@@ -37,3 +37,18 @@ def test_a_short_payload_or_another_steps_header_raises() -> None:
         _roundtrip(header, payload[:60])
     with pytest.raises(ExchangeError, match="another step"):
         _roundtrip(header, payload, tag=6)
+
+
+def test_a_sample_of_another_step_raises_though_its_bytes_are_intact() -> None:
+    from feedline.distributed._loader import _check_members, _Step
+    from feedline.distributed._plan import RankPlan
+
+    empty = np.array([], dtype=np.int64)
+    step = _Step(2, 7, RankPlan(empty, empty, [], []), 0.0, np.array([4, 8, 15, 16]))
+    header, payload = _pack(5, np.array([8, 15]), [b"a", b"b"])
+    _check_members(step, {1: _roundtrip(header, payload)})  # members: accepted
+    header, payload = _pack(5, np.array([8, 42]), [b"a", b"b"])
+    with pytest.raises(
+        ExchangeError, match="rank 1 sent sample 42, which is not in epoch 2, step 7"
+    ):
+        _check_members(step, {1: _roundtrip(header, payload)})

@@ -187,11 +187,34 @@ def test_an_elastic_restart_loses_and_repeats_nothing(
 
 
 def test_a_rank_that_dies_makes_the_others_raise_not_hang() -> None:
-    results = run_ranks(3, _ranks.die_mid_epoch, may_die=True, count=60, batch_size=4, timeout=90.0)
+    results = run_ranks(
+        3,
+        _ranks.stop_mid_epoch,
+        may_die=True,
+        count=60,
+        batch_size=4,
+        timeout=90.0,
+        victim=1,
+        how="exit",
+    )
     assert results[1] is None  # it exited
     for r in (0, 2):
         assert results[r]["error"] in {"ExchangeTimeout"}, results[r]
         assert results[r]["seconds"] < 30
+
+
+def test_ctrl_c_on_one_rank_stops_it_at_once_and_the_others_raise() -> None:
+    results = run_ranks(
+        2, _ranks.stop_mid_epoch, count=200, batch_size=4, timeout=90.0, victim=0, how="interrupt"
+    )
+    stopped, other = results
+    assert stopped["error"] == "KeyboardInterrupt"
+    assert stopped["seconds"] < 3  # not the 5 s sleep, not the exchange timeout
+    assert (stopped["state"]["epoch"], stopped["state"]["step"]) == (1, 3)
+    assert stopped["threads"] == []
+    # The other rank's next exchange fails once rank 0 has gone: an error, not a hang.
+    assert other["error"] == "ExchangeTimeout", other
+    assert other["seconds"] < 30
 
 
 def test_caches_on_disk_survive_a_restart_and_spare_storage(tmp_path: Path) -> None:

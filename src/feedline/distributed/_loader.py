@@ -31,7 +31,7 @@ from feedline.errors import ConfigurationError, add_note
 from feedline.pipeline import Pipeline, PipelineBuilder
 from feedline.source import ObjectCache
 
-from ._exchange import Exchange, Received
+from ._exchange import Exchange, ExchangeError, Received
 from ._placement import holders, mix64, second_copies
 from ._plan import RankPlan, plan_for
 from ._sequence import GlobalSequence
@@ -95,6 +95,7 @@ class _Step:
     step: int
     plan: RankPlan
     beta: float
+    members: np.ndarray  # the step's samples, all ranks together
     kept: list[Any] = field(default_factory=list)
     read: list[Any] = field(default_factory=list)
     sends: list[tuple[int, np.ndarray, list[Any]]] = field(default_factory=list)
@@ -410,7 +411,8 @@ class DistributedLoader(Generic[T]):
             for k in range(first, sequence.steps):
                 rows = sequence.step(epoch, k, grid)
                 plan = plan_for(rows, self._holder, self.rank, self._second, copies=copies)
-                yield _Step(epoch, k, plan, plan.exchanged / rows.size if rows.size else 0.0)
+                beta = plan.exchanged / rows.size if rows.size else 0.0
+                yield _Step(epoch, k, plan, beta, rows.ravel())
 
         reads: Pipeline[_Step] = (
             PipelineBuilder[_Step]()
@@ -485,6 +487,7 @@ class DistributedLoader(Generic[T]):
             item.received = self._exchange.swap(
                 _tag(item.epoch, item.step), _where(item), item.sends, plan.receives
             )
+            _check_members(item, item.received)
             return
         outgoing: dict[int, tuple[list[np.ndarray], list[Any]]] = {}
         for dst, indices, got in [*item.sends, *item.copies]:
@@ -498,6 +501,7 @@ class DistributedLoader(Generic[T]):
         received = self._exchange.swap(
             _tag(item.epoch, item.step), _where(item), sends, sorted(incoming.items())
         )
+        _check_members(item, received)
         kept = 0
         for src, samples in received.items():
             count = trained.get(src, 0)
@@ -666,6 +670,18 @@ def _tag(epoch: int, step: int) -> int:
     # The same on every rank for the same step; a break drains the exchanges under way, so
     # a step's tag may be used again when it is iterated again.
     return (epoch * 1_000_003 + step) % _TAGS
+
+
+def _check_members(item: _Step, received: Received) -> None:
+    # A header with a sample of another step (intact bytes, a wrong plan) would train on it.
+    for src, samples in received.items():
+        indices = np.fromiter((i for i, _ in samples), dtype=np.int64, count=len(samples))
+        strangers = indices[~np.isin(indices, item.members)]
+        if strangers.size:
+            raise ExchangeError(
+                f"rank {src} sent sample {int(strangers[0])}, which is not in {_where(item)}: "
+                "the ranks plan differently (another dataset, seed or version on that rank)"
+            )
 
 
 def _where(item: _Step) -> str:
