@@ -160,6 +160,33 @@ def test_spreading_replicas_keeps_each_sample_with_a_holder_and_is_optimal() -> 
     assert trainer.tolist() == [1, 0, 0, 2, 1, 2]
 
 
+def test_spreading_replicas_matches_an_exhaustive_search() -> None:
+    import itertools
+
+    from feedline.distributed._replicas import spread
+
+    rng = np.random.default_rng(5)
+    for _ in range(150):
+        world, local = int(rng.integers(2, 6)), int(rng.integers(1, 5))
+        first = rng.integers(0, world, world * local)
+        second = rng.integers(0, world, first.size)
+        second[(second == first) | (rng.random(first.size) < 0.5)] = -1
+        movable = np.flatnonzero(second >= 0)[:10]
+        second[np.flatnonzero(second >= 0)[10:]] = -1
+
+        def trained(owner: np.ndarray) -> int:
+            return int(np.minimum(np.bincount(owner, minlength=world), local).sum())
+
+        best = 0
+        for choice in itertools.product((False, True), repeat=movable.size):
+            owner = first.copy()
+            owner[movable[list(choice)]] = second[movable[list(choice)]]
+            best = max(best, trained(owner))
+        trainer = spread(first, second, world, local)
+        assert trained(trainer) == best
+        assert np.all((trainer == first) | (trainer == second))
+
+
 def test_the_cost_model_is_the_papers_equations() -> None:
     from feedline.distributed import CostModel, expected_beta
 

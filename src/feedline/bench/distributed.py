@@ -208,7 +208,7 @@ def _planning(steps: int) -> str:
     return (
         f"planning one step (plan_for, every rank computes it) at p = {PLAN_WORLD:,} and a "
         f"global batch of {PLAN_WORLD * PLAN_BATCH:,}, median of {steps} steps: {found[0]}; "
-        f"with half the samples on two ranks (maximum flow in Python): {found[1]}"
+        f"with half the samples on two ranks (plus the maximum flow): {found[1]}"
     )
 
 
