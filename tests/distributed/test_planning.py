@@ -174,7 +174,7 @@ def test_spreading_replicas_matches_an_exhaustive_search() -> None:
         movable = np.flatnonzero(second >= 0)[:10]
         second[np.flatnonzero(second >= 0)[10:]] = -1
 
-        def trained(owner: np.ndarray) -> int:
+        def trained(owner: np.ndarray, world: int = world, local: int = local) -> int:
             return int(np.minimum(np.bincount(owner, minlength=world), local).sum())
 
         best = 0

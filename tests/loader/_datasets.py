@@ -361,3 +361,20 @@ class Pictures(Dataset[Any]):
         from feedline.io import decode_image
 
         return decode_image(self.jpegs[i % 4], size=(224, 224))
+
+
+class ShardedStream(IterableDataset[Any]):
+    """Items ``worker, worker + W, ...`` of ``range(n)`` in each worker (uneven shares), each
+    with a draw from torch's generator (seeded per worker); items at ``fail_at`` raise."""
+
+    def __init__(self, n: int, fail_at: int | None = None) -> None:
+        self.n = n
+        self.fail_at = fail_at
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(worker, self.n, workers):
+            if i == self.fail_at:
+                raise KeyError(f"item {i} is missing")
+            yield torch.tensor([i, int(torch.randint(0, 1000, ()))])

@@ -33,7 +33,7 @@ from feedline.pipeline import Pipeline, PipelineBuilder
 from ._fetch import BatchFetcher, Collated, FailureTally, Task
 from ._seeds import RngWatch
 from ._state import Position, check_state, decode_rng, derived_seed, is_stateful
-from ._workers import WorkerSet
+from ._workers import StreamMark, WorkerSet
 
 __all__ = ["DataLoader"]
 
@@ -187,12 +187,6 @@ class DataLoader(Generic[T]):
             in_order=in_order,
         )
         self._iterable = isinstance(dataset, torch.utils.data.IterableDataset)
-        if self._iterable and num_workers > 0:
-            raise ConfigurationError(
-                "num_workers > 0 with an IterableDataset is not supported: each worker would "
-                "need to shard the stream itself. Use num_workers=0 (the dataset is iterated "
-                "in this process and its batches collated on threads), or a map-style dataset"
-            )
         if fetch_concurrency is None:
             fetch_concurrency = min(64, 2 * batch_size) if batch_size else 16
         if (
@@ -294,6 +288,7 @@ class DataLoader(Generic[T]):
                 in_order=bool(loader.in_order),
                 collate_fn=loader.collate_fn,
                 auto_collation=bool(loader._auto_collation),
+                stream=_stream_batches(self) if self._iterable else None,
             )
             self._finalizer.detach()
             holder: list[WorkerSet | None] = [self._workers]
@@ -460,7 +455,20 @@ class _LoaderIter(Generic[T]):
         replay = skip if sampler_state is None else 0
         builder: PipelineBuilder[Any] = PipelineBuilder()
         epoch = None
-        if loader._iterable:
+        if loader._iterable and tl.num_workers > 0:
+            # Each worker iterates its copy (its share, by get_worker_info()); after a
+            # resume, each draws again the batches it had handed out.
+            taken = None if state is None else state["worker_batches"]
+            position.worker_batches = list(taken or [0] * tl.num_workers)
+            position.worker_turn = 0 if state is None else int(state["worker_turn"])
+            epoch = loader._worker_set().stream_epoch(
+                base_seed,
+                dataset_state,
+                list(position.worker_batches),
+                position.worker_turn,
+                start=skip,
+            )
+        elif loader._iterable:
             self._add_iterable_source(builder, tl, replay, dataset_state)
         else:
             epoch = self._add_map_source(
@@ -610,11 +618,19 @@ class _LoaderIter(Generic[T]):
                 continue
             return batch  # type: ignore[no-any-return]
 
-    def _count(self, number: int, dataset_state: tuple[int, Any] | None) -> None:
+    def _count(self, number: int, dataset_state: tuple[int, Any] | StreamMark | None) -> None:
         position = self.position
-        if dataset_state is not None and position.dataset_states is not None:
-            slot, value = dataset_state
-            position.dataset_states[slot] = value
+        slot: tuple[int, Any] | None
+        if isinstance(dataset_state, StreamMark):  # an iterable dataset's worker batch
+            worker, batch, state = dataset_state
+            if position.worker_batches is not None:
+                position.worker_batches[worker] = batch + 1
+                position.worker_turn = (worker + 1) % len(position.worker_batches)
+            slot = None if state is None else (worker, state)
+        else:
+            slot = dataset_state
+        if slot is not None and position.dataset_states is not None:
+            position.dataset_states[slot[0]] = slot[1]
         # Out of order, a batch may come before those numbered below it: keep the watermark
         # and the few handed out above it.
         if number != position.yielded:
@@ -784,3 +800,10 @@ def _pin_numbered(torch: Any, item: Any) -> Any:
         return item
     number, batch, dataset_state = item
     return number, batch if batch is _SKIP else _pin(torch, batch), dataset_state
+
+
+def _stream_batches(loader: Any) -> tuple[int, bool]:
+    # An iterable dataset's batching in each worker: (items per batch, drop_last).
+    tl = loader._torch_loader
+    auto = bool(tl._auto_collation)
+    return (tl.batch_size if auto else 1), bool(tl.drop_last) and auto

@@ -68,6 +68,8 @@ class Position:
         seed_chain: With persistent workers, ``(first base seed, epochs since)``: epochs
             after the first derive their base seed from it instead of drawing one (PyTorch
             draws it once per persistent iterator), so that they shuffle as PyTorch's do.
+        worker_batches: An iterable dataset with workers: per worker, its batches handed
+            out; ``worker_turn``, the worker whose batch comes next.
 
     """
 
@@ -78,6 +80,8 @@ class Position:
     sampler_state: Any = None
     dataset_states: list[Any] | None = None
     seed_chain: tuple[int, int] | None = None
+    worker_batches: list[int] | None = None
+    worker_turn: int = 0
 
     def to_state(self, own_generator: bool, rng_now: Any) -> dict[str, Any]:
         """The ``state_dict()`` of a loader at this position.
@@ -92,12 +96,13 @@ class Position:
         if self.finished:
             # The next epoch starts from the sampler's and the dataset's own beginning.
             rng, yielded, ahead = rng_now, 0, []
-            sampler, dataset = None, None
+            sampler, dataset, streams, turn = None, None, None, 0
             if chain is not None:
                 chain = (chain[0], chain[1] + 1)
         else:
             rng, yielded, ahead = self.rng_at_start, self.yielded, sorted(self.ahead)
             sampler, dataset = self.sampler_state, self.dataset_states
+            streams, turn = self.worker_batches, self.worker_turn
         return {
             "version": STATE_VERSION,
             "rng_state": encode_rng(rng),
@@ -110,6 +115,8 @@ class Position:
             "sampler_state": sampler,
             "dataset_state": dataset,
             "persistent_seed": None if chain is None else list(chain),
+            "worker_batches": None if streams is None else list(streams),
+            "worker_turn": turn,
         }
 
 
@@ -131,6 +138,8 @@ def check_state(state: Any, own_generator: bool) -> dict[str, Any]:
     out.setdefault("sampler_state", None)
     out.setdefault("dataset_state", None)
     out.setdefault("persistent_seed", None)
+    out.setdefault("worker_batches", None)
+    out.setdefault("worker_turn", 0)
     return out
 
 

@@ -1,16 +1,23 @@
-"""Worker processes for datasets whose ``__getitem__`` holds the GIL.
+"""Worker processes for datasets whose ``__getitem__`` holds the GIL, and iterable datasets.
 
 Each worker is a :class:`~feedline.SubprocessIterable` whose child holds the dataset (sent
 once, when the worker starts) and, per epoch, fetches its share of the batches with a thread
 pool, like the main process does without workers. Batch ``b`` goes to worker ``b % W``, as in
 PyTorch, so the parent restores the order by taking from the workers in turn. The parent
 deals the batches as the workers need them (:mod:`._deal`), on a queue of each worker's own.
+
+An iterable dataset is iterated by every worker, each seeing its own
+``torch.utils.data.get_worker_info()`` to take its share of the stream (PyTorch's protocol).
+Each worker batches and collates what its iterator gives; the parent takes the workers'
+batches in turn, leaving out a worker once its iterator is exhausted, which is the order
+PyTorch's DataLoader gives.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import multiprocessing as mp
 import os
 import pickle
@@ -19,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait as wait_for
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -33,7 +40,40 @@ from ._deal import Dealer, TaskStream, read_start
 from ._fetch import BatchFetcher, Task, collate_in_worker
 from ._state import is_stateful
 
-__all__ = ["WorkerSet"]
+__all__ = ["StreamMark", "WorkerSet"]
+
+
+class StreamMark(NamedTuple):
+    """Where a batch of an iterable dataset came from, for the loader's position.
+
+    Attributes:
+        worker: The worker whose iterator gave it.
+        batch: Its number among that worker's batches.
+        state: The dataset's ``state_dict()`` in that worker after it (stateful datasets).
+
+    """
+
+    worker: int
+    batch: int
+    state: Any
+
+
+class _Turns:
+    """An iterable dataset's epoch over the workers: whose batch comes next.
+
+    Args:
+        taken: Per worker, its batches the consumer had before a resume.
+        turn: The worker whose turn is next.
+        start: The epoch's number of the first batch to come.
+
+    """
+
+    exhausted = True  # nothing is dealt: every worker has its whole share
+
+    def __init__(self, taken: list[int], turn: int, start: int) -> None:
+        self.taken = taken
+        self.turn = turn
+        self.start = start
 
 
 class _WorkerIterable:
@@ -50,9 +90,11 @@ class _WorkerIterable:
         worker_init_fn: Callable[[int], None] | None,
         collate_fn: Callable[[Any], Any],
         auto_collation: bool,
+        stream: tuple[int, bool] | None = None,
     ) -> None:
         self._collate_fn = collate_fn
         self._auto = auto_collation
+        self._stream = stream  # an iterable dataset's (batch size, drop_last)
         self._dataset = dataset
         self._tasks = tasks
         self._worker_id = worker_id
@@ -66,7 +108,7 @@ class _WorkerIterable:
         self._tasks.seed = None  # parent starts the other workers and draws the batches
         if seeded is not None:
             self._seed(seeded)
-        _, epoch, base_seed, first, dataset_state, last = read_start(self._tasks.get)
+        _, epoch, base_seed, first, dataset_state, last, skip = read_start(self._tasks.get)
         if base_seed != seeded:
             self._seed(base_seed)
         tasks = TaskStream(self._tasks.queue, epoch, first, last)
@@ -74,6 +116,9 @@ class _WorkerIterable:
         if stateful and dataset_state is not None:
             self._dataset.load_state_dict(dataset_state)
         origin = f"DataLoader worker {self._worker_id} (pid {os.getpid()})"
+        if self._stream is not None:
+            yield from self._batches_of_stream(skip, stateful, origin)
+            return
         fetcher = BatchFetcher(
             self._dataset,
             self._concurrency,
@@ -100,6 +145,24 @@ class _WorkerIterable:
                 yield from self._pipeline(fetcher, tasks)
         finally:
             fetcher.close()
+
+    def _batches_of_stream(
+        self, skip: int, stateful: bool, origin: str
+    ) -> Iterator[tuple[int, Any, Any]]:
+        # An iterable dataset: this worker's batches of its own iterator, collated here, as
+        # PyTorch's workers make them; after a resume, the ``skip`` batches the consumer had
+        # are drawn again but not collated.
+        assert self._stream is not None
+        size, drop_last = self._stream
+        finish = collate_in_worker(shm_collate_for(self._collate_fn), self._auto, origin)
+        items = iter(self._dataset)
+        for number in itertools.count():
+            chunk = list(itertools.islice(items, size))
+            if not chunk or (drop_last and len(chunk) < size):
+                return
+            if number >= skip:
+                state = (0, self._dataset.state_dict()) if stateful else None
+                yield finish((number, chunk, state))
 
     def _pipeline(self, fetcher: BatchFetcher, tasks: TaskStream) -> Iterator[Any]:
         # The batches after the first: fetched by a pipeline, several in flight.
@@ -240,7 +303,7 @@ _SETTLE_SECONDS = 1.0
 class _Epoch:
     """One epoch over the workers: iterable, and interruptible as a pipeline's source."""
 
-    def __init__(self, workers: WorkerSet, dealer: Dealer, number: int) -> None:
+    def __init__(self, workers: WorkerSet, dealer: Dealer | _Turns, number: int) -> None:
         self._workers = workers
         self._dealer = dealer
         self._number = number
@@ -279,6 +342,8 @@ class WorkerSet:
             up only its own worker.
         collate_fn, auto_collation: The loader's; batches are collated in the workers, as in
             PyTorch, so one batch rather than its items crosses to the parent.
+        stream: For an iterable dataset, ``(batch size, drop_last)``: each worker batches
+            its own iterator (:meth:`stream_epoch`).
 
     """
 
@@ -296,6 +361,7 @@ class WorkerSet:
         in_order: bool = True,
         collate_fn: Callable[[Any], Any] | None = None,
         auto_collation: bool = True,
+        stream: tuple[int, bool] | None = None,
     ) -> None:
         # Imported here, before any worker forks, so that each worker does not import it anew
         # while seeding itself (15 ms per worker before its first item, measured on 2 cores).
@@ -329,6 +395,7 @@ class WorkerSet:
                     worker_init_fn,
                     collate_fn or _identity,
                     auto_collation,
+                    stream,
                 ),
                 buffer_size=prefetch,
                 timeout=timeout,
@@ -423,18 +490,53 @@ class WorkerSet:
             self._workers, self._shares, hands, states, strict=True
         ):
             self._start_one(worker, shares, method, base_seed)
-            message = ("start", self._epochs, base_seed, hand, state, dealer.exhausted)
+            message = ("start", self._epochs, base_seed, hand, state, dealer.exhausted, 0)
             if not write_first(shares.queue, message):
                 later.append((shares, message))  # put once every worker has forked
+        return self._begin(later, dealer)
+
+    def stream_epoch(
+        self,
+        base_seed: int,
+        dataset_states: list[Any] | None = None,
+        taken: list[int] | None = None,
+        turn: int = 0,
+        start: int = 0,
+    ) -> _Epoch:
+        """An iterable dataset's epoch: every worker iterates its own copy of the dataset.
+
+        The epoch, iterated, yields ``(number, batch, StreamMark)``: the workers' batches in
+        turn (``in_order=False``: as they come), each worker left out once its iterator is
+        exhausted. To resume, ``taken`` says how many of its batches each worker had handed
+        out (drawn again, not collated; a worker with a dataset state resumes from it
+        instead), ``turn`` whose turn is next, ``start`` the number of the next batch.
+        """
+        self._drop_unrun()
+        self._epochs += 1
+        count = len(self._workers)
+        states = dataset_states or [None] * count
+        done = taken or [0] * count
+        method = self._start_method()
+        later: list[tuple[_Shares, Any]] = []
+        for w, (worker, shares) in enumerate(zip(self._workers, self._shares, strict=True)):
+            self._start_one(worker, shares, method, base_seed)
+            skip = 0 if states[w] is not None else done[w]
+            message: tuple[Any, ...] = ("start", self._epochs, base_seed, [], states[w], True, skip)
+            if not write_first(shares.queue, message):
+                later.append((shares, message))
+        return self._begin(later, _Turns(done, turn, start))
+
+    def _begin(self, later: list[tuple[_Shares, Any]], dealer: Dealer | _Turns) -> _Epoch:
+        # The start messages too large to write at once, then every worker's pass.
         for shares, message in later:
-            shares.queue.put(message)
+            shares.queue.put(message)  # put once every worker has forked
         for worker in self._workers:
             worker.request_epoch()  # a no-op for a worker that has just started
         self._unrun = _Epoch(self, dealer, self._epochs)
         return self._unrun
 
     def _run(
-        self, dealer: Dealer, number: int, stopping: Callable[[], bool] | None
+        self, dealer: Dealer | _Turns, number: int, stopping: Callable[[], bool] | None
     ) -> Iterator[tuple[int, list[Any], Any]]:
         iterators: list[Iterator[tuple[int, list[Any], Any]]] = []
         done = False
@@ -446,7 +548,9 @@ class WorkerSet:
             for w in self._workers:
                 iterators.append(w.iter_until(stopping, settle=False))
             try:
-                if self._in_order:
+                if isinstance(dealer, _Turns):
+                    yield from self._streams(iterators, dealer, stopping)
+                elif self._in_order:
                     yield from self._in_turn(iterators, dealer, send)
                 else:
                     yield from self._as_they_come(iterators, dealer, send, stopping)
@@ -517,6 +621,42 @@ class WorkerSet:
                 number, items, snapshot = next(iterators[w])  # raises if the worker died
                 dealer.handed_out(w)
                 yield number, items, None if snapshot is None else (w, snapshot[1])
+
+    def _streams(
+        self,
+        iterators: list[Iterator[tuple[int, Any, Any]]],
+        turns: _Turns,
+        stopping: Callable[[], bool] | None,
+    ) -> Iterator[tuple[int, Any, Any]]:
+        # An iterable dataset's batches: worker after worker (in_order=False: as they come),
+        # each left out once its iterator ends, as PyTorch takes them.
+        ended = [False] * len(iterators)
+        number, turn = turns.start, turns.turn
+        while not all(ended):
+            if self._in_order:
+                ready = [turn]
+            else:
+                handles = {
+                    h: w
+                    for w, done in enumerate(ended)
+                    if not done
+                    for h in self._workers[w].wait_handles()
+                }
+                ready = sorted({handles[h] for h in wait_for(list(handles), timeout=_POLL)})
+                if stopping is not None and stopping():
+                    raise _Abandoned
+            for w in ready:
+                turn = (w + 1) % len(iterators)
+                if ended[w]:
+                    continue
+                try:
+                    batch, items, snapshot = next(iterators[w])  # raises if the worker died
+                except StopIteration:
+                    ended[w] = True
+                    continue
+                state = None if snapshot is None else snapshot[1]
+                yield number, items, StreamMark(w, batch, state)
+                number += 1
 
     def close(self) -> None:
         """Stop every worker process, all at once (about a second at most). Idempotent."""
