@@ -20,6 +20,7 @@ from .errors import (
 )
 from .loader import DataLoader, PathList
 from .pipeline import (
+    Mixture,
     Pipeline,
     PipelineBuilder,
     PipelineStats,
@@ -38,6 +39,7 @@ __all__ = [
     "ConfigurationError",
     "DataLoader",
     "FeedlineError",
+    "Mixture",
     "PathList",
     "Pipeline",
     "PipelineBuilder",

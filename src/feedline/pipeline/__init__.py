@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ._builder import PipelineBuilder
 from ._lifetime import die_with_parent
+from ._mixture import Mixture
 from ._pipeline import Pipeline
 from ._queue import ChannelStats
 from ._subprocess import SubprocessIterable, iterate_in_subprocess, run_pipeline_in_subprocess
@@ -14,6 +15,7 @@ from .stats import PipelineStats, StageStats
 
 __all__ = [
     "ChannelStats",
+    "Mixture",
     "Pipeline",
     "PipelineBuilder",
     "PipelineStats",
