@@ -12,13 +12,14 @@ what to whom. :func:`simulate_beta` estimates the exchanged share without proces
 it holds once (its cache keeps it), and then trains mostly on it.
 """
 
+from feedline.source.stored import StoredSamples
+
 from ._balance import balance
 from ._cost import CostModel, expected_beta
 from ._exchange import ExchangeError, ExchangeTimeout
 from ._loader import DistributedLoader, LoaderStats
 from ._placement import holders
 from ._plan import RankPlan, StepPlan, plan_for, plan_step
-from ._samples import StoredSamples
 from ._sequence import GlobalSequence
 from ._simulate import simulate_beta
 

@@ -1,4 +1,4 @@
-"""Raw samples kept as objects in a store or as files: the map-style dataset the loader reads."""
+"""Raw samples kept as objects in a store or as files: a map-style dataset of their bytes."""
 
 from __future__ import annotations
 
@@ -44,10 +44,15 @@ class StoredSamples:
         return len(self.keys)
 
     def __getitem__(self, index: int) -> bytes:
+        return bytes(self.read(index))
+
+    def read(self, index: int) -> bytes | memoryview:
+        """Sample ``index``'s bytes without a copy (a file's bytes, or the store's view)."""
         key = self.keys[index]
         if self._root is not None:
             return (self._root / key).read_bytes()
-        return bytes(self.store.read_sync(key))
+        view: memoryview = self.store.read_sync(key)
+        return view
 
     def __repr__(self) -> str:
         where = self._root if self._root is not None else self.store

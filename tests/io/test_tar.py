@@ -1,0 +1,116 @@
+"""The tar reader against Python's tarfile, and every truncation or damaged header."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+import pytest
+
+from feedline.io.tar import tar_members, tar_samples
+
+
+def _archive(fmt: int, count: int = 6, long_names: bool = False) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+        for i in range(count):
+            stem = ("d" * 120 + "/") if long_names and i % 2 else ""
+            for ext, body in (("jpg", bytes([i]) * (300 + 97 * i)), ("cls", str(i).encode())):
+                info = tarfile.TarInfo(f"train/{stem}{i:06d}.{ext}")
+                info.size = len(body)
+                tar.addfile(info, io.BytesIO(body))
+        folder = tarfile.TarInfo("train/folder")
+        folder.type = tarfile.DIRTYPE
+        tar.addfile(folder)
+        link = tarfile.TarInfo("train/link.jpg")
+        link.type = tarfile.SYMTYPE
+        link.linkname = "x" * (150 if fmt != tarfile.USTAR_FORMAT else 50)
+        tar.addfile(link)
+        empty = tarfile.TarInfo("train/empty.txt")
+        tar.addfile(empty, io.BytesIO(b""))
+    return buf.getvalue()
+
+
+def _tarfile_members(data: bytes) -> list[tuple[str, bytes]]:
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        return [(m.name, tar.extractfile(m).read()) for m in tar if m.isfile()]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+@pytest.mark.parametrize("long_names", [False, True])
+def test_members_are_tarfiles_without_a_copy(fmt: int, long_names: bool) -> None:
+    if fmt == tarfile.USTAR_FORMAT and long_names:
+        long_names = False  # ustar cannot hold them; its prefix field is covered below
+    data = _archive(fmt, long_names=long_names)
+    ours = list(tar_members(data, shard="a.tar"))
+    assert [(m.name, bytes(m.data)) for m in ours] == _tarfile_members(data)
+    assert all(m.data.obj is data for m in ours)  # views of the archive, not copies
+    assert ours[0].offset == 0 if fmt == tarfile.USTAR_FORMAT else ours[0].offset >= 0
+
+
+def test_a_ustar_prefix_and_pax_paths() -> None:
+    for fmt, name in (
+        (tarfile.USTAR_FORMAT, "p" * 90 + "/" + "q" * 90 + ".bin"),  # split into the prefix
+        (tarfile.PAX_FORMAT, "ü/" + "r" * 200 + ".txt"),  # non-ASCII and long: a pax path
+    ):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+            info = tarfile.TarInfo(name)
+            info.size = 5
+            tar.addfile(info, io.BytesIO(b"hello"))
+        data = buf.getvalue()
+        found = [(m.name, bytes(m.data)) for m in tar_members(data)]
+        assert found == _tarfile_members(data) == [(name, b"hello")]
+
+
+def test_a_base_256_size_is_read() -> None:
+    data = bytearray(_archive(tarfile.GNU_FORMAT, count=1))
+    header = data[:512]
+    size = int(header[124:136].rstrip(b"\0 "), 8)
+    header[124:136] = b"\x80" + size.to_bytes(11, "big")  # GNU's base-256 form
+    header[148:156] = b" " * 8
+    header[148:156] = f"{sum(header):06o}\0 ".encode()
+    data[:512] = header
+    assert bytes(next(tar_members(bytes(data))).data) == b"\0" * size
+
+
+def test_samples_are_grouped_by_key_as_webdataset_does() -> None:
+    data = _archive(tarfile.GNU_FORMAT, count=3)
+    samples = list(tar_samples(data, shard="s3://b/shard-0.tar"))
+    keys = ["train/000000", "train/000001", "train/000002", "train/empty"]
+    assert [s["__key__"] for s in samples] == keys
+    assert all(s["__url__"] == "s3://b/shard-0.tar" for s in samples)
+    assert bytes(samples[1]["cls"]) == b"1"
+    assert bytes(samples[2]["jpg"]) == bytes([2]) * (300 + 97 * 2)
+    assert set(samples[0]) == {"__key__", "__url__", "jpg", "cls"}
+    assert bytes(samples[3]["txt"]) == b""
+    assert list(tar_samples(b"\0" * 1024)) == []
+
+
+def test_every_truncation_raises_value_error_naming_the_shard_and_offset() -> None:
+    data = _archive(tarfile.PAX_FORMAT, count=3, long_names=True)
+    end = len(data) - 1024  # tarfile pads: the end-of-archive block is somewhere before
+    while data[end - 512 : end] == bytes(512):
+        end -= 512
+    end += 512  # just after the first end-of-archive block
+    for cut in range(end):
+        with pytest.raises(ValueError, match=r"cut\.tar: .*offset \d+"):
+            list(tar_members(data[:cut], shard="cut.tar"))
+
+
+def test_every_damaged_header_byte_raises_value_error() -> None:
+    data = _archive(tarfile.GNU_FORMAT, count=2)
+    headers = [m.offset for m in tar_members(data)]
+    for start in headers:
+        for k in range(512):
+            damaged = bytearray(data)
+            damaged[start + k] ^= 0x41
+            with pytest.raises(ValueError, match=r"damaged|not a tar header|truncated"):
+                list(tar_members(bytes(damaged), shard="bad.tar"))
+
+
+def test_not_a_tar_archive_says_so() -> None:
+    with pytest.raises(ValueError, match="not a tar header"):
+        list(tar_members(b"PK\x03\x04" + bytes(1020), shard="x.zip"))
+    with pytest.raises(ValueError, match="truncated"):
+        list(tar_members(b"", shard="empty"))
