@@ -49,6 +49,7 @@ SCENARIOS: dict[str, str] = {
     "images": "JPEG files to batches: DataLoaders and pipelines against the machine's bound",
     "latency": "DataLoader over reads that wait on a slow server, against PyTorch's",
     "memory": "peak memory (PSS) of a DataLoader over 2 million file paths",
+    "shards": "reading tar shards in memory, against Python's tarfile",
     "startup": "time to the first batch, against PyTorch's DataLoader with workers",
     "train": "headspace: training steps/s beside each loader, against cached batches",
     "verify": "checking object bodies (MD5, CRC-32) per GiB, against copying them",
@@ -65,6 +66,7 @@ REQUIRES: dict[str, tuple[str, ...]] = {
     "images": ("torch", "PIL", *_PICTURES),  # its baseline is PyTorch + Pillow
     "latency": ("torch", *_PICTURES),
     "memory": ("torch",),
+    "shards": (),
     "startup": ("torch", *_PICTURES),
     "train": ("torch", *_PICTURES),
     "verify": (),
