@@ -181,3 +181,38 @@ def make_tensors() -> list[object]:
         {"t": big[::2], "bf": torch.ones(4, dtype=torch.bfloat16), "n": 3},
         torch.tensor(True),
     ]
+
+
+class NotForPickling:
+    """What a region's first function hands its second: refuses to be pickled."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __reduce__(self) -> Any:
+        raise TypeError("NotForPickling crossed a process boundary")
+
+
+def wrap(x: int) -> NotForPickling:
+    return NotForPickling(x)
+
+
+def unwrap_with_pid(item: NotForPickling) -> tuple[int, int, np.ndarray[Any, Any]]:
+    return item.value, os.getpid(), np.full((200, 200), item.value, dtype=np.float32)
+
+
+class Counted:
+    """An input that counts how often it is pickled (in the process that pickles it)."""
+
+    pickled = 0
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __reduce__(self) -> Any:
+        Counted.pickled += 1
+        return (Counted, (self.value,))
+
+
+def value_of(item: Counted) -> int:
+    return item.value * 10

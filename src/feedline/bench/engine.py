@@ -8,6 +8,9 @@
     turn a thread wake-up; the growing sink shows what the stages themselves cost.
 (b) A stage that releases the GIL (SHA-256 of 1 MiB) at concurrency 1, 2 and 4, against
     ``ThreadPoolExecutor.map`` doing the same work: the engine should add nothing measurable.
+(c) A stage that holds the GIL (read an annotation file, ``json.loads`` it, loop over its
+    boxes into an array), on 2 threads against a process region of 2 worker processes
+    (``pipe_in_processes``): what moving it out of the GIL's reach buys on 2 cores.
 
 SPDL (``spdl.pipeline``, PyPI ``spdl``) runs as a contender when it is installed.
 """
@@ -212,6 +215,55 @@ def _gil_free(n: int, repeats: int, progress: Any) -> list[Measurement]:
     return out
 
 
+def _annotations(path: str) -> Any:
+    # Holds the GIL throughout: read an annotation file, parse its JSON, loop over its boxes.
+    import json
+
+    import numpy as np
+
+    with open(path, "rb") as f:
+        boxes = json.loads(f.read())["boxes"]
+    return np.array([[b["x"], b["y"], b["w"], b["h"]] for b in boxes], dtype=np.float32)
+
+
+def _gil_holding(n: int, repeats: int, progress: Any) -> list[Measurement]:
+    import json
+    import random
+    import tempfile
+    from pathlib import Path
+
+    rng = random.Random(0)
+    folder = Path(tempfile.mkdtemp(prefix="feedline-bench-json-"))
+    paths = []
+    for k in range(16):
+        boxes = [{"x": rng.random(), "y": rng.random(), "w": rng.random(), "h": rng.random()}]
+        paths.append(folder / f"{k}.json")
+        paths[-1].write_text(json.dumps({"boxes": boxes * 2000}))
+    items = [str(paths[i % len(paths)]) for i in range(n)]
+    threads = PipelineBuilder[str]().add_source(items).pipe(_annotations, concurrency=2)
+    region = PipelineBuilder[str]().add_source(items).pipe_in_processes(_annotations, processes=2)
+    pipelines: dict[str, Any] = {
+        "feedline, 2 threads": threads.add_sink().build(),
+        "feedline, process region of 2": region.add_sink().build(),
+    }
+    sum(1 for _ in pipelines["feedline, process region of 2"])  # starts the workers: untimed
+
+    def epoch(name: str) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        k = sum(1 for _ in pipelines[name])
+        return k, time.perf_counter() - t0
+
+    size = paths[0].stat().st_size // 1000
+    case = f"annotation files of {size} kB: read, json.loads, a loop (holds the GIL), 2 cores"
+    contenders = [Contender(name, functools.partial(epoch, name)) for name in pipelines]
+    try:
+        return alternate(case, contenders, repeats, "feedline, 2 threads", progress)
+    finally:
+        for path in paths:
+            path.unlink()
+        folder.rmdir()
+
+
 def run(options: BenchOptions) -> ScenarioResult:
     """Run the engine scenario; ``options.quick`` shrinks it to a smoke test."""
     quick, progress = options.quick, options.progress
@@ -222,6 +274,7 @@ def run(options: BenchOptions) -> ScenarioResult:
     measurements = _overhead(n_items, repeats, sink, progress)
     measurements += _latency(20 if quick else 200, repeats, progress)
     measurements += _gil_free(n_hash, repeats, progress)
+    measurements += _gil_holding(40 if quick else 600, repeats, progress)
     notes = [
         f"{repeats} alternating run(s) per contender, medians; no-op cases move {n_items} items "
         f"with add_sink(buffer_size={sink}) (SPDL's default) where the contender says so, "
@@ -236,6 +289,8 @@ def run(options: BenchOptions) -> ScenarioResult:
         "(by default two results per slot of the last stage, at least 3, growing while it "
         "keeps the consumer waiting; SPDL: 3), and pays a wake-up to restart a stage that "
         "stopped on a full buffer",
+        "annotation files: the baseline is the same stage on 2 threads; the process region's "
+        "workers start in a first epoch that is not timed, and serve the timed ones",
     ]
     return make_result(
         "engine",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import pickle
-from collections.abc import AsyncIterable, Callable, Iterable
+from collections.abc import AsyncIterable, Callable, Iterable, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
@@ -25,6 +25,7 @@ from ._defs import (
     op_kind,
 )
 from ._pipeline import Pipeline
+from ._region import RegionPool, RunOfStages, unpack_region_output
 from ._resume import (
     TaggedAsyncGenerator,
     TaggedAsyncOp,
@@ -59,6 +60,24 @@ def _check_picklable(stage: str, op: Callable[..., Any]) -> None:
             "module level (not a lambda or a nested function), make what it holds picklable, "
             "or use a ThreadPoolExecutor"
         ) from error
+
+
+class _RegionPlaceholder(Executor):
+    # Stands for a process region's pool until build() makes one per pipeline.
+    def __init__(self, processes: int, mp_context: str | None) -> None:
+        self.processes, self.mp_context = processes, mp_context
+
+
+def _with_region_pools(stages: tuple[StageConfig, ...]) -> tuple[StageConfig, ...]:
+    # Each process region of a new pipeline gets a pool of its own (the pipeline closes it).
+    out: list[StageConfig] = []
+    for s in stages:
+        if isinstance(s, PipeConfig) and isinstance(s.executor, _RegionPlaceholder):
+            s = dataclasses.replace(
+                s, executor=RegionPool(s.executor.processes, s.executor.mp_context)
+            )
+        out.append(s)
+    return tuple(out)
 
 
 def _op_name(op: Callable[..., Any]) -> str:
@@ -268,6 +287,72 @@ class PipelineBuilder(Generic[T]):
         )
         return self
 
+    def pipe_in_processes(
+        self,
+        ops: Callable[[Any], Any] | Sequence[Callable[[Any], Any]],
+        *,
+        processes: int = 2,
+        concurrency: int | None = None,
+        output_order: str = "completion",
+        name: str | None = None,
+        mp_context: str | None = None,
+    ) -> PipelineBuilder[Any]:
+        """Apply a run of functions to every item in worker processes: a process region.
+
+        For stages that hold the GIL, which threads cannot run side by side. Each worker
+        applies the whole run to an item, so only the item and the run's result cross the
+        process boundary (nothing between the run's functions is pickled); NumPy arrays and
+        CPU tensors in the result of 64 KiB or more come back through shared memory. The
+        pipeline owns the processes: they start with the first item (from the fork server),
+        serve every epoch, end if this process is killed, and are shut down when the
+        pipeline is dropped.
+
+        Args:
+            ops: The run: one function, or several applied in turn (module-level functions
+                or picklable callables, since they travel to the workers).
+            processes: Worker processes.
+            concurrency: Items in the workers at once (default: twice ``processes``, so that
+                a worker finds its next item waiting).
+            output_order: As in :meth:`pipe`.
+            name: Name in statistics and errors; defaults to the functions' names joined
+                by ``+``. A second stage, ``<name>:unpack``, maps the shared memory.
+            mp_context: Start method of the workers (default ``"forkserver"``; ``"spawn"``
+                also works; a fork of a process running the pipeline's threads is unsafe).
+
+        Raises:
+            ConfigurationError: On an argument that cannot work, saying what would.
+
+        """
+        run = [ops] if callable(ops) else list(ops)
+        if not run or not all(callable(op) for op in run):
+            raise ConfigurationError(
+                "pipe_in_processes() needs a function or a non-empty list of functions"
+            )
+        for op in run:
+            if op_kind(op) is not OpKind.FUNCTION:
+                raise ConfigurationError(
+                    f"pipe_in_processes(): {_op_name(op)!r} is a {op_kind(op).value}; a process "
+                    "region runs plain functions of one item (make it return a list, or keep "
+                    "it in a pipe() stage)"
+                )
+        processes = _check_positive_int("processes", processes, "It is how many workers run.")
+        if mp_context not in (None, "forkserver", "spawn"):
+            raise ConfigurationError(
+                f"mp_context must be 'forkserver' or 'spawn', got {mp_context!r}: the pipeline's "
+                "threads make a fork unsafe"
+            )
+        region = name or "+".join(_op_name(op) for op in run)
+        op = RunOfStages(run, region)
+        _check_picklable(region, op)
+        self.pipe(
+            op,
+            concurrency=2 * processes if concurrency is None else concurrency,
+            executor=_RegionPlaceholder(processes, mp_context),
+            output_order=output_order,
+            name=region,
+        )
+        return self.pipe(unpack_region_output, output_order=output_order, name=f"{region}:unpack")
+
     def aggregate(
         self, num_items: int, *, drop_last: bool = False, name: str | None = None
     ) -> PipelineBuilder[list[Any]]:
@@ -440,9 +525,10 @@ class PipelineBuilder(Generic[T]):
             raise ConfigurationError(f"resumable must be True or False, got {resumable!r}")
         if resumable:
             self._check_resumable()
+        stages = _with_region_pools(self._tagged_stages())
         config = PipelineConfig(
             source=self._source,
-            stages=self._tagged_stages(),
+            stages=stages,
             sink=self._sink_config(),
             num_threads=num_threads,
             max_failures=max_failures,

@@ -11,8 +11,9 @@ from typing import Any, Generic, TypeVar
 
 from feedline.errors import ConfigurationError
 
-from ._defs import PipelineConfig
+from ._defs import PipeConfig, PipelineConfig
 from ._engine import Run
+from ._region import RegionPool
 from ._resume import Progress, Tagged, tag_async_source, tag_source
 from .stats import PipelineStats
 
@@ -24,13 +25,14 @@ _POLL = 0.1  # seconds; how often a pipeline used as a source checks whether its
 
 
 class _Holder:
-    """What the finalizer may touch: the current run, never the Pipeline itself."""
+    """What the finalizer may touch: the current run and process regions, never the Pipeline."""
 
-    __slots__ = ("lock", "run")
+    __slots__ = ("lock", "regions", "run")
 
-    def __init__(self) -> None:
+    def __init__(self, regions: list[RegionPool]) -> None:
         self.run: Run | None = None
         self.lock = threading.Lock()
+        self.regions = regions
 
     def stop(self) -> None:
         with self.lock:
@@ -40,6 +42,17 @@ class _Holder:
             with self.lock:
                 if self.run is run:
                     self.run = None
+            if not run.finished:  # stopped part-way or failed: items under way are dropped
+                self.close_regions()
+
+    def close_regions(self) -> None:
+        for pool in self.regions:
+            pool.close()
+
+    def close(self) -> None:
+        """The pipeline is gone: stop its run and end its worker processes."""
+        self.stop()
+        self.close_regions()
 
 
 class Pipeline(Generic[T]):
@@ -77,10 +90,11 @@ class Pipeline(Generic[T]):
 
     def __init__(self, config: PipelineConfig) -> None:
         self._config = config
-        self._holder = _Holder()
+        regions = [s.executor for s in config.stages if isinstance(s, PipeConfig)]
+        self._holder = _Holder([pool for pool in regions if isinstance(pool, RegionPool)])
         self._last: Run | None = None
         self._iterating = False
-        self._finalizer = weakref.finalize(self, _Holder.stop, self._holder)
+        self._finalizer = weakref.finalize(self, _Holder.close, self._holder)
         # resumable=True: what the current (or last) epoch delivered, and a loaded state
         # waiting for the next epoch.
         self._progress = Progress()
