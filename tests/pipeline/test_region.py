@@ -54,9 +54,7 @@ def test_a_run_of_stages_runs_in_workers_and_nothing_between_them_is_pickled() -
 
 
 def test_an_epoch_left_early_ends_the_workers_and_the_next_starts_new_ones() -> None:
-    pipeline = (
-        PipelineBuilder().add_source(range(50)).pipe_in_processes(square).add_sink().build()
-    )
+    pipeline = PipelineBuilder().add_source(range(50)).pipe_in_processes(square).add_sink().build()
     for k, _ in enumerate(pipeline):
         if k == 3:
             break

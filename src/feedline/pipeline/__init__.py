@@ -6,6 +6,7 @@ See ``README.md`` in this folder for how the parts fit together.
 from __future__ import annotations
 
 from ._builder import PipelineBuilder
+from ._hooks import TaskHook
 from ._lifetime import die_with_parent
 from ._mixture import Mixture
 from ._pipeline import Pipeline
@@ -21,6 +22,7 @@ __all__ = [
     "PipelineStats",
     "StageStats",
     "SubprocessIterable",
+    "TaskHook",
     "die_with_parent",
     "iterate_in_subprocess",
     "run_pipeline_in_subprocess",

@@ -24,6 +24,7 @@ from ._defs import (
     StageConfig,
     op_kind,
 )
+from ._hooks import TaskHook, hooked
 from ._pipeline import Pipeline
 from ._region import RegionPool, RunOfStages, unpack_region_output
 from ._resume import (
@@ -60,6 +61,16 @@ def _check_picklable(stage: str, op: Callable[..., Any]) -> None:
             "module level (not a lambda or a nested function), make what it holds picklable, "
             "or use a ThreadPoolExecutor"
         ) from error
+
+
+_HOOK_METHODS = ("stage_start", "stage_end", "task_start", "task_end")
+
+
+def _hookable(stage: StageConfig) -> bool:
+    # Op stages run in this process: hooks wrap their ops.
+    return isinstance(stage, PipeConfig) and not isinstance(
+        stage.executor, ProcessPoolExecutor | _RegionPlaceholder
+    )
 
 
 class _RegionPlaceholder(Executor):
@@ -444,6 +455,7 @@ class PipelineBuilder(Generic[T]):
         max_failures: int | float | None = 0,
         report_stats_interval: float | None = None,
         resumable: bool = False,
+        hooks: Sequence[TaskHook] = (),
     ) -> Pipeline[T]:
         """Validate the definition and return a :class:`~feedline.Pipeline` (not yet running).
 
@@ -466,6 +478,10 @@ class PipelineBuilder(Generic[T]):
                 pass; each stage must turn one item into one (functions and coroutine
                 functions, ``aggregate``), and the source cannot be another Pipeline. Costs
                 a small wrapper per item and stage.
+            hooks: :class:`~feedline.pipeline.TaskHook` objects, called when each epoch's
+                stages start and end and around every call of every op stage (not those in
+                other processes), on the thread that runs it: for tracing and statistics of
+                your own. None (the default) costs nothing.
 
         Raises:
             ConfigurationError: If the definition cannot run, saying how to fix it.
@@ -525,7 +541,15 @@ class PipelineBuilder(Generic[T]):
             raise ConfigurationError(f"resumable must be True or False, got {resumable!r}")
         if resumable:
             self._check_resumable()
-        stages = _with_region_pools(self._tagged_stages())
+        hooks = tuple(hooks)
+        for hook in hooks:
+            missing = [m for m in _HOOK_METHODS if not callable(getattr(hook, m, None))]
+            if missing:
+                raise ConfigurationError(
+                    f"hooks: {type(hook).__name__} has no {', '.join(missing)}; subclass "
+                    "feedline.pipeline.TaskHook and override the methods you need"
+                )
+        stages = _with_region_pools(self._tagged_stages(hooks))
         config = PipelineConfig(
             source=self._source,
             stages=stages,
@@ -534,6 +558,8 @@ class PipelineBuilder(Generic[T]):
             max_failures=max_failures,
             report_stats_interval=report_stats_interval,
             resumable=resumable,
+            hooks=hooks,
+            hooked_stages=tuple(s.name for s in self._stages if _hookable(s)) if hooks else (),
         )
         return Pipeline(config)
 
@@ -562,7 +588,7 @@ class PipelineBuilder(Generic[T]):
                     f"{instead}, or build without resumable=True"
                 )
 
-    def _tagged_stages(self) -> tuple[StageConfig, ...]:
+    def _tagged_stages(self, hooks: tuple[TaskHook, ...] = ()) -> tuple[StageConfig, ...]:
         # Items travel as Tagged records (see _resume): every op works on the value, groups
         # merge and split the numbers and source items.
         wrappers: dict[OpKind, Callable[[Any], Callable[..., Any]]] = {
@@ -574,7 +600,8 @@ class PipelineBuilder(Generic[T]):
         stages: list[StageConfig] = []
         for s in self._stages:
             if isinstance(s, PipeConfig):
-                stages.append(dataclasses.replace(s, op=wrappers[s.kind](s.op)))
+                op = hooked(s.op, s.kind, s.name, hooks) if hooks and _hookable(s) else s.op
+                stages.append(dataclasses.replace(s, op=wrappers[s.kind](op)))
             elif isinstance(s, AggregateConfig):
                 stages.append(dataclasses.replace(s, collect=merge_group))
             else:

@@ -27,12 +27,13 @@ _POLL = 0.1  # seconds; how often a pipeline used as a source checks whether its
 class _Holder:
     """What the finalizer may touch: the current run and process regions, never the Pipeline."""
 
-    __slots__ = ("lock", "regions", "run")
+    __slots__ = ("hooks", "lock", "regions", "run")
 
-    def __init__(self, regions: list[RegionPool]) -> None:
+    def __init__(self, regions: list[RegionPool], hooks: list[tuple[Any, str]]) -> None:
         self.run: Run | None = None
         self.lock = threading.Lock()
         self.regions = regions
+        self.hooks = hooks  # (TaskHook, stage) pairs: told when each epoch's stages end
 
     def stop(self) -> None:
         with self.lock:
@@ -40,8 +41,12 @@ class _Holder:
         if run is not None:
             run.stop()  # re-entrant: an interrupted stop keeps the run for the next call
             with self.lock:
-                if self.run is run:
+                ended = self.run is run
+                if ended:
                     self.run = None
+            if ended:
+                for hook, stage in self.hooks:
+                    hook.stage_end(stage)
             if not run.finished:  # stopped part-way or failed: items under way are dropped
                 self.close_regions()
 
@@ -91,7 +96,8 @@ class Pipeline(Generic[T]):
     def __init__(self, config: PipelineConfig) -> None:
         self._config = config
         regions = [s.executor for s in config.stages if isinstance(s, PipeConfig)]
-        self._holder = _Holder([pool for pool in regions if isinstance(pool, RegionPool)])
+        hooks = [(hook, stage) for stage in config.hooked_stages for hook in config.hooks]
+        self._holder = _Holder([pool for pool in regions if isinstance(pool, RegionPool)], hooks)
         self._last: Run | None = None
         self._iterating = False
         self._finalizer = weakref.finalize(self, _Holder.close, self._holder)
@@ -114,6 +120,8 @@ class Pipeline(Generic[T]):
             run = self._new_run()
             holder.run = run
             self._last = run
+        for hook, stage in holder.hooks:
+            hook.stage_start(stage)
         run.start()
 
     def _new_run(self) -> Run:

@@ -1,0 +1,122 @@
+"""Task hooks: user code called around every task of a pipeline's stages, for tracing.
+
+A :class:`TaskHook` given to :meth:`PipelineBuilder.build <feedline.PipelineBuilder.build>`
+is called when each epoch's stages start and end, and before and after every call of every
+op stage (a generator op's task lasts until it is exhausted). The hooks wrap the ops when
+the pipeline is built, so a pipeline without hooks runs exactly as before, at no cost.
+
+The built-in statistics do not go through hooks: they are counters the engine updates under
+each stage's lock together with the busy-slot count it schedules by, and a Python call
+before and after every task would cost cheap stages more than the engine's own work per
+item (``feedline bench engine``). Hooks are for what those counters do not say: a trace of
+each item's way through the stages, a histogram per stage, a custom metric.
+
+Hooks run on the thread that runs the task (a pool thread, or the event loop for coroutine
+ops), so they must be thread-safe and quick. A stage with a process-pool executor (and a
+process region) runs its ops in other processes: hooks are not called for its tasks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
+
+from ._defs import OpKind
+
+__all__ = ["TaskHook", "hooked"]
+
+
+class TaskHook:
+    """Called around the tasks of a pipeline's stages; override what you need.
+
+    Every method receives the stage's name. ``item`` is the value the op is called with.
+    """
+
+    def stage_start(self, stage: str) -> None:
+        """An epoch's run starts (before the stage's first task)."""
+
+    def stage_end(self, stage: str) -> None:
+        """An epoch's run ended or was stopped (after the stage's last task)."""
+
+    def task_start(self, stage: str, item: Any) -> None:
+        """A call of the stage's op is about to run on ``item``."""
+
+    def task_end(
+        self, stage: str, item: Any, result: Any, error: BaseException | None, seconds: float
+    ) -> None:
+        """The call on ``item`` returned ``result`` or raised ``error``, after ``seconds``.
+
+        For a generator op, ``result`` is the number of items it yielded.
+        """
+
+
+def hooked(
+    op: Callable[..., Any], kind: OpKind, stage: str, hooks: Sequence[TaskHook]
+) -> Callable[..., Any]:
+    """``op`` wrapped so that ``hooks`` are called around each of its calls."""
+    hooks = tuple(hooks)
+
+    def begin(item: Any) -> float:
+        for hook in hooks:
+            hook.task_start(stage, item)
+        return time.perf_counter()
+
+    def end(item: Any, result: Any, error: BaseException | None, start: float) -> None:
+        seconds = time.perf_counter() - start
+        for hook in hooks:
+            hook.task_end(stage, item, result, error, seconds)
+
+    if kind is OpKind.COROUTINE:
+
+        async def coroutine(item: Any) -> Any:
+            start = begin(item)
+            try:
+                result = await op(item)
+            except BaseException as error:
+                end(item, None, error, start)
+                raise
+            end(item, result, None, start)
+            return result
+
+        return coroutine
+    if kind is OpKind.GENERATOR:
+
+        def generator(item: Any) -> Iterator[Any]:
+            start, count = begin(item), 0
+            try:
+                for result in op(item):
+                    count += 1
+                    yield result
+            except BaseException as error:
+                end(item, count, error, start)
+                raise
+            end(item, count, None, start)
+
+        return generator
+    if kind is OpKind.ASYNC_GENERATOR:
+
+        async def async_generator(item: Any) -> AsyncIterator[Any]:
+            start, count = begin(item), 0
+            try:
+                async for result in op(item):
+                    count += 1
+                    yield result
+            except BaseException as error:
+                end(item, count, error, start)
+                raise
+            end(item, count, None, start)
+
+        return async_generator
+
+    def function(item: Any) -> Any:
+        start = begin(item)
+        try:
+            result = op(item)
+        except BaseException as error:
+            end(item, None, error, start)
+            raise
+        end(item, result, None, start)
+        return result
+
+    return function
