@@ -145,3 +145,24 @@ def test_the_queue_after_a_stage_defaults_by_the_kind_of_its_op() -> None:
         assert [s.buffer_size for s in p._config.stages] == [2, 8, 8, 16, 5, 1, 2]
         with p.auto_stop():
             assert sorted(p) == [0, 1, 2]
+
+
+def test_len_follows_the_source_through_one_to_one_stages_and_groups() -> None:
+    def build(source: Any, drop_last: bool = False) -> Any:
+        return (
+            PipelineBuilder()
+            .add_source(source)
+            .pipe(str)
+            .aggregate(4, drop_last=drop_last)
+            .add_sink()
+            .build()
+        )
+
+    for size, drop_last in ((10, False), (10, True), (8, False), (0, False)):
+        pipeline = build(range(size), drop_last)
+        assert len(pipeline) == len(list(pipeline))
+    with pytest.raises(TypeError, match="no len"):
+        len(build(iter(range(3))))
+    flat = PipelineBuilder().add_source([[1, 2]]).disaggregate().add_sink().build()
+    with pytest.raises(TypeError, match="any number"):
+        len(flat)

@@ -11,7 +11,7 @@ from typing import Any, Generic, TypeVar
 
 from feedline.errors import ConfigurationError
 
-from ._defs import PipeConfig, PipelineConfig
+from ._defs import AggregateConfig, DisaggregateConfig, OpKind, PipeConfig, PipelineConfig
 from ._engine import Run
 from ._region import RegionPool
 from ._resume import Progress, Tagged, tag_async_source, tag_source
@@ -321,6 +321,40 @@ class Pipeline(Generic[T]):
             )
 
     # -- introspection -----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Items an epoch yields, where the source has a length (to log progress).
+
+        One per source item through one-to-one stages, then ``aggregate``'s groups (the last
+        one partial unless ``drop_last``). Items that fail within the budget are left out,
+        so an epoch may yield fewer.
+
+        Raises:
+            TypeError: The source has no ``len()``, or a stage yields any number of items
+                per input (a generator op, ``disaggregate``).
+
+        """
+        source = self._config.source.source
+        try:
+            count = len(source)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(
+                f"this pipeline's source ({type(source).__name__}) has no len(), so neither has "
+                "the pipeline"
+            ) from None
+        for stage in self._config.stages:
+            if isinstance(stage, AggregateConfig):
+                whole, part = divmod(count, stage.size)
+                count = whole + (1 if part and not stage.drop_last else 0)
+            elif isinstance(stage, DisaggregateConfig) or stage.kind in (
+                OpKind.GENERATOR,
+                OpKind.ASYNC_GENERATOR,
+            ):
+                raise TypeError(
+                    f"stage {stage.name!r} yields any number of items per input: the pipeline "
+                    "has no len()"
+                )
+        return count
 
     def stats(self) -> PipelineStats:
         """Statistics of the current epoch (or the last one, once it ended).
