@@ -456,6 +456,7 @@ class PipelineBuilder(Generic[T]):
         report_stats_interval: float | None = None,
         resumable: bool = False,
         hooks: Sequence[TaskHook] = (),
+        continuous: bool = False,
     ) -> Pipeline[T]:
         """Validate the definition and return a :class:`~feedline.Pipeline` (not yet running).
 
@@ -482,6 +483,15 @@ class PipelineBuilder(Generic[T]):
                 stages start and end and around every call of every op stage (not those in
                 other processes), on the thread that runs it: for tracing and statistics of
                 your own. None (the default) costs nothing.
+            continuous: Run across epochs without stopping: when the source's pass ends,
+                the next begins at once (after ``source.set_epoch(epoch)`` where it has
+                one), so the next epoch's first items are under way while this epoch's last
+                ones finish. Each ``for`` loop still yields one epoch: an item belongs to the
+                epoch of its (first) source item, and items of the next epoch that finish
+                early wait for their loop. A group of ``aggregate`` may take items of two
+                epochs (it belongs to the first). The source must be iterable again (a list,
+                a :class:`~feedline.Mixture`, a dataset). Leaving a loop early ends the run
+                (the next loop runs the next epoch). Not with ``resumable``.
 
         Raises:
             ConfigurationError: If the definition cannot run, saying how to fix it.
@@ -539,6 +549,15 @@ class PipelineBuilder(Generic[T]):
             )
         if not isinstance(resumable, bool):
             raise ConfigurationError(f"resumable must be True or False, got {resumable!r}")
+        if continuous and resumable:
+            raise ConfigurationError(
+                "continuous=True and resumable=True cannot go together yet: a continuous run "
+                "numbers items across epochs; build two pipelines, or drop one of them"
+            )
+        if continuous and self._source is not None and self._source.is_async:
+            raise ConfigurationError(
+                "continuous=True needs a sync source (an iterable it can iterate again)"
+            )
         if resumable:
             self._check_resumable()
         hooks = tuple(hooks)
@@ -558,6 +577,7 @@ class PipelineBuilder(Generic[T]):
             max_failures=max_failures,
             report_stats_interval=report_stats_interval,
             resumable=resumable,
+            continuous=bool(continuous),
             hooks=hooks,
             hooked_stages=tuple(s.name for s in self._stages if _hookable(s)) if hooks else (),
         )

@@ -145,5 +145,6 @@ class PipelineConfig:
     max_failures: int | float | None
     report_stats_interval: float | None
     resumable: bool = False  # items travel numbered (see _resume); the Pipeline unwraps them
+    continuous: bool = False  # one run across epochs (see Pipeline._continuous_epoch)
     hooks: tuple[Any, ...] = ()  # TaskHooks (see _hooks), told when the stages start and end
     hooked_stages: tuple[str, ...] = ()  # the stages whose ops the hooks wrap

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
+import collections
 import dataclasses
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -105,6 +108,12 @@ class Pipeline(Generic[T]):
         # waiting for the next epoch.
         self._progress = Progress()
         self._loaded: Progress | None = None
+        # build(continuous=True): the epoch the next loop runs, the run's passes over the
+        # source, the numbers delivered, and items of later epochs that came early.
+        self._next_epoch = 0
+        self._passes: _Passes | None = None
+        self._delivered: Progress | None = None
+        self._held: collections.deque[tuple[int, Any]] = collections.deque()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -131,6 +140,20 @@ class Pipeline(Generic[T]):
         config = self._config
         progress: Progress | None = None
         on_failed = None
+        if config.continuous:
+            delivered = self._delivered = Progress()  # numbers across the epochs of this run
+            passes = self._passes = _Passes(config.source.source, self._next_epoch)
+
+            def failed_here(item: Any) -> None:
+                if isinstance(item, Tagged):
+                    delivered.mark(item.tag)
+
+            on_failed = failed_here
+
+            def wrap_passes(source: Any, run: Run) -> Any:
+                return tag_source(_wrap_source(passes, run), None, lambda: run.stopping)
+
+            return Run(config, wrap_passes, on_failed=on_failed)
         if config.resumable:
             progress = self._loaded or Progress()
             self._progress = progress  # before _loaded is cleared: never a moment with neither
@@ -221,7 +244,52 @@ class Pipeline(Generic[T]):
                 "this pipeline is already being iterated; a pipeline runs one epoch at a "
                 "time, so finish (or break out of) the other loop first"
             )
+        if self._config.continuous:
+            return self._continuous_epoch()
         return self._epoch()
+
+    @property
+    def epoch(self) -> int:
+        """With ``build(continuous=True)``: the epoch the next ``for`` loop runs."""
+        return self._next_epoch
+
+    def _continuous_epoch(self) -> Iterator[T]:
+        # One epoch of a run that goes on across epochs: the items whose first source number
+        # is of this epoch; later epochs' items that come early wait in _held.
+        self._iterating = True
+        left_early = True
+        try:
+            self.start()
+            run = self._holder.run
+            assert run is not None
+            epoch, passes, delivered = self._next_epoch, self._passes, self._delivered
+            held = self._held
+            assert passes is not None
+            assert delivered is not None
+            while True:
+                while held and held[0][0] == epoch:
+                    yield held.popleft()[1]
+                if passes.complete(epoch, delivered.below):
+                    break
+                try:
+                    item = run.get(None)
+                except EOFError:  # the source ran out: this was its last pass
+                    break
+                delivered.mark(item.tag)
+                first = item.tag if isinstance(item.tag, int) else item.tag[0]
+                home = passes.epoch_of(first)
+                if home == epoch:
+                    yield item.value
+                else:
+                    held.append((home, item.value))
+            left_early = False
+            self._next_epoch = epoch + 1
+        finally:
+            self._iterating = False
+            if left_early:  # a break or an exception: the run ends; the next loop starts anew
+                self._held.clear()
+                self._next_epoch += 1
+                self.stop()
 
     def _epoch(self) -> Iterator[T]:
         self._iterating = True
@@ -390,6 +458,47 @@ class _UntilStopped:
     def __iter__(self) -> Iterator[Any]:
         run = self._run
         return self._source.iter_until(lambda: run.stopping)  # type: ignore[no-any-return]
+
+
+class _Passes:
+    """A continuous run's source: pass after pass over the user's source, one per epoch.
+
+    Each pass tells the source its epoch (``set_epoch``, where it has one) and records where
+    it ended in the run's numbering, so that an item's epoch follows from its number. A pass
+    that yields nothing ends the run.
+    """
+
+    def __init__(self, source: Any, first_epoch: int) -> None:
+        self._source = source
+        self._first = first_epoch
+        self._ends: list[int] = []  # after pass k, this many items were numbered in all
+        self._lock = threading.Lock()
+
+    def __iter__(self) -> Iterator[Any]:
+        count = 0
+        for k in itertools.count():
+            setter = getattr(self._source, "set_epoch", None)
+            if callable(setter):
+                setter(self._first + k)
+            before = count
+            for item in self._source:
+                count += 1
+                yield item
+            with self._lock:
+                self._ends.append(count)
+            if count == before:
+                return
+
+    def epoch_of(self, number: int) -> int:
+        """The epoch of the item numbered ``number``."""
+        with self._lock:
+            return self._first + bisect.bisect_right(self._ends, number)
+
+    def complete(self, epoch: int, below: int) -> bool:
+        """Whether every item of ``epoch`` is done, when every number under ``below`` is."""
+        k = epoch - self._first
+        with self._lock:
+            return k < len(self._ends) and below >= self._ends[k]
 
 
 def _wrap_source(source: Any, run: Run) -> Any:

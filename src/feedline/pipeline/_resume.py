@@ -233,6 +233,12 @@ class Progress:
             below += 1
         self._below = below
 
+    @property
+    def below(self) -> int:
+        """Every number under this is done."""
+        with self._lock:
+            return self._below
+
     def skipper(self) -> Callable[[int], bool]:
         """Whether a source number was done when this was called (for the next pass).
 
