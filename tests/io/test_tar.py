@@ -114,3 +114,27 @@ def test_not_a_tar_archive_says_so() -> None:
         list(tar_members(b"PK\x03\x04" + bytes(1020), shard="x.zip"))
     with pytest.raises(ValueError, match="truncated"):
         list(tar_members(b"", shard="empty"))
+
+
+def test_a_sparse_member_raises_instead_of_being_left_out() -> None:
+    data = bytearray(_archive(tarfile.GNU_FORMAT, count=1))
+    header = data[:512]
+    header[156:157] = b"S"  # GNU sparse: this reader does not expand it
+    header[148:156] = b" " * 8
+    header[148:156] = f"{sum(header):06o}\0 ".encode()
+    data[:512] = header
+    with pytest.raises(ValueError, match="sparse file"):
+        list(tar_members(bytes(data), shard="s.tar"))
+
+
+def test_fields_are_lower_case_and_a_field_twice_raises_as_in_webdataset() -> None:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name in ("a/001.JPG", "a/001.Cls", "a/002.jpg", "a/002.jpg"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+    samples = tar_samples(buf.getvalue(), shard="w.tar")
+    assert set(next(samples)) == {"__key__", "__url__", "jpg", "cls"}
+    with pytest.raises(ValueError, match=r"w\.tar: the sample 'a/002' has 'jpg' twice"):
+        next(samples)

@@ -378,3 +378,20 @@ class ShardedStream(IterableDataset[Any]):
             if i == self.fail_at:
                 raise KeyError(f"item {i} is missing")
             yield torch.tensor([i, int(torch.randint(0, 1000, ()))])
+
+
+class LambdaStream(IterableDataset[Any]):
+    """Yields an item that cannot be pickled (a lambda) at ``bad``."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        self.n, self.bad = n, bad
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(worker, self.n, workers):
+            yield (lambda i=i: i) if i == self.bad else i
+
+
+def keep_as_is(batch: Any) -> Any:
+    return batch

@@ -14,9 +14,9 @@ torch = pytest.importorskip("torch")
 
 from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 
-from feedline import DataLoader  # noqa: E402
+from feedline import ConfigurationError, DataLoader  # noqa: E402
 
-from ._datasets import ResumableStream, ShardedStream, Stream  # noqa: E402
+from ._datasets import LambdaStream, ResumableStream, ShardedStream, Stream, keep_as_is  # noqa: E402
 from ._procs import no_children_left  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -124,4 +124,25 @@ def test_persistent_workers_serve_every_epoch() -> None:
     assert epochs[0] == epochs[1] == epochs[2] == _lists(TorchLoader(Stream(7), 2, num_workers=2))
     assert len(multiprocessing.active_children()) == 2  # the same two, kept
     loader.close()
+    no_children_left()
+
+
+def test_a_batch_that_cannot_cross_to_this_process_raises_not_vanishes() -> None:
+    loader = DataLoader(LambdaStream(12, bad=5), batch_size=2, num_workers=2, collate_fn=keep_as_is)
+    with pytest.raises(Exception, match="cannot be sent to the parent process"):
+        list(loader)
+    no_children_left()
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 3), (3, 2), (2, 0), (0, 2)])
+def test_resuming_with_another_worker_count_is_refused(before: int, after: int) -> None:
+    loader = DataLoader(ShardedStream(30), batch_size=2, num_workers=before)
+    for k, _ in enumerate(loader):
+        if k == 2:
+            break
+    state = loader.state_dict()
+    resumed = DataLoader(ShardedStream(30), batch_size=2, num_workers=after)
+    resumed.load_state_dict(state)
+    with pytest.raises(ConfigurationError, match=f"num_workers={before}"):
+        list(resumed)
     no_children_left()

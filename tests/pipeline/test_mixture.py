@@ -199,3 +199,15 @@ def test_bad_arguments_say_what_to_give(
 ) -> None:
     with pytest.raises(ConfigurationError, match=match):
         Mixture(args, **kwargs)
+
+
+def test_a_source_whose_iter_raises_is_raised_not_waited_for() -> None:
+    class Unlisted:
+        def __iter__(self) -> Iterator[int]:
+            raise OSError("cannot list bucket")
+
+    with pytest.raises(OSError, match="cannot list bucket"):
+        list(Mixture([range(3), Unlisted()], as_ready=True, stop="all"))
+    with pytest.raises(TypeError, match="timing"):
+        len(Mixture([range(3), range(5)], as_ready=True))
+    assert len(Mixture([range(3), range(5)], as_ready=True, stop="all")) == 8

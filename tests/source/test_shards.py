@@ -91,6 +91,8 @@ def test_ranks_share_the_shards_without_overlap(folder: Path) -> None:
     assert collections.Counter(k for part in parts for k in part) == collections.Counter(EVERY)
     with pytest.raises(Exception, match="rank must be"):
         TarShards(folder, KEYS, rank=4, world_size=4)
+    with pytest.raises(Exception, match="together"):
+        TarShards(folder, KEYS, rank=1)
 
 
 def _key(sample: dict[str, Any]) -> str:
@@ -105,6 +107,17 @@ def test_dataloader_workers_split_the_shards_as_in_pytorch(folder: Path, workers
         found.append(list(cls(shards, batch_size=None, num_workers=workers, collate_fn=_key)))
     assert found[0] == found[1]
     assert sorted(found[1]) == EVERY
+
+
+def _as_is(sample: Any) -> Any:
+    return sample
+
+
+def test_unshuffled_samples_cross_from_dataloader_workers_as_bytes(folder: Path) -> None:
+    loader = DataLoader(TarShards(folder, KEYS), batch_size=None, num_workers=2, collate_fn=_as_is)
+    samples = list(loader)
+    assert sorted(_keys(samples)) == EVERY
+    assert all(isinstance(s["jpg"], bytes) for s in samples)
 
 
 @pytest.mark.parametrize("stop", [1, 9, 30])

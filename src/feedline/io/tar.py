@@ -94,26 +94,31 @@ def tar_members(data: Any, *, shard: str = "<bytes>") -> Iterator[TarMember]:
             continue
         if kind in (b"x", b"g"):  # pax: records for the next member (or all: "g")
             records = _pax(body.tobytes(), shard, offset)
+            if any(key.startswith("GNU.sparse.") for key in records):
+                raise _sparse(shard, start - _BLOCK)
             if kind == b"x":
                 long_name = records.get("path", long_name)
                 if "size" in records:
                     pax_size = _pax_size(records["size"], shard, offset)
             continue
         name, long_name, pax_size = long_name or _name(block), None, None
+        if kind == b"S":
+            raise _sparse(shard, start - _BLOCK)
         if kind in _REGULAR:
             yield TarMember(name, body, start - _BLOCK)
         elif kind not in _SKIPPED:
-            continue  # another extension's header (Solaris, sparse files): skipped as tarfile
+            continue  # another extension's header (Solaris ACLs, volume labels): skipped
 
 
 def tar_samples(data: Any, *, shard: str = "<bytes>") -> Iterator[dict[str, Any]]:
     """The archive's files grouped into samples by key, as WebDataset groups them.
 
-    A file's key is its path up to the first dot of its base name, and the rest is its
-    extension: ``train/000123.seg.png`` is key ``train/000123``, field ``seg.png``.
-    Consecutive files with one key make a sample: ``{"__key__": key, "__url__": shard,
-    "jpg": memoryview, "cls": memoryview}``. Files without an extension are left out. A
-    key that comes back after another one starts another sample (as in WebDataset).
+    A file's key is its path up to the first dot of its base name, and the rest, in lower
+    case, is its field: ``train/000123.Seg.PNG`` is key ``train/000123``, field
+    ``seg.png``. Consecutive files with one key make a sample: ``{"__key__": key,
+    "__url__": shard, "jpg": memoryview, "cls": memoryview}``. Files without an extension
+    are left out. A key that comes back after another one starts another sample, and a
+    field twice in one sample raises :class:`ValueError` (as in WebDataset).
     """
     sample: dict[str, Any] | None = None
     for member in tar_members(data, shard=shard):
@@ -121,14 +126,26 @@ def tar_samples(data: Any, *, shard: str = "<bytes>") -> Iterator[dict[str, Any]
         dot = member.name.find(".", slash)
         if dot <= slash:  # no extension (or a hidden file: ".name")
             continue
-        key, field = member.name[:dot], member.name[dot + 1 :]
+        key, field = member.name[:dot], member.name[dot + 1 :].lower()
         if sample is None or sample["__key__"] != key:
             if sample is not None:
                 yield sample
             sample = {"__key__": key, "__url__": shard}
+        elif field in sample:
+            raise ValueError(
+                f"{shard}: the sample {key!r} has {field!r} twice (offset {member.offset}): "
+                "two files of one sample with the same extension"
+            )
         sample[field] = member.data
     if sample is not None:
         yield sample
+
+
+def _sparse(shard: str, offset: int) -> ValueError:
+    return ValueError(
+        f"{shard}: the member at offset {offset} is a sparse file, which this reader does "
+        "not expand: write shards without --sparse (or read this one with tarfile)"
+    )
 
 
 def _check_sum(block: bytes, shard: str, offset: int) -> None:

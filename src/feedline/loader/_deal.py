@@ -9,8 +9,8 @@ batches (about 0.4 s on one core) before the first one could start.
 
 Messages on a worker's queue, each tagged with the epoch's number:
 
-* ``("start", epoch, base_seed, tasks, dataset_state, last, skip)``: the epoch's first hand
-  (``skip``: for an iterable dataset, the worker's batches the consumer had before a resume);
+* ``("start", epoch, base_seed, tasks, dataset_state, last, taken)``: the epoch's first hand
+  (``taken``: for an iterable dataset, the worker's batches handed out before a resume);
 * ``("more", epoch, tasks, last)``: the next hand; ``last`` ends the worker's share.
 
 A worker skips messages of other epochs (hands dealt to an epoch it left early).

@@ -455,6 +455,8 @@ class _LoaderIter(Generic[T]):
         replay = skip if sampler_state is None else 0
         builder: PipelineBuilder[Any] = PipelineBuilder()
         epoch = None
+        if loader._iterable and state is not None:
+            _check_stream_workers(state, tl.num_workers)
         if loader._iterable and tl.num_workers > 0:
             # Each worker iterates its copy (its share, by get_worker_info()); after a
             # resume, each draws again the batches it had handed out.
@@ -807,3 +809,19 @@ def _stream_batches(loader: Any) -> tuple[int, bool]:
     tl = loader._torch_loader
     auto = bool(tl._auto_collation)
     return (tl.batch_size if auto else 1), bool(tl.drop_last) and auto
+
+
+def _check_stream_workers(state: dict[str, Any], workers: int) -> None:
+    # An iterable dataset's stream is split by the worker count: a position within it only
+    # means something with as many workers.
+    if state["finished"] or not state["batches_yielded"]:
+        return
+    taken = state["worker_batches"]
+    saved = 0 if taken is None else len(taken)
+    if saved != workers:
+        raise ConfigurationError(
+            f"this state was saved with num_workers={saved} and this loader has "
+            f"num_workers={workers}: an IterableDataset's stream is split between the workers, "
+            "so its position only holds with as many; resume with the same num_workers (or "
+            "from the start of the next epoch)"
+        )

@@ -108,7 +108,7 @@ class _WorkerIterable:
         self._tasks.seed = None  # parent starts the other workers and draws the batches
         if seeded is not None:
             self._seed(seeded)
-        _, epoch, base_seed, first, dataset_state, last, skip = read_start(self._tasks.get)
+        _, epoch, base_seed, first, dataset_state, last, taken = read_start(self._tasks.get)
         if base_seed != seeded:
             self._seed(base_seed)
         tasks = TaskStream(self._tasks.queue, epoch, first, last)
@@ -117,7 +117,10 @@ class _WorkerIterable:
             self._dataset.load_state_dict(dataset_state)
         origin = f"DataLoader worker {self._worker_id} (pid {os.getpid()})"
         if self._stream is not None:
-            yield from self._batches_of_stream(skip, stateful, origin)
+            # Resumed: a dataset with a state goes on from it; else the batches handed out
+            # are drawn again, not collated.
+            replay = taken if dataset_state is None else 0
+            yield from self._batches_of_stream(taken, replay, stateful, origin)
             return
         fetcher = BatchFetcher(
             self._dataset,
@@ -147,22 +150,24 @@ class _WorkerIterable:
             fetcher.close()
 
     def _batches_of_stream(
-        self, skip: int, stateful: bool, origin: str
+        self, first: int, replay: int, stateful: bool, origin: str
     ) -> Iterator[tuple[int, Any, Any]]:
-        # An iterable dataset: this worker's batches of its own iterator, collated here, as
-        # PyTorch's workers make them; after a resume, the ``skip`` batches the consumer had
-        # are drawn again but not collated.
+        # An iterable dataset: this worker's batches of its own iterator, numbered from
+        # ``first`` and collated here, as PyTorch's workers make them; the first ``replay``
+        # batches drawn (handed out before a resume) are dropped, not collated.
         assert self._stream is not None
         size, drop_last = self._stream
         finish = collate_in_worker(shm_collate_for(self._collate_fn), self._auto, origin)
         items = iter(self._dataset)
-        for number in itertools.count():
+        number = first - replay
+        while True:
             chunk = list(itertools.islice(items, size))
             if not chunk or (drop_last and len(chunk) < size):
                 return
-            if number >= skip:
+            if number >= first:
                 state = (0, self._dataset.state_dict()) if stateful else None
                 yield finish((number, chunk, state))
+            number += 1
 
     def _pipeline(self, fetcher: BatchFetcher, tasks: TaskStream) -> Iterator[Any]:
         # The batches after the first: fetched by a pipeline, several in flight.
@@ -520,8 +525,15 @@ class WorkerSet:
         later: list[tuple[_Shares, Any]] = []
         for w, (worker, shares) in enumerate(zip(self._workers, self._shares, strict=True)):
             self._start_one(worker, shares, method, base_seed)
-            skip = 0 if states[w] is not None else done[w]
-            message: tuple[Any, ...] = ("start", self._epochs, base_seed, [], states[w], True, skip)
+            message: tuple[Any, ...] = (
+                "start",
+                self._epochs,
+                base_seed,
+                [],
+                states[w],
+                True,
+                done[w],
+            )
             if not write_first(shares.queue, message):
                 later.append((shares, message))
         return self._begin(later, _Turns(done, turn, start))
@@ -632,6 +644,7 @@ class WorkerSet:
         # each left out once its iterator ends, as PyTorch takes them.
         ended = [False] * len(iterators)
         number, turn = turns.start, turns.turn
+        expected = list(turns.taken)  # each worker's next batch number
         while not all(ended):
             if self._in_order:
                 ready = [turn]
@@ -654,6 +667,12 @@ class WorkerSet:
                 except StopIteration:
                     ended[w] = True
                     continue
+                if batch != expected[w]:
+                    raise RuntimeError(
+                        f"DataLoader worker {w} sent its batch {batch} where {expected[w]} was "
+                        "due: a batch was lost on its way (see the worker's output)"
+                    )
+                expected[w] += 1
                 state = None if snapshot is None else snapshot[1]
                 yield number, items, StreamMark(w, batch, state)
                 number += 1

@@ -49,17 +49,18 @@ def _check_positive_int(what: str, value: object, hint: str) -> int:
     return value
 
 
-def _check_picklable(stage: str, op: Callable[..., Any]) -> None:
+def _check_picklable(
+    stage: str, op: Callable[..., Any], instead: str = "or use a ThreadPoolExecutor"
+) -> None:
     # Each call sends the op to a worker process by pickle: refuse one that cannot go, now,
     # rather than fail every item at run time.
     try:
         pickle.dumps(op)
     except Exception as error:
         raise ConfigurationError(
-            f"stage {stage!r}: the op {_op_name(op)!r} cannot be sent to a "
-            f"ProcessPoolExecutor's workers ({type(error).__name__}: {error}); define it at "
-            "module level (not a lambda or a nested function), make what it holds picklable, "
-            "or use a ThreadPoolExecutor"
+            f"stage {stage!r}: the op {_op_name(op)!r} cannot be sent to the worker "
+            f"processes ({type(error).__name__}: {error}); define it at module level (not a "
+            f"lambda or a nested function), make what it holds picklable, {instead}"
         ) from error
 
 
@@ -354,7 +355,7 @@ class PipelineBuilder(Generic[T]):
             )
         region = name or "+".join(_op_name(op) for op in run)
         op = RunOfStages(run, region)
-        _check_picklable(region, op)
+        _check_picklable(region, op, "or keep it in a pipe() stage on threads")
         self.pipe(
             op,
             concurrency=2 * processes if concurrency is None else concurrency,

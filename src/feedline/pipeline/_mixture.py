@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -106,7 +107,16 @@ class Mixture(Generic[T]):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        """The items of an iteration, where every source has a length (``TypeError`` else)."""
+        """The items of an iteration, where every source has a length (``TypeError`` else).
+
+        With ``as_ready`` and ``stop="first"``, which items come before the first source runs
+        out depends on timing: no length either.
+        """
+        if self.as_ready and self.stop == "first" and len(self.sources) > 1:
+            raise TypeError(
+                "a Mixture with as_ready=True and stop='first' has no len(): how many items "
+                "come before a source runs out depends on timing"
+            )
         sizes = [len(s) for s in self.sources]  # type: ignore[arg-type]
         if self.stop == "all" or len(sizes) == 1:
             return sum(sizes)
@@ -202,8 +212,9 @@ def _as_ready(sources: list[Iterable[Any]], stop: str, buffer_size: int) -> Iter
 
     def run(index: int, source: Iterable[Any]) -> None:
         error: BaseException | None = None
-        iterator = iter(source)
+        iterator: Any = None
         try:
+            iterator = iter(source)
             for item in iterator:
                 while not room[index].acquire(timeout=0.1):
                     if leaving.is_set():
@@ -240,5 +251,6 @@ def _as_ready(sources: list[Iterable[Any]], stop: str, buffer_size: int) -> Iter
             yield item
     finally:
         leaving.set()
-        for thread in threads:  # each leaves at its source's next item
-            thread.join(_JOIN_SECONDS)
+        deadline = time.monotonic() + _JOIN_SECONDS
+        for thread in threads:  # each leaves at its source's next item (or stays, a daemon)
+            thread.join(max(0.0, deadline - time.monotonic()))

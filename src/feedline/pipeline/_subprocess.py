@@ -29,6 +29,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Generic, TypeVar
 
 from feedline.errors import (
@@ -70,7 +71,7 @@ def _error_message(error: BaseException) -> tuple[BaseException | None, str]:
     return (error if rebuilds(error) else None), text
 
 
-def _send(data_q: Any, stop: Any, message: tuple[Any, ...]) -> bool:
+def _send(data_q: Any, stop: Any, message: Any, packed: Any = None) -> bool:
     # Put with a timeout so that an interrupted epoch never leaves the child stuck on a full queue.
     while True:
         try:
@@ -78,8 +79,25 @@ def _send(data_q: Any, stop: Any, message: tuple[Any, ...]) -> bool:
             return True
         except queue.Full:
             if stop.is_set():
-                release(message)  # its shared-memory segments will never be mapped
+                release(message if packed is None else packed)  # never to be mapped
                 return False
+
+
+def _pickled(packed: Any) -> bytes:
+    # The item's message, pickled here: a queue pickles in its feeder thread, where a
+    # failure is only printed and the item lost (an epoch would end short, silently).
+    message = ("item", packed)
+    try:
+        return bytes(ForkingPickler.dumps(message))
+    except Exception as error:
+        release(packed)
+        add_note(
+            error,
+            f"feedline: an item of type {type(packed).__name__} cannot be sent to the parent "
+            "process (it must pickle: memoryviews, open files, lambdas and locks do not); "
+            "return bytes, arrays or plain data instead",
+        )
+        raise
 
 
 def _child_main(
@@ -119,7 +137,8 @@ def _child_main(
             for item in iterable:
                 if stop.is_set():
                     break
-                if not _send(data_q, stop, ("item", pack(item, shm_min, names))):
+                packed = pack(item, shm_min, names)
+                if not _send(data_q, stop, _pickled(packed), packed):
                     break
             data_q.put(("end",))
         except BaseException as error:
@@ -325,10 +344,12 @@ class SubprocessIterable(Generic[T]):
         while True:
             waited = time.monotonic() - start
             try:
-                message: tuple[Any, ...] = self._data_q.get(
+                message: Any = self._data_q.get(
                     timeout=_POLL if timeout is None else max(1e-3, min(_POLL, timeout - waited))
                 )
-                return message
+                if type(message) is bytes:  # an item, pickled by the child (see _pickled)
+                    message = pickle.loads(message)
+                return message  # type: ignore[no-any-return]
             except (queue.Empty, EOFError, OSError) as error:
                 if stopping is not None and stopping():
                     raise _Abandoned from None

@@ -32,10 +32,16 @@ except ImportError:  # pragma: no cover - torch is optional
 
 
 class TarShards(_Base):  # type: ignore[type-arg]
-    """The samples of tar shards: dicts of ``{"__key__", "__url__", field: bytes}``.
+    """The samples of tar shards: dicts of ``{"__key__", "__url__", field: data}``.
+
+    A field's data is a ``memoryview`` of its shard (no copy), or ``bytes`` where the sample
+    is kept or sent on: in the shuffle buffer, and in a DataLoader's worker processes (a
+    view does not pickle).
 
     Iterating it in a ``DataLoader`` with worker processes splits each rank's shards between
-    the workers. :meth:`state_dict` says how far an iteration went; after
+    the workers. Call :meth:`set_epoch` before each epoch's ``iter()``; with persistent
+    workers it does not reach their copies, so every epoch would repeat the first one's
+    order (as with PyTorch). :meth:`state_dict` says how far an iteration went; after
     :meth:`load_state_dict`, the next iteration goes on from there (it reads the shards
     again up to that point, but hands out nothing twice).
 
@@ -135,14 +141,17 @@ class TarShards(_Base):  # type: ignore[type-arg]
     def _shuffled(self, samples: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         # A buffer of ``shuffle`` samples: each new one takes the place of a random one,
         # which is handed out (as WebDataset's shuffle), then the rest in a random order.
-        if not self.shuffle:
-            yield from samples
-            return
         worker, _ = _worker()
+        if not self.shuffle:
+            if _in_worker():  # the samples cross to the parent process: they must pickle
+                yield from map(_owned, samples)
+            else:
+                yield from samples
+            return
         rng = random.Random(f"{self.seed}:{self.epoch}:{self.rank}:{worker}")
         buffer: list[dict[str, Any]] = []
         for sample in samples:
-            owned = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()}
+            owned = _owned(sample)
             if len(buffer) < self.shuffle:
                 buffer.append(owned)
                 continue
@@ -159,6 +168,19 @@ class TarShards(_Base):  # type: ignore[type-arg]
         )
 
 
+def _owned(sample: dict[str, Any]) -> dict[str, Any]:
+    # The sample with its fields copied out of the shard.
+    return {k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()}
+
+
+def _in_worker() -> bool:
+    try:
+        from torch.utils.data import get_worker_info
+    except ImportError:  # pragma: no cover - torch is optional
+        return False
+    return get_worker_info() is not None
+
+
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if rank is None and world_size is None:
         try:
@@ -168,6 +190,11 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank(), dist.get_world_size()
         return 0, 1
+    if (rank is None) != (world_size is None):
+        raise ConfigurationError(
+            f"give rank and world_size together (got rank={rank}, world_size={world_size}), "
+            "or neither to take them from torch.distributed"
+        )
     rank, world_size = rank or 0, world_size or 1
     if not 0 <= rank < world_size:
         raise ConfigurationError(f"rank must be in [0, world_size={world_size}), got {rank}")
