@@ -53,6 +53,7 @@ SCENARIOS: dict[str, str] = {
     "startup": "time to the first batch, against PyTorch's DataLoader with workers",
     "train": "headspace: training steps/s beside each loader, against cached batches",
     "verify": "checking object bodies (MD5, CRC-32) per GiB, against copying them",
+    "webdataset": "tar shards over HTTP to decoded batches, against WebDataset + DataLoader",
 }
 """Scenario name -> one line on what it measures. The module of the same name runs it."""
 
@@ -70,6 +71,7 @@ REQUIRES: dict[str, tuple[str, ...]] = {
     "startup": ("torch", *_PICTURES),
     "train": ("torch", *_PICTURES),
     "verify": (),
+    "webdataset": ("torch", "webdataset", *_PICTURES),
 }
 """Scenario name -> the modules it cannot run without. Contenders that need more (SPDL,
 Pillow, obstore, ISA-L) are left out with a note when their module is missing."""
