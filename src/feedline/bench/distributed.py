@@ -264,5 +264,5 @@ def run(options: BenchOptions) -> ScenarioResult:
         notes,
         True,
         unit="samples/s",
-        headline=[_NAMES["locality-aware"], _NAMES["replicas"]],
+        headline=[_NAMES["locality-aware"]],  # replicas=2 is not the default
     )
