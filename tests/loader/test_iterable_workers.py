@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import json
 import multiprocessing
-import os
 from typing import Any
 
 import pytest
@@ -16,6 +15,8 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 
 from feedline import ConfigurationError, DataLoader  # noqa: E402
 
+from .._system import segments as _segments  # noqa: E402
+from .._system import zombies as _zombies  # noqa: E402
 from ._datasets import LambdaStream, ResumableStream, ShardedStream, Stream, keep_as_is  # noqa: E402
 from ._procs import no_children_left  # noqa: E402
 
@@ -80,6 +81,7 @@ def test_the_streams_exception_is_raised_as_it_is_and_no_worker_is_left() -> Non
             no_children_left()
         del it
     no_children_left()
+    assert _zombies() == []
 
 
 @pytest.mark.parametrize("stop_after", [1, 4, 7])
@@ -99,7 +101,8 @@ def test_break_then_resume_gives_the_rest_of_the_epoch(stop_after: int) -> None:
     resumed.load_state_dict(state)
     assert first + _lists(resumed) == whole
     no_children_left()
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("psm_")]
+    assert _zombies() == []
+    assert not _segments()
 
 
 def test_a_stateful_stream_resumes_itself_in_each_worker() -> None:

@@ -8,7 +8,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +18,8 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 
 from feedline import DataLoader, SubprocessDied  # noqa: E402
 
+from .._system import segments as _segments  # noqa: E402
+from .._system import zombies as _zombies  # noqa: E402
 from ._datasets import (  # noqa: E402
     Kinds,
     Pictures,
@@ -32,29 +33,6 @@ from ._datasets import (  # noqa: E402
 from ._procs import alone, no_children_left  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _zombies() -> list[int]:
-    """Children of this process that exited and were not waited for (read, not reaped:
-    waiting here would take the exit status from multiprocessing's own bookkeeping)."""
-    pid = os.getpid()
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:  # pragma: no cover - not Linux
-        return []
-    found = []
-    for child in children:
-        try:
-            stat = Path(f"/proc/{child}/stat").read_text()
-        except OSError:
-            continue
-        if stat[stat.rfind(")") + 2 :].startswith("Z"):
-            found.append(int(child))
-    return found
-
-
-def _segments() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("psm_")}
 
 
 @pytest.mark.parametrize("cls", [TorchLoader, DataLoader])

@@ -12,13 +12,11 @@ import pytest
 
 from feedline import ConfigurationError, PipelineBuilder, PipelineFailure
 
+from .._system import segments as _segments
+from .._system import zombies as _zombies
 from ._helpers import Counted, fail_on_three, square, unwrap_with_pid, value_of, wrap
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _segments() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("psm_")}
 
 
 def _gone() -> None:
@@ -27,6 +25,7 @@ def _gone() -> None:
         gc.collect()  # the pipeline's threads may hold it a moment after the epoch
         time.sleep(0.05)
     assert multiprocessing.active_children() == []
+    assert _zombies() == []
 
 
 def test_a_run_of_stages_runs_in_workers_and_nothing_between_them_is_pickled() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import os
 from typing import Any
 
 import numpy as np
@@ -11,11 +10,9 @@ import pytest
 
 from feedline.pipeline._shm import SHM_AVAILABLE, ShmArray, pack, shared_empty, unpack
 
+from .._system import segments as _segments
+
 pytestmark = pytest.mark.skipif(not SHM_AVAILABLE, reason="needs /dev/shm")
-
-
-def _segments() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("psm_")}
 
 
 def test_an_array_made_in_shared_memory_is_sent_as_its_segment() -> None:

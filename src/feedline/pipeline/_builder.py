@@ -26,7 +26,7 @@ from ._defs import (
 )
 from ._hooks import TaskHook, hooked
 from ._pipeline import Pipeline
-from ._region import RegionPool, RunOfStages, unpack_region_output
+from ._region import RegionPool, RunOfStages
 from ._resume import (
     TaggedAsyncGenerator,
     TaggedAsyncOp,
@@ -35,6 +35,7 @@ from ._resume import (
     merge_group,
     split_group,
 )
+from ._shm import unpack
 
 __all__ = ["PipelineBuilder"]
 
@@ -316,8 +317,9 @@ class PipelineBuilder(Generic[T]):
         process boundary (nothing between the run's functions is pickled); NumPy arrays and
         CPU tensors in the result of 64 KiB or more come back through shared memory. The
         pipeline owns the processes: they start with the first item (from the fork server),
-        serve every epoch, end if this process is killed, and are shut down when the
-        pipeline is dropped.
+        serve the epochs that run to their end, end if this process is killed, and are shut
+        down when an epoch is stopped part-way or fails (the next item starts new ones) and
+        when the pipeline is dropped.
 
         Args:
             ops: The run: one function, or several applied in turn (module-level functions
@@ -363,7 +365,8 @@ class PipelineBuilder(Generic[T]):
             output_order=output_order,
             name=region,
         )
-        return self.pipe(unpack_region_output, output_order=output_order, name=f"{region}:unpack")
+        # The results' arrays, mapped from shared memory, in this process.
+        return self.pipe(unpack, output_order=output_order, name=f"{region}:unpack")
 
     def aggregate(
         self, num_items: int, *, drop_last: bool = False, name: str | None = None

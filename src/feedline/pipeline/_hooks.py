@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from ._defs import OpKind
@@ -57,66 +58,56 @@ def hooked(
     """``op`` wrapped so that ``hooks`` are called around each of its calls."""
     hooks = tuple(hooks)
 
-    def begin(item: Any) -> float:
+    @contextmanager
+    def task(item: Any) -> Iterator[list[Any]]:
+        # One call: the hooks before it, and after it with its result (out[0]) or error.
         for hook in hooks:
             hook.task_start(stage, item)
-        return time.perf_counter()
-
-    def end(item: Any, result: Any, error: BaseException | None, start: float) -> None:
-        seconds = time.perf_counter() - start
-        for hook in hooks:
-            hook.task_end(stage, item, result, error, seconds)
+        out: list[Any] = [None]
+        start = time.perf_counter()
+        error: BaseException | None = None
+        try:
+            yield out
+        except BaseException as failure:
+            error = failure
+            raise
+        finally:
+            seconds = time.perf_counter() - start
+            for hook in hooks:
+                hook.task_end(stage, item, out[0], error, seconds)
 
     if kind is OpKind.COROUTINE:
 
         async def coroutine(item: Any) -> Any:
-            start = begin(item)
-            try:
-                result = await op(item)
-            except BaseException as error:
-                end(item, None, error, start)
-                raise
-            end(item, result, None, start)
-            return result
+            with task(item) as out:
+                out[0] = await op(item)
+            return out[0]
 
         return coroutine
     if kind is OpKind.GENERATOR:
 
         def generator(item: Any) -> Iterator[Any]:
-            start, count = begin(item), 0
-            try:
+            with task(item) as out:
+                out[0] = 0  # a generator's result: how many items it yielded
                 for result in op(item):
-                    count += 1
+                    out[0] += 1
                     yield result
-            except BaseException as error:
-                end(item, count, error, start)
-                raise
-            end(item, count, None, start)
 
         return generator
     if kind is OpKind.ASYNC_GENERATOR:
 
         async def async_generator(item: Any) -> AsyncIterator[Any]:
-            start, count = begin(item), 0
-            try:
+            with task(item) as out:
+                out[0] = 0
                 async for result in op(item):
-                    count += 1
+                    out[0] += 1
                     yield result
-            except BaseException as error:
-                end(item, count, error, start)
-                raise
-            end(item, count, None, start)
 
         return async_generator
 
     def function(item: Any) -> Any:
-        start = begin(item)
-        try:
-            result = op(item)
-        except BaseException as error:
-            end(item, None, error, start)
-            raise
-        end(item, result, None, start)
-        return result
+        with task(item) as out:
+            out[0] = op(item)
+        return out[0]
 
     return function

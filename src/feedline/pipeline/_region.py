@@ -25,9 +25,9 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from typing import Any, TypeVar
 
 from ._lifetime import die_with_parent
-from ._shm import SegmentNames, pack, remove_prefixed, set_segment_names, unpack
+from ._shm import SegmentNames, pack, remove_prefixed, set_segment_names
 
-__all__ = ["RegionPool", "RunOfStages", "unpack_region_output"]
+__all__ = ["RegionPool", "RunOfStages"]
 
 _SHM_MIN = 64 * 1024  # arrays from this size cross through shared memory
 
@@ -55,11 +55,6 @@ def _start_worker(prefix: str) -> None:
     die_with_parent()
     _names = SegmentNames(f"{prefix}{os.getpid()}_")  # the pool's prefix, then this worker's
     set_segment_names(_names)
-
-
-def unpack_region_output(item: Any) -> Any:
-    """Map the shared-memory arrays of a region's output (the stage after the region)."""
-    return unpack(item)
 
 
 class RegionPool(Executor):

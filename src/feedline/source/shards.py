@@ -100,8 +100,8 @@ class TarShards(_Base):  # type: ignore[type-arg]
         if self.shuffle:
             random.Random(f"{self.seed}:{self.epoch}:shards").shuffle(keys)
         keys = keys[self.rank :: self.world_size]
-        worker, workers = _worker()
-        return keys[worker::workers]
+        worker = _worker()
+        return keys if worker is None else keys[worker[0] :: worker[1]]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         skip, self._skip = self._skip, 0
@@ -141,14 +141,15 @@ class TarShards(_Base):  # type: ignore[type-arg]
     def _shuffled(self, samples: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         # A buffer of ``shuffle`` samples: each new one takes the place of a random one,
         # which is handed out (as WebDataset's shuffle), then the rest in a random order.
-        worker, _ = _worker()
+        worker = _worker()
         if not self.shuffle:
-            if _in_worker():  # the samples cross to the parent process: they must pickle
+            if worker is not None:  # the samples cross to the parent process: they must pickle
                 yield from map(_owned, samples)
             else:
                 yield from samples
             return
-        rng = random.Random(f"{self.seed}:{self.epoch}:{self.rank}:{worker}")
+        number = 0 if worker is None else worker[0]
+        rng = random.Random(f"{self.seed}:{self.epoch}:{self.rank}:{number}")
         buffer: list[dict[str, Any]] = []
         for sample in samples:
             owned = _owned(sample)
@@ -173,14 +174,6 @@ def _owned(sample: dict[str, Any]) -> dict[str, Any]:
     return {k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()}
 
 
-def _in_worker() -> bool:
-    try:
-        from torch.utils.data import get_worker_info
-    except ImportError:  # pragma: no cover - torch is optional
-        return False
-    return get_worker_info() is not None
-
-
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if rank is None and world_size is None:
         try:
@@ -201,11 +194,11 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
     return rank, world_size
 
 
-def _worker() -> tuple[int, int]:
-    # This DataLoader worker process and how many there are (0 of 1 outside workers).
+def _worker() -> tuple[int, int] | None:
+    # This DataLoader worker process and how many there are (None outside workers).
     try:
         from torch.utils.data import get_worker_info
     except ImportError:  # pragma: no cover - torch is optional
-        return 0, 1
+        return None
     info = get_worker_info()
-    return (0, 1) if info is None else (info.id, info.num_workers)
+    return None if info is None else (info.id, info.num_workers)
