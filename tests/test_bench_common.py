@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from feedline.bench._common import Contender, alternate, paired_ratio
+from feedline.bench._loaders import time_loader
 
 
 def _rates(values: list[float]) -> Callable[[], tuple[int, float]]:
@@ -116,3 +118,33 @@ def test_plain_progress_writes_a_line_per_tenth(capsys: pytest.CaptureFixture[st
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 11
     assert lines[-1].endswith("generating: 100/100")
+
+
+def _burn(seconds: float) -> None:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+class _ForkServerLoader:
+    """Batches until a fork server's worker (this process's grandchild) has burnt CPU, ended
+    and been reaped by the fork server."""
+
+    def __init__(self, seconds: float) -> None:
+        ctx = multiprocessing.get_context("forkserver")
+        self.worker = ctx.Process(target=_burn, args=(seconds,))
+        self.worker.start()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while self.worker.exitcode is None:
+            self.worker.join(0.05)
+            yield [0]
+
+
+def test_time_loader_counts_the_cpu_of_a_fork_server_s_workers() -> None:
+    # The fork server waits for its workers, this process never does: RUSAGE_CHILDREN alone
+    # leaves their CPU out, and a reading of the live processes would miss those that ended.
+    run = time_loader(lambda: _ForkServerLoader(0.6), memory=True)
+    assert run.items >= 2
+    assert 0.5 <= run.cpu_s < 3
+    assert run.peak_rss > 0

@@ -29,6 +29,7 @@ __all__ = [
     "SlotPipeline",
     "SleepDataset",
     "decode_seconds",
+    "descendants_cpu",
     "process_tree_memory",
     "time_loader",
 ]
@@ -249,18 +250,49 @@ class PathsDataset:
 
 
 def _children(pid: int) -> list[int]:
-    found = []
+    return [child for child, stat in _stats() if int(_fields(stat)[1]) == pid]
+
+
+def _stats() -> Iterator[tuple[int, str]]:
+    """``(pid, text of /proc/pid/stat)`` for every process still there."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
+            yield int(entry.name), (entry / "stat").read_text()
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid:
-            found.append(int(entry.name))
-    return found
+
+
+def _fields(stat: str) -> list[str]:
+    """The fields of a stat line after the command (which may hold spaces): state, ppid..."""
+    return stat.rsplit(")", 1)[1].split()
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def descendants_cpu(pid: int, exclude: Collection[int] = ()) -> float:
+    """CPU seconds of ``pid``'s live descendants, with what each has waited for.
+
+    Each one's user and system time, and its children's once it waited for them (its
+    ``cutime`` and ``cstime``): what a fork server's workers used counts once the fork
+    server reaps them, though it never ends. ``exclude``: processes left out with their
+    descendants. Added to :func:`process_cpu_seconds`, the sum only grows as processes end.
+    """
+    table = {p: _fields(text) for p, text in _stats()}
+    kids: dict[int, list[int]] = {}
+    for p, fields in table.items():
+        kids.setdefault(int(fields[1]), []).append(p)
+    total = 0.0
+    todo = [pid]
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            if child not in exclude:
+                fields = table[child]  # utime, stime, cutime, cstime: stat's fields 14-17
+                total += sum(int(f) for f in fields[11:15]) / _TICKS
+                todo.append(child)
+    return total
 
 
 def process_tree_memory(pid: int, exclude: Collection[int] = ()) -> tuple[int, int]:
@@ -324,10 +356,14 @@ class MemorySampler:
             self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
+        """Stop sampling (waits for a sample under way: its CPU time counts in ``cpu_s``)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 @dataclass
@@ -371,9 +407,9 @@ def time_loader(
     CPU time the sampling takes is not counted in ``cpu_s``.
     """
     if not memory:
-        return _time_loader(make, max_batches, None)
+        return _time_loader(make, max_batches, exclude, None)
     with MemorySampler(0.1 if periodic else None, exclude) as sampler:
-        run = _time_loader(make, max_batches, sampler.sample)
+        run = _time_loader(make, max_batches, exclude, sampler)
     run.peak_pss, run.peak_rss = sampler.peak_pss, sampler.peak_rss
     run.cpu_s -= sampler.cpu_s
     return run
@@ -382,11 +418,14 @@ def time_loader(
 def _time_loader(
     make: Callable[[], Iterable[Any]],
     max_batches: int | None,
-    on_first_batch: Callable[[], None] | None,
+    exclude: Collection[int],
+    sampler: MemorySampler | None,
 ) -> LoaderRun:
-    # Children's CPU counts once they are waited for (a loader's close() joins its workers).
-    cpu = process_cpu_seconds
-    cpu0 = cpu()
+    # The whole tree's CPU: this process, the children it waited for (a loader's close()
+    # joins its workers), and each live descendant with the children it waited for.
+    me = os.getpid()
+    tree0 = descendants_cpu(me, exclude)  # first: reading /proc costs this process CPU
+    cpu0 = process_cpu_seconds() + tree0
     t0 = time.perf_counter()
     loader = make()
     times: list[float] = []
@@ -394,8 +433,8 @@ def _time_loader(
     for i, batch in enumerate(loader):
         times.append(time.perf_counter() - t0)
         sizes.append(len(batch))
-        if i == 0 and on_first_batch is not None:
-            on_first_batch()
+        if i == 0 and sampler is not None:
+            sampler.sample()
         if max_batches is not None and i + 1 >= max_batches:
             break
     close = getattr(loader, "close", None)
@@ -403,8 +442,11 @@ def _time_loader(
         close()
     del loader
     seconds = time.perf_counter() - t0
+    if sampler is not None:
+        sampler.stop()  # before the last reading: each sample it takes is taken off cpu_s
+    cpu = process_cpu_seconds() + descendants_cpu(me, exclude) - cpu0
     first = times[0] if times else seconds
-    return LoaderRun(sum(sizes), seconds, first, cpu() - cpu0, times, sizes)
+    return LoaderRun(sum(sizes), seconds, first, cpu, times, sizes)
 
 
 class LoaderCosts:

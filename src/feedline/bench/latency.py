@@ -238,7 +238,8 @@ def run(options: BenchOptions) -> ScenarioResult:
         f"{cores} wide writing into pooled batch buffers (feedline.io.BufferPool); with "
         "RemoteStore, the reads are feedline.RemoteStore.read (obstore) awaited on the event "
         "loop instead of http.client calls on threads",
-        "CPU s per 1000 items: this process and its worker processes, not the server's; peak "
+        "CPU s per 1000 items: this process and every process under it (a fork server's "
+        "workers included), not the server's; peak "
         "PSS / RSS: this process and its children but the server, sampled every 100 ms",
     ]
     return make_result(
