@@ -20,6 +20,7 @@ from .errors import (
 )
 from .loader import DataLoader, PathList
 from .pipeline import (
+    Auto,
     Mixture,
     Pipeline,
     PipelineBuilder,
@@ -36,6 +37,7 @@ if _typing.TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "Auto",
     "ConfigurationError",
     "DataLoader",
     "FeedlineError",

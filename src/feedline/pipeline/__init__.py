@@ -12,9 +12,11 @@ from ._mixture import Mixture
 from ._pipeline import Pipeline
 from ._queue import ChannelStats
 from ._subprocess import SubprocessIterable, iterate_in_subprocess, run_pipeline_in_subprocess
+from ._tuning import Auto
 from .stats import PipelineStats, StageStats
 
 __all__ = [
+    "Auto",
     "ChannelStats",
     "Mixture",
     "Pipeline",

@@ -36,6 +36,7 @@ from ._resume import (
     split_group,
 )
 from ._shm import unpack
+from ._tuning import THREAD_HIGH, Auto, Tuning
 
 __all__ = ["PipelineBuilder"]
 
@@ -196,7 +197,7 @@ class PipelineBuilder(Generic[T]):
         self,
         op: Callable[..., Any],
         *,
-        concurrency: int = 1,
+        concurrency: int | str | Auto | None = None,
         executor: Executor | None = None,
         output_order: str = "completion",
         name: str | None = None,
@@ -209,7 +210,10 @@ class PipelineBuilder(Generic[T]):
                 generator / async generator function yielding any number of results per
                 input. Sync ops run in the pipeline's thread pool (or ``executor``), so they
                 should release the GIL for their heavy part; async ops run on the event loop.
-            concurrency: The most calls of ``op`` in flight at once (>= 1).
+            concurrency: The most calls of ``op`` in flight at once: an int (>= 1), fixed;
+                ``"auto"`` or :class:`~feedline.pipeline.Auto` (with bounds), set while the
+                pipeline runs from what it measures (see :meth:`build`'s ``autotune``); or
+                ``None`` (default): 1, or ``"auto"`` with ``build(autotune=True)``.
             executor: Run this (sync, non-generator for process pools) stage in this executor
                 instead of the pipeline's thread pool: a one-thread ``ThreadPoolExecutor`` for
                 work that keeps per-thread state (a CUDA stream), a ``ProcessPoolExecutor`` for
@@ -237,8 +241,21 @@ class PipelineBuilder(Generic[T]):
         self._check_open("pipe()")
         if not callable(op):
             raise ConfigurationError(f"pipe() needs a callable, got {type(op).__name__}")
+        auto: Auto | None = None
+        unset = concurrency is None
+        if concurrency == "auto":
+            auto = Auto()
+        elif isinstance(concurrency, Auto):
+            auto = concurrency
+        elif unset:
+            concurrency = 1
+        if auto is not None:
+            concurrency = auto.start or auto.low
         concurrency = _check_positive_int(
-            "concurrency", concurrency, "It is how many calls of the op may run at once."
+            "concurrency",
+            concurrency,
+            "It is how many calls of the op may run at once; or pass 'auto' to have the "
+            "pipeline set it.",
         )
         if output_order not in ("completion", "input"):
             raise ConfigurationError(
@@ -267,7 +284,7 @@ class PipelineBuilder(Generic[T]):
                 _check_picklable(stage_name, op)
         if (
             output_order == "input"
-            and concurrency > 1
+            and (concurrency > 1 or auto is not None)
             and kind
             in (
                 OpKind.GENERATOR,
@@ -296,6 +313,8 @@ class PipelineBuilder(Generic[T]):
                 output_order="input" if output_order == "input" else "completion",
                 buffer_size=buffer_size,
                 grows=grows,
+                auto=auto,
+                default_concurrency=unset,
             )
         )
         return self
@@ -461,6 +480,9 @@ class PipelineBuilder(Generic[T]):
         resumable: bool = False,
         hooks: Sequence[TaskHook] = (),
         continuous: bool = False,
+        autotune: bool = False,
+        memory_budget: int | None = None,
+        cpu_budget: float | None = None,
     ) -> Pipeline[T]:
         """Validate the definition and return a :class:`~feedline.Pipeline` (not yet running).
 
@@ -496,6 +518,22 @@ class PipelineBuilder(Generic[T]):
                 epochs (it belongs to the first). The source must be iterable again (a list,
                 a :class:`~feedline.Mixture`, a dataset). Leaving a loop early ends the run
                 (the next loop runs the next epoch). Not with ``resumable``.
+            autotune: Tune every stage whose ``concurrency`` was not given (as if it were
+                ``"auto"``). A tuned stage starts at the cores this process may use (4 on
+                the event loop); while the pipeline runs, a tuner looks every 100 ms at what
+                the engine measures and doubles the stage that limits the output while that
+                raises the output rate by 5 % or more, undoes a raise that does not, lowers a
+                stage that uses few of its slots, and raises nothing while the consumer is the
+                slower side or the cores are busy. ``stats()`` shows each stage's concurrency
+                now and the tuner's last decisions; each is logged at DEBUG level. A stage
+                with a number is never changed.
+            memory_budget: The most bytes of items the pipeline holds in its queues and in
+                flight (measured, one item per queue per look): tuned stages and default
+                queues stay within it, and are lowered if items grow. Stages and queues
+                with sizes of their own count but are never changed.
+            cpu_budget: Cores the pipeline may keep busy, this process's other threads
+                included (default: the cores it may use): tuned stages are not raised while
+                the process uses that much.
 
         Raises:
             ConfigurationError: If the definition cannot run, saying how to fix it.
@@ -503,8 +541,19 @@ class PipelineBuilder(Generic[T]):
         """
         if self._source is None:
             raise ConfigurationError("the pipeline has no source: call add_source() first")
+        if not isinstance(autotune, bool):
+            raise ConfigurationError(f"autotune must be True or False, got {autotune!r}")
+        Tuning.check(memory_budget, cpu_budget)
+        if autotune:
+            self._stages = [
+                dataclasses.replace(s, auto=Auto())
+                if isinstance(s, PipeConfig) and s.default_concurrency
+                else s
+                for s in self._stages
+            ]
+        tuned = any(isinstance(s, PipeConfig) and s.auto is not None for s in self._stages)
         pooled = [
-            s.concurrency
+            (s.auto.high or THREAD_HIGH) if s.auto is not None else s.concurrency
             for s in self._stages
             if isinstance(s, PipeConfig)
             and s.executor is None
@@ -516,6 +565,7 @@ class PipelineBuilder(Generic[T]):
             num_threads = _check_positive_int(
                 "num_threads", num_threads, "It is the size of the pipeline's thread pool."
             )
+        self._stages = [_resolve_auto(s, num_threads) for s in self._stages]
         for s in self._stages:
             if (
                 isinstance(s, PipeConfig)
@@ -584,6 +634,9 @@ class PipelineBuilder(Generic[T]):
             continuous=bool(continuous),
             hooks=hooks,
             hooked_stages=tuple(s.name for s in self._stages if _hookable(s)) if hooks else (),
+            tuning=Tuning(memory_budget, float(cpu_budget or 0.0))
+            if tuned or memory_budget is not None
+            else None,
         )
         return Pipeline(config)
 
@@ -644,3 +697,19 @@ class PipelineBuilder(Generic[T]):
         names = [self._source.name] if self._source else []
         names += [s.name for s in self._stages]
         return f"PipelineBuilder({' -> '.join(names) or 'empty'})"
+
+
+def _resolve_auto(stage: StageConfig, num_threads: int) -> StageConfig:
+    # A tuned stage's bounds and start, now that the thread pool's size is known.
+    if not isinstance(stage, PipeConfig) or stage.auto is None:
+        return stage
+    on_loop = stage.kind in (OpKind.COROUTINE, OpKind.ASYNC_GENERATOR)
+    pool: int | None = None
+    if stage.executor is None and not on_loop:
+        pool = num_threads
+    elif stage.executor is not None:
+        pool = getattr(stage.executor, "_max_workers", None)
+        if isinstance(stage.executor, ProcessPoolExecutor) and pool is not None:
+            pool *= 2  # a call waiting in the pool's queue keeps each process fed
+    low, high, start = stage.auto.bounds(on_loop and stage.executor is None, pool)
+    return dataclasses.replace(stage, concurrency=start, tune=(low, high))

@@ -78,6 +78,10 @@ class PipeConfig:
     output_order: OutputOrder
     buffer_size: int
     grows: bool = False  # buffer_size is the default: the queue after the stage may grow
+    # Tuned: the bounds (low, high) the tuner keeps ``concurrency`` (its start) within.
+    tune: tuple[int, int] | None = None
+    auto: Any = None  # the Auto asked for (resolved by build() into concurrency and tune)
+    default_concurrency: bool = False  # no concurrency given: build(autotune=True) tunes it
 
 
 @dataclass(frozen=True)
@@ -148,3 +152,4 @@ class PipelineConfig:
     continuous: bool = False  # one run across epochs (see Pipeline._continuous_epoch)
     hooks: tuple[Any, ...] = ()  # TaskHooks (see _hooks), told when the stages start and end
     hooked_stages: tuple[str, ...] = ()  # the stages whose ops the hooks wrap
+    tuning: Any = None  # a Tuning (see _tuning) if a stage is tuned or a budget was set

@@ -47,6 +47,7 @@ from ._stages._threaded import (
     ValueWork,
     Work,
 )
+from ._tuner import Knob, Tuner
 from .stats import PipelineStats, find_bottleneck
 
 __all__ = ["Run"]
@@ -120,6 +121,7 @@ class Run:
         self.stages.append(source)
         producers: list[Any] = [source]  # each is an Endpoint
 
+        knobs: list[Knob] = []
         for i, cfg in enumerate(config.stages):
             inp = out
             last = i == len(config.stages) - 1
@@ -129,6 +131,8 @@ class Run:
             out = Channel(f"{cfg.name}->", capacity, self._growth(i + 1, capacity))
             self.channels.append(out)
             stage = self._make_stage(cfg, inp, out, budget, producers[-1])
+            if isinstance(cfg, PipeConfig) and cfg.tune is not None:
+                knobs.append(Knob(stage, i + 1, *cfg.tune))
             inp.connect(producers[-1], stage)
             producers.append(stage)
             self.stages.append(stage)
@@ -142,6 +146,9 @@ class Run:
         )
         out.connect(producers[-1], self._sink)
         self._threaded = [s for s in producers if isinstance(s, ThreadedStage | ThreadedSource)]
+        tuning = config.tuning
+        budgeted = tuning is not None and tuning.memory_budget is not None
+        self.tuner = Tuner(knobs, self.channels, tuning) if knobs or budgeted else None
         self._stepped_aside = False  # a pool job left its work to the consumer since it slept
 
     def _growth(self, index: int, capacity: int) -> Growth | None:
@@ -149,9 +156,14 @@ class Run:
         # when it has the default size, a queue between stages when it has the default size
         # and both its stages are cheap (see _growth).
         config = self.config
+        sink_bytes, queue_bytes = SINK_GROW_BYTES, QUEUE_GROW_BYTES
+        if config.tuning is not None and config.tuning.memory_budget is not None:
+            # Half the budget for the queues, shared: the rest is for the calls in flight.
+            share = config.tuning.memory_budget // (2 * (len(config.stages) + 1))
+            sink_bytes, queue_bytes = min(sink_bytes, share), min(queue_bytes, share)
         if index == len(config.stages):
             grow_to = config.sink.grow_to
-            return Growth(capacity, grow_to, SINK_GROW_BYTES) if grow_to > capacity else None
+            return Growth(capacity, grow_to, sink_bytes) if grow_to > capacity else None
         if index > 0 and not config.stages[index - 1].grows:
             return None
         if capacity >= MAX_DEFAULT_SINK:
@@ -160,7 +172,7 @@ class Run:
         return Growth(
             capacity,
             MAX_DEFAULT_SINK,
-            QUEUE_GROW_BYTES,
+            queue_bytes,
             lambda: stages[index].cheap() and stages[index + 1].cheap(),
         )
 
@@ -210,6 +222,7 @@ class Run:
                     inp,
                     out,
                     budget,
+                    most=cfg.tune[1] if cfg.tune is not None else None,
                 )
             stage = AsyncStage(
                 self,
@@ -223,6 +236,7 @@ class Run:
                 out,
                 budget,
                 lambda: self.pull(upstream),
+                most=cfg.tune[1] if cfg.tune is not None else None,
             )
             if isinstance(upstream, ThreadedStage | ThreadedSource):
                 upstream.loop_puller = stage
@@ -426,6 +440,8 @@ class Run:
         interval = self.config.report_stats_interval
         if interval is not None:
             tasks.append(asyncio.ensure_future(self._report(interval)))
+        if self.tuner is not None:
+            tasks.append(asyncio.ensure_future(self.tuner.run()))
         self._loop_ready.set()
         if self._stopping:  # stopped before the loop came up
             self._stop_event.set()
@@ -545,5 +561,9 @@ class Run:
         stages = tuple(snaps)
         name, reason = find_bottleneck(stages)
         return PipelineStats(
-            elapsed=time.perf_counter() - self._t0, stages=stages, bottleneck=name, reason=reason
+            elapsed=time.perf_counter() - self._t0,
+            stages=stages,
+            bottleneck=name,
+            reason=reason,
+            tuning=tuple(self.tuner.decisions) if self.tuner is not None else (),
         )

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from ._growth import Growth
 
-__all__ = ["EMPTY", "Channel", "ChannelStats", "Endpoint"]
+__all__ = ["EMPTY", "Channel", "ChannelStats", "Endpoint", "Sizes"]
 
 _now = time.perf_counter
 
@@ -45,6 +45,13 @@ class Endpoint(Protocol):
 
     def on_space(self) -> None:
         """A channel that had refused a put has room again."""
+
+
+class Sizes(Protocol):
+    """Told of items put in a channel (outside its lock), to measure some of them."""
+
+    def put(self, item: Any) -> None:
+        """An item was put."""
 
 
 class _Nobody:
@@ -151,6 +158,7 @@ class Channel:
         "fills",
         "last_put",
         "name",
+        "sizes",
     )
 
     def __init__(self, name: str, capacity: int, growth: Growth | None = None) -> None:
@@ -172,6 +180,7 @@ class Channel:
         self.last_put = now  # perf_counter() of the latest put
         self.fills = 0  # times the channel became full
         self._growth = growth
+        self.sizes: Sizes | None = None  # measures items put, for a memory budget
         self._measure_at = -1  # the count of gets whose item is measured (-1: none)
         # Statistics are kept by events, not integrated on every call: the time-integral of
         # the fill level is the sum of each item's stay, that is (sum of get times) - (sum of
@@ -222,6 +231,8 @@ class Channel:
             self.last_put = now
             items.append(item)
             self._puts += 1
+        if self.sizes is not None:
+            self.sizes.put(item)
         self._consumer.on_data()
         return True
 
@@ -258,6 +269,8 @@ class Channel:
             self.last_put = now
             items.extend(batch if k == len(batch) else itertools.islice(batch, k))
             self._puts += k
+        if self.sizes is not None:
+            self.sizes.put(batch[0])
         self._consumer.on_data()
         return k
 
@@ -473,6 +486,26 @@ class Channel:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    @property
+    def growth(self) -> Growth | None:
+        """How the channel may grow (``None``: its size is fixed, the user's)."""
+        return self._growth
+
+    def peek(self) -> Any:
+        """The item at the head, or ``EMPTY`` (unlocked: for measuring, not for taking)."""
+        try:
+            return self._items[0]
+        except IndexError:
+            return EMPTY
+
+    def full_seconds(self) -> float:
+        """Seconds the channel has been full since it was made."""
+        with self._lock:
+            full = self._full_time
+            if self._full_since is not None:
+                full += _now() - self._t0 - self._full_since
+            return full
 
     def stats(self) -> ChannelStats:
         """Return a snapshot of the channel's statistics."""

@@ -43,6 +43,8 @@ class StageCounters:
         "lock",
         "max_in_flight",
         "name",
+        "slot_time",
+        "slots_since",
         "t0",
     )
 
@@ -62,6 +64,24 @@ class StageCounters:
         self._n_durations = 0
         self.ewma = -1.0  # smoothed seconds per call; negative until enough calls were seen
         self.t0 = time.perf_counter()
+        self.slot_time = 0.0  # slot-seconds before ``slots_since`` (concurrency x time)
+        self.slots_since = self.t0
+
+    def set_concurrency(self, concurrency: int) -> None:
+        """Record a new concurrency (the tuner's), keeping slot-time for the busy share."""
+        with self.lock:
+            now = time.perf_counter()
+            self.slot_time += self.concurrency * (now - self.slots_since)
+            self.slots_since, self.concurrency = now, concurrency
+
+    @property
+    def calls(self) -> int:
+        """Calls recorded so far."""
+        return self._n_durations
+
+    def slots(self, now: float) -> float:
+        """Slot-seconds since the stage started: its concurrency over time. ``lock`` held."""
+        return self.slot_time + self.concurrency * (now - self.slots_since)
 
     def task_started(self) -> float:
         """Count one call entering the op; returns its start time. Call with ``lock`` held."""
@@ -110,8 +130,9 @@ class StageCounters:
         with self.lock:
             n = min(self._n_durations, _RING)
             durations = np.array(self._durations[:n], dtype=np.float64)
-            life = max(time.perf_counter() - self.t0, 1e-9)
-            busy = self.busy_time / (life * self.concurrency)
+            now = time.perf_counter()
+            life = max(now - self.t0, 1e-9)
+            busy = self.busy_time / max(self.slots(now), 1e-9)
             if n:
                 mean = float(durations.mean())
                 p50, p90, p99 = (float(v) for v in np.percentile(durations, [50, 90, 99]))
@@ -145,7 +166,8 @@ class StageStats:
     Attributes:
         name: The stage's name.
         kind: ``"source"``, ``"pipe"``, ``"aggregate"`` or ``"disaggregate"``.
-        concurrency: The most calls of the op the stage runs at once.
+        concurrency: The most calls of the op the stage runs at once (now: a tuned stage's
+            changes, see ``PipelineBuilder.pipe(concurrency="auto")``).
         items_in: Items the stage has started working on (calls of ``next`` for a source).
         items_out: Items the stage has handed to the next queue.
         failures: Items the op raised on (skipped, counted against the failure budget).
@@ -155,8 +177,8 @@ class StageStats:
         task_p50: Median seconds per call.
         task_p90: 90th percentile of seconds per call.
         task_p99: 99th percentile of seconds per call.
-        busy: Share of the stage's slot-time spent inside the op (0 to 1). Near 1: this stage
-            limits throughput.
+        busy: Share of the stage's slot-time (its concurrency over time) spent inside the op
+            (0 to 1). Near 1: this stage limits throughput.
         starved: Share of time the stage's input queue was empty: waiting on upstream.
         blocked: Share of time the stage's output queue was full: waiting on downstream.
         queue: Statistics of the queue after this stage.
@@ -214,6 +236,8 @@ class PipelineStats:
         bottleneck: The name of the stage that limits throughput, or ``"consumer"`` when the
             pipeline produces faster than it is consumed (the goal).
         reason: One sentence saying why ``bottleneck`` was chosen.
+        tuning: The tuner's last decisions (``build(autotune=True)``, ``concurrency="auto"``),
+            oldest first, each with the seconds into the run it was taken.
 
     """
 
@@ -221,6 +245,7 @@ class PipelineStats:
     stages: tuple[StageStats, ...]
     bottleneck: str
     reason: str
+    tuning: tuple[str, ...] = ()
 
     def since(self, earlier: PipelineStats) -> PipelineStats:
         """What happened between ``earlier`` and this snapshot, and the bottleneck then.
@@ -245,7 +270,11 @@ class PipelineStats:
         stages = tuple(s.since(e) for s, e in zip(self.stages, earlier.stages, strict=True))
         name, reason = find_bottleneck(stages)
         return PipelineStats(
-            elapsed=self.elapsed - earlier.elapsed, stages=stages, bottleneck=name, reason=reason
+            elapsed=self.elapsed - earlier.elapsed,
+            stages=stages,
+            bottleneck=name,
+            reason=reason,
+            tuning=self.tuning,
         )
 
     def __getitem__(self, name: str) -> StageStats:
@@ -282,6 +311,7 @@ class PipelineStats:
             f"{self.items_out} {unit}{made} in {self.elapsed:.2f}s ({rate:,.0f} {unit}/s); "
             f"bottleneck: {self.bottleneck} ({self.reason})"
         )
+        lines.extend(f"tuner: {decision}" for decision in self.tuning)
         return "\n".join(lines)
 
 
@@ -299,7 +329,10 @@ def find_bottleneck(stages: tuple[StageStats, ...]) -> tuple[str, str]:
     worst = max(stages, key=lambda s: s.busy)
     if worst.busy < 0.05:
         return "none", "no stage is busy; the pipeline is idle or just started"
-    return (
-        worst.name,
-        f"its {worst.concurrency} slot(s) were busy {worst.busy:.0%} of the time",
-    )
+    reason = f"its {worst.concurrency} slot(s) were busy {worst.busy:.0%} of the time"
+    if worst.life > 0 and worst.items_out > 0 and worst.kind == "pipe":
+        # Each slot carries rate / concurrency: one more adds that much if the op waits
+        # (I/O) rather than computes on cores that are already busy.
+        more = worst.items_out / worst.life / worst.concurrency
+        reason += f"; one more slot would add up to {more:,.0f} items/s if its op waits"
+    return worst.name, reason

@@ -158,6 +158,7 @@ class AsyncStage(_AsyncProducer):
         output: Channel,
         budget: FailureBudget,
         pull: Callable[[], bool],
+        most: int | None = None,
     ) -> None:
         super().__init__(run, name, "pipe", concurrency, budget)
         self._pull = pull  # runs a cheap upstream threaded job on the loop instead of waiting
@@ -168,8 +169,11 @@ class AsyncStage(_AsyncProducer):
         self._kind = kind
         self._concurrency = concurrency
         self._executor = executor
-        self._ordered = ordered and concurrency > 1
+        self._ordered = ordered and max(concurrency, most or 0) > 1
         self._ahead = 2 * concurrency  # how far an ordered stage runs ahead: see _threaded
+        self._workers = 0  # worker coroutines running
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._started = self._ended = False
         self._input = input
         self._init_output(output)
         self._data = LoopSignal(run)
@@ -199,9 +203,60 @@ class AsyncStage(_AsyncProducer):
 
     async def run_stage(self) -> None:
         """Run the workers until the input is exhausted, then close the output."""
-        await asyncio.gather(*(self._worker() for _ in range(self._concurrency)))
+        self._started = True
+        try:
+            self._spawn(self._concurrency)
+            while self._tasks:
+                done, _ = await asyncio.wait(set(self._tasks))
+                for task in done:
+                    task.result()  # a worker's error fails the stage, as it did the gather
+        finally:
+            self._ended = True
+            left = list(self._tasks)
+            for task in left:
+                task.cancel()
+            if left:  # the stage was cancelled, or a worker failed: let the others end
+                await asyncio.gather(*left, return_exceptions=True)
         if not self.run.stopping:
             self._output.close()
+
+    def _spawn(self, n: int) -> None:
+        loop = self.run.loop
+        for _ in range(n):
+            task = loop.create_task(self._worker())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def set_concurrency(self, concurrency: int) -> None:
+        """Run ``concurrency`` workers from now on (the tuner's call, on the loop thread).
+
+        More: new workers start (unless the stage has ended). Fewer: those beyond it end
+        before their next item.
+        """
+        self._concurrency = concurrency
+        self._ahead = 2 * concurrency
+        self.counters.set_concurrency(concurrency)
+        if self._started and not self._ended and self._workers < concurrency:
+            self._spawn(concurrency - self._workers)
+        elif self._workers > concurrency and self._data.waiters:
+            self._data.notify(wake_all=True)  # idle ones look, and the surplus leaves
+
+    async def _worker(self) -> None:
+        self._workers += 1
+        left = False
+        try:
+            left = await self._work()
+        finally:
+            if not left:
+                self._workers -= 1
+
+    def _leaves(self) -> bool:
+        # Whether this worker is one too many (the tuner lowered the concurrency); if so it
+        # is taken off the count now, so that exactly the surplus leaves.
+        if self._workers > self._concurrency:
+            self._workers -= 1
+            return True
+        return False
 
     async def _get(self) -> Any:
         # The next item, from the input or from those taken already (counted in then).
@@ -227,7 +282,8 @@ class AsyncStage(_AsyncProducer):
             await fut
             pulled = False  # woken: perhaps to pull (see wake_to_pull)
 
-    async def _worker(self) -> None:
+    async def _work(self) -> bool:
+        # Returns True if the worker left as one too many (see _leaves).
         c = self.counters
         run = self.run
         kind = self._kind
@@ -235,6 +291,8 @@ class AsyncStage(_AsyncProducer):
         while not run.stopping:
             while self._ordered and self._next_seq - self._next_emit >= self._ahead:
                 await self._window.wait()
+            if self._leaves():
+                return True
             taken = self._taken
             if bursts and self.cheap():
                 if not taken and (batch := self._input.try_get_many(BATCH)):
@@ -242,7 +300,7 @@ class AsyncStage(_AsyncProducer):
                     taken.extend(batch)
                 if taken:
                     if not await self._run_burst():
-                        return
+                        return False
                     continue
             if taken:
                 item = taken.popleft()
@@ -251,14 +309,14 @@ class AsyncStage(_AsyncProducer):
                 if item is EMPTY:
                     item = await self._get()  # counts what it takes from the input
                     if item is _END:
-                        return
+                        return False
                 else:
                     c.items_in += 1
             seq = self._next_seq
             self._next_seq += 1
             if kind is OpKind.ASYNC_GENERATOR:
                 if not await self._run_async_generator(item):
-                    return
+                    return False
                 continue
             t0 = c.task_started()
             try:
@@ -273,12 +331,13 @@ class AsyncStage(_AsyncProducer):
                 c.task_ended(t0)
                 self.record_failure(item, error)
                 if self._ordered and not await self._emit(seq, _SKIP):
-                    return
+                    return False
                 continue
             c.task_ended(t0)
             fast = not self._ordered and self._output.try_put(result)  # no coroutine if room
             if not fast and not await self._emit(seq, result):
-                return
+                return False
+        return False
 
     async def _run_burst(self) -> bool:
         """Start taken items in turn, up to ``BATCH`` calls, then hand the results on together.

@@ -1,0 +1,406 @@
+"""The tuner: sets tuned stages' concurrency while a run goes, from what the engine measures.
+
+It runs as a task on the run's event loop and looks every ``Tuning.interval`` seconds. Each
+look that closes a window (long enough for the slowest tuned op to finish a few calls, and
+for some items to come out) does one of these:
+
+* **Judge a trial.** The last raise is kept if the pipeline's output rate grew by at least
+  :data:`GAIN` and by a :data:`SHARE` of the raise (a doubling must bring a quarter more),
+  and so did the stage's capacity (its concurrency over its mean task time in the window:
+  an op that holds the GIL or computes on busy cores only takes longer per call as calls
+  are added). Otherwise the stage goes back to where it was and the failed value becomes
+  its *ceiling*. A ceiling holds until the stage's task time, at the concurrency it was
+  kept at, changes by half (a slower server, larger items: what did not pay may pay now),
+  or :data:`CEILING_TTL` passes.
+* **Raise the bottleneck.** Unless the consumer is the slower side (the sink is full most of
+  the window) or the process already uses its CPU budget, the tuned stage whose slots were
+  busiest (at least :data:`BUSY` of the time, not held up by a full output) is doubled
+  within its bound and the memory budget; below a ceiling, it goes halfway to it (while that
+  is a quarter more at least). Doubling reaches the dozens of calls a slow read wants in a
+  few looks; a raise that does not pay is undone at the next.
+* **Trim.** A stage that used few of its slots for :data:`TRIM_AFTER` windows in a row
+  (starved, or held up downstream) is lowered to what it used plus room, so that it holds
+  no threads, memory or CPU it does not need.
+
+With a memory budget, items are measured as they are put in queues (one in
+:data:`SIZE_EVERY`), and the queues and calls in flight must hold at most the budget: a
+raise is cut to fit, and if items grew, the grown queues go back to their first size and
+tuned stages are halved.
+A stage the user gave a number is never changed; its queue and calls still count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from ._growth import approx_nbytes
+from ._queue import Channel
+from ._tuning import Tuning
+
+__all__ = [
+    "BUSY",
+    "CEILING_TTL",
+    "GAIN",
+    "SHARE",
+    "SIZE_EVERY",
+    "TRIM_AFTER",
+    "ItemSizes",
+    "Knob",
+    "Tuner",
+]
+
+_log = logging.getLogger("feedline.pipeline")
+
+GAIN = 1.05
+"""A raise is kept if the output rate grew by this factor at least..."""
+
+SHARE = 0.25
+"""... and by this share of the raise at least (a doubling: by a quarter), so that a window's
+noise does not keep a raise that does not pay (measured on two shared cores: +-8 %)."""
+
+BUSY = 0.6
+"""A tuned stage is raised only if its slots were busy at least this share of the window."""
+
+TRIM_AFTER = 3
+"""Windows in a row a stage must use few of its slots before it is lowered."""
+
+CEILING_TTL = 10.0
+"""Seconds a raise that did not pay keeps the stage below it."""
+
+SIZE_EVERY = 8
+"""With a memory budget, one item in this many put in each queue is measured."""
+
+_MIN_WINDOW = 0.25  # seconds: shorter windows are mostly noise
+_MAX_WINDOW = 2.0
+_MIN_ITEMS = 8  # items out in a window, unless it reached _MAX_WINDOW
+
+
+class ItemSizes:
+    """Bytes per item put in one channel: one item in :data:`SIZE_EVERY` is measured.
+
+    Quick to rise (an item that grew counts at once), slow to fall.
+    """
+
+    __slots__ = ("_n", "nbytes")
+
+    def __init__(self) -> None:
+        self._n = 0
+        self.nbytes = 0.0
+
+    def put(self, item: Any) -> None:
+        """An item was put in the channel (any thread; unlocked: a lost count is harmless)."""
+        n = self._n
+        self._n = n + 1
+        if n % SIZE_EVERY:
+            return
+        try:
+            size = approx_nbytes(item)
+        except Exception:  # a user's object may fail in ways approx_nbytes cannot foresee
+            return
+        if size is not None:
+            old = self.nbytes
+            self.nbytes = float(size) if size > old else old + 0.25 * (size - old)
+
+
+class Knob:
+    """One tuned stage: its bounds, where it stands, and what did not pay."""
+
+    __slots__ = (
+        "ceiling",
+        "ceiling_at",
+        "ceiling_task",
+        "high",
+        "index",
+        "low",
+        "stage",
+        "trim",
+    )
+
+    def __init__(self, stage: Any, index: int, low: int, high: int) -> None:
+        self.stage = stage  # has counters, set_concurrency()
+        self.index = index  # in Run.stages (0: the source); its output is Run.channels[index]
+        self.low, self.high = low, high
+        self.ceiling: int | None = None  # a concurrency that did not pay
+        self.ceiling_at = 0.0
+        # The smoothed task time when the ceiling was found, at the concurrency the stage
+        # has now: the conditions the ceiling holds for. (At another concurrency the task
+        # time of an op that holds the GIL or computes differs for that reason alone.)
+        self.ceiling_task = 0.0
+        self.trim = 0  # windows in a row with few slots used
+
+    @property
+    def name(self) -> str:
+        """The stage's name."""
+        return str(self.stage.name)
+
+    @property
+    def concurrency(self) -> int:
+        """The stage's concurrency now."""
+        return int(self.stage.counters.concurrency)
+
+
+@dataclass
+class _Mark:
+    t: float
+    out: int
+    cpu: float
+    busy: list[float]  # per knob: busy seconds
+    calls: list[int]  # per knob: calls ended
+    slots: list[float]  # per knob: slot-seconds
+    full: list[float]  # per knob: its output's full seconds; the sink's last
+
+
+@dataclass
+class _Trial:
+    knob: Knob
+    before: int
+    after: int
+    rate: float  # the output rate before the raise
+    capacity: float  # what the stage could do before the raise (see Tuner._capacity)
+    task: float  # the stage's smoothed task time before the raise
+
+
+class Tuner:
+    """Tunes the ``knobs`` of one run (see the module docstring).
+
+    Args:
+        knobs: The tuned stages.
+        channels: The run's channels (``channels[i]`` after ``Run.stages[i]``; the last is
+            the sink).
+        tuning: Budgets and interval.
+
+    """
+
+    def __init__(self, knobs: list[Knob], channels: list[Channel], tuning: Tuning) -> None:
+        self.knobs = knobs
+        self._channels = channels
+        self._sink = channels[-1]
+        self._tuning = tuning
+        self._cores = tuning.cores()
+        self.decisions: deque[str] = deque(maxlen=8)
+        self._trial: _Trial | None = None
+        self._sizes: list[ItemSizes] = []
+        if tuning.memory_budget is not None:
+            for channel in channels:
+                channel.sizes = sizes = ItemSizes()
+                self._sizes.append(sizes)
+        self._mark = self._take_mark()
+        self._t0 = self._mark.t
+        self.cpu_s = 0.0  # CPU time the tuner's looks took (thread time)
+        self.looks = 0
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Look every ``interval`` seconds until cancelled."""
+        interval = self._tuning.interval
+        while True:
+            await asyncio.sleep(interval)
+            t = time.thread_time()
+            try:
+                self.look()
+            except Exception:  # a tuner bug must not fail the pipeline: it stops tuning
+                _log.exception("the pipeline's tuner failed and stops; concurrency stays")
+                return
+            finally:
+                self.cpu_s += time.thread_time() - t
+
+    def look(self) -> None:
+        """One look: measure items if there is a budget, then decide if a window closed."""
+        self.looks += 1
+        budget = self._tuning.memory_budget
+        if budget is not None:
+            self._keep_within(budget)
+        now = time.perf_counter()
+        mark = self._mark
+        dt = now - mark.t
+        slowest = max((max(k.stage.counters.ewma, 0.0) for k in self.knobs), default=0.0)
+        window = min(_MAX_WINDOW, max(_MIN_WINDOW, 3 * slowest))
+        if dt < window:
+            return
+        current = self._take_mark(now)
+        if current.out - mark.out < _MIN_ITEMS and dt < _MAX_WINDOW:
+            return
+        self._decide(mark, current)
+
+    # -- decisions -------------------------------------------------------------------------------
+
+    def _decide(self, mark: _Mark, now: _Mark) -> None:
+        dt = now.t - mark.t
+        rate = (now.out - mark.out) / dt
+        trial, self._trial = self._trial, None
+        if trial is not None:
+            knob = trial.knob
+            # Kept if the output grew, and the stage's own capacity with it: an op that holds
+            # the GIL, computes on busy cores or waits for a server at its limit takes longer
+            # per call as calls are added, which the capacity shows with less noise.
+            capacity = self._capacity(knob, mark, now)
+            need = max(GAIN, 1 + (trial.after / trial.before - 1) * SHARE)
+            paid = rate >= trial.rate * need and capacity >= trial.capacity * need
+            if paid or self._output_ended():
+                knob.ceiling_task = knob.stage.counters.ewma  # at the concurrency kept
+                self._note(
+                    f"{knob.name}: {trial.before} -> {trial.after} kept "
+                    f"({trial.rate:,.0f} -> {rate:,.0f} items/s)"
+                )
+            else:
+                knob.stage.set_concurrency(trial.before)
+                knob.ceiling, knob.ceiling_at = trial.after, now.t
+                # The conditions it holds for: the task time before the raise (a raise that
+                # does not pay often makes calls wait longer, and undoing it makes them short
+                # again: that is no change of conditions).
+                knob.ceiling_task = trial.task
+                self._note(
+                    f"{knob.name}: back to {trial.before}, {trial.after} did not pay "
+                    f"({trial.rate:,.0f} -> {rate:,.0f} items/s)"
+                )
+                self._mark = self._take_mark()
+                return
+        self._mark = now
+        sink_full = (now.full[-1] - mark.full[-1]) / dt
+        if sink_full > 0.5:
+            self._trim(mark, now, dt)  # the consumer is the slower side: nothing to raise
+            return
+        if (now.cpu - mark.cpu) / dt >= 0.95 * self._cores:
+            return  # the cores are busy: more calls in flight would only queue for them
+        best: tuple[float, Knob] | None = None
+        for i, knob in enumerate(self.knobs):
+            self._expire(knob, now.t)
+            slots = now.slots[i] - mark.slots[i]
+            busy = (now.busy[i] - mark.busy[i]) / slots if slots > 0 else 0.0
+            blocked = (now.full[i] - mark.full[i]) / dt
+            c = knob.concurrency
+            top = knob.high if knob.ceiling is None else min(knob.high, knob.ceiling - 1)
+            if busy >= BUSY and blocked < 0.5 and c < top and (best is None or busy > best[0]):
+                best = busy, knob
+        if best is None:
+            self._trim(mark, now, dt)
+            return
+        knob = best[1]
+        c = knob.concurrency
+        if knob.ceiling is None:
+            target = min(knob.high, 2 * c)
+        else:
+            # Halfway to what did not pay, while that is a step worth a window.
+            target = min(knob.high, (c + knob.ceiling) // 2)
+            if target < c + max(1, c // 4):
+                return
+        budget = self._tuning.memory_budget
+        if budget is not None:
+            each = self._in_flight_bytes(knob)
+            if each > 0:
+                room = budget - self._held_bytes()
+                target = min(target, c + max(0, int(room // each)))
+        if target <= c:
+            return
+        capacity = self._capacity(knob, mark, now)  # at the concurrency the window had
+        knob.stage.set_concurrency(target)
+        self._grow_input(knob, target)
+        self._trial = _Trial(knob, c, target, rate, capacity, knob.stage.counters.ewma)
+        # The window of the trial starts once the new calls are under way.
+        self._mark = self._take_mark()
+        _log.debug("tuner: trying %s at %d (was %d, %.0f items/s)", knob.name, target, c, rate)
+
+    def _trim(self, mark: _Mark, now: _Mark, dt: float) -> None:
+        for i, knob in enumerate(self.knobs):
+            used = (now.busy[i] - mark.busy[i]) / dt  # calls in flight on average
+            c = knob.concurrency
+            keep = max(knob.low, math.ceil(1.5 * used) + 1)
+            if c > keep and c > 2 * used + 2:
+                knob.trim += 1
+                if knob.trim >= TRIM_AFTER:
+                    knob.trim = 0
+                    knob.ceiling = None  # found at another concurrency, in other conditions
+                    knob.stage.set_concurrency(keep)
+                    self._note(f"{knob.name}: {c} -> {keep}, it used {used:.1f} slots")
+            else:
+                knob.trim = 0
+
+    @staticmethod
+    def _expire(knob: Knob, now: float) -> None:
+        # A ceiling holds while conditions hold: the op's time within half of what it was.
+        if knob.ceiling is None:
+            return
+        task = knob.stage.counters.ewma
+        old = knob.ceiling_task
+        changed = old > 0 and task > 0 and (task > 1.5 * old or task < old / 1.5)
+        if changed or now - knob.ceiling_at > CEILING_TTL:
+            knob.ceiling = None
+
+    def _output_ended(self) -> bool:
+        return self._sink.closed
+
+    def _note(self, decision: str) -> None:
+        t = time.perf_counter() - self._t0
+        self.decisions.append(f"{t:.1f}s {decision}")
+        _log.debug("tuner: %s", decision)
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def _bytes(self, index: int) -> float:
+        # Bytes per item in channel ``index`` (0 without a budget).
+        return self._sizes[index].nbytes if self._sizes else 0.0
+
+    def _in_flight_bytes(self, knob: Knob) -> float:
+        # What one call of a stage holds: its result, or the item it works on.
+        i = knob.index
+        return max(self._bytes(i), self._bytes(i - 1))
+
+    def _held_bytes(self) -> float:
+        total = sum(c.capacity * self._bytes(i) for i, c in enumerate(self._channels))
+        return total + sum(k.concurrency * self._in_flight_bytes(k) for k in self.knobs)
+
+    def _keep_within(self, budget: int) -> None:
+        if self._held_bytes() <= budget:
+            return
+        for channel in self._channels:  # grown queues back to their first size
+            growth = channel.growth
+            if growth is not None and channel.capacity > growth.start:
+                channel.resize(growth.start)
+        for knob in sorted(self.knobs, key=self._in_flight_bytes, reverse=True):
+            while self._held_bytes() > budget and knob.concurrency > knob.low:
+                c = knob.concurrency
+                knob.stage.set_concurrency(max(knob.low, c // 2))
+                self._note(f"{knob.name}: {c} -> {knob.concurrency} for the memory budget")
+
+    def _grow_input(self, knob: Knob, concurrency: int) -> None:
+        # A default-sized queue before a stage holds enough to feed each of its slots.
+        channel = self._channels[knob.index - 1]
+        growth = channel.growth
+        if growth is not None and channel.capacity < concurrency:
+            size = min(concurrency, growth.grow_to)
+            budget = self._tuning.memory_budget
+            each = self._bytes(knob.index - 1)
+            if budget is not None and each > 0:
+                size = min(size, max(channel.capacity, int(budget // (4 * each))))
+            if size > channel.capacity:
+                channel.resize(size)
+
+    # -- measuring -------------------------------------------------------------------------------
+
+    def _take_mark(self, now: float | None = None) -> _Mark:
+        t = time.perf_counter() if now is None else now
+        busy, calls, slots, full = [], [], [], []
+        for knob in self.knobs:
+            c = knob.stage.counters
+            with c.lock:
+                busy.append(c.busy_time)
+                calls.append(c.calls)
+                slots.append(c.slots(t))
+            full.append(self._channels[knob.index].full_seconds())
+        full.append(self._sink.full_seconds())
+        return _Mark(t, self._sink.puts, time.process_time(), busy, calls, slots, full)
+
+    def _capacity(self, knob: Knob, mark: _Mark, now: _Mark) -> float:
+        # Calls the stage could finish per second at its concurrency, from its mean task time
+        # over the window (0 if it finished none).
+        i = self.knobs.index(knob)
+        calls = now.calls[i] - mark.calls[i]
+        busy = now.busy[i] - mark.busy[i]
+        return knob.concurrency * calls / busy if calls > 0 and busy > 0 else 0.0

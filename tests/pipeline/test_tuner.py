@@ -1,0 +1,376 @@
+"""The tuner (``concurrency="auto"``): it converges, respects what it is told, and re-converges.
+
+Conditions are simulated where the best concurrency is known: a "server" that serves at most
+``k`` requests at once (a semaphore), so that throughput grows with concurrency up to ``k``
+and not beyond; a downstream stage of fixed rate; an op that holds the GIL. Rates are not
+asserted (performance is measured in ``feedline bench autotune``): the concurrency is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from feedline import Auto, ConfigurationError, Pipeline, PipelineBuilder, PipelineStats
+
+
+def run_for(
+    pipeline: Pipeline[Any], seconds: float, every: Callable[[float], None] | None = None
+) -> tuple[PipelineStats, list[tuple[float, int]]]:
+    """Iterate for ``seconds``; returns the last stats and (time, items) at each 0.25 s."""
+    t0 = time.perf_counter()
+    marks: list[tuple[float, int]] = []
+    next_mark = 0.25
+    stats = None
+    for n, _ in enumerate(pipeline, 1):
+        t = time.perf_counter() - t0
+        if every is not None:
+            every(t)
+        if t >= next_mark:
+            marks.append((t, n))
+            next_mark += 0.25
+        if t >= seconds:
+            stats = pipeline.stats()
+            break
+    assert stats is not None, "the source ended early"
+    return stats, marks
+
+
+def rate_between(marks: list[tuple[float, int]], start: float, end: float) -> float:
+    inside = [(t, n) for t, n in marks if start <= t <= end]
+    (t0, n0), (t1, n1) = inside[0], inside[-1]
+    return (n1 - n0) / (t1 - t0)
+
+
+def limited_server(k: int, latency: float) -> Callable[[int], Any]:
+    """An async read from a server that serves ``k`` requests at once, each ``latency`` s."""
+    gates: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+
+    async def read(i: int) -> int:
+        # One gate per event loop: each epoch of a pipeline runs its own loop.
+        gate = gates.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(k))
+        async with gate:
+            await asyncio.sleep(latency)
+        return i
+
+    return read
+
+
+def tuned_read() -> Pipeline[int]:
+    """Endless reads from a server that serves 16 at once, 20 ms each, tuned."""
+    read = limited_server(16, 0.02)
+    return (
+        PipelineBuilder()
+        .add_source(range(10**9))
+        .pipe(read, concurrency="auto", name="read")
+        .add_sink()
+        .build()
+    )
+
+
+def test_an_async_read_converges_to_what_the_server_serves_at_once() -> None:
+    pipeline = tuned_read()
+    stats, _ = run_for(pipeline, 4.0)
+    # 4 -> 8 -> 16 pay; 32 does not and is undone (then 24, 20 are tried and undone).
+    assert 16 <= stats["read"].concurrency < 32, stats
+    assert any("kept" in d for d in stats.tuning)
+    assert any("did not pay" in d for d in stats.tuning)
+
+
+def test_a_threaded_stage_that_waits_converges_within_a_band_of_the_best() -> None:
+    gate = threading.BoundedSemaphore(6)
+
+    def fetch(i: int) -> int:
+        with gate:
+            time.sleep(0.01)
+        return i
+
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(10**9))
+        .pipe(fetch, concurrency="auto")
+        .add_sink()
+        .build()
+    )
+    stats, _ = run_for(pipeline, 4.0)
+    assert 6 <= stats["fetch"].concurrency <= 12, stats
+
+
+def _spin(i: int) -> int:
+    # Pure Python: holds the GIL, so a second thread cannot make it faster.
+    x = 0
+    for k in range(20_000):
+        x += k
+    return i
+
+
+def test_a_stage_that_holds_the_gil_is_not_raised_for_nothing() -> None:
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(10**9))
+        .pipe(_spin, concurrency=Auto(start=2))
+        .add_sink()
+        .build()
+    )
+    seen: list[int] = []
+    stats, _ = run_for(
+        pipeline,
+        3.0,
+        every=lambda t: (
+            seen.append(pipeline.stats()["_spin"].concurrency) if len(seen) < t * 20 else None
+        ),
+    )
+    # Raises do not pay (the capacity per call falls as calls are added) and are undone;
+    # one may be under way when the loop ends.
+    assert max(seen) <= 4, stats
+    assert stats["_spin"].concurrency <= 4, stats
+    assert any("did not pay" in d for d in stats.tuning)
+
+
+def _hash(i: int) -> bytes:
+    # Releases the GIL, and computes: once the cores are busy, more threads only queue.
+    return hashlib.sha256(bytes(1 << 20)).digest()
+
+
+def test_cpu_work_is_not_raised_past_the_cores() -> None:
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(10**9))
+        .pipe(_hash, concurrency="auto")
+        .add_sink()
+        .build()
+    )
+    stats, _ = run_for(pipeline, 3.0)
+    assert stats["_hash"].concurrency <= 4, stats
+
+
+def test_explicit_concurrency_is_never_changed_and_bounds_hold() -> None:
+    seen: list[int] = []
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(10**9))
+        .pipe(limited_server(64, 0.02), concurrency=Auto(low=2, high=6), name="read")
+        .pipe(limited_server(64, 0.01), concurrency=3, name="fixed")
+        .add_sink()
+        .build()
+    )
+    stats, _ = run_for(
+        pipeline,
+        2.5,
+        every=lambda t: (
+            seen.append(pipeline.stats()["read"].concurrency) if len(seen) < t * 20 else None
+        ),
+    )
+    assert stats["fixed"].concurrency == 3
+    assert not any(d.startswith("fixed") or " fixed:" in d for d in stats.tuning)
+    assert seen
+    assert all(2 <= c <= 6 for c in seen)
+    assert stats["read"].concurrency == 6  # the read limits the output: it goes to its bound
+
+
+def test_the_tuner_does_not_raise_when_the_consumer_is_the_slower_side() -> None:
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(10**9))
+        .pipe(limited_server(64, 0.005), concurrency="auto", name="read")
+        .add_sink()
+        .build()
+    )
+
+    def slow_consumer(t: float) -> None:
+        time.sleep(0.005)
+
+    stats, _ = run_for(pipeline, 2.0, every=slow_consumer)
+    assert stats["read"].concurrency <= 4, stats  # 4 reads of 5 ms outpace 200 items/s
+    assert not any("kept" in d for d in stats.tuning)
+
+
+def test_it_reconverges_when_the_latency_rises_tenfold() -> None:
+    latency = [0.01]
+    gate: list[asyncio.Semaphore] = []
+
+    async def read(i: int) -> int:
+        if not gate:
+            gate.append(asyncio.Semaphore(128))
+        async with gate[0]:
+            await asyncio.sleep(latency[0])
+        return i
+
+    def decode(i: int) -> int:  # a fixed rate downstream: at most ~600 items/s
+        time.sleep(0.0015)
+        return i
+
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(10**9))
+        .pipe(read, concurrency="auto", name="read")
+        .pipe(decode, concurrency=1)
+        .add_sink()
+        .build()
+    )
+
+    def change(t: float) -> None:
+        if t >= 3.0:
+            latency[0] = 0.1
+
+    stats, marks = run_for(pipeline, 8.0, every=change)
+    before = rate_between(marks, 1.5, 3.0)
+    after = rate_between(marks, 6.0, 8.0)
+    # At 100 ms a read needs ~10x the calls in flight to feed the same decode.
+    assert stats["read"].concurrency >= 32, stats
+    assert after >= 0.7 * before, (before, after, stats)
+
+
+@pytest.mark.parametrize("size", [1 << 10, 1 << 20, 64 << 20])
+def test_items_in_queues_and_in_flight_stay_within_the_memory_budget(size: int) -> None:
+    live = [0, 0]  # bytes alive, peak
+    lock = threading.Lock()
+
+    def gone(n: int) -> None:
+        with lock:
+            live[0] -= n
+
+    async def make(i: int) -> np.ndarray[Any, Any]:
+        await asyncio.sleep(0.01)
+        array = np.empty(size, dtype=np.uint8)
+        with lock:
+            live[0] += size
+            live[1] = max(live[1], live[0])
+        weakref.finalize(array, gone, size)
+        return array
+
+    budget = max(1 << 16, 16 * size)
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(10**9))
+        .pipe(make, concurrency="auto")
+        .add_sink()
+        .build(memory_budget=budget)
+    )
+    stats, _ = run_for(pipeline, 2.0)
+    del stats
+    pipeline.stop()
+    # The consumer holds one item beyond the budget (the one its loop has).
+    assert live[1] <= budget + size, (live[1], budget)
+
+
+def test_a_tuned_stage_is_lowered_when_items_grow_past_the_budget() -> None:
+    size = [1 << 10]
+
+    async def make(i: int) -> bytes:
+        await asyncio.sleep(0.02)
+        return bytes(size[0])
+
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(10**9))
+        .pipe(make, concurrency="auto")
+        .add_sink()
+        .build(memory_budget=4 << 20)
+    )
+
+    def grow(t: float) -> None:
+        if t >= 2.0:
+            size[0] = 1 << 20
+
+    stats, _ = run_for(pipeline, 3.0, every=grow)
+    assert stats["make"].concurrency <= 4, stats
+    assert any("memory budget" in d for d in stats.tuning)
+
+
+def test_the_tuner_ends_with_the_pipeline_and_leaves_no_thread(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    before = threading.active_count()
+    caplog.set_level(logging.DEBUG, logger="feedline.pipeline")
+    pipeline = tuned_read()
+    for _epoch in range(2):
+        run_for(pipeline, 1.0)  # break mid-epoch: the run (and its tuner) stops
+    assert any("tuner:" in r.getMessage() for r in caplog.records)  # one DEBUG line per change
+    pipeline.stop()
+    deadline = time.monotonic() + 2
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() == before
+
+
+def test_autotune_tunes_the_stages_without_a_number() -> None:
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(10**9))
+        .pipe(limited_server(16, 0.02), name="read")
+        .pipe(limited_server(64, 0.001), concurrency=2, name="fixed")
+        .add_sink()
+        .build(autotune=True)
+    )
+    stats, _ = run_for(pipeline, 2.0)
+    assert stats["read"].concurrency >= 8
+    assert stats["fixed"].concurrency == 2
+    plain = PipelineBuilder().add_source(range(3)).pipe(limited_server(1, 0)).add_sink().build()
+    assert list(plain) == [0, 1, 2]
+    assert plain.stats().stages[1].concurrency == 1  # no autotune: one call at a time
+
+
+def test_stats_show_the_tuner_s_decisions_and_the_bottleneck_s_next_slot() -> None:
+    pipeline = tuned_read()
+    stats, _ = run_for(pipeline, 2.0)
+    text = str(stats)
+    assert "tuner: " in text
+    assert "read: 4 -> 8 kept" in text
+    assert "one more slot would add up to" in text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"memory_budget": 100}, "64 KiB at least"),
+        ({"memory_budget": 1.5e9}, "an int"),
+        ({"cpu_budget": 0}, "positive number of cores"),
+        ({"autotune": "yes"}, "True or False"),
+    ],
+)
+def test_bad_budgets_are_refused(kwargs: dict[str, Any], message: str) -> None:
+    builder = PipelineBuilder().add_source(range(3)).pipe(str)
+    with pytest.raises(ConfigurationError, match=message):
+        builder.build(**kwargs)
+
+
+def test_bad_auto_settings_are_refused() -> None:
+    with pytest.raises(ConfigurationError, match="high < low"):
+        Auto(low=4, high=2)
+    with pytest.raises(ConfigurationError, match="within low"):
+        Auto(low=2, high=4, start=8)
+    with pytest.raises(ConfigurationError, match="int >= 1"):
+        Auto(low=0)
+    with pytest.raises(ConfigurationError, match="'auto'"):
+        PipelineBuilder().add_source(range(3)).pipe(str, concurrency="fast")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="output_order='input'"):
+
+        def gen(x: int) -> Any:
+            yield x
+
+        PipelineBuilder().add_source(range(3)).pipe(gen, concurrency="auto", output_order="input")
+
+
+def test_an_ordered_tuned_stage_keeps_the_order() -> None:
+    async def jitter(i: int) -> int:
+        await asyncio.sleep(0.001 * (i % 7))
+        return i
+
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(3000))
+        .pipe(jitter, concurrency="auto", output_order="input")
+        .add_sink()
+        .build()
+    )
+    assert list(pipeline) == list(range(3000))
