@@ -328,3 +328,34 @@ def test_report_names_each_run_and_leaves_out_what_is_not_a_result(
     assert "`verify`: `feedline bench verify --quick" in summary
     assert main(["report", str(tmp_path / "missing")]) == 2
     assert "no such folder" in capsys.readouterr().err
+
+
+def test_bench_autotune_quick_compares_the_tuned_pipeline_with_the_grid_s_best(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("obstore")
+    pytest.importorskip("cv2")
+    out = tmp_path / "out"
+    (tmp_path / "d").mkdir()
+    args = ["bench", "autotune", "--quick", "--data", str(tmp_path / "d"), "--out", str(out)]
+    assert main(args) == 0
+    data = json.loads((out / "autotune.json").read_text())
+    rows = {(m["case"], m["contender"]): m for m in data["measurements"]}
+    for case in ("read + decode (5-100 ms GETs)", "1 MB objects, 200 MB/s server", "CPU decode"):
+        tuned = rows[case, "feedline, autotuned"]
+        assert tuned["items_per_s"] > 0
+        assert tuned["ratio"] > 0
+        assert tuned["extra"]["tuner_cpu_percent"] > 0
+        assert rows[case, "best fixed configuration (grid search)"]["ratio"] == 1.0
+        # The chart over time has a point every 0.25 s with each stage's concurrency.
+        points = data["timelines"][case]
+        assert len(points) >= 4
+        assert all(c >= 1 for _, _, conc in points for c in conc.values())
+    changed = rows["read + decode, server 10 -> 100 ms", "feedline, autotuned"]
+    assert changed["items_per_s"] > 0
+    budgeted = [m for (case, _), m in rows.items() if "memory_budget" in case]
+    assert budgeted[0]["extra"]["rss_growth_mib"] < 200
+    if importlib.util.find_spec("tensorflow") is None:
+        assert any("tf.data left out" in n for n in data["notes"])
+    assert_png(out / "autotune.png")
+    assert_png(out / "autotune-over-time.png")

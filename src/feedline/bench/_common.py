@@ -64,6 +64,8 @@ class ScenarioResult:
     unit: str = "items/s"  # what items_per_s counts
     headline: list[str] = field(default_factory=list)  # contenders with default settings
     command: str = ""  # the command line that produced it
+    # Per case, points (seconds, items/s, {stage: concurrency}) over a run: a second chart.
+    timelines: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: Path) -> ScenarioResult:

@@ -130,6 +130,10 @@ class SlotPipeline:
     ``aread`` (a coroutine function, such as :meth:`feedline.RemoteStore.read`), the read
     stage awaits it on the event loop instead of calling ``read`` on threads.
 
+    With ``tuned``, each stage's concurrency is ``"auto"`` from its default start (the cores
+    for threads, 4 on the event loop) up to twice the figure given: the pipeline's tuner sets
+    it while it runs.
+
     A batch is handed on when its last slot is written (the decode stage keeps input order,
     so every earlier slot is written by then). That needs every read and decode to succeed:
     the pipeline has no failure budget, and a failure ends the pass with ``PipelineFailure``.
@@ -143,7 +147,9 @@ class SlotPipeline:
         decode_concurrency: int,
         read_concurrency: int | None = None,
         aread: Callable[[Any], Awaitable[Any]] | None = None,
+        tuned: bool = False,
     ) -> None:
+        self.tuned = tuned
         self.keys = keys
         self.read = read
         self.aread = aread
@@ -155,13 +161,14 @@ class SlotPipeline:
         return -(-len(self.keys) // self.batch)
 
     def __iter__(self) -> Iterator[Any]:
-        from feedline import PipelineBuilder
+        from feedline import Auto, PipelineBuilder
         from feedline.io import BufferPool, decode_image
 
         # Buffers in use at once: the one with the consumer, two in the sink, and those with
         # slots in flight: up to twice each stage's concurrency ahead (ordered stages) plus
         # the queues between them.
-        in_flight = 3 * ((self.read_concurrency or 0) + self.decode_concurrency)
+        most = 2 if self.tuned else 1  # a tuned stage goes up to twice its start
+        in_flight = 3 * most * ((self.read_concurrency or 0) + self.decode_concurrency)
         pool = BufferPool((self.batch, *SIZE, 3), count=4 + -(-in_flight // self.batch))
         keys, read, batch = self.keys, self.read, self.batch
 
@@ -191,21 +198,27 @@ class SlotPipeline:
             decode_image(data if self.read_concurrency else read(data), size=SIZE, out=buffer[j])
             return buffer if j == len(buffer) - 1 else None
 
+        def width(n: int) -> int | Auto:
+            return Auto(high=2 * n) if self.tuned else n
+
         builder: PipelineBuilder[Any] = PipelineBuilder()
         builder.add_source(slots())
-        threads = self.decode_concurrency + 2  # and one each for the source and batching
+        threads = most * self.decode_concurrency + 2  # and one each for the source, batching
         if self.read_concurrency:
             builder.pipe(
                 fetch_op,
-                concurrency=self.read_concurrency,
+                concurrency=width(self.read_concurrency),
                 output_order="input",
                 name="read",
             )
             if aread is None:
-                threads += self.read_concurrency
+                threads += most * self.read_concurrency
         pipeline = (
             builder.pipe(
-                decode, concurrency=self.decode_concurrency, output_order="input", name="decode"
+                decode,
+                concurrency=width(self.decode_concurrency),
+                output_order="input",
+                name="decode",
             )
             .pipe(_full_batches, name="batch")
             .add_sink(2)

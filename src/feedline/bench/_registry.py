@@ -42,6 +42,7 @@ class BenchOptions:
 
 
 SCENARIOS: dict[str, str] = {
+    "autotune": "the tuned pipeline against the best fixed one (grid search) and tf.data",
     "decode": "JPEG decode + resize per library, 1 and 2 threads",
     "distributed": "epochs on 4 and 8 ranks from a slow shared store, against the regular split",
     "engine": "pipeline overhead and hand-off latency against SPDL and a thread pool",
@@ -60,6 +61,7 @@ SCENARIOS: dict[str, str] = {
 _PICTURES = ("cv2", "simplejpeg")  # generating the JPEGs, and feedline's decoder
 
 REQUIRES: dict[str, tuple[str, ...]] = {
+    "autotune": ("obstore", *_PICTURES),
     "decode": _PICTURES,
     "distributed": ("torch", *_PICTURES),
     "engine": (),
@@ -86,6 +88,7 @@ EXTRAS: dict[str, str] = {
     "spdl": "bench",
     "PIL": "bench",
     "matplotlib": "bench",
+    "tensorflow": "tf",
 }
 """Module -> the extra of feedline that installs it."""
 

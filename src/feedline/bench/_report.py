@@ -102,6 +102,10 @@ _COLUMNS: dict[str, tuple[str, Callable[[float], str]]] = {
     "store_gets": ("store GETs", fmt),
     "exchanged_mb": ("exchanged (MB)", fmt),
     "beta_percent": ("beta (%)", fmt),
+    "to_90_s": ("s to 90 %", fmt),
+    "recovery_s": ("s back to 90 %", fmt),
+    "tuner_cpu_percent": ("tuner CPU (%)", fmt),
+    "rss_growth_mib": ("RSS growth (MiB)", fmt),
 }
 
 
@@ -373,4 +377,41 @@ def plot(result: ScenarioResult, path: Path) -> Path | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")  # grows to fit every label: none clipped
     plt.close(fig)
+    if result.timelines:
+        _plot_timelines(result, path.with_name(f"{path.stem}-over-time.png"))
     return path
+
+
+def _plot_timelines(result: ScenarioResult, path: Path) -> None:
+    """One chart per case: items/s over time (left axis) and each stage's concurrency (right)."""
+    import matplotlib.pyplot as plt
+
+    cases = list(result.timelines.items())
+    fig, axes = plt.subplots(
+        len(cases), 1, figsize=(8, 2.6 * len(cases)), squeeze=False, layout="constrained"
+    )
+    for ax, (case, points) in zip((row[0] for row in axes), cases, strict=True):
+        times = [p[0] for p in points]
+        ax.plot(times, [p[1] for p in points], color="black", label="items/s")
+        ax.set_ylabel("items/s", fontsize=8)
+        ax.set_ylim(bottom=0)
+        ax.set_title(case, fontsize=9, loc="left")
+        right = ax.twinx()
+        stages = sorted({name for p in points for name in p[2]})
+        for k, stage in enumerate(stages):
+            right.step(
+                times,
+                [p[2].get(stage, 0) for p in points],
+                where="post",
+                color=("tab:orange", "tab:blue", "tab:green", "tab:purple")[k % 4],
+                linestyle="--",
+                label=f"{stage} concurrency",
+            )
+        right.set_ylabel("concurrency", fontsize=8)
+        right.set_ylim(bottom=0)
+        handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+        ax.legend(handles=handles, fontsize=7, loc="lower right")
+    axes[-1][0].set_xlabel("seconds from a cold start", fontsize=8)
+    fig.suptitle(f"feedline bench {result.scenario}: over time", fontsize=10, x=0.02, ha="left")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)

@@ -4,8 +4,10 @@ Runs in its own process (``python -m feedline.bench._server DELAY RATE FILE...``
 serving does not compete for the benchmark's GIL, and on asyncio with keep-alive connections,
 so that its own cost per request stays small next to the delay it adds, as a remote store's
 would. ``GET /<i>`` returns file ``i % len(files)``; ``GET /stats`` how many GETs and bytes it
-served. A ``RATE`` above 0 caps the bytes per second of all replies together (a token bucket:
-the shared file system of a cluster, scaled down). It prints its port on stdout when ready.
+served; ``GET /delay/<spec>`` changes the wait from then on (a store that slows down).
+``DELAY`` is seconds or a lognormal spread (:class:`Delay`). A ``RATE`` above 0 caps the
+bytes per second of all replies together (a token bucket: the shared file system of a
+cluster, scaled down). It prints its port on stdout when ready.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["ServerProcess", "served"]
+__all__ = ["Delay", "ServerProcess", "served"]
 
 
 class _Bucket:
@@ -35,22 +37,53 @@ class _Bucket:
         await asyncio.sleep(self._due - now)
 
 
-async def _serve(delay: float, rate: float, bodies: list[bytes]) -> None:
+class Delay:
+    """How long the server waits before a reply: fixed, or lognormal within bounds.
+
+    ``spec``: seconds (``"0.02"``), or ``"lognormal:MEDIAN:SIGMA:LOW:HIGH"`` (seconds; each
+    wait drawn from a lognormal distribution around ``MEDIAN``, clipped to ``LOW``-``HIGH``).
+    """
+
+    def __init__(self, spec: str) -> None:
+        import random
+
+        self.spec = spec
+        self._random = random.Random(0)
+        if spec.startswith("lognormal:"):
+            median, sigma, low, high = (float(x) for x in spec.split(":")[1:])
+            self._args: tuple[float, ...] = (median, sigma, low, high)
+        else:
+            self._args = (float(spec),)
+
+    def draw(self) -> float:
+        """The next wait, in seconds."""
+        import math
+
+        if len(self._args) == 1:
+            return self._args[0]
+        median, sigma, low, high = self._args
+        return min(high, max(low, self._random.lognormvariate(math.log(median), sigma)))
+
+
+async def _serve(delay_spec: str, rate: float, bodies: list[bytes]) -> None:
     bucket = _Bucket(rate)
     served = {"gets": 0, "bytes": 0}
+    delay = [Delay(delay_spec)]
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
                 request = await reader.readuntil(b"\r\n\r\n")
                 target = request.split(b" ", 2)[1].strip(b"/")
-                if target == b"stats":
+                if target == b"stats" or target.startswith(b"delay/"):
+                    if target != b"stats":  # GET /delay/<spec>: wait as the spec says from now
+                        delay[0] = Delay(target.split(b"/", 1)[1].decode())
                     body = json.dumps(served).encode()
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
                     writer.write(body)
                     await writer.drain()
                     continue
-                await asyncio.sleep(delay)
+                await asyncio.sleep(delay[0].draw())
                 try:
                     body = bodies[int(target) % len(bodies)]
                     head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body)
@@ -84,7 +117,7 @@ def served(url: str) -> dict[str, int]:
 class ServerProcess:
     """Start the server in a child process; ``url`` is where it listens. Close it when done."""
 
-    def __init__(self, files: list[Path], delay: float, rate: float = 0.0) -> None:
+    def __init__(self, files: list[Path], delay: float | str, rate: float = 0.0) -> None:
         self._process = subprocess.Popen(
             [
                 sys.executable,
@@ -109,6 +142,13 @@ class ServerProcess:
         """GETs and bytes served so far: ``{"gets": ..., "bytes": ...}``."""
         return served(self.url)
 
+    def set_delay(self, spec: float | str) -> None:
+        """Wait as ``spec`` says (see :class:`Delay`) before each reply from now on."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.url}/delay/{spec}", timeout=30) as reply:
+            reply.read()
+
     def cpu_seconds(self) -> float:
         """CPU time the server process has used so far (Linux ``/proc``)."""
         import os
@@ -132,4 +172,4 @@ class ServerProcess:
 
 if __name__ == "__main__":
     _bodies = [Path(p).read_bytes() for p in sys.argv[3:]] or [b"x" * 1024]
-    asyncio.run(_serve(float(sys.argv[1]), float(sys.argv[2]), _bodies))
+    asyncio.run(_serve(sys.argv[1], float(sys.argv[2]), _bodies))

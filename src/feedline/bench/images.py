@@ -202,6 +202,12 @@ def run(options: BenchOptions) -> ScenarioResult:
         ("feedline pipeline", functools.partial(SlotPipeline, paths, _read_file, BATCH, cores))
     )
     setups.append(
+        (
+            "feedline pipeline, autotuned",
+            functools.partial(SlotPipeline, paths, _read_file, BATCH, cores, tuned=True),
+        )
+    )
+    setups.append(
         ("ThreadPoolExecutor.map", functools.partial(ThreadPoolBatches, paths, BATCH, cores))
     )
     spdl_missing = spdl_decoder()[1]  # why SPDL cannot decode here, if it cannot
@@ -251,6 +257,9 @@ def run(options: BenchOptions) -> ScenarioResult:
         or f"SPDL pipeline: spdl.io demux + decode with FFmpeg's bilinear scale filter, "
         f"{cores} wide, then aggregate({BATCH}) and convert_frames to one array (SPDL's own "
         "pattern; its stages pass items on in completion order, feedline's in input order)",
+        f"feedline pipeline, autotuned: the same pipeline with its decode stage "
+        f"concurrency='auto' (from {cores}, at most {2 * cores}) instead of {cores}: each "
+        "pass starts the tuner cold",
         f"{np.mean([len(p) for p in pictures]) / 1024:.0f} KiB per JPEG on average",
         "peak PSS / RSS: this process and its children, sampled every 100 ms during a pass; "
         "the benchmark's own process (Python, torch, OpenCV loaded) is in every figure",

@@ -153,6 +153,20 @@ def _contenders(
                     ),
                 ),
             )
+        setups.insert(
+            7,
+            (
+                "feedline pipeline, autotuned",
+                lambda: SlotPipeline(
+                    keys,
+                    big.get,
+                    BATCH,
+                    cores,
+                    read_concurrency=READS_PER_CORE * cores,
+                    tuned=True,
+                ),
+            ),
+        )
     return [Contender(name, functools.partial(timed, name, make)) for name, make in setups]
 
 
@@ -237,7 +251,9 @@ def run(options: BenchOptions) -> ScenarioResult:
         f"feedline pipeline: a read stage {READS_PER_CORE * cores} wide, then a decode stage "
         f"{cores} wide writing into pooled batch buffers (feedline.io.BufferPool); with "
         "RemoteStore, the reads are feedline.RemoteStore.read (obstore) awaited on the event "
-        "loop instead of http.client calls on threads",
+        "loop instead of http.client calls on threads; autotuned: both stages "
+        f"concurrency='auto' (reads from {cores}, at most {2 * READS_PER_CORE * cores}; "
+        f"decode from {cores}, at most {2 * cores}), the tuner starting cold each pass",
         "CPU s per 1000 items: this process and every process under it (a fork server's "
         "workers included), not the server's; peak "
         "PSS / RSS: this process and its children but the server, sampled every 100 ms",

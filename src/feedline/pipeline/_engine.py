@@ -566,4 +566,5 @@ class Run:
             bottleneck=name,
             reason=reason,
             tuning=tuple(self.tuner.decisions) if self.tuner is not None else (),
+            tuner_cpu=self.tuner.cpu_s if self.tuner is not None else 0.0,
         )

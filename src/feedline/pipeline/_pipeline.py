@@ -137,7 +137,7 @@ class Pipeline(Generic[T]):
         # Called under the holder's lock, which state_dict() takes too. The source's items
         # are numbered and carry their source item (see _resume); a resumable pipeline also
         # skips those done and marks those received or skipped.
-        config = self._config
+        config = self._carried(self._config)
         progress: Progress | None = None
         on_failed = None
         if config.continuous:
@@ -173,6 +173,20 @@ class Pipeline(Generic[T]):
             return tag_source(_wrap_source(source, run), progress, lambda: run.stopping)
 
         return Run(config, wrap, on_failed=on_failed)
+
+    def _carried(self, config: PipelineConfig) -> PipelineConfig:
+        # Tuned stages start where the last epoch's tuner left them, not from scratch.
+        last = self._last
+        settled = last.tuner.settled() if last is not None and last.tuner is not None else {}
+        if not settled:
+            return config
+        stages = tuple(
+            dataclasses.replace(s, concurrency=settled[s.name])
+            if isinstance(s, PipeConfig) and s.tune is not None and s.name in settled
+            else s
+            for s in config.stages
+        )
+        return dataclasses.replace(config, stages=stages)
 
     def _receiver(self, run: Run) -> Callable[[float | None], Any]:
         # What hands the consumer its items: the run's get, unwrapping each, and, when

@@ -8,16 +8,22 @@ for some items to come out) does one of these:
   :data:`GAIN` and by a :data:`SHARE` of the raise (a doubling must bring a quarter more),
   and so did the stage's capacity (its concurrency over its mean task time in the window:
   an op that holds the GIL or computes on busy cores only takes longer per call as calls
-  are added). Otherwise the stage goes back to where it was and the failed value becomes
-  its *ceiling*. A ceiling holds until the stage's task time, at the concurrency it was
-  kept at, changes by half (a slower server, larger items: what did not pay may pay now),
-  or :data:`CEILING_TTL` passes.
+  are added). Otherwise the failed value becomes the stage's *ceiling*, and the stage is
+  tried at half the concurrency it had: kept if the output rate stays at :data:`KEEP_LOWER`
+  of what it was (an op that holds the GIL or computes may run as fast with less
+  contention), and put back otherwise, that value becoming its *floor* (not tried again).
+  A ceiling holds until the stage's mean call time, at the concurrency it was kept at,
+  changes by :data:`CHANGED` (a slower server, larger items: what did not pay may pay now),
+  or :data:`CEILING_TTL` passes; a floor until that call time changes.
 * **Raise the bottleneck.** Unless the consumer is the slower side (the sink is full most of
   the window) or the process already uses its CPU budget, the tuned stage whose slots were
   busiest (at least :data:`BUSY` of the time, not held up by a full output) is doubled
   within its bound and the memory budget; below a ceiling, it goes halfway to it (while that
   is a quarter more at least). Doubling reaches the dozens of calls a slow read wants in a
   few looks; a raise that does not pay is undone at the next.
+* **Fewer for a slower consumer.** While the sink is full, the busiest tuned stage is
+  tried at half (kept if the output stays as fast, as above): threads that compute take the
+  GIL and the cores from the consumer, and calls that wait hold memory it does not need.
 * **Trim.** A stage that used few of its slots for :data:`TRIM_AFTER` windows in a row
   (starved, or held up downstream) is lowered to what it used plus room, so that it holds
   no threads, memory or CPU it does not need.
@@ -25,8 +31,8 @@ for some items to come out) does one of these:
 With a memory budget, items are measured as they are put in queues (one in
 :data:`SIZE_EVERY`), and the queues and calls in flight must hold at most the budget: a
 raise is cut to fit, and if items grew, the grown queues go back to their first size and
-tuned stages are halved.
-A stage the user gave a number is never changed; its queue and calls still count.
+tuned stages are halved. A stage the user gave a number is never changed; its queue and
+calls still count.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from ._tuning import Tuning
 __all__ = [
     "BUSY",
     "CEILING_TTL",
+    "CHANGED",
     "GAIN",
     "SHARE",
     "SIZE_EVERY",
@@ -60,6 +67,10 @@ _log = logging.getLogger("feedline.pipeline")
 GAIN = 1.05
 """A raise is kept if the output rate grew by this factor at least..."""
 
+KEEP_LOWER = 0.97
+"""After a raise that did not pay, the stage is tried at half; that is kept if the output
+rate stays at this share of what it was at least."""
+
 SHARE = 0.25
 """... and by this share of the raise at least (a doubling: by a quarter), so that a window's
 noise does not keep a raise that does not pay (measured on two shared cores: +-8 %)."""
@@ -70,7 +81,11 @@ BUSY = 0.6
 TRIM_AFTER = 3
 """Windows in a row a stage must use few of its slots before it is lowered."""
 
-CEILING_TTL = 10.0
+CHANGED = 2.0
+"""A stage's mean call time, at the concurrency it was kept at, that grew or shrank by this
+factor means conditions changed: its ceiling and floor no longer hold."""
+
+CEILING_TTL = 30.0
 """Seconds a raise that did not pay keeps the stage below it."""
 
 SIZE_EVERY = 8
@@ -115,6 +130,7 @@ class Knob:
         "ceiling",
         "ceiling_at",
         "ceiling_task",
+        "floor",
         "high",
         "index",
         "low",
@@ -132,6 +148,7 @@ class Knob:
         # has now: the conditions the ceiling holds for. (At another concurrency the task
         # time of an op that holds the GIL or computes differs for that reason alone.)
         self.ceiling_task = 0.0
+        self.floor: int | None = None  # a lower concurrency that was slower
         self.trim = 0  # windows in a row with few slots used
 
     @property
@@ -162,8 +179,8 @@ class _Trial:
     before: int
     after: int
     rate: float  # the output rate before the raise
-    capacity: float  # what the stage could do before the raise (see Tuner._capacity)
-    task: float  # the stage's smoothed task time before the raise
+    capacity: float  # concurrency / mean call time before the raise: calls it could end per s
+    task: float  # the stage's mean call time in the window before the raise
 
 
 class Tuner:
@@ -194,6 +211,14 @@ class Tuner:
         self._t0 = self._mark.t
         self.cpu_s = 0.0  # CPU time the tuner's looks took (thread time)
         self.looks = 0
+
+    def settled(self) -> dict[str, int]:
+        """Each tuned stage's concurrency, by name, leaving out a trial under way."""
+        found = {k.name: k.concurrency for k in self.knobs}
+        trial = self._trial
+        if trial is not None:
+            found[trial.knob.name] = trial.before
+        return found
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -235,43 +260,23 @@ class Tuner:
         dt = now.t - mark.t
         rate = (now.out - mark.out) / dt
         trial, self._trial = self._trial, None
-        if trial is not None:
-            knob = trial.knob
-            # Kept if the output grew, and the stage's own capacity with it: an op that holds
-            # the GIL, computes on busy cores or waits for a server at its limit takes longer
-            # per call as calls are added, which the capacity shows with less noise.
-            capacity = self._capacity(knob, mark, now)
-            need = max(GAIN, 1 + (trial.after / trial.before - 1) * SHARE)
-            paid = rate >= trial.rate * need and capacity >= trial.capacity * need
-            if paid or self._output_ended():
-                knob.ceiling_task = knob.stage.counters.ewma  # at the concurrency kept
-                self._note(
-                    f"{knob.name}: {trial.before} -> {trial.after} kept "
-                    f"({trial.rate:,.0f} -> {rate:,.0f} items/s)"
-                )
-            else:
-                knob.stage.set_concurrency(trial.before)
-                knob.ceiling, knob.ceiling_at = trial.after, now.t
-                # The conditions it holds for: the task time before the raise (a raise that
-                # does not pay often makes calls wait longer, and undoing it makes them short
-                # again: that is no change of conditions).
-                knob.ceiling_task = trial.task
-                self._note(
-                    f"{knob.name}: back to {trial.before}, {trial.after} did not pay "
-                    f"({trial.rate:,.0f} -> {rate:,.0f} items/s)"
-                )
-                self._mark = self._take_mark()
-                return
+        if trial is not None and self._judge(trial, rate, self._task(trial.knob, mark, now)):
+            self._mark = self._take_mark()
+            return
         self._mark = now
         sink_full = (now.full[-1] - mark.full[-1]) / dt
         if sink_full > 0.5:
-            self._trim(mark, now, dt)  # the consumer is the slower side: nothing to raise
+            # The consumer is the slower side: nothing to raise. Threads that do not wait
+            # take the GIL and the cores from it, so the busiest tuned stage is tried at
+            # half: kept if the output stays as fast (see _judge).
+            self._trim(mark, now, dt)
+            self._try_fewer(mark, now, rate)
             return
         if (now.cpu - mark.cpu) / dt >= 0.95 * self._cores:
             return  # the cores are busy: more calls in flight would only queue for them
         best: tuple[float, Knob] | None = None
         for i, knob in enumerate(self.knobs):
-            self._expire(knob, now.t)
+            self._expire(knob, now.t, self._task(knob, mark, now))
             slots = now.slots[i] - mark.slots[i]
             busy = (now.busy[i] - mark.busy[i]) / slots if slots > 0 else 0.0
             blocked = (now.full[i] - mark.full[i]) / dt
@@ -299,13 +304,85 @@ class Tuner:
                 target = min(target, c + max(0, int(room // each)))
         if target <= c:
             return
-        capacity = self._capacity(knob, mark, now)  # at the concurrency the window had
+        task = self._task(knob, mark, now)  # at the concurrency the window had
         knob.stage.set_concurrency(target)
         self._grow_input(knob, target)
-        self._trial = _Trial(knob, c, target, rate, capacity, knob.stage.counters.ewma)
+        self._trial = _Trial(knob, c, target, rate, c / task if task > 0 else 0.0, task)
         # The window of the trial starts once the new calls are under way.
         self._mark = self._take_mark()
         _log.debug("tuner: trying %s at %d (was %d, %.0f items/s)", knob.name, target, c, rate)
+
+    def _judge(self, trial: _Trial, rate: float, task: float) -> bool:
+        # Keep or undo the trial that just ran (``task``: the stage's mean call time in its
+        # window); returns whether the tuner changed a stage again (a new window starts).
+        knob = trial.knob
+        capacity = trial.after / task if task > 0 else 0.0
+        if trial.after < trial.before:  # a lower concurrency: kept if as fast
+            if rate >= trial.rate * KEEP_LOWER or self._output_ended():
+                knob.ceiling_task = task  # at the concurrency kept
+                self._note(
+                    f"{knob.name}: {trial.before} -> {trial.after} kept, as fast "
+                    f"({trial.rate:,.0f} -> {rate:,.0f} items/s)"
+                )
+                return False
+            knob.stage.set_concurrency(trial.before)
+            knob.floor = trial.after
+            self._note(f"{knob.name}: back to {trial.before}, {trial.after} was slower")
+            return True
+        # Kept if the output grew, and the stage's own capacity with it: an op that holds
+        # the GIL, computes on busy cores or waits for a server at its limit takes longer per
+        # call as calls are added, which the capacity shows with less noise.
+        need = max(GAIN, 1 + (trial.after / trial.before - 1) * SHARE)
+        if (rate >= trial.rate * need and capacity >= trial.capacity * need) or (
+            self._output_ended()
+        ):
+            knob.ceiling_task = task  # at the concurrency kept
+            self._note(
+                f"{knob.name}: {trial.before} -> {trial.after} kept "
+                f"({trial.rate:,.0f} -> {rate:,.0f} items/s)"
+            )
+            return False
+        knob.ceiling, knob.ceiling_at = trial.after, time.perf_counter()
+        # The conditions it holds for: the task time before the raise (a raise that does not
+        # pay often makes calls wait longer, and undoing it makes them short again: that is
+        # no change of conditions).
+        knob.ceiling_task = trial.task
+        self._note(
+            f"{knob.name}: {trial.after} did not pay ({trial.rate:,.0f} -> {rate:,.0f} items/s)"
+        )
+        lower = max(knob.low, trial.before // 2)
+        if lower < trial.before and (knob.floor is None or lower > knob.floor):
+            # Try fewer: an op that holds the GIL or computes on busy cores may run as fast
+            # with less contention, and holds less memory.
+            knob.stage.set_concurrency(lower)
+            self._trial = _Trial(knob, trial.before, lower, trial.rate, 0.0, trial.task)
+        else:
+            knob.stage.set_concurrency(trial.before)
+        return True
+
+    def _try_fewer(self, mark: _Mark, now: _Mark, rate: float) -> None:
+        best: tuple[float, Knob] | None = None
+        for i, knob in enumerate(self.knobs):
+            self._expire(knob, now.t, self._task(knob, mark, now))
+            c = knob.concurrency
+            lower = max(knob.low, c // 2)
+            if lower >= c or (knob.floor is not None and lower <= knob.floor):
+                continue
+            slots = now.slots[i] - mark.slots[i]
+            busy = (now.busy[i] - mark.busy[i]) / slots if slots > 0 else 0.0
+            if best is None or busy > best[0]:
+                best = busy, knob
+        if best is None:
+            return
+        knob = best[1]
+        c = knob.concurrency
+        lower = max(knob.low, c // 2)
+        task = self._task(knob, mark, now)
+        if knob.ceiling is None:
+            knob.ceiling_task = task  # the conditions a floor found now holds for
+        knob.stage.set_concurrency(lower)
+        self._trial = _Trial(knob, c, lower, rate, 0.0, task)
+        self._mark = self._take_mark()
 
     def _trim(self, mark: _Mark, now: _Mark, dt: float) -> None:
         for i, knob in enumerate(self.knobs):
@@ -316,20 +393,23 @@ class Tuner:
                 knob.trim += 1
                 if knob.trim >= TRIM_AFTER:
                     knob.trim = 0
-                    knob.ceiling = None  # found at another concurrency, in other conditions
+                    knob.ceiling = knob.floor = None  # found in other conditions
                     knob.stage.set_concurrency(keep)
                     self._note(f"{knob.name}: {c} -> {keep}, it used {used:.1f} slots")
             else:
                 knob.trim = 0
 
     @staticmethod
-    def _expire(knob: Knob, now: float) -> None:
-        # A ceiling holds while conditions hold: the op's time within half of what it was.
-        if knob.ceiling is None:
+    def _expire(knob: Knob, now: float, task: float) -> None:
+        # A ceiling holds while conditions hold (the op's mean time in the window, ``task``,
+        # within twice or half of what it was) and for CEILING_TTL at most; a floor while
+        # conditions hold.
+        if knob.ceiling is None and knob.floor is None:
             return
-        task = knob.stage.counters.ewma
         old = knob.ceiling_task
-        changed = old > 0 and task > 0 and (task > 1.5 * old or task < old / 1.5)
+        changed = old > 0 and task > 0 and (task > CHANGED * old or task < old / CHANGED)
+        if changed:
+            knob.floor = None
         if changed or now - knob.ceiling_at > CEILING_TTL:
             knob.ceiling = None
 
@@ -397,10 +477,9 @@ class Tuner:
         full.append(self._sink.full_seconds())
         return _Mark(t, self._sink.puts, time.process_time(), busy, calls, slots, full)
 
-    def _capacity(self, knob: Knob, mark: _Mark, now: _Mark) -> float:
-        # Calls the stage could finish per second at its concurrency, from its mean task time
-        # over the window (0 if it finished none).
+    def _task(self, knob: Knob, mark: _Mark, now: _Mark) -> float:
+        # The stage's mean seconds per call over the window (0 if it finished none).
         i = self.knobs.index(knob)
         calls = now.calls[i] - mark.calls[i]
         busy = now.busy[i] - mark.busy[i]
-        return knob.concurrency * calls / busy if calls > 0 and busy > 0 else 0.0
+        return busy / calls if calls > 0 and busy > 0 else 0.0

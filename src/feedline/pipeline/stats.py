@@ -238,6 +238,7 @@ class PipelineStats:
         reason: One sentence saying why ``bottleneck`` was chosen.
         tuning: The tuner's last decisions (``build(autotune=True)``, ``concurrency="auto"``),
             oldest first, each with the seconds into the run it was taken.
+        tuner_cpu: CPU seconds the tuner has used in this run (0 without one).
 
     """
 
@@ -246,6 +247,7 @@ class PipelineStats:
     bottleneck: str
     reason: str
     tuning: tuple[str, ...] = ()
+    tuner_cpu: float = 0.0
 
     def since(self, earlier: PipelineStats) -> PipelineStats:
         """What happened between ``earlier`` and this snapshot, and the bottleneck then.
@@ -275,6 +277,7 @@ class PipelineStats:
             bottleneck=name,
             reason=reason,
             tuning=self.tuning,
+            tuner_cpu=self.tuner_cpu - earlier.tuner_cpu,
         )
 
     def __getitem__(self, name: str) -> StageStats:
