@@ -4,17 +4,18 @@ It runs as a task on the run's event loop and looks every ``Tuning.interval`` se
 look that closes a window (long enough for the slowest tuned op to finish a few calls, and
 for some items to come out) does one of these:
 
-* **Judge a trial.** The last raise is kept if the pipeline's output rate grew by at least
-  :data:`GAIN` and by a :data:`SHARE` of the raise (a doubling must bring a quarter more),
-  and so did the stage's capacity (its concurrency over its mean task time in the window:
-  an op that holds the GIL or computes on busy cores only takes longer per call as calls
-  are added). Otherwise the failed value becomes the stage's *ceiling*, and the stage is
-  tried at half the concurrency it had: kept if the output rate stays at :data:`KEEP_LOWER`
-  of what it was (an op that holds the GIL or computes may run as fast with less
-  contention), and put back otherwise, that value becoming its *floor* (not tried again).
-  A ceiling holds until the stage's mean call time, at the concurrency it was kept at,
-  changes by :data:`CHANGED` (a slower server, larger items: what did not pay may pay now),
-  or :data:`CEILING_TTL` passes; a floor until that call time changes.
+* **Judge a trial.** The last raise is kept if the output rate (items out of the last tuned
+  stage: a batch made after it would count many items as one) grew by at least :data:`GAIN`
+  and by a :data:`SHARE` of the raise (a doubling must bring a quarter more), and so did
+  the stage's capacity (its concurrency over its mean call time in the window: an op that
+  holds the GIL or computes on busy cores only takes longer per call as calls are added).
+  Otherwise the failed value becomes the stage's *ceiling*, and the stage is tried at half
+  the concurrency it had: kept if the output rate stays at :data:`KEEP_LOWER` of what it
+  was (an op that holds the GIL or computes may run as fast with less contention), and put
+  back otherwise, that value becoming its *floor* (not tried again). A ceiling holds until
+  the stage's mean call time, at the concurrency it was kept at, changes by :data:`CHANGED`
+  (a slower server, larger items: what did not pay may pay now), or :data:`CEILING_TTL`
+  passes; a floor until that call time changes.
 * **Raise the bottleneck.** Unless the consumer is the slower side (the sink is full most of
   the window) or the process already uses its CPU budget, the tuned stage whose slots were
   busiest (at least :data:`BUSY` of the time, not held up by a full output) is doubled
@@ -198,6 +199,9 @@ class Tuner:
         self.knobs = knobs
         self._channels = channels
         self._sink = channels[-1]
+        # The rate a trial is judged by: items out of the last tuned stage (a batch made
+        # after it would count 32 items as one, and make windows long).
+        self._out = channels[max((k.index for k in knobs), default=len(channels) - 1)]
         self._tuning = tuning
         self._cores = tuning.cores()
         self.decisions: deque[str] = deque(maxlen=8)
@@ -475,7 +479,7 @@ class Tuner:
                 slots.append(c.slots(t))
             full.append(self._channels[knob.index].full_seconds())
         full.append(self._sink.full_seconds())
-        return _Mark(t, self._sink.puts, time.process_time(), busy, calls, slots, full)
+        return _Mark(t, self._out.puts, time.process_time(), busy, calls, slots, full)
 
     def _task(self, knob: Knob, mark: _Mark, now: _Mark) -> float:
         # The stage's mean seconds per call over the window (0 if it finished none).
