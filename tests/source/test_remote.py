@@ -515,3 +515,28 @@ def test_a_range_past_the_end_is_not_blamed_on_a_slow_store(s3: str, tmp_path: A
             store.read_sync(key, start=10**9)
         assert "raise timeout=" not in str(info.value)
         assert "The request itself is wrong" in str(info.value)
+
+
+def test_a_large_object_is_read_in_parallel_parts_and_checked_whole() -> None:
+    from ._s3 import moto_bucket
+
+    big = np.random.default_rng(5).integers(0, 256, 3_000_000 + 123, dtype=np.uint8).tobytes()
+    objects = {"data/big": big, "data/small": big[:1000]}
+    with moto_bucket(BUCKET, objects) as (endpoint, counts):
+        store = _store(endpoint, part_size=1 << 20)
+        assert bytes(asyncio.run(store.read("big"))) == big
+        assert counts["GET"] == 3  # 1 MiB, then the other two parts at once
+        assert bytes(asyncio.run(store.read("small"))) == big[:1000]
+        assert counts["GET"] == 4  # smaller than a part: one request
+        stats = store.stats()
+        assert stats.verified == 2  # each object's MD5 against its ETag, over the whole
+        assert stats.bytes == len(big) + 1000
+        # A range read is one request, parts or not; read_sync reads whole objects in one.
+        assert bytes(asyncio.run(store.read("big", start=5, end=3_000_000))) == big[5:3_000_000]
+        assert bytes(store.read_sync("big")) == big
+        assert counts["GET"] == 6
+
+
+def test_part_size_must_be_a_positive_int() -> None:
+    with pytest.raises(ConfigurationError, match="part_size"):
+        RemoteStore("memory:///", part_size=0)
