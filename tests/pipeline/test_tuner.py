@@ -386,3 +386,105 @@ def test_the_next_epoch_starts_where_the_tuner_left_the_last() -> None:
         assert pipeline.stats()["read"].concurrency >= min(settled, 16)
         break
     pipeline.stop()
+
+
+def test_two_stages_at_the_same_rate_are_raised_in_turn() -> None:
+    def read(i: int) -> int:
+        time.sleep(0.01)
+        return i
+
+    def decode(i: int) -> int:
+        time.sleep(0.002)
+        return i
+
+    pipeline = (
+        PipelineBuilder().add_source(range(10**9)).pipe(read).pipe(decode).build(autotune=True)
+    )
+    stats, _ = run_for(pipeline, 4.0)
+    # Neither raise pays alone once both stages run at the same rate: each is kept while
+    # the other then limits, and both go past where they would stall (read 8, decode 2).
+    assert stats["read"].concurrency >= 16, stats
+    assert stats["decode"].concurrency >= 4, stats
+    assert any("limits now" in d for d in stats.tuning)
+
+
+def test_autotune_leaves_an_ordered_generator_at_one_call_and_the_builder_as_it_was() -> None:
+    def twice(i: int) -> Any:
+        yield i
+        yield -i
+
+    builder = PipelineBuilder().add_source(range(200)).pipe(twice, output_order="input")
+    tuned = builder.build(autotune=True)
+    assert list(tuned) == [x for i in range(200) for x in (i, -i)]  # in order, and it ends
+    assert tuned.stats()["twice"].concurrency == 1
+    plain = PipelineBuilder().add_source(range(50)).pipe(limited_server(64, 0.001), name="read")
+    plain.build(autotune=True)
+    again = plain.build()  # without autotune: not tuned, though built with it before
+    assert len(list(again)) == 50
+    assert again.stats()["read"].concurrency == 1
+    assert not again.stats().tuning
+
+
+def test_a_consumer_that_pauses_does_not_make_the_tuner_lower_stages() -> None:
+    pipeline = tuned_read()
+    paused = [False]
+
+    def pause(t: float) -> None:
+        if t >= 2.0 and not paused[0]:
+            paused[0] = True
+            time.sleep(2.0)  # an evaluation, a checkpoint
+
+    stats, _ = run_for(pipeline, 2.5, every=pause)
+    lowered = [d for d in stats.tuning if "as fast" in d]
+    assert not lowered, stats.tuning
+    assert stats["read"].concurrency >= 8
+
+
+def test_items_the_budget_cannot_measure_are_named_once(caplog: pytest.LogCaptureFixture) -> None:
+    class Opaque:
+        __slots__ = ("data",)
+
+        def __init__(self) -> None:
+            self.data = bytes(1000)
+
+    async def make(i: int) -> Opaque:
+        await asyncio.sleep(0.005)
+        return Opaque()
+
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(400))
+        .pipe(make, concurrency="auto")
+        .build(memory_budget=1 << 20)
+    )
+    assert len(list(pipeline)) == 400  # about half a second: the tuner looks a few times
+    warnings = [r.getMessage() for r in caplog.records if "cannot be measured" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "Opaque" in warnings[0]
+
+
+def test_busy_over_a_window_is_a_share_of_the_slots_the_stage_had() -> None:
+    from feedline.pipeline.stats import StageCounters
+
+    counters = StageCounters("s", "pipe", 256)
+    counters.t0 = counters.slots_since = time.perf_counter() - 1.0  # 1 s at 256 slots
+    counters.busy_time = 128.0  # half of them busy
+    before = counters.snapshot(None, _channel_stats())
+    counters.set_concurrency(4)
+    counters.slots_since -= 1.0  # then 1 s at 4 slots
+    counters.busy_time += 4.0  # every one of them busy
+    after = counters.snapshot(None, _channel_stats())
+    window = after.since(before)
+    assert window.busy == pytest.approx(1.0, abs=0.05)
+
+
+def _channel_stats() -> Any:
+    from feedline.pipeline import ChannelStats
+
+    return ChannelStats(1, 0, 0, 0, 0.0, 0.0, 0.0, 1.0)
+
+
+def test_a_low_bound_the_pool_cannot_hold_is_refused() -> None:
+    builder = PipelineBuilder().add_source(range(3)).pipe(str, concurrency=Auto(low=8))
+    with pytest.raises(ConfigurationError, match="low=8"):
+        builder.build(num_threads=4)

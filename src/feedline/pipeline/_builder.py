@@ -519,21 +519,28 @@ class PipelineBuilder(Generic[T]):
                 a :class:`~feedline.Mixture`, a dataset). Leaving a loop early ends the run
                 (the next loop runs the next epoch). Not with ``resumable``.
             autotune: Tune every stage whose ``concurrency`` was not given (as if it were
-                ``"auto"``). A tuned stage starts at the cores this process may use (4 on
-                the event loop); while the pipeline runs, a tuner looks every 100 ms at what
-                the engine measures and doubles the stage that limits the output while that
-                raises the output rate by 5 % or more, undoes a raise that does not, lowers a
-                stage that uses few of its slots, and raises nothing while the consumer is the
-                slower side or the cores are busy. ``stats()`` shows each stage's concurrency
-                now and the tuner's last decisions; each is logged at DEBUG level. A stage
-                with a number is never changed.
-            memory_budget: The most bytes of items the pipeline holds in its queues and in
-                flight (measured, one item per queue per look): tuned stages and default
-                queues stay within it, and are lowered if items grow. Stages and queues
-                with sizes of their own count but are never changed.
+                ``"auto"``; not a generator that keeps input order, which needs one call at
+                a time). A tuned stage starts at the cores this process may use (4 on the
+                event loop). While the pipeline runs, a tuner looks every 100 ms at what the
+                engine measures: it doubles the stage that limits the output, keeps the raise
+                if the output and the stage's own capacity grew by a quarter of the raise (a
+                slow op waiting on I/O), and otherwise undoes it and tries half instead (an op
+                that holds the GIL or computes on busy cores). It raises nothing while the
+                consumer is the slower side or the cores are busy, lowers stages that use
+                few of their slots, and re-converges when the ops' times change. Each
+                epoch starts where the last left off. ``stats()`` shows each stage's
+                concurrency now and the tuner's last decisions, each logged at DEBUG level.
+                A stage given a number is never changed.
+            memory_budget: The most bytes of items held in the queues and in the calls in
+                flight. Items are measured as they are put in queues (one in eight, with
+                ``approx_nbytes``: arrays, tensors, bytes, and lists, dicts or dataclasses
+                of them; a queue whose items cannot be measured is logged once and not
+                counted). Tuned stages and default queues stay within it, and are lowered if
+                items grow; stages and queues with sizes of their own count, but are never
+                changed.
             cpu_budget: Cores the pipeline may keep busy, this process's other threads
                 included (default: the cores it may use): tuned stages are not raised while
-                the process uses that much.
+                the process uses that much. Only tuned stages are held to it.
 
         Raises:
             ConfigurationError: If the definition cannot run, saying how to fix it.
@@ -544,13 +551,35 @@ class PipelineBuilder(Generic[T]):
         if not isinstance(autotune, bool):
             raise ConfigurationError(f"autotune must be True or False, got {autotune!r}")
         Tuning.check(memory_budget, cpu_budget)
-        if autotune:
-            self._stages = [
-                dataclasses.replace(s, auto=Auto())
-                if isinstance(s, PipeConfig) and s.default_concurrency
-                else s
-                for s in self._stages
-            ]
+        defined = self._stages  # build() resolves tuned stages on a copy: the builder stays
+        try:
+            if autotune:
+                self._stages = [_autotuned(s) for s in defined]
+            return self._build(
+                num_threads,
+                max_failures,
+                report_stats_interval,
+                resumable,
+                hooks,
+                continuous,
+                memory_budget,
+                cpu_budget,
+            )
+        finally:
+            self._stages = defined
+
+    def _build(
+        self,
+        num_threads: int | None,
+        max_failures: int | float | None,
+        report_stats_interval: float | None,
+        resumable: bool,
+        hooks: Sequence[TaskHook],
+        continuous: bool,
+        memory_budget: int | None,
+        cpu_budget: float | None,
+    ) -> Pipeline[T]:
+        assert self._source is not None
         tuned = any(isinstance(s, PipeConfig) and s.auto is not None for s in self._stages)
         pooled = [
             (s.auto.high or THREAD_HIGH) if s.auto is not None else s.concurrency
@@ -699,6 +728,17 @@ class PipelineBuilder(Generic[T]):
         return f"PipelineBuilder({' -> '.join(names) or 'empty'})"
 
 
+def _autotuned(stage: StageConfig) -> StageConfig:
+    # build(autotune=True): a stage without a concurrency of its own is tuned, unless it is
+    # a generator that keeps input order (each input's outputs together needs one call).
+    if not isinstance(stage, PipeConfig) or not stage.default_concurrency:
+        return stage
+    generator = stage.kind in (OpKind.GENERATOR, OpKind.ASYNC_GENERATOR)
+    if generator and stage.output_order == "input":
+        return stage
+    return dataclasses.replace(stage, auto=Auto())
+
+
 def _resolve_auto(stage: StageConfig, num_threads: int) -> StageConfig:
     # A tuned stage's bounds and start, now that the thread pool's size is known.
     if not isinstance(stage, PipeConfig) or stage.auto is None:
@@ -711,5 +751,11 @@ def _resolve_auto(stage: StageConfig, num_threads: int) -> StageConfig:
         pool = getattr(stage.executor, "_max_workers", None)
         if isinstance(stage.executor, ProcessPoolExecutor) and pool is not None:
             pool *= 2  # a call waiting in the pool's queue keeps each process fed
+    if pool is not None and stage.auto.low > pool:
+        raise ConfigurationError(
+            f"stage {stage.name!r}: Auto(low={stage.auto.low}) but it can have at most {pool} "
+            "calls at once (the thread pool's num_threads, or its executor's workers); lower "
+            "low, or raise num_threads"
+        )
     low, high, start = stage.auto.bounds(on_loop and stage.executor is None, pool)
     return dataclasses.replace(stage, concurrency=start, tune=(low, high))

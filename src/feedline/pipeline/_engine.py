@@ -148,7 +148,7 @@ class Run:
         self._threaded = [s for s in producers if isinstance(s, ThreadedStage | ThreadedSource)]
         tuning = config.tuning
         budgeted = tuning is not None and tuning.memory_budget is not None
-        self.tuner = Tuner(knobs, self.channels, tuning) if knobs or budgeted else None
+        self.tuner = Tuner(knobs, self.channels, tuning, self.stages) if knobs or budgeted else None
         self._stepped_aside = False  # a pool job left its work to the consumer since it slept
 
     def _growth(self, index: int, capacity: int) -> Growth | None:

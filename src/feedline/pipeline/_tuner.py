@@ -103,11 +103,12 @@ class ItemSizes:
     Quick to rise (an item that grew counts at once), slow to fall.
     """
 
-    __slots__ = ("_n", "nbytes")
+    __slots__ = ("_n", "nbytes", "unknown")
 
     def __init__(self) -> None:
         self._n = 0
         self.nbytes = 0.0
+        self.unknown: str | None = None  # the type of an item it could not measure
 
     def put(self, item: Any) -> None:
         """An item was put in the channel (any thread; unlocked: a lost count is harmless)."""
@@ -118,8 +119,11 @@ class ItemSizes:
         try:
             size = approx_nbytes(item)
         except Exception:  # a user's object may fail in ways approx_nbytes cannot foresee
-            return
-        if size is not None:
+            size = None
+        if size is None:
+            value = getattr(item, "value", item)  # a Tagged item: what the user's op made
+            self.unknown = type(value).__name__
+        else:
             old = self.nbytes
             self.nbytes = float(size) if size > old else old + 0.25 * (size - old)
 
@@ -195,8 +199,17 @@ class Tuner:
 
     """
 
-    def __init__(self, knobs: list[Knob], channels: list[Channel], tuning: Tuning) -> None:
+    def __init__(
+        self,
+        knobs: list[Knob],
+        channels: list[Channel],
+        tuning: Tuning,
+        stages: list[Any] | None = None,
+    ) -> None:
         self.knobs = knobs
+        tuned = {k.index for k in knobs}
+        # Stages of fixed concurrency (not the source): their calls count in the budget too.
+        self._fixed = [(i, st) for i, st in enumerate(stages or []) if i and i not in tuned]
         self._channels = channels
         self._sink = channels[-1]
         # The rate a trial is judged by: items out of the last tuned stage (a batch made
@@ -207,6 +220,7 @@ class Tuner:
         self.decisions: deque[str] = deque(maxlen=8)
         self._trial: _Trial | None = None
         self._sizes: list[ItemSizes] = []
+        self._warned: set[str] = set()
         if tuning.memory_budget is not None:
             for channel in channels:
                 channel.sizes = sizes = ItemSizes()
@@ -264,7 +278,7 @@ class Tuner:
         dt = now.t - mark.t
         rate = (now.out - mark.out) / dt
         trial, self._trial = self._trial, None
-        if trial is not None and self._judge(trial, rate, self._task(trial.knob, mark, now)):
+        if trial is not None and self._judge(trial, rate, mark, now):
             self._mark = self._take_mark()
             return
         self._mark = now
@@ -274,7 +288,8 @@ class Tuner:
             # take the GIL and the cores from it, so the busiest tuned stage is tried at
             # half: kept if the output stays as fast (see _judge).
             self._trim(mark, now, dt)
-            self._try_fewer(mark, now, rate)
+            if rate > 0:  # not a consumer that paused (an evaluation, a checkpoint)
+                self._try_fewer(mark, now, rate)
             return
         if (now.cpu - mark.cpu) / dt >= 0.95 * self._cores:
             return  # the cores are busy: more calls in flight would only queue for them
@@ -316,13 +331,15 @@ class Tuner:
         self._mark = self._take_mark()
         _log.debug("tuner: trying %s at %d (was %d, %.0f items/s)", knob.name, target, c, rate)
 
-    def _judge(self, trial: _Trial, rate: float, task: float) -> bool:
-        # Keep or undo the trial that just ran (``task``: the stage's mean call time in its
-        # window); returns whether the tuner changed a stage again (a new window starts).
+    def _judge(self, trial: _Trial, rate: float, mark: _Mark, now: _Mark) -> bool:
+        # Keep or undo the trial whose window just closed (at output ``rate``); returns
+        # whether the tuner changed a stage again (a new window starts).
         knob = trial.knob
+        task = self._task(knob, mark, now)  # the stage's mean call time in the window
         capacity = trial.after / task if task > 0 else 0.0
         if trial.after < trial.before:  # a lower concurrency: kept if as fast
-            if rate >= trial.rate * KEEP_LOWER or self._output_ended():
+            as_fast = trial.rate > 0 and rate >= trial.rate * KEEP_LOWER
+            if as_fast or self._output_ended():
                 knob.ceiling_task = task  # at the concurrency kept
                 self._note(
                     f"{knob.name}: {trial.before} -> {trial.after} kept, as fast "
@@ -346,6 +363,16 @@ class Tuner:
                 f"({trial.rate:,.0f} -> {rate:,.0f} items/s)"
             )
             return False
+        other = self._limiting(mark, now, knob)
+        if other is not None and capacity >= trial.capacity * need:
+            # The stage can do more, and another tuned stage now limits the output (two
+            # stages at the same rate: neither raise alone pays). Kept; that one goes next.
+            knob.ceiling_task = task
+            self._note(
+                f"{knob.name}: {trial.before} -> {trial.after} kept, {other.name} limits now "
+                f"({trial.rate:,.0f} -> {rate:,.0f} items/s)"
+            )
+            return False
         knob.ceiling, knob.ceiling_at = trial.after, time.perf_counter()
         # The conditions it holds for: the task time before the raise (a raise that does not
         # pay often makes calls wait longer, and undoing it makes them short again: that is
@@ -363,6 +390,18 @@ class Tuner:
         else:
             knob.stage.set_concurrency(trial.before)
         return True
+
+    def _limiting(self, mark: _Mark, now: _Mark, besides: Knob) -> Knob | None:
+        # Another tuned stage whose slots were busy in the window and that may go higher.
+        for i, knob in enumerate(self.knobs):
+            if knob is besides or knob.concurrency >= knob.high:
+                continue
+            slots = now.slots[i] - mark.slots[i]
+            busy = (now.busy[i] - mark.busy[i]) / slots if slots > 0 else 0.0
+            blocked = (now.full[i] - mark.full[i]) / (now.t - mark.t)
+            if busy >= BUSY and blocked < 0.5:
+                return knob
+        return None
 
     def _try_fewer(self, mark: _Mark, now: _Mark, rate: float) -> None:
         best: tuple[float, Knob] | None = None
@@ -437,10 +476,26 @@ class Tuner:
         return max(self._bytes(i), self._bytes(i - 1))
 
     def _held_bytes(self) -> float:
+        # Queues at their capacity, and one item per call in flight, tuned or not (a call's
+        # result waiting for room is counted with it).
         total = sum(c.capacity * self._bytes(i) for i, c in enumerate(self._channels))
-        return total + sum(k.concurrency * self._in_flight_bytes(k) for k in self.knobs)
+        total += sum(k.concurrency * self._in_flight_bytes(k) for k in self.knobs)
+        for i, stage in self._fixed:
+            each = max(self._bytes(i), self._bytes(i - 1))
+            total += stage.counters.concurrency * each
+        return total
 
     def _keep_within(self, budget: int) -> None:
+        for channel, sizes in zip(self._channels, self._sizes, strict=True):
+            if sizes.unknown is not None and channel.name not in self._warned:
+                self._warned.add(channel.name)
+                _log.warning(
+                    "memory_budget: the items in queue %r (%s) cannot be measured, so the "
+                    "budget does not count them; return NumPy arrays, tensors, bytes, or lists, "
+                    "dicts or dataclasses of them (anything with nbytes)",
+                    channel.name,
+                    sizes.unknown,
+                )
         if self._held_bytes() <= budget:
             return
         for channel in self._channels:  # grown queues back to their first size

@@ -142,6 +142,7 @@ class StageCounters:
                 name=self.name,
                 kind=self.kind,
                 concurrency=self.concurrency,
+                slot_seconds=self.slots(now),
                 items_in=self.items_in,
                 items_out=out_q.puts,
                 failures=self.failures,
@@ -184,6 +185,8 @@ class StageStats:
         queue: Statistics of the queue after this stage.
         life: Seconds the shares above are over: since the stage started, or, for a
             snapshot from :meth:`PipelineStats.since`, between the two snapshots.
+        slot_seconds: The stage's concurrency integrated over ``life`` (what ``busy`` is a
+            share of).
 
     """
 
@@ -204,6 +207,7 @@ class StageStats:
     blocked: float
     queue: ChannelStats
     life: float
+    slot_seconds: float = 0.0
 
     def since(self, earlier: StageStats) -> StageStats:
         """The counts and shares between ``earlier`` (a snapshot) and this one.
@@ -212,12 +216,16 @@ class StageStats:
         stay this snapshot's.
         """
         life, then = self.life, earlier.life
+        # Busy is a share of slot-time, which a tuned stage's changes of concurrency make
+        # unlike wall time: weighed by the slot-seconds of each snapshot.
+        slots, slots_then = self.slot_seconds, earlier.slot_seconds
         return replace(
             self,
             items_in=self.items_in - earlier.items_in,
             items_out=self.items_out - earlier.items_out,
             failures=self.failures - earlier.failures,
-            busy=window_share(self.busy, life, earlier.busy, then),
+            busy=window_share(self.busy, slots, earlier.busy, slots_then),
+            slot_seconds=slots - slots_then,
             starved=window_share(self.starved, life, earlier.starved, then),
             blocked=window_share(self.blocked, life, earlier.blocked, then),
             queue=self.queue.since(earlier.queue),
@@ -333,9 +341,9 @@ def find_bottleneck(stages: tuple[StageStats, ...]) -> tuple[str, str]:
     if worst.busy < 0.05:
         return "none", "no stage is busy; the pipeline is idle or just started"
     reason = f"its {worst.concurrency} slot(s) were busy {worst.busy:.0%} of the time"
-    if worst.life > 0 and worst.items_out > 0 and worst.kind == "pipe":
-        # Each slot carries rate / concurrency: one more adds that much if the op waits
-        # (I/O) rather than computes on cores that are already busy.
-        more = worst.items_out / worst.life / worst.concurrency
+    if worst.task_mean > 0 and worst.kind == "pipe":
+        # A slot finishes 1 / (seconds per call) items a second: one more adds that much if
+        # the op waits (I/O) rather than computes on cores that are already busy.
+        more = 1 / worst.task_mean
         reason += f"; one more slot would add up to {more:,.0f} items/s if its op waits"
     return worst.name, reason
