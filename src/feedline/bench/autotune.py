@@ -1,12 +1,14 @@
 """The ``autotune`` scenario: the tuned pipeline against the best fixed one, and tf.data.
 
-Four pipelines, each with its knobs (each stage's concurrency):
+Five pipelines, each with its knobs (each stage's concurrency):
 
 * **read + decode**: GETs from a loopback server that waits 5-100 ms (lognormal, median
   20 ms) per reply, with :class:`feedline.RemoteStore` on the event loop, then a JPEG decode
   and resize (1-5 ms, releases the GIL);
 * **1 MB objects**: GETs of 1 MB objects from a server whose replies share 200 MB/s (reads
   in flight pay until the bandwidth is used);
+* **two waiting stages**: 10 ms then 2 ms of waiting per item, on threads: raising either
+  alone gains little once they run at the same rate;
 * **CPU decode**: JPEGs decoded from memory: cores, not waiting, bound it;
 * **GIL-holding op**: a pure-Python parse, which no second thread speeds up.
 
@@ -63,6 +65,16 @@ def _parse(text: str) -> int:
     for row in json.loads(text):
         total += sum(int(v) for v in row.values())
     return total
+
+
+def _wait_10ms(item: Any) -> Any:
+    time.sleep(0.01)
+    return item
+
+
+def _wait_2ms(item: Any) -> Any:
+    time.sleep(0.002)
+    return item
 
 
 def _cycle(items: list[Any]) -> Iterator[Any]:
@@ -200,6 +212,16 @@ def run(options: BenchOptions) -> ScenarioResult:
                 "1 MB objects, 200 MB/s server",
                 _pipeline(_keys, [("read", blob_store.read), ("size", len)]),
                 {"read": [1, 2, 4, 8, 16, 32, 64] if not quick else [2, 16]},
+            ),
+            _Case(
+                "two waiting stages (10 ms, then 2 ms)",
+                _pipeline(
+                    lambda: iter(range(10**9)), [("fetch", _wait_10ms), ("check", _wait_2ms)]
+                ),
+                {
+                    "fetch": [8, 16, 32] if not quick else [8, 32],
+                    "check": [2, 4, 8] if not quick else [2, 8],
+                },
             ),
             _Case(
                 "CPU decode",

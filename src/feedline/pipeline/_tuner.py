@@ -15,7 +15,9 @@ for some items to come out) does one of these:
   back otherwise, that value becoming its *floor* (not tried again). A ceiling holds until
   the stage's mean call time, at the concurrency it was kept at, changes by :data:`CHANGED`
   (a slower server, larger items: what did not pay may pay now), or :data:`CEILING_TTL`
-  passes; a floor until that call time changes.
+  passes; a floor too. Calls that became F times longer make the
+  next raise go to F times the concurrency at once (Little's law: the same rate needs F
+  times as many calls in flight).
 * **Raise the bottleneck.** Unless the consumer is the slower side (the sink is full most of
   the window) or the process already uses its CPU budget, the tuned stage whose slots were
   busiest (at least :data:`BUSY` of the time, not held up by a full output) is doubled
@@ -136,8 +138,10 @@ class Knob:
         "ceiling_at",
         "ceiling_task",
         "floor",
+        "floor_at",
         "high",
         "index",
+        "jump",
         "low",
         "stage",
         "trim",
@@ -154,6 +158,8 @@ class Knob:
         # time of an op that holds the GIL or computes differs for that reason alone.)
         self.ceiling_task = 0.0
         self.floor: int | None = None  # a lower concurrency that was slower
+        self.floor_at = 0.0
+        self.jump = 1.0  # how much longer its calls became when conditions last changed
         self.trim = 0  # windows in a row with few slots used
 
     @property
@@ -309,7 +315,8 @@ class Tuner:
         knob = best[1]
         c = knob.concurrency
         if knob.ceiling is None:
-            target = min(knob.high, 2 * c)
+            target = min(knob.high, max(2 * c, math.ceil(c * knob.jump)))
+            knob.jump = 1.0
         else:
             # Halfway to what did not pay, while that is a step worth a window.
             target = min(knob.high, (c + knob.ceiling) // 2)
@@ -347,7 +354,7 @@ class Tuner:
                 )
                 return False
             knob.stage.set_concurrency(trial.before)
-            knob.floor = trial.after
+            knob.floor, knob.floor_at = trial.after, time.perf_counter()
             self._note(f"{knob.name}: back to {trial.before}, {trial.after} was slower")
             return True
         # Kept if the output grew, and the stage's own capacity with it: an op that holds
@@ -445,16 +452,20 @@ class Tuner:
     @staticmethod
     def _expire(knob: Knob, now: float, task: float) -> None:
         # A ceiling holds while conditions hold (the op's mean time in the window, ``task``,
-        # within twice or half of what it was) and for CEILING_TTL at most; a floor while
-        # conditions hold.
-        if knob.ceiling is None and knob.floor is None:
-            return
+        # within twice or half of what it was at the concurrency kept) and for CEILING_TTL
+        # at most; a floor likewise.
         old = knob.ceiling_task
         changed = old > 0 and task > 0 and (task > CHANGED * old or task < old / CHANGED)
         if changed:
             knob.floor = None
+            # Calls that take F times longer need F times as many in flight for the same
+            # rate (Little's law): the next raise goes there at once.
+            knob.jump = task / old if task > old else 1.0
+            knob.ceiling_task = task
         if changed or now - knob.ceiling_at > CEILING_TTL:
             knob.ceiling = None
+        if changed or now - knob.floor_at > CEILING_TTL:
+            knob.floor = None  # found in a window as noisy as any: tried again later
 
     def _output_ended(self) -> bool:
         return self._sink.closed
