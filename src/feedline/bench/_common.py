@@ -66,6 +66,8 @@ class ScenarioResult:
     command: str = ""  # the command line that produced it
     # Per case, points (seconds, items/s, {stage: concurrency}) over a run: a second chart.
     timelines: dict[str, Any] = field(default_factory=dict)
+    # Cases whose ratios are to another baseline than the scenario's: case -> its name.
+    case_baselines: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: Path) -> ScenarioResult:

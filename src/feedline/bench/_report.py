@@ -211,9 +211,10 @@ def _headline(results: Sequence[ScenarioResult]) -> list[str]:
                 if value is None:
                     continue
                 ratio = _ratio(result, m, named=True)
+                baseline = result.case_baselines.get(case, result.baseline)
                 rows.append(
                     f"| {result.scenario} | {case} | {m.contender} | {fmt(value)} "
-                    f"{metric.label} | {result.baseline} | {ratio or '-'} |"
+                    f"{metric.label} | {baseline} | {ratio or '-'} |"
                 )
     return [*rows, ""]
 

@@ -46,6 +46,7 @@ __all__ = ["run"]
 ORACLE = "best fixed configuration (grid search)"
 TUNED = "feedline, autotuned"
 TF = "tf.data, AUTOTUNE"
+TF_CASE = "30 ms GETs + decode"
 SIZE = (224, 224)
 _TICK = 0.25  # seconds between the points of a timeline
 
@@ -264,6 +265,7 @@ def run(options: BenchOptions) -> ScenarioResult:
     ]
     result = make_result("autotune", ORACLE, measurements, notes, True, headline=[TUNED])
     result.timelines = timelines
+    result.case_baselines = {TF_CASE: TF}
     return result
 
 
@@ -389,7 +391,7 @@ def _against_tf(
     notes: list[str],
 ) -> list[Measurement]:
     """30 ms GETs + decode: the tuned pipeline against tf.data with AUTOTUNE."""
-    name = "30 ms GETs + decode"
+    name = TF_CASE
     try:
         import tensorflow as tf  # noqa: F401
     except ImportError:
