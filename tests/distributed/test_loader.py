@@ -191,7 +191,9 @@ def test_a_rank_that_dies_makes_the_others_raise_not_hang() -> None:
         3,
         _ranks.stop_mid_epoch,
         may_die=True,
-        count=60,
+        # 20 steps an epoch: the others cannot have exchanged every step of the epoch
+        # (each runs at most `prefetch` ahead) before the victim dies at step 2.
+        count=240,
         batch_size=4,
         timeout=90.0,
         victim=1,

