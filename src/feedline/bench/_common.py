@@ -167,6 +167,12 @@ def alternate(
     return out
 
 
+def drop_cpu(found: Sequence[Measurement]) -> None:
+    """Leave out the CPU per item of runs that report rates, not items (not comparable)."""
+    for m in found:
+        m.extra.pop("cpu_s_per_1000", None)
+
+
 def process_cpu_seconds() -> float:
     """CPU seconds of this process and of the children it has waited for (user + system)."""
     own = resource.getrusage(resource.RUSAGE_SELF)

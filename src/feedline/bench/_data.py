@@ -193,3 +193,19 @@ def jpeg_files(
 def read_all(paths: list[Path]) -> list[bytes]:
     """The contents of ``paths``, in order."""
     return [p.read_bytes() for p in paths]
+
+
+def random_files(root: Path, count: int, size: int) -> list[Path]:
+    """``count`` files of ``size`` random bytes each, cached under ``root``."""
+    folder = root / f"random-{size}-v1"
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(count):
+        path = folder / f"{i:04d}.bin"
+        if not path.exists():
+            data = np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(data)
+            tmp.replace(path)
+        paths.append(path)
+    return paths

@@ -5,9 +5,12 @@ serving does not compete for the benchmark's GIL, and on asyncio with keep-alive
 so that its own cost per request stays small next to the delay it adds, as a remote store's
 would. ``GET /<i>`` returns file ``i % len(files)``; ``GET /stats`` how many GETs and bytes it
 served; ``GET /delay/<spec>`` changes the wait from then on (a store that slows down).
-``DELAY`` is seconds or a lognormal spread (:class:`Delay`). A ``RATE`` above 0 caps the
-bytes per second of all replies together (a token bucket: the shared file system of a
-cluster, scaled down). It prints its port on stdout when ready.
+``DELAY`` is seconds or a lognormal spread (:class:`Delay`). ``RATE`` is ``TOTAL`` or
+``TOTAL:CONNECTION``: a ``TOTAL`` above 0 caps the bytes per second of all replies together
+(a token bucket: the shared file system of a cluster, scaled down), a ``CONNECTION`` above 0
+those of each reply (one connection of an object store, which sends a large object sooner as
+several range requests). ``Range: bytes=A-B`` is honoured (206, ``Content-Range``). It prints
+its port on stdout when ready.
 """
 
 from __future__ import annotations
@@ -65,8 +68,41 @@ class Delay:
         return min(high, max(low, self._random.lognormvariate(math.log(median), sigma)))
 
 
-async def _serve(delay_spec: str, rate: float, bodies: list[bytes]) -> None:
-    bucket = _Bucket(rate)
+_CHUNK = 64 << 10  # bytes written at a time by a reply capped per connection
+
+
+def _range(request: bytes, size: int) -> tuple[int, int] | None:
+    # The [start, end) a "Range: bytes=A-B" header asks for, or None for the whole body.
+    for line in request.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"range" and value.strip().startswith(b"bytes="):
+            first, _, last = value.strip()[6:].partition(b"-")
+            start = int(first)
+            end = min(size, int(last) + 1) if last else size
+            return start, max(start, end)
+    return None
+
+
+async def _send(writer: asyncio.StreamWriter, body: memoryview, rate: float) -> None:
+    # The body, at most ``rate`` bytes per second when ``rate`` is above 0.
+    if rate <= 0:
+        writer.write(body)
+        await writer.drain()
+        return
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    for offset in range(0, len(body), _CHUNK):
+        chunk = body[offset : offset + _CHUNK]
+        due = start + (offset + len(chunk)) / rate
+        writer.write(chunk)
+        await writer.drain()
+        await asyncio.sleep(max(0.0, due - loop.time()))
+
+
+async def _serve(delay_spec: str, rates: str, bodies: list[bytes]) -> None:
+    total, _, per_connection = rates.partition(":")
+    bucket = _Bucket(float(total))
+    connection_rate = float(per_connection or 0)
     served = {"gets": 0, "bytes": 0}
     delay = [Delay(delay_spec)]
 
@@ -78,22 +114,34 @@ async def _serve(delay_spec: str, rate: float, bodies: list[bytes]) -> None:
                 if target == b"stats" or target.startswith(b"delay/"):
                     if target != b"stats":  # GET /delay/<spec>: wait as the spec says from now
                         delay[0] = Delay(target.split(b"/", 1)[1].decode())
-                    body = json.dumps(served).encode()
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
-                    writer.write(body)
+                    counts = json.dumps(served).encode()
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(counts))
+                    writer.write(counts)
                     await writer.drain()
                     continue
                 await asyncio.sleep(delay[0].draw())
                 try:
-                    body = bodies[int(target) % len(bodies)]
-                    head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body)
+                    whole = memoryview(bodies[int(target) % len(bodies)])
                 except ValueError:
-                    body, head = b"", b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"
+                    writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                    await writer.drain()
+                    continue
+                asked = _range(request, len(whole))
+                if asked is None:
+                    body = whole
+                    head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body)
+                else:
+                    body = whole[asked[0] : asked[1]]
+                    head = (
+                        b"HTTP/1.1 206 Partial Content\r\nContent-Length: %d\r\n"
+                        b"Content-Range: bytes %d-%d/%d\r\n\r\n"
+                        % (len(body), asked[0], asked[1] - 1, len(whole))
+                    )
                 await bucket.take(len(body))
                 served["gets"] += 1
                 served["bytes"] += len(body)
-                writer.write(head + body)
-                await writer.drain()
+                writer.write(head)
+                await _send(writer, body, connection_rate)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
             pass
         finally:
@@ -117,14 +165,20 @@ def served(url: str) -> dict[str, int]:
 class ServerProcess:
     """Start the server in a child process; ``url`` is where it listens. Close it when done."""
 
-    def __init__(self, files: list[Path], delay: float | str, rate: float = 0.0) -> None:
+    def __init__(
+        self,
+        files: list[Path],
+        delay: float | str,
+        rate: float = 0.0,
+        connection_rate: float = 0.0,
+    ) -> None:
         self._process = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
                 "feedline.bench._server",
                 str(delay),
-                str(rate),
+                f"{rate}:{connection_rate}",
                 *map(str, files),
             ],
             stdout=subprocess.PIPE,
@@ -172,4 +226,4 @@ class ServerProcess:
 
 if __name__ == "__main__":
     _bodies = [Path(p).read_bytes() for p in sys.argv[3:]] or [b"x" * 1024]
-    asyncio.run(_serve(sys.argv[1], float(sys.argv[2]), _bodies))
+    asyncio.run(_serve(sys.argv[1], sys.argv[2], _bodies))

@@ -80,12 +80,16 @@ def _torch_loader(paths: list[str], decoder: str, workers: int) -> Any:
     return torch.utils.data.DataLoader(dataset, batch_size=BATCH, num_workers=workers)
 
 
-def _feedline_loader(paths: list[str]) -> Any:
+def _feedline_loader(paths: list[str], fixed: bool = False) -> Any:
     from feedline import DataLoader
 
     # Its defaults, as a user would start: the fetcher finds that decoding computes and runs
     # about one call per core (measured on 2 cores: as fast as fetch_concurrency=2 or 3).
-    return DataLoader(FileDataset(paths, "feedline"), batch_size=BATCH)
+    # fixed: the default before the tuner, twice the batch size, at most 64 calls at once.
+    dataset = FileDataset(paths, "feedline")
+    if fixed:
+        return DataLoader(dataset, batch_size=BATCH, fetch_concurrency=64)
+    return DataLoader(dataset, batch_size=BATCH)
 
 
 class SpdlPipeline:
@@ -199,6 +203,12 @@ def run(options: BenchOptions) -> ScenarioResult:
             )
     setups.append(("feedline DataLoader", functools.partial(_feedline_loader, paths)))
     setups.append(
+        (
+            "feedline DataLoader, fetch_concurrency=64",
+            functools.partial(_feedline_loader, paths, fixed=True),
+        )
+    )
+    setups.append(
         ("feedline pipeline", functools.partial(SlotPipeline, paths, _read_file, BATCH, cores))
     )
     setups.append(
@@ -257,6 +267,9 @@ def run(options: BenchOptions) -> ScenarioResult:
         or f"SPDL pipeline: spdl.io demux + decode with FFmpeg's bilinear scale filter, "
         f"{cores} wide, then aggregate({BATCH}) and convert_frames to one array (SPDL's own "
         "pattern; its stages pass items on in completion order, feedline's in input order)",
+        "feedline DataLoader: its defaults (fetch_concurrency='auto': the tuner sets calls "
+        "at once, up to 128, and batches in flight, from cold each pass); "
+        "fetch_concurrency=64: fixed, as the default was before the tuner",
         f"feedline pipeline, autotuned: the same pipeline with its decode stage "
         f"concurrency='auto' (from {cores}, at most {2 * cores}) instead of {cores}: each "
         "pass starts the tuner cold",

@@ -49,6 +49,7 @@ __all__ = ["run"]
 BATCH = 32
 FETCH_CONCURRENCY = 128
 TUNED = f"feedline, fetch_concurrency={FETCH_CONCURRENCY}"
+FIXED = "feedline, fetch_concurrency=64"
 # GETs in flight in the pipeline's read stage, per core: twice what one core's decode rate
 # (about 400/s here) times the wait (31 ms) needs, so that reads never hold the decoders back.
 READS_PER_CORE = 24
@@ -72,9 +73,11 @@ def _torch(dataset: Any, workers: int) -> Any:
     return torch.utils.data.DataLoader(dataset, batch_size=BATCH, num_workers=workers)
 
 
-def _feedline(dataset: Any, tuned: bool = False, workers: int = 0) -> Any:
+def _feedline(dataset: Any, tuned: bool = False, workers: int = 0, fixed: bool = False) -> Any:
     from feedline import DataLoader
 
+    if fixed:  # the default before the tuner: twice the batch, at most 64
+        return DataLoader(dataset, batch_size=BATCH, fetch_concurrency=64)
     if not tuned:
         return DataLoader(dataset, batch_size=BATCH, num_workers=workers)
     return DataLoader(
@@ -123,6 +126,7 @@ def _contenders(
         ("feedline workers=4", lambda: _feedline(dataset, workers=4)),
         ("feedline", lambda: _feedline(big)),
         (TUNED, lambda: _feedline(big, tuned=True)),
+        (FIXED, lambda: _feedline(big, fixed=True)),
         ("ThreadPoolExecutor", lambda: _PoolLoader(big)),
     ]
     if decode:
@@ -244,8 +248,10 @@ def run(options: BenchOptions) -> ScenarioResult:
         f"creating the loader to its last batch: {count} items for PyTorch, 5x as many for "
         "the thread-based loaders (2x with decoding), so that start-up weighs alike",
         f"feedline: DataLoader(batch_size={BATCH}) with its defaults (fetch_concurrency "
-        f"{min(64, 2 * BATCH)}, prefetch_factor 2); {TUNED}: also prefetch_factor=4; "
-        "num_workers=0; the server is another process (asyncio, keep-alive)",
+        "'auto': calls at once, up to 128, and batches in flight, from prefetch_factor's 2, "
+        f"set by the tuner, from cold each pass); {FIXED}: fixed, as the default was before "
+        f"the tuner; {TUNED}: also prefetch_factor=4; num_workers=0; the server is another "
+        "process (asyncio, keep-alive)",
         "feedline workers=N: DataLoader(batch_size=32, num_workers=N) over PyTorch's items, "
         "for its first batch beside PyTorch's with as many workers",
         f"feedline pipeline: a read stage {READS_PER_CORE * cores} wide, then a decode stage "

@@ -28,8 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
 from feedline.errors import ConfigurationError, add_note
-from feedline.pipeline import Pipeline, PipelineBuilder
+from feedline.pipeline import Auto, Pipeline, PipelineBuilder, PipelineStats
 
+from ._concurrency import FetchConcurrency
 from ._fetch import BatchFetcher, Collated, FailureTally, Task
 from ._seeds import RngWatch
 from ._state import Position, check_state, decode_rng, derived_seed, is_stateful
@@ -118,7 +119,10 @@ class DataLoader(Generic[T]):
         persistent_workers: Keep worker processes between epochs.
         pin_memory_device: Deprecated in PyTorch; must be ``""``.
         fetch_concurrency: How many ``dataset[i]`` calls run at once (per process). Default:
-            twice the batch size, at most 64.
+            twice the batch size, at most 64. ``"auto"`` (or :class:`~feedline.Auto` with
+            bounds on the calls at once; default at most 128): the loader sets the calls at
+            once and the batches in flight while it runs, from what it measures (many for
+            items that wait on storage, about one per core for items that compute).
         max_failures: How many failing ``dataset[i]`` calls to skip (logged, counted; the
             batch comes out smaller) before iteration raises :class:`~feedline.PipelineFailure`:
             an int, a float fraction of items, or ``None`` for no limit. Default 0: the first
@@ -153,7 +157,7 @@ class DataLoader(Generic[T]):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
-        fetch_concurrency: int | None = None,
+        fetch_concurrency: int | str | Auto | None = None,
         max_failures: int | float | None = 0,
     ) -> None:
         torch = _torch()
@@ -187,16 +191,7 @@ class DataLoader(Generic[T]):
             in_order=in_order,
         )
         self._iterable = isinstance(dataset, torch.utils.data.IterableDataset)
-        if fetch_concurrency is None:
-            fetch_concurrency = min(64, 2 * batch_size) if batch_size else 16
-        if (
-            isinstance(fetch_concurrency, bool)
-            or not isinstance(fetch_concurrency, int)
-            or fetch_concurrency < 1
-        ):
-            raise ConfigurationError(
-                f"fetch_concurrency must be an int >= 1, got {fetch_concurrency!r}"
-            )
+        self._fetch = FetchConcurrency.parse(fetch_concurrency, batch_size)
         if max_failures is not None and (
             isinstance(max_failures, bool)
             or not isinstance(max_failures, int | float)
@@ -216,12 +211,13 @@ class DataLoader(Generic[T]):
                 f"prefetch_factor must be an int >= 1, got {prefetch_factor!r}"
             )
         self.prefetch_factor = prefetch_factor or 2
-        self.fetch_concurrency = fetch_concurrency
         self.max_failures = max_failures
         # None: fork when no other thread runs as an epoch starts (as PyTorch forks on
         # Linux, and a dataset holding a lambda works), else the fork server.
         self.mp_context: str | None = multiprocessing_context
         self._workers: WorkerSet | None = None
+        self._last_stats: PipelineStats | None = None
+        self._settled: int | None = None  # the batches in flight the last epoch's tuner left
         self._current: weakref.ref[_LoaderIter[T]] | None = None
         self._pending: dict[str, Any] | None = None
         self._position: Position | None = None  # of the current or last epoch
@@ -243,7 +239,12 @@ class DataLoader(Generic[T]):
 
     def __setattr__(self, name: str, value: Any) -> None:
         inner = self.__dict__.get("_torch_loader")
-        if inner is None or name.startswith("_") or name in self.__dict__:
+        if (
+            inner is None
+            or name.startswith("_")
+            or name in self.__dict__
+            or isinstance(getattr(type(self), name, None), property)
+        ):
             object.__setattr__(self, name, value)
             return
         # PyTorch's own loader raises ValueError for batch_size, sampler, drop_last, ...
@@ -256,12 +257,43 @@ class DataLoader(Generic[T]):
         return len(self._torch_loader)
 
     @property
+    def fetch_concurrency(self) -> int | str | Auto:
+        """The most ``dataset[i]`` calls at once per process, or ``"auto"`` / an :class:`Auto`.
+
+        Setting it takes effect at the next epoch (and restarts worker processes).
+        """
+        auto = self._fetch.auto
+        return self._fetch.threads if auto is None else ("auto" if auto == Auto() else auto)
+
+    @fetch_concurrency.setter
+    def fetch_concurrency(self, value: int | str | Auto) -> None:
+        self._fetch = FetchConcurrency.parse(value, self._torch_loader.batch_size)
+        self._settled = None
+        if self._workers is not None:
+            self._workers.close()  # the next epoch starts workers with the new setting
+            self._workers = None
+
+    def stats(self) -> PipelineStats | None:
+        """The pipeline statistics of the current epoch (or the last one) in this process.
+
+        Each stage's concurrency and timings, the bottleneck, and the tuner's decisions: the
+        ``fetch`` stage's concurrency is the batches fetched at once (tuned under
+        ``fetch_concurrency="auto"``), ``collate_fn`` the collation. ``None`` before the first
+        epoch, and when the batches come straight from worker processes (``num_workers > 0``
+        without ``pin_memory``), where no pipeline runs in this process.
+        """
+        current = self._current() if self._current is not None else None
+        if current is not None and not current._closed:
+            return current.stats()
+        return self._last_stats
+
+    @property
     def in_flight(self) -> int:
         """Batches fetched ahead of the consumer."""
         loader = self._torch_loader
         per = self.prefetch_factor
         if loader.batch_size is None and loader.batch_sampler is None:
-            return self.fetch_concurrency
+            return self._fetch.threads if self._fetch.auto is None else 16
         return per * max(1, int(loader.num_workers))
 
     def __iter__(self) -> Iterator[T]:
@@ -279,7 +311,7 @@ class DataLoader(Generic[T]):
             self._workers = WorkerSet(
                 loader.dataset,
                 num_workers=loader.num_workers,
-                concurrency=self.fetch_concurrency,
+                concurrency=self._fetch.threads,
                 prefetch=self.prefetch_factor,
                 worker_init_fn=loader.worker_init_fn,
                 mp_context=self.mp_context,
@@ -449,7 +481,7 @@ class _LoaderIter(Generic[T]):
         self._fetcher: BatchFetcher | None = None
         self._tasks: _Releasable | None = None
         self._first_pending: BatchFetcher | None = None
-        concurrent = loader.fetch_concurrency > 1 and tl.num_workers == 0 and not loader._iterable
+        concurrent = loader._fetch.threads > 1 and tl.num_workers == 0 and not loader._iterable
         self._watch: RngWatch | None = RngWatch() if concurrent else None
         self._pin_pool: ThreadPoolExecutor | None = None
         replay = skip if sampler_state is None else 0
@@ -530,7 +562,7 @@ class _LoaderIter(Generic[T]):
             return loader._worker_set().epoch(tasks, base_seed, dataset_state)
         self._fetcher = BatchFetcher(
             tl.dataset,
-            loader.fetch_concurrency,
+            loader._fetch.threads,
             wait_for_delivery=True,
             snapshot=_snapshot(tl.dataset),
             seed=base_seed,
@@ -545,7 +577,9 @@ class _LoaderIter(Generic[T]):
             self._fetcher.fetch,
             # fetch_concurrency=1: batches strictly one after another, as PyTorch fetches
             # them, so that draws from the global random generators match.
-            concurrency=1 if loader.fetch_concurrency == 1 else loader.in_flight,
+            concurrency=1
+            if loader._fetch.threads == 1
+            else loader._fetch.batches(loader.in_flight, tl.batch_size or 1, loader._settled),
             output_order=order,
             name="fetch",
             buffer_size=max(2, loader.in_flight),  # whole batches: keep this queue short
@@ -647,6 +681,11 @@ class _LoaderIter(Generic[T]):
                 return
             position.ahead.remove(number)
 
+    def stats(self) -> PipelineStats | None:
+        """The epoch's pipeline statistics (``None`` for batches straight from workers)."""
+        pipeline = self._pipeline
+        return pipeline.stats() if isinstance(pipeline, Pipeline) else None
+
     def supersede(self) -> None:
         """Stop this epoch because a newer one needs the worker processes."""
         self._superseded = True
@@ -666,6 +705,12 @@ class _LoaderIter(Generic[T]):
             loader._end_workers()  # first: the pipeline's source may be waiting on one
         _LoaderIter._shutdown(self._pipeline, self._fetcher, self._pin_pool, self._tasks)
         self._finalizer.detach()
+        if loader is not None and isinstance(self._pipeline, Pipeline):
+            loader._last_stats = stats = self._pipeline.stats()
+            # The next epoch starts with as many batches in flight as this one ended with.
+            fetch = [s for s in stats.stages if s.name == "fetch"]
+            if fetch and loader._fetch.auto is not None:
+                loader._settled = fetch[0].concurrency
         self._loader = None  # a closed iterator kept alive keeps no loader
         if loader is not None:
             loader._epoch_ended()

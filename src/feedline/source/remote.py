@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 from feedline.errors import ConfigurationError, RemoteNotFoundError, RemoteReadError
 from feedline.loader.paths import PathList
 
+from ._parts import PartSizer
 from ._verify import Verifier
 from .cache import ObjectCache
 
@@ -47,6 +49,11 @@ class RemoteStats:
         verified: Bodies whose checksum (the ETag's MD5) was computed and matched.
         mismatches: Bodies that failed a check (length or checksum) and were thrown away;
             each was read again, up to ``retries`` times.
+        part_size: Bytes per range request of a whole-object ``read`` now (``None``: one
+            request per object).
+        latency: With ``part_size="auto"``: seconds to a reply's headers, smoothed.
+        connection_rate: With ``part_size="auto"``: bytes per second one connection carried
+            a body (of 256 KiB or more), smoothed.
 
     """
 
@@ -58,6 +65,9 @@ class RemoteStats:
     joined: int = 0
     verified: int = 0
     mismatches: int = 0
+    part_size: int | None = None
+    latency: float | None = None
+    connection_rate: float | None = None
 
 
 class _Flight:
@@ -153,6 +163,10 @@ class RemoteStore:
             the others ask for the same version, by its ETag), into one buffer, checked as
             a whole: one connection's bandwidth is often far below the store's (a few
             tens of MB/s on S3). Counts against ``max_in_flight`` like any request.
+            ``"auto"``: the size follows what the store measures on every request, its
+            latency ``L`` (to the reply's headers) and one connection's rate ``B``: parts of
+            ``L B / 4`` bytes, 1 to 64 MiB (see ``_parts.py``): a read takes at most about
+            1.25 ``L`` where connections are many, and a fast connection gets objects whole.
             ``None`` (default): one request per object. ``read_sync`` always sends one.
         **options: Passed to ``obstore.store.from_url``: the store's settings (``region``,
             ``endpoint``, ``access_key_id``, ``skip_signature``, ...) and, if needed,
@@ -181,7 +195,7 @@ class RemoteStore:
         max_backoff: float = 5.0,
         cache: ObjectCache | None = None,
         verify: bool = True,
-        part_size: int | None = None,
+        part_size: int | str | None = None,
         **options: Any,
     ) -> None:
         if not isinstance(url, str) or "://" not in url:
@@ -190,7 +204,12 @@ class RemoteStore:
                 f"'file:///data', got {url!r}"
             )
         _positive("max_in_flight", max_in_flight, integer=True)
-        if part_size is not None:
+        if part_size is not None and part_size != "auto":
+            if isinstance(part_size, str):
+                raise ConfigurationError(
+                    f"RemoteStore(part_size=...) must be a number of bytes, 'auto' or None, "
+                    f"got {part_size!r}"
+                )
             _positive("part_size", part_size, integer=True)
         for name, value in (
             ("timeout", timeout),
@@ -263,7 +282,8 @@ class RemoteStore:
         if not isinstance(verify, bool):
             raise ConfigurationError(f"RemoteStore(verify=...) must be a bool, got {verify!r}")
         self.cache = cache
-        self._part_size = part_size
+        self._sizer = PartSizer() if part_size == "auto" else None
+        self._part_size = part_size if isinstance(part_size, int) else None
         self._verifier = Verifier(url, verify)
         self._verified = 0
         self._mismatches = 0
@@ -371,8 +391,9 @@ class RemoteStore:
     async def _fetch(self, key: str, options: Any) -> memoryview:
         attempt = 0
         while True:
-            if options is None and self._part_size is not None:
-                view, meta = await self._get_parts(key, self._part_size)
+            part = self._sizer.size() if self._sizer is not None else self._part_size
+            if options is None and part is not None:
+                view, meta = await self._get_parts(key, part)
             else:
                 view, meta = await self._get(key, options)
             if options is not None or not self._verifier.enabled:
@@ -392,8 +413,13 @@ class RemoteStore:
             self._begin()
             view = None
             try:
+                sent = time.perf_counter()
                 result = await self._ob.get_async(self._store, key, options=options)
+                headers = time.perf_counter()
                 view = memoryview(await result.bytes_async())
+                if self._sizer is not None:
+                    body = time.perf_counter() - headers
+                    self._sizer.observe(headers - sent, view.nbytes, body)
             except Exception as error:
                 raise self._failed(key, error) from error
             finally:  # also when cancelled (a pipeline that stops cancels its reads)
@@ -401,11 +427,15 @@ class RemoteStore:
         return view, result.meta
 
     async def _get_parts(self, key: str, part: int) -> tuple[memoryview, Any]:
-        # The first part tells the size; the rest come at once, of the same version.
+        # The first part tells the size; the rest come at once, of the same version. With
+        # part_size="auto", the first part timed the connection: the rest take the size that
+        # says.
         first, meta = await self._get(key, {"range": (0, part)})
         size = int(meta["size"])
         if size <= first.nbytes:
             return first, meta
+        if self._sizer is not None:
+            part = self._sizer.size()
         buffer = bytearray(size)
         buffer[: first.nbytes] = first
         etag = meta.get("e_tag")
@@ -574,6 +604,7 @@ class RemoteStore:
 
     def stats(self) -> RemoteStats:
         """How many reads and bytes so far, how many failed, how many are under way."""
+        sizer = self._sizer
         with self._lock:
             return RemoteStats(
                 self._reads,
@@ -584,6 +615,9 @@ class RemoteStore:
                 self._joined,
                 self._verified,
                 self._mismatches,
+                self._part_size if sizer is None else sizer.size(),
+                None if sizer is None else sizer.latency,
+                None if sizer is None else sizer.rate,
             )
 
     # -- internals -----------------------------------------------------------------------------

@@ -1,0 +1,148 @@
+"""``DataLoader(fetch_concurrency="auto")``: the engine sets calls at once and batches in flight."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
+
+from feedline import Auto, ConfigurationError, DataLoader  # noqa: E402
+from feedline.loader._concurrency import FETCH_HIGH, FetchConcurrency  # noqa: E402
+
+from ._datasets import Nested, Slow  # noqa: E402
+
+
+def _fetch_threads() -> int:
+    return sum(t.name.startswith("feedline-fetch") for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("value", [None, "auto"])
+def test_auto_raises_calls_at_once_past_a_fixed_number_for_items_that_wait(value: Any) -> None:
+    # The default is "auto". Items that sleep 20 ms leave the cores idle, so the tuner adds
+    # batches in flight (2 of 4 items to start with) and the fetcher threads.
+    fixed, auto = Slow(400, 0.02), Slow(400, 0.02)
+    got = list(DataLoader(auto, batch_size=4, fetch_concurrency=value))
+    assert [b.tolist() for b in got] == [list(range(i, i + 4)) for i in range(0, 400, 4)]
+    list(DataLoader(fixed, batch_size=4, fetch_concurrency=8))
+    assert fixed.peak <= 8
+    assert auto.peak > 8, f"auto kept {auto.peak} calls at once"
+    assert auto.peak <= FETCH_HIGH
+
+
+def test_auto_bounds_are_kept() -> None:
+    dataset = Slow(300, 0.02)
+    loader = DataLoader(dataset, batch_size=4, fetch_concurrency=Auto(low=1, high=6))
+    assert [b.tolist() for b in loader] == [list(range(i, i + 4)) for i in range(0, 300, 4)]
+    assert dataset.peak <= 6
+    assert loader.fetch_concurrency == Auto(low=1, high=6)
+
+
+def test_auto_in_worker_processes_gives_pytorchs_batches() -> None:
+    kw: dict[str, Any] = {"batch_size": 3, "num_workers": 2, "shuffle": True}
+    expected = list(TorchLoader(Nested(20), generator=torch.Generator().manual_seed(3), **kw))
+    loader = DataLoader(
+        Nested(20), generator=torch.Generator().manual_seed(3), fetch_concurrency="auto", **kw
+    )
+    got = list(loader)
+    assert [b["x"].tolist() for b in got] == [b["x"].tolist() for b in expected]
+    loader.close()
+    assert multiprocessing.active_children() == []
+
+
+def test_auto_resumes_after_break() -> None:
+    loader = DataLoader(Slow(40, 0.001), batch_size=4, shuffle=True, fetch_concurrency="auto")
+    loader.generator = None
+    torch.manual_seed(0)
+    first: list[list[int]] = []
+    for batch in loader:
+        first.append(batch.tolist())
+        if len(first) == 3:
+            break
+    state = loader.state_dict()
+    resumed = DataLoader(Slow(40, 0.001), batch_size=4, shuffle=True, fetch_concurrency="auto")
+    resumed.load_state_dict(state)
+    rest = [b.tolist() for b in resumed]
+    seen = sorted(i for b in first + rest for i in b)
+    assert seen == list(range(40))  # nothing lost or repeated across the break
+
+
+def test_stats_show_the_tuned_fetch_stage_and_the_next_epoch_starts_where_it_ended() -> None:
+    loader = DataLoader(Slow(400, 0.02), batch_size=4)
+    assert loader.stats() is None  # no epoch yet
+    it = iter(loader)
+    next(it)
+    running = loader.stats()
+    assert running is not None
+    assert [s.name for s in running.stages][-2:] == ["fetch", "collate_fn"]
+    list(it)
+    ended = loader.stats()
+    assert ended is not None
+    fetch = next(s for s in ended.stages if s.name == "fetch")
+    assert fetch.concurrency > 2, ended.tuning  # raised from prefetch_factor's 2
+    assert any("fetch" in line for line in ended.tuning)
+    second = iter(loader)
+    next(second)
+    now = loader.stats()
+    assert now is not None
+    assert next(s for s in now.stages if s.name == "fetch").concurrency >= fetch.concurrency // 2
+    del second
+
+
+def test_stats_are_none_for_batches_straight_from_workers() -> None:
+    loader = DataLoader(Nested(8), batch_size=2, num_workers=1)
+    list(loader)
+    assert loader.stats() is None
+    loader.close()
+
+
+def test_setting_fetch_concurrency_takes_effect_next_epoch() -> None:
+    dataset = Slow(64, 0.01)
+    loader = DataLoader(dataset, batch_size=4, fetch_concurrency=2)
+    list(loader)
+    assert dataset.peak <= 2
+    loader.fetch_concurrency = "auto"
+    assert loader.fetch_concurrency == "auto"
+    list(loader)
+    assert loader.fetch_concurrency == "auto"
+    loader.fetch_concurrency = 3
+    assert loader.fetch_concurrency == 3
+
+
+def test_no_fetch_thread_outlives_an_auto_epoch() -> None:
+    before = _fetch_threads()
+    loader = DataLoader(Slow(200, 0.01), batch_size=4, fetch_concurrency="auto")
+    for k, _ in enumerate(loader):
+        if k == 10:
+            break  # mid-epoch: the tuner and the threads it raised must go too
+    del loader
+    import gc
+
+    gc.collect()
+    deadline = threading.Event()
+    for _ in range(50):
+        if _fetch_threads() <= before:
+            break
+        deadline.wait(0.1)
+    assert _fetch_threads() <= before
+
+
+@pytest.mark.parametrize("value", [0, "fast", 2.5, True, -1])
+def test_bad_fetch_concurrency_is_refused_with_the_choices(value: object) -> None:
+    with pytest.raises(ConfigurationError, match=r"'auto' or feedline\.Auto"):
+        DataLoader(list(range(4)), fetch_concurrency=value)  # type: ignore[arg-type]
+
+
+def test_parse_defaults() -> None:
+    assert FetchConcurrency.parse(None, 8) == FetchConcurrency(FETCH_HIGH, Auto())
+    assert FetchConcurrency.parse(16, None) == FetchConcurrency(16)
+    assert FetchConcurrency.parse("auto", 8) == FetchConcurrency(FETCH_HIGH, Auto())
+    assert FetchConcurrency.parse(Auto(low=200), 8).threads == 200
+    stage = FetchConcurrency.parse("auto", 8).batches(2, 8)
+    assert stage == Auto(low=1, high=2 * FETCH_HIGH // 8, start=2)
+    assert FetchConcurrency.parse(4, 8).batches(2, 8) == 2

@@ -1,0 +1,90 @@
+"""``RemoteStore(part_size="auto")``: parts sized from the latency and rate it measures."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from feedline import ConfigurationError, RemoteStore
+from feedline.bench._server import ServerProcess
+from feedline.source._parts import MAX_PART, MIN_PART, TIMED_BODY, PartSizer
+
+pytest.importorskip("obstore")
+
+
+def test_sizer_starts_small_and_follows_latency_times_rate() -> None:
+    sizer = PartSizer()
+    assert sizer.size() == MIN_PART  # nothing measured: the first part times the connection
+    sizer.observe(0.1, 1000, 0.001)  # a small body: its time is not the connection's rate
+    assert sizer.rate is None
+    assert sizer.size() == MIN_PART
+    sizer.observe(0.1, 8 << 20, 0.1)  # 80 MiB/s after 100 ms
+    assert sizer.size() == int(0.25 * 0.1 * (8 << 20) / 0.1)
+    for _ in range(50):  # a faster link, a longer wait: whole objects up to the largest part
+        sizer.observe(2.0, 64 << 20, 0.05)
+    assert sizer.size() == MAX_PART
+    for _ in range(50):  # a slow link
+        sizer.observe(0.01, TIMED_BODY, 1.0)
+    assert sizer.size() == MIN_PART
+
+
+def _object(tmp_path: Path, size: int) -> tuple[Path, bytes]:
+    data = os.urandom(size)
+    path = tmp_path / "object.bin"
+    path.write_bytes(data)
+    return path, data
+
+
+def test_slow_connections_get_small_parts_and_fast_ones_the_object_whole(tmp_path: Path) -> None:
+    path, data = _object(tmp_path, 4 << 20)
+    # 4 MB/s a connection after 20 ms: parts of L B / 4 = 20 kB, so the smallest, 1 MiB.
+    with ServerProcess([path], 0.02, connection_rate=4e6) as server:
+        store = RemoteStore(server.url, retries=0, part_size="auto")
+        assert bytes(asyncio.run(store.read("0"))) == data
+        assert server.served()["gets"] == 4
+        stats = store.stats()
+        assert stats.part_size == MIN_PART
+        assert stats.latency is not None
+        assert 0.015 < stats.latency < 1.0
+        assert stats.connection_rate is not None
+        assert 2e6 < stats.connection_rate < 5e6
+    # No cap, 200 ms: parts of several MiB; the rest of the object comes as one part.
+    with ServerProcess([path], 0.2) as server:
+        store = RemoteStore(server.url, retries=0, part_size="auto")
+        assert bytes(asyncio.run(store.read("0"))) == data
+        assert server.served()["gets"] == 2  # the first MiB, then the other 3 at once
+        assert bytes(asyncio.run(store.read("1"))) == data
+        assert server.served()["gets"] == 3  # measured: one request
+
+
+def test_a_store_without_auto_parts_reports_its_fixed_size() -> None:
+    assert RemoteStore("memory:///").stats().part_size is None
+    assert RemoteStore("memory:///", part_size=1 << 20).stats().part_size == 1 << 20
+    stats = RemoteStore("memory:///", part_size="auto").stats()
+    assert (stats.part_size, stats.latency, stats.connection_rate) == (MIN_PART, None, None)
+
+
+@pytest.mark.parametrize("value", ["big", "AUTO", 0, -5, 1.5])
+def test_part_size_must_be_bytes_or_auto(value: object) -> None:
+    with pytest.raises(ConfigurationError, match="part_size"):
+        RemoteStore("memory:///", part_size=value)  # type: ignore[arg-type]
+
+
+def test_the_bench_server_answers_ranges(tmp_path: Path) -> None:
+    path, data = _object(tmp_path, 1000)
+    with ServerProcess([path], 0.0) as server:
+        request = urllib.request.Request(f"{server.url}/0", headers={"Range": "bytes=10-19"})
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            assert reply.status == 206
+            assert reply.headers["Content-Range"] == "bytes 10-19/1000"
+            assert reply.read() == data[10:20]
+        request = urllib.request.Request(f"{server.url}/0", headers={"Range": "bytes=990-"})
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            assert reply.read() == data[990:]
+        with urllib.request.urlopen(f"{server.url}/0", timeout=30) as reply:
+            assert reply.status == 200
+            assert reply.read() == data
