@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -216,3 +217,26 @@ class Counted:
 
 def value_of(item: Counted) -> int:
     return item.value * 10
+
+
+class _Overlap:
+    """Counts the calls of :func:`wait_and_count` running now in this process."""
+
+    lock = threading.Lock()
+    now = 0
+
+
+def wait_and_count(item: int) -> int:
+    """Wait 10 ms; return how many calls of this function were running at its end."""
+    with _Overlap.lock:
+        _Overlap.now += 1
+    time.sleep(0.01)
+    with _Overlap.lock:
+        running = _Overlap.now
+        _Overlap.now -= 1
+    return running
+
+
+def waiting_builder(n: int) -> PipelineBuilder[int]:
+    """``range(n)`` through :func:`wait_and_count`, its concurrency left to the tuner."""
+    return PipelineBuilder().add_source(range(n)).pipe(wait_and_count)

@@ -181,3 +181,22 @@ def test_an_exception_that_cannot_be_rebuilt_is_reported_with_its_text() -> None
     assert info.value.__cause__ is None
     iterable.close()
     no_children_left()  # the child is gone, not left a zombie
+
+
+def test_a_pipeline_in_a_subprocess_is_tuned_there() -> None:
+    # The op waits 10 ms: the tuner in the child raises its concurrency past where it starts
+    # (the cores), and each epoch starts where the last one ended.
+    with run_pipeline_in_subprocess(_helpers.waiting_builder(600), autotune=True) as it:
+        first = list(it)
+        second = list(it)
+    assert len(first) == len(second) == 600
+    cores = os.cpu_count() or 1
+    assert max(first) > cores, f"at most {max(first)} calls at once"
+    # The second epoch's first calls (before the tuner's first look) run as many at once as
+    # the first epoch ended with, not as many as the cores.
+    assert max(second[:20]) > cores, second[:20]
+
+
+def test_a_subprocess_pipelines_budget_is_checked_in_the_parent() -> None:
+    with pytest.raises(ConfigurationError, match="memory_budget"):
+        run_pipeline_in_subprocess(_helpers.waiting_builder(10), memory_budget=10)

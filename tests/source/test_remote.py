@@ -531,10 +531,26 @@ def test_a_large_object_is_read_in_parallel_parts_and_checked_whole() -> None:
         stats = store.stats()
         assert stats.verified == 2  # each object's MD5 against its ETag, over the whole
         assert stats.bytes == len(big) + 1000
-        # A range read is one request, parts or not; read_sync reads whole objects in one.
+        # A range read is one request, parts or not; read_sync reads whole objects in parts.
         assert bytes(asyncio.run(store.read("big", start=5, end=3_000_000))) == big[5:3_000_000]
+        assert counts["GET"] == 5
         assert bytes(store.read_sync("big")) == big
-        assert counts["GET"] == 6
+        assert counts["GET"] == 8
+        assert store.stats().verified == 3
+
+
+def test_read_sync_called_on_an_event_loop_reads_the_rest_in_one_request() -> None:
+    from ._s3 import moto_bucket
+
+    big = np.random.default_rng(6).integers(0, 256, 3_000_000, dtype=np.uint8).tobytes()
+    with moto_bucket(BUCKET, {"data/big": big}) as (endpoint, counts):
+        store = _store(endpoint, part_size=1 << 20)
+
+        async def blocking() -> bytes:  # blocks its loop: no second loop can run the parts
+            return bytes(store.read_sync("big"))
+
+        assert asyncio.run(blocking()) == big
+        assert counts["GET"] == 2
 
 
 def test_part_size_must_be_a_positive_int() -> None:

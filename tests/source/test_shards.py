@@ -73,6 +73,21 @@ def test_the_same_samples_from_s3(folder: Path) -> None:
     assert [bytes(s["jpg"]) for s in samples] == [bytes(s["jpg"]) for s in local]
 
 
+def test_shards_read_in_parallel_range_requests(folder: Path) -> None:
+    objects = {f"shards/{key}": (folder / key).read_bytes() for key in KEYS}
+    sizes = [len(body) for body in objects.values()]
+    part = 2048
+    with moto_bucket("feedline-shards", objects) as (endpoint, served):
+        store = RemoteStore(
+            "s3://feedline-shards/shards", endpoint=endpoint, part_size=part, **CREDENTIALS
+        )
+        samples = list(TarShards(store, KEYS))
+        assert served["GET"] == sum(-(-size // part) for size in sizes)  # every part once
+        assert store.stats().verified == SHARDS  # each shard's MD5, over the whole
+    assert _keys(samples) == EVERY
+    assert bytes(samples[8]["jpg"]) == bytes([1]) * 101
+
+
 def test_shuffles_repeat_per_seed_and_epoch_and_lose_nothing(folder: Path) -> None:
     def order(seed: int, epoch: int) -> list[str]:
         shards = TarShards(folder, KEYS, shuffle=12, seed=seed)

@@ -637,6 +637,9 @@ def run_pipeline_in_subprocess(
     num_threads: int | None = None,
     max_failures: int | float | None = 0,
     report_stats_interval: float | None = None,
+    autotune: bool = False,
+    memory_budget: int | None = None,
+    cpu_budget: float | None = None,
     buffer_size: int = 3,
     timeout: float | None = None,
     mp_context: str = "spawn",
@@ -645,8 +648,10 @@ def run_pipeline_in_subprocess(
     """Build and run the pipeline that ``builder`` describes in a child process.
 
     The builder (its source and ops) is pickled to the child, which builds the pipeline with
-    ``num_threads``, ``max_failures`` and ``report_stats_interval`` (see
-    :meth:`PipelineBuilder.build`) and runs one epoch each time the result is iterated. The
+    ``num_threads``, ``max_failures``, ``report_stats_interval``, ``autotune``,
+    ``memory_budget`` and ``cpu_budget`` (see :meth:`PipelineBuilder.build`; the tuner runs
+    in the child, and each epoch starts where the last one's left the concurrency) and runs
+    one epoch each time the result is iterated. The
     other arguments are those of :func:`iterate_in_subprocess`. The result is iterable, so it
     can be the source of another pipeline (for example one that moves batches to the GPU).
     """
@@ -654,6 +659,9 @@ def run_pipeline_in_subprocess(
         "num_threads": num_threads,
         "max_failures": max_failures,
         "report_stats_interval": report_stats_interval,
+        "autotune": autotune,
+        "memory_budget": memory_budget,
+        "cpu_budget": cpu_budget,
     }
     builder.build(**options)  # validate here, where the error is easy to read
     return iterate_in_subprocess(

@@ -167,7 +167,8 @@ class RemoteStore:
             latency ``L`` (to the reply's headers) and one connection's rate ``B``: parts of
             ``L B / 4`` bytes, 1 to 64 MiB (see ``_parts.py``): a read takes at most about
             1.25 ``L`` where connections are many, and a fast connection gets objects whole.
-            ``None`` (default): one request per object. ``read_sync`` always sends one.
+            ``None`` (default): one request per object. ``read_sync`` sends the parts after
+            the first at once too, on an event loop of the calling thread's own.
         **options: Passed to ``obstore.store.from_url``: the store's settings (``region``,
             ``endpoint``, ``access_key_id``, ``skip_signature``, ...) and, if needed,
             ``client_options`` (merged over the timeouts above). HTTP without TLS is allowed
@@ -426,11 +427,13 @@ class RemoteStore:
                 self._end(view)
         return view, result.meta
 
-    async def _get_parts(self, key: str, part: int) -> tuple[memoryview, Any]:
-        # The first part tells the size; the rest come at once, of the same version. With
-        # part_size="auto", the first part timed the connection: the rest take the size that
-        # says.
-        first, meta = await self._get(key, {"range": (0, part)})
+    async def _get_parts(
+        self, key: str, part: int, got: tuple[memoryview, Any] | None = None
+    ) -> tuple[memoryview, Any]:
+        # The first part tells the size (``got``: read already); the rest come at once, of the
+        # same version. With part_size="auto", the first part timed the connection: the rest
+        # take the size that says.
+        first, meta = got if got is not None else await self._get(key, {"range": (0, part)})
         size = int(meta["size"])
         if size <= first.nbytes:
             return first, meta
@@ -528,21 +531,50 @@ class RemoteStore:
     def _fetch_sync(self, key: str, options: Any) -> memoryview:
         attempt = 0
         while True:
-            with self._thread_limit:
-                self._begin()
-                view = None
-                try:
-                    result = self._ob.get(self._store, key, options=options)
-                    view = memoryview(result.bytes())
-                except Exception as error:
-                    raise self._failed(key, error) from error
-                finally:
-                    self._end(view)
+            part = self._sizer.size() if self._sizer is not None else self._part_size
+            if options is None and part is not None:
+                view, meta = self._get_sync(key, {"range": (0, part)})
+                if int(meta["size"]) > view.nbytes:
+                    view, meta = self._rest_sync(key, part, view, meta)
+            else:
+                view, meta = self._get_sync(key, options)
             if options is not None or not self._verifier.enabled:
                 return view
-            if self._checked(key, self._verifier.problem(view, result.meta), attempt):
+            if self._checked(key, self._verifier.problem(view, meta), attempt):
                 return view
             attempt += 1
+
+    def _get_sync(self, key: str, options: Any) -> tuple[memoryview, Any]:
+        # One request from this thread: the body and the object's metadata.
+        with self._thread_limit:
+            self._begin()
+            view = None
+            try:
+                sent = time.perf_counter()
+                result = self._ob.get(self._store, key, options=options)
+                headers = time.perf_counter()
+                view = memoryview(result.bytes())
+                if self._sizer is not None:
+                    body = time.perf_counter() - headers
+                    self._sizer.observe(headers - sent, view.nbytes, body)
+            except Exception as error:
+                raise self._failed(key, error) from error
+            finally:
+                self._end(view)
+        return view, result.meta
+
+    def _rest_sync(
+        self, key: str, part: int, first: memoryview, meta: Any
+    ) -> tuple[memoryview, Any]:
+        # The parts after the first, at once, on an event loop of this thread's own (read_sync
+        # is called from threads, where none runs).
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self._get_parts(key, part, (first, meta)))
+        # Called from a coroutine (which it blocks): the rest in one request.
+        rest, _ = self._get_sync(key, {"range": (first.nbytes, int(meta["size"]))})
+        return memoryview(bytes(first) + bytes(rest)), meta
 
     def _checked(self, key: str, checked: tuple[str | None, bool], attempt: int) -> bool:
         """Count a verification; ``False``: read again; raises once the retries are spent."""
