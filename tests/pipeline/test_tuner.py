@@ -65,6 +65,17 @@ def limited_server(k: int, latency: float) -> Callable[[int], Any]:
     return read
 
 
+def waiting(seconds: float, name: str) -> Callable[[int], int]:
+    """An op named ``name`` that waits ``seconds`` (off the cores, the GIL released)."""
+
+    def op(i: int) -> int:
+        time.sleep(seconds)
+        return i
+
+    op.__name__ = name
+    return op
+
+
 def tuned_read() -> Pipeline[int]:
     """Endless reads from a server that serves 16 at once, 20 ms each, tuned."""
     read = limited_server(16, 0.02)
@@ -393,24 +404,20 @@ def test_the_next_epoch_starts_where_the_tuner_left_the_last() -> None:
     pipeline.stop()
 
 
-def test_two_stages_at_the_same_rate_are_raised_in_turn() -> None:
-    def read(i: int) -> int:
-        time.sleep(0.01)
-        return i
-
-    def decode(i: int) -> int:
-        time.sleep(0.002)
-        return i
-
+def test_two_stages_at_the_same_rate_are_raised_in_turn(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="feedline.pipeline")
+    read, decode = waiting(0.01, "read"), waiting(0.002, "decode")
     pipeline = (
         PipelineBuilder().add_source(range(10**9)).pipe(read).pipe(decode).build(autotune=True)
     )
     stats, _ = run_for(pipeline, 4.0)
-    # Neither raise pays alone once both stages run at the same rate: each is kept while
-    # the other then limits, and both go past where they would stall (read 8, decode 2).
+    # Neither raise pays alone once both stages run at the same rate: each goes as far as
+    # what the other can take (a raise is kept while the other then limits, or jumps to
+    # feed it), and both go past where they would stall (read 8, decode 2).
     assert stats["read"].concurrency >= 16, stats
     assert stats["decode"].concurrency >= 4, stats
-    assert any("limits now" in d for d in stats.tuning)
+    lines = [r.getMessage() for r in caplog.records if " kept" in r.getMessage()]
+    assert {line.split()[1] for line in lines} == {"read:", "decode:"}, lines
 
 
 def test_autotune_leaves_an_ordered_generator_at_one_call_and_the_builder_as_it_was() -> None:
@@ -493,3 +500,24 @@ def test_a_low_bound_the_pool_cannot_hold_is_refused() -> None:
     builder = PipelineBuilder().add_source(range(3)).pipe(str, concurrency=Auto(low=8))
     with pytest.raises(ConfigurationError, match="low=8"):
         builder.build(num_threads=4)
+
+
+def test_a_read_feeding_a_waiting_stage_jumps_to_what_that_stage_can_take() -> None:
+    # The read waits 30 ms; the check after it takes 2 ms on 2 slots (1,000 items/s): the
+    # read needs about 30 calls in flight to feed it, and gets there in one raise (Little's
+    # law), not in four doublings. The queue after the read grows with it.
+    read, check = waiting(0.03, "read"), waiting(0.002, "check")
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(10**9))
+        .pipe(read, concurrency=Auto(start=2, high=64), output_order="input", name="read")
+        .pipe(check, concurrency=Auto(start=2, high=4), name="check")
+        .add_sink()
+        .build()
+    )
+    stats, _ = run_for(pipeline, 1.5)
+    # Decisions read "0.6s read: 2 -> 36 kept (...)".
+    first = next(d for d in stats.tuning if d.split(" ", 1)[1].startswith("read: 2 -> "))
+    raised = int(first.split("read: 2 -> ")[1].split()[0])
+    assert raised > 8, stats.tuning  # more than two doublings at once
+    assert stats["read"].queue.capacity >= min(stats["read"].concurrency, 64)

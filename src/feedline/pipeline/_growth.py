@@ -103,6 +103,7 @@ class Growth:
         "_fills_seen",
         "_quiet",
         "_quiet_until",
+        "first",
         "grow_bytes",
         "grow_to",
         "start",
@@ -117,7 +118,8 @@ class Growth:
         grow_bytes: int,
         allowed: Callable[[], bool] | None = None,
     ) -> None:
-        self.start = start
+        self.start = start  # the size it shrinks back to
+        self.first = start  # the size the build gave it
         self.grow_to = grow_to
         self.grow_bytes = grow_bytes
         self._allowed = allowed
@@ -125,6 +127,10 @@ class Growth:
         self._doubling = False  # the next item measured decides a doubling
         self._quiet = RECHECK  # items taken without a doubling after one that changed nothing
         self._quiet_until = 0  # the channel's gets before which no doubling is asked for
+
+    def rebase(self, start: int) -> None:
+        """Shrink back to ``start`` from now on (the tuner raised a stage), within the limits."""
+        self.start = max(self.first, min(self.grow_to, start))
 
     def allowed(self) -> bool:
         """Whether the channel may be above its start size now."""

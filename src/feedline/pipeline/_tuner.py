@@ -23,7 +23,10 @@ for some items to come out) does one of these:
   busiest (at least :data:`BUSY` of the time, not held up by a full output) is doubled
   within its bound and the memory budget; below a ceiling, it goes halfway to it (while that
   is a quarter more at least). Doubling reaches the dozens of calls a slow read wants in a
-  few looks; a raise that does not pay is undone at the next.
+  few looks; a raise that does not pay is undone at the next. A stage that feeds a tuned
+  stage which waits for items goes at once to the calls in flight that stage's capacity
+  needs (Little's law: its concurrency / its call time x this stage's call time, with
+  :data:`FEED_MARGIN`), if that is more than a doubling.
 * **Fewer for a slower consumer.** While the sink is full, the busiest tuned stage is
   tried at half (kept if the output stays as fast, as above): threads that compute take the
   GIL and the cores from the consumer, and calls that wait hold memory it does not need.
@@ -91,10 +94,18 @@ factor means conditions changed: its ceiling and floor no longer hold."""
 CEILING_TTL = 30.0
 """Seconds a raise that did not pay keeps the stage below it."""
 
+FEED_MARGIN = 1.25
+"""A stage that feeds a waiting tuned stage is raised at once to this many times the calls in
+flight that stage's capacity needs (see ``Tuner._to_feed``)."""
+
+JUDGED_RAISE = 4.0
+"""A raise of more than this many times must bring what a raise of this many times must."""
+
 SIZE_EVERY = 8
 """With a memory budget, one item in this many put in each queue is measured."""
 
 _MIN_WINDOW = 0.25  # seconds: shorter windows are mostly noise
+_FIRST_WINDOW = 0.1  # seconds: the run's first window, which only decides a raise
 _MAX_WINDOW = 2.0
 _MIN_ITEMS = 8  # items out in a window, unless it reached _MAX_WINDOW
 
@@ -270,7 +281,10 @@ class Tuner:
         mark = self._mark
         dt = now - mark.t
         slowest = max((max(k.stage.counters.ewma, 0.0) for k in self.knobs), default=0.0)
-        window = min(_MAX_WINDOW, max(_MIN_WINDOW, 3 * slowest))
+        # The first window may be shorter: a raise decided on it compares no rates, and a
+        # cold start at a few calls in flight is where waiting costs most.
+        shortest = _MIN_WINDOW if self.decisions or self._trial else _FIRST_WINDOW
+        window = min(_MAX_WINDOW, max(shortest, 3 * slowest))
         if dt < window:
             return
         current = self._take_mark(now)
@@ -315,7 +329,8 @@ class Tuner:
         knob = best[1]
         c = knob.concurrency
         if knob.ceiling is None:
-            target = min(knob.high, max(2 * c, math.ceil(c * knob.jump)))
+            fed = self._to_feed(knob, mark, now)
+            target = min(knob.high, max(2 * c, math.ceil(c * knob.jump), fed))
             knob.jump = 1.0
         else:
             # Halfway to what did not pay, while that is a step worth a window.
@@ -332,7 +347,7 @@ class Tuner:
             return
         task = self._task(knob, mark, now)  # at the concurrency the window had
         knob.stage.set_concurrency(target)
-        self._grow_input(knob, target)
+        self._grow_queues(knob, target)
         self._trial = _Trial(knob, c, target, rate, c / task if task > 0 else 0.0, task)
         # The window of the trial starts once the new calls are under way.
         self._mark = self._take_mark()
@@ -360,7 +375,9 @@ class Tuner:
         # Kept if the output grew, and the stage's own capacity with it: an op that holds
         # the GIL, computes on busy cores or waits for a server at its limit takes longer per
         # call as calls are added, which the capacity shows with less noise.
-        need = max(GAIN, 1 + (trial.after / trial.before - 1) * SHARE)
+        # A large raise (a jump to feed the next stage, or after calls grew longer) is judged
+        # as a raise of JUDGED_RAISE times: the gain it must show is bounded.
+        need = max(GAIN, 1 + (min(trial.after / trial.before, JUDGED_RAISE) - 1) * SHARE)
         if (rate >= trial.rate * need and capacity >= trial.capacity * need) or (
             self._output_ended()
         ):
@@ -397,6 +414,22 @@ class Tuner:
         else:
             knob.stage.set_concurrency(trial.before)
         return True
+
+    def _to_feed(self, knob: Knob, mark: _Mark, now: _Mark) -> int:
+        # The calls in flight ``knob`` needs to feed the next tuned stage at that stage's
+        # capacity (Little's law: its calls per second x this stage's seconds per call), if
+        # that stage waits for items; else 0. A read that waits 30 ms feeding a decode of
+        # 2.5 ms on 2 threads needs 24 in flight: one raise, not five doublings.
+        i = self.knobs.index(knob)
+        if i + 1 >= len(self.knobs):
+            return 0
+        after = self.knobs[i + 1]
+        slots = now.slots[i + 1] - mark.slots[i + 1]
+        busy = (now.busy[i + 1] - mark.busy[i + 1]) / slots if slots > 0 else 1.0
+        task, fed_task = self._task(knob, mark, now), self._task(after, mark, now)
+        if busy >= BUSY or task <= 0 or fed_task <= 0:
+            return 0
+        return math.ceil(FEED_MARGIN * after.concurrency / fed_task * task)
 
     def _limiting(self, mark: _Mark, now: _Mark, besides: Knob) -> Knob | None:
         # Another tuned stage whose slots were busy in the window and that may go higher.
@@ -511,25 +544,32 @@ class Tuner:
             return
         for channel in self._channels:  # grown queues back to their first size
             growth = channel.growth
-            if growth is not None and channel.capacity > growth.start:
-                channel.resize(growth.start)
+            if growth is not None and channel.capacity > growth.first:
+                growth.rebase(growth.first)
+                channel.resize(growth.first)
         for knob in sorted(self.knobs, key=self._in_flight_bytes, reverse=True):
             while self._held_bytes() > budget and knob.concurrency > knob.low:
                 c = knob.concurrency
                 knob.stage.set_concurrency(max(knob.low, c // 2))
                 self._note(f"{knob.name}: {c} -> {knob.concurrency} for the memory budget")
 
-    def _grow_input(self, knob: Knob, concurrency: int) -> None:
-        # A default-sized queue before a stage holds enough to feed each of its slots.
-        channel = self._channels[knob.index - 1]
-        growth = channel.growth
-        if growth is not None and channel.capacity < concurrency:
+    def _grow_queues(self, knob: Knob, concurrency: int) -> None:
+        # Default-sized queues as the build sizes them for a stage of this concurrency: the
+        # one before it holds enough to feed each of its slots, the one after it enough for
+        # each slot's result (a stage that keeps input order holds finished calls back while
+        # its output is full: a queue of 2 after 48 reads in flight starves the next stage).
+        for index in (knob.index - 1, knob.index):
+            channel = self._channels[index]
+            growth = channel.growth
+            if channel is self._sink or growth is None or channel.capacity >= concurrency:
+                continue
             size = min(concurrency, growth.grow_to)
             budget = self._tuning.memory_budget
-            each = self._bytes(knob.index - 1)
+            each = self._bytes(index)
             if budget is not None and each > 0:
                 size = min(size, max(channel.capacity, int(budget // (4 * each))))
             if size > channel.capacity:
+                growth.rebase(size)  # where it shrinks back to, as if built at this size
                 channel.resize(size)
 
     # -- measuring -------------------------------------------------------------------------------
