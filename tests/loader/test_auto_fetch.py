@@ -86,11 +86,14 @@ def test_stats_show_the_tuned_fetch_stage_and_the_next_epoch_starts_where_it_end
     fetch = next(s for s in ended.stages if s.name == "fetch")
     assert fetch.concurrency > 2, ended.tuning  # raised from prefetch_factor's 2
     assert any("fetch" in line for line in ended.tuning)
+    carried = loader._settled  # what the tuner kept (a trial under way left out)
+    assert carried is not None
+    assert carried > 2
     second = iter(loader)
-    next(second)
+    next(second)  # before the tuner's first look
     now = loader.stats()
     assert now is not None
-    assert next(s for s in now.stages if s.name == "fetch").concurrency >= fetch.concurrency // 2
+    assert next(s for s in now.stages if s.name == "fetch").concurrency == carried
     del second
 
 
@@ -109,9 +112,34 @@ def test_setting_fetch_concurrency_takes_effect_next_epoch() -> None:
     loader.fetch_concurrency = "auto"
     assert loader.fetch_concurrency == "auto"
     list(loader)
-    assert loader.fetch_concurrency == "auto"
+    assert dataset.peak > 2
     loader.fetch_concurrency = 3
     assert loader.fetch_concurrency == 3
+    dataset.peak = 0
+    list(loader)
+    assert 1 <= dataset.peak <= 3
+
+
+def test_changing_a_worker_setting_mid_epoch_keeps_the_epochs_workers() -> None:
+    kw: dict[str, Any] = {"batch_size": 2, "num_workers": 1}
+    loader = DataLoader(Nested(12), fetch_concurrency=2, **kw)
+    batches = []
+    for k, batch in enumerate(loader):
+        if k == 1:
+            loader.fetch_concurrency = 4  # takes effect at the next epoch
+            loader.timeout = 30
+        batches.append(batch["x"].tolist())
+    expected = [b["x"].tolist() for b in TorchLoader(Nested(12), **kw)]
+    assert batches == expected
+    assert [b["x"].tolist() for b in loader] == expected  # new workers, new setting
+    loader.close()
+    assert multiprocessing.active_children() == []
+
+
+def test_auto_low_is_the_fewest_calls_at_once() -> None:
+    dataset = Slow(64, 0.05)
+    list(DataLoader(dataset, batch_size=64, fetch_concurrency=Auto(low=32, high=64)))
+    assert dataset.peak >= 32
 
 
 def test_no_fetch_thread_outlives_an_auto_epoch() -> None:
@@ -139,10 +167,22 @@ def test_bad_fetch_concurrency_is_refused_with_the_choices(value: object) -> Non
 
 
 def test_parse_defaults() -> None:
-    assert FetchConcurrency.parse(None, 8) == FetchConcurrency(FETCH_HIGH, Auto())
-    assert FetchConcurrency.parse(16, None) == FetchConcurrency(16)
-    assert FetchConcurrency.parse("auto", 8) == FetchConcurrency(FETCH_HIGH, Auto())
-    assert FetchConcurrency.parse(Auto(low=200), 8).threads == 200
-    stage = FetchConcurrency.parse("auto", 8).batches(2, 8)
+    assert FetchConcurrency.parse(None) == FetchConcurrency(FETCH_HIGH, Auto())
+    assert FetchConcurrency.parse(16) == FetchConcurrency(16)
+    assert FetchConcurrency.parse("auto") == FetchConcurrency(FETCH_HIGH, Auto())
+    assert FetchConcurrency.parse(Auto(low=200)).threads == 200
+    stage = FetchConcurrency.parse("auto").batches(2, 8)
     assert stage == Auto(low=1, high=2 * FETCH_HIGH // 8, start=2)
-    assert FetchConcurrency.parse(4, 8).batches(2, 8) == 2
+    assert FetchConcurrency.parse("auto").batches(2, 8, settled=9) == Auto(1, 32, 9)
+    assert FetchConcurrency.parse(4).batches(2, 8) == 2
+
+
+def test_a_batch_samplers_size_bounds_the_batches_in_flight() -> None:
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    from feedline.loader._loader import _batch_items
+
+    sampler = BatchSampler(SequentialSampler(range(64)), 16, drop_last=False)
+    assert _batch_items(TorchLoader(list(range(64)), batch_sampler=sampler)) == 16
+    assert _batch_items(TorchLoader(list(range(4)), batch_size=None)) == 1
+    assert _batch_items(TorchLoader(list(range(4)), batch_size=3)) == 3

@@ -399,3 +399,15 @@ def test_a_grown_channel_no_longer_allowed_shrinks_back_to_its_start() -> None:
         channel.try_put(1)
         channel.try_get()
     assert channel.capacity == 2
+
+
+def test_a_size_the_tuner_set_keeps_the_byte_limit() -> None:
+    growth = Growth(2, 64, 16 << 20, allowed=lambda: False)  # stages not cheap: no doubling
+    growth.rebase(48)  # the tuner raised the stage to 48
+    small, large = np.zeros(1000, np.uint8), np.zeros(4 << 20, np.uint8)
+    assert growth.target(small, 48, doubling=False) == 48  # stays where the tuner put it
+    assert growth.target(large, 48, doubling=False) == 4  # 16 MiB of 4 MiB items
+    growth.rebase(1)
+    assert growth.start == 2  # never below the build's size
+    growth.rebase(1000)
+    assert growth.start == 64  # nor above what it may grow to

@@ -88,3 +88,62 @@ def test_the_bench_server_answers_ranges(tmp_path: Path) -> None:
         with urllib.request.urlopen(f"{server.url}/0", timeout=30) as reply:
             assert reply.status == 200
             assert reply.read() == data
+
+
+def test_read_sync_parts_from_many_threads_keep_within_max_in_flight(tmp_path: Path) -> None:
+    import threading
+
+    path, data = _object(tmp_path, 2 << 20)
+    with ServerProcess([path], 0.01, connection_rate=8e6) as server:
+        store = RemoteStore(server.url, retries=0, part_size=256 << 10, max_in_flight=3)
+        peak, done = [0], threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], store.stats().in_flight)
+                done.wait(0.001)
+
+        def read(i: int) -> None:
+            assert bytes(store.read_sync(str(i))) == data
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        readers = [threading.Thread(target=read, args=(i,)) for i in range(6)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
+        done.set()
+        watcher.join()
+    assert 2 <= peak[0] <= 3, peak[0]
+    assert server_threads() == []
+
+
+def server_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("feedline-parts")]
+
+
+@pytest.mark.parametrize("part", [1024, "auto"])
+def test_an_empty_object_read_in_parts_is_empty_not_an_error(tmp_path: Path, part: object) -> None:
+    (tmp_path / "empty.bin").write_bytes(b"")
+    store = RemoteStore(tmp_path.as_uri(), part_size=part)  # type: ignore[arg-type]
+    assert bytes(asyncio.run(store.read("empty.bin"))) == b""
+    assert bytes(store.read_sync("empty.bin")) == b""
+    assert store.stats().failures == 0
+
+
+def test_the_bench_server_refuses_ranges_it_cannot_serve(tmp_path: Path) -> None:
+    import urllib.error
+
+    path, data = _object(tmp_path, 100)
+    with ServerProcess([path], 0.0) as server:
+        for asked in ("bytes=100-", "bytes=200-300"):
+            request = urllib.request.Request(f"{server.url}/0", headers={"Range": asked})
+            with pytest.raises(urllib.error.HTTPError) as info:
+                urllib.request.urlopen(request, timeout=30)
+            assert info.value.code == 416
+        request = urllib.request.Request(f"{server.url}/0", headers={"Range": "bytes=-10"})
+        with urllib.request.urlopen(request, timeout=30) as reply:  # still serving
+            assert reply.read() == data[-10:]

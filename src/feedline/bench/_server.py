@@ -72,14 +72,20 @@ _CHUNK = 64 << 10  # bytes written at a time by a reply capped per connection
 
 
 def _range(request: bytes, size: int) -> tuple[int, int] | None:
-    # The [start, end) a "Range: bytes=A-B" header asks for, or None for the whole body.
+    # The [start, end) a "Range: bytes=A-B" (or "bytes=-N", the last N) header asks for, or
+    # None for the whole body. ValueError: a range the body cannot satisfy (416).
     for line in request.split(b"\r\n")[1:]:
         name, _, value = line.partition(b":")
         if name.strip().lower() == b"range" and value.strip().startswith(b"bytes="):
             first, _, last = value.strip()[6:].partition(b"-")
-            start = int(first)
-            end = min(size, int(last) + 1) if last else size
-            return start, max(start, end)
+            if not first:  # a suffix: the last N bytes
+                start, end = max(0, size - int(last)), size
+            else:
+                start = int(first)
+                end = min(size, int(last) + 1) if last else size
+            if start >= size or end <= start:
+                raise ValueError(f"bytes {start}-{end} of {size}")
+            return start, end
     return None
 
 
@@ -126,7 +132,15 @@ async def _serve(delay_spec: str, rates: str, bodies: list[bytes]) -> None:
                     writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
                     await writer.drain()
                     continue
-                asked = _range(request, len(whole))
+                try:
+                    asked = _range(request, len(whole))
+                except ValueError:
+                    writer.write(
+                        b"HTTP/1.1 416 Range Not Satisfiable\r\nContent-Length: 0\r\n"
+                        b"Content-Range: bytes */%d\r\n\r\n" % len(whole)
+                    )
+                    await writer.drain()
+                    continue
                 if asked is None:
                     body = whole
                     head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body)

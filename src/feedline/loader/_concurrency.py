@@ -38,8 +38,18 @@ class FetchConcurrency:
     threads: int
     auto: Auto | None = None
 
+    @property
+    def least(self) -> int:
+        """The fewest calls at once the fetcher lowers to (``Auto.low``)."""
+        return self.auto.low if self.auto is not None else 1
+
+    @property
+    def start(self) -> int | None:
+        """The calls at once the fetcher begins with (``Auto.start``), if given."""
+        return self.auto.start if self.auto is not None else None
+
     @staticmethod
-    def parse(value: object, batch_size: int | None) -> FetchConcurrency:
+    def parse(value: object) -> FetchConcurrency:
         """From the argument: ``None`` (default, ``"auto"``), an int, ``"auto"``, an ``Auto``."""
         if value is None or (isinstance(value, str) and value == "auto"):
             value = Auto()

@@ -157,6 +157,9 @@ class BatchFetcher:
         finish: Applied to each batch, ``(number, items, dataset state)``, by the thread that
             fetched its last item (a worker's collation): no hand-over to another thread
             between the batch's last item and its collation.
+        least: The fewest calls at once it ever admits (``Auto.low``).
+        start: The calls at once it begins with (``Auto.start``; default: the cores + 1,
+            or the cores in a worker process).
         seed: The epoch's base seed: each call gets its item's seed from it (see
             :func:`~feedline.loader.get_item_info`).
 
@@ -188,8 +191,12 @@ class BatchFetcher:
         seed: int | None = None,
         cores: int | None = None,
         finish: Callable[[tuple[int, list[Any], Any]], Any] | None = None,
+        least: int = 1,
+        start: int | None = None,
     ) -> None:
         self._finish = finish
+        self._least = least  # the fewest calls at once it lowers to (Auto.low)
+        self._start = start  # calls at once to begin with (Auto.start; None: by the cores)
         self._dataset = dataset
         self._origin = origin
         self._seed = seed
@@ -261,7 +268,7 @@ class BatchFetcher:
             )
             self._window_start, self._window_cpu, self._window_queued = now, cpu, queued
             if busy > 0.92 or full:  # more calls at once would only queue for the cores
-                limit = max(self._cores + 1, int(limit * 0.8))
+                limit = max(self._least, self._cores + 1, int(limit * 0.8))
             elif busy < 0.85 and self._pool.waiting and not self._cpu_bound_now():
                 limit = min(self._concurrency, grow(limit))  # idle cores, calls waiting: admit
             self._pool.set_limit(limit)
@@ -327,7 +334,7 @@ class BatchFetcher:
         elif self._first is None:
             self._first, self._first_number = asyncio.Event(), number
             self.loop = asyncio.get_running_loop()
-            self._pool.set_limit(self._cores + 1)
+            self._pool.set_limit(max(self._least, self._start or self._cores + 1))
             self._new_window(time.perf_counter())
             self.loop.call_later(self.SLOW_START_SECONDS, self._slow_start, self.loop)
         elif number != self._first_number:
@@ -390,7 +397,7 @@ class BatchFetcher:
             # cores + 1 as in the pipeline: each extra CPU-bound call only queues for a core
             # beside the other workers' (measured: the first batch of 2 workers 10 ms later).
             # Items that wait on I/O leave the cores idle, and the slow start admits more.
-            self._pool.set_limit(self._cores)
+            self._pool.set_limit(max(self._least, self._start or self._cores))
             self._new_window(time.perf_counter())
         try:
             if watch is not None:

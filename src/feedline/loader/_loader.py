@@ -118,11 +118,12 @@ class DataLoader(Generic[T]):
             default 2.
         persistent_workers: Keep worker processes between epochs.
         pin_memory_device: Deprecated in PyTorch; must be ``""``.
-        fetch_concurrency: How many ``dataset[i]`` calls run at once (per process). Default:
-            twice the batch size, at most 64. ``"auto"`` (or :class:`~feedline.Auto` with
-            bounds on the calls at once; default at most 128): the loader sets the calls at
-            once and the batches in flight while it runs, from what it measures (many for
-            items that wait on storage, about one per core for items that compute).
+        fetch_concurrency: How many ``dataset[i]`` calls run at once (per process): an int,
+            or ``"auto"`` (default) or :class:`~feedline.Auto` with bounds on the calls at
+            once (default at most 128): the loader sets the calls at once and the batches in
+            flight while it runs, from what it measures (many for items that wait on
+            storage, about one per core for items that compute). ``1``: one call at a time,
+            PyTorch's order of random draws.
         max_failures: How many failing ``dataset[i]`` calls to skip (logged, counted; the
             batch comes out smaller) before iteration raises :class:`~feedline.PipelineFailure`:
             an int, a float fraction of items, or ``None`` for no limit. Default 0: the first
@@ -130,7 +131,7 @@ class DataLoader(Generic[T]):
 
     Example::
 
-        loader = feedline.DataLoader(dataset, batch_size=32, shuffle=True, fetch_concurrency=64)
+        loader = feedline.DataLoader(dataset, batch_size=32, shuffle=True)
         for batch in loader:
             ...
         checkpoint = {"loader": loader.state_dict(), ...}
@@ -191,7 +192,8 @@ class DataLoader(Generic[T]):
             in_order=in_order,
         )
         self._iterable = isinstance(dataset, torch.utils.data.IterableDataset)
-        self._fetch = FetchConcurrency.parse(fetch_concurrency, batch_size)
+        self._fetch = FetchConcurrency.parse(fetch_concurrency)
+        self._stale_workers = False  # a worker setting changed during an epoch
         if max_failures is not None and (
             isinstance(max_failures, bool)
             or not isinstance(max_failures, int | float)
@@ -249,9 +251,19 @@ class DataLoader(Generic[T]):
             return
         # PyTorch's own loader raises ValueError for batch_size, sampler, drop_last, ...
         setattr(inner, name, value)
-        if name in _WORKER_SETTINGS and self._workers is not None:
-            self._workers.close()  # the next epoch starts workers with the new setting
-            self._workers = None
+        if name in _WORKER_SETTINGS:
+            self._settings_changed()
+
+    def _settings_changed(self) -> None:
+        # The next epoch starts workers with the new setting; an epoch under way keeps its
+        # workers until it ends (as PyTorch's iterator keeps its own).
+        if self._workers is None:
+            return
+        current = self._current() if self._current is not None else None
+        if current is not None and not current._closed:
+            self._stale_workers = True
+        else:
+            self._end_workers()
 
     def __len__(self) -> int:
         return len(self._torch_loader)
@@ -267,11 +279,11 @@ class DataLoader(Generic[T]):
 
     @fetch_concurrency.setter
     def fetch_concurrency(self, value: int | str | Auto) -> None:
-        self._fetch = FetchConcurrency.parse(value, self._torch_loader.batch_size)
-        self._settled = None
-        if self._workers is not None:
-            self._workers.close()  # the next epoch starts workers with the new setting
-            self._workers = None
+        fetch = FetchConcurrency.parse(value)
+        if fetch == self._fetch:
+            return
+        self._fetch, self._settled = fetch, None
+        self._settings_changed()
 
     def stats(self) -> PipelineStats | None:
         """The pipeline statistics of the current epoch (or the last one) in this process.
@@ -328,8 +340,11 @@ class DataLoader(Generic[T]):
         return self._workers
 
     def _epoch_ended(self) -> None:
-        if self._workers is not None and not self._torch_loader.persistent_workers:
+        if self._workers is not None and (
+            self._stale_workers or not self._torch_loader.persistent_workers
+        ):
             self._end_workers()
+        self._stale_workers = False
 
     def _end_workers(self) -> None:
         workers = self._workers
@@ -566,6 +581,8 @@ class _LoaderIter(Generic[T]):
             wait_for_delivery=True,
             snapshot=_snapshot(tl.dataset),
             seed=base_seed,
+            least=loader._fetch.least,
+            start=loader._fetch.start,
         )
         # Told when the consumer holds the first batch: only then do the other batches
         # start, so that their threads take no CPU from the first batch's collation and
@@ -579,7 +596,7 @@ class _LoaderIter(Generic[T]):
             # them, so that draws from the global random generators match.
             concurrency=1
             if loader._fetch.threads == 1
-            else loader._fetch.batches(loader.in_flight, tl.batch_size or 1, loader._settled),
+            else loader._fetch.batches(loader.in_flight, _batch_items(tl), loader._settled),
             output_order=order,
             name="fetch",
             buffer_size=max(2, loader.in_flight),  # whole batches: keep this queue short
@@ -706,11 +723,11 @@ class _LoaderIter(Generic[T]):
         _LoaderIter._shutdown(self._pipeline, self._fetcher, self._pin_pool, self._tasks)
         self._finalizer.detach()
         if loader is not None and isinstance(self._pipeline, Pipeline):
-            loader._last_stats = stats = self._pipeline.stats()
-            # The next epoch starts with as many batches in flight as this one ended with.
-            fetch = [s for s in stats.stages if s.name == "fetch"]
-            if fetch and loader._fetch.auto is not None:
-                loader._settled = fetch[0].concurrency
+            loader._last_stats = self._pipeline.stats()
+            # The next epoch starts with as many batches in flight as this one's tuner kept
+            # (not a trial it had under way).
+            if loader._fetch.auto is not None:
+                loader._settled = self._pipeline.settled_concurrency().get("fetch")
         self._loader = None  # a closed iterator kept alive keeps no loader
         if loader is not None:
             loader._epoch_ended()
@@ -836,6 +853,12 @@ def _stateful_sampler(tl: Any) -> Any:
     if tl.sampler is not None and is_stateful(tl.sampler):
         return tl.sampler
     return None
+
+
+def _batch_items(tl: Any) -> int:
+    # Items per batch: the batch sampler's size where it says (1 without batching).
+    size = getattr(tl.batch_sampler, "batch_size", None) or tl.batch_size
+    return size if isinstance(size, int) and size > 0 else 1
 
 
 def _snapshot(dataset: Any) -> Callable[[], Any] | None:

@@ -129,7 +129,11 @@ class Growth:
         self._quiet_until = 0  # the channel's gets before which no doubling is asked for
 
     def rebase(self, start: int) -> None:
-        """Shrink back to ``start`` from now on (the tuner raised a stage), within the limits."""
+        """Shrink back to ``start`` from now on (the tuner changed a stage).
+
+        Not below the build's size; the byte limit still applies above that (see
+        :meth:`target`).
+        """
         self.start = max(self.first, min(self.grow_to, start))
 
     def allowed(self) -> bool:
@@ -162,10 +166,10 @@ class Growth:
         """
         if doubling:
             return min(self.limit(item), 2 * capacity)
-        if capacity <= self.start:
+        if capacity <= self.first:
             return capacity  # nothing to shrink: no need to measure
         if not self.allowed():
-            return self.start
+            return min(self.start, self.limit(item))  # the tuner's size, within the bytes
         return min(capacity, self.limit(item))
 
     def settled(self, gets: int, grew: bool) -> None:
@@ -177,7 +181,7 @@ class Growth:
             self._quiet = min(2 * self._quiet, MAX_QUIET)
 
     def limit(self, item: Any) -> int:
-        """The most items like ``item`` the channel may hold (never below ``start``)."""
+        """The most items like ``item`` the channel may hold (never below its first size)."""
         try:
             nbytes = approx_nbytes(item)
         except Exception:  # a user's object may fail in ways approx_nbytes cannot foresee
@@ -188,4 +192,4 @@ class Growth:
             limit = self.grow_bytes // nbytes
         else:
             limit = self.grow_to
-        return max(self.start, min(self.grow_to, limit))
+        return max(self.first, min(self.grow_to, limit))

@@ -174,10 +174,17 @@ class Pipeline(Generic[T]):
 
         return Run(config, wrap, on_failed=on_failed)
 
+    def settled_concurrency(self) -> dict[str, int]:
+        """Each tuned stage's concurrency, by name, as the current (or last) run's tuner kept it.
+
+        A raise or a cut it is still trying is left out. Empty without a tuner.
+        """
+        last = self._last
+        return last.tuner.settled() if last is not None and last.tuner is not None else {}
+
     def _carried(self, config: PipelineConfig) -> PipelineConfig:
         # Tuned stages start where the last epoch's tuner left them, not from scratch.
-        last = self._last
-        settled = last.tuner.settled() if last is not None and last.tuner is not None else {}
+        settled = self.settled_concurrency()
         if not settled:
             return config
         stages = tuple(

@@ -397,7 +397,7 @@ class Channel:
             if doubling:
                 growth.settled(get, grew=target > capacity)
             if self._measure_at <= get:  # not asked for again meanwhile
-                grown = self.capacity > growth.start
+                grown = self.capacity > growth.first
                 self._measure_at = get + growth.recheck if grown else -1
         if wake:
             self._producer.on_space()

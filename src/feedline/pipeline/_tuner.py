@@ -236,6 +236,7 @@ class Tuner:
         self._cores = tuning.cores()
         self.decisions: deque[str] = deque(maxlen=8)
         self._trial: _Trial | None = None
+        self._first = True  # the run's first window (see look)
         self._sizes: list[ItemSizes] = []
         self._warned: set[str] = set()
         if tuning.memory_budget is not None:
@@ -283,18 +284,20 @@ class Tuner:
         slowest = max((max(k.stage.counters.ewma, 0.0) for k in self.knobs), default=0.0)
         # The first window may be shorter: a raise decided on it compares no rates, and a
         # cold start at a few calls in flight is where waiting costs most.
-        shortest = _MIN_WINDOW if self.decisions or self._trial else _FIRST_WINDOW
-        window = min(_MAX_WINDOW, max(shortest, 3 * slowest))
+        first = self._first and self._trial is None
+        window = min(_MAX_WINDOW, max(_FIRST_WINDOW if first else _MIN_WINDOW, 3 * slowest))
         if dt < window:
             return
         current = self._take_mark(now)
         if current.out - mark.out < _MIN_ITEMS and dt < _MAX_WINDOW:
             return
-        self._decide(mark, current)
+        # A window shorter than _MIN_WINDOW only decides a raise (or nothing).
+        self._decide(mark, current, raise_only=dt < _MIN_WINDOW)
+        self._first = False
 
     # -- decisions -------------------------------------------------------------------------------
 
-    def _decide(self, mark: _Mark, now: _Mark) -> None:
+    def _decide(self, mark: _Mark, now: _Mark, raise_only: bool = False) -> None:
         dt = now.t - mark.t
         rate = (now.out - mark.out) / dt
         trial, self._trial = self._trial, None
@@ -303,6 +306,8 @@ class Tuner:
             return
         self._mark = now
         sink_full = (now.full[-1] - mark.full[-1]) / dt
+        if raise_only and sink_full > 0.5:
+            return
         if sink_full > 0.5:
             # The consumer is the slower side: nothing to raise. Threads that do not wait
             # take the GIL and the cores from it, so the busiest tuned stage is tried at
@@ -324,7 +329,8 @@ class Tuner:
             if busy >= BUSY and blocked < 0.5 and c < top and (best is None or busy > best[0]):
                 best = busy, knob
         if best is None:
-            self._trim(mark, now, dt)
+            if not raise_only:
+                self._trim(mark, now, dt)
             return
         knob = best[1]
         c = knob.concurrency
@@ -346,8 +352,7 @@ class Tuner:
         if target <= c:
             return
         task = self._task(knob, mark, now)  # at the concurrency the window had
-        knob.stage.set_concurrency(target)
-        self._grow_queues(knob, target)
+        self._set(knob, target)
         self._trial = _Trial(knob, c, target, rate, c / task if task > 0 else 0.0, task)
         # The window of the trial starts once the new calls are under way.
         self._mark = self._take_mark()
@@ -368,7 +373,7 @@ class Tuner:
                     f"({trial.rate:,.0f} -> {rate:,.0f} items/s)"
                 )
                 return False
-            knob.stage.set_concurrency(trial.before)
+            self._set(knob, trial.before)
             knob.floor, knob.floor_at = trial.after, time.perf_counter()
             self._note(f"{knob.name}: back to {trial.before}, {trial.after} was slower")
             return True
@@ -409,10 +414,10 @@ class Tuner:
         if lower < trial.before and (knob.floor is None or lower > knob.floor):
             # Try fewer: an op that holds the GIL or computes on busy cores may run as fast
             # with less contention, and holds less memory.
-            knob.stage.set_concurrency(lower)
+            self._set(knob, lower)
             self._trial = _Trial(knob, trial.before, lower, trial.rate, 0.0, trial.task)
         else:
-            knob.stage.set_concurrency(trial.before)
+            self._set(knob, trial.before)
         return True
 
     def _to_feed(self, knob: Knob, mark: _Mark, now: _Mark) -> int:
@@ -463,7 +468,7 @@ class Tuner:
         task = self._task(knob, mark, now)
         if knob.ceiling is None:
             knob.ceiling_task = task  # the conditions a floor found now holds for
-        knob.stage.set_concurrency(lower)
+        self._set(knob, lower)
         self._trial = _Trial(knob, c, lower, rate, 0.0, task)
         self._mark = self._take_mark()
 
@@ -477,7 +482,7 @@ class Tuner:
                 if knob.trim >= TRIM_AFTER:
                     knob.trim = 0
                     knob.ceiling = knob.floor = None  # found in other conditions
-                    knob.stage.set_concurrency(keep)
+                    self._set(knob, keep)
                     self._note(f"{knob.name}: {c} -> {keep}, it used {used:.1f} slots")
             else:
                 knob.trim = 0
@@ -550,27 +555,31 @@ class Tuner:
         for knob in sorted(self.knobs, key=self._in_flight_bytes, reverse=True):
             while self._held_bytes() > budget and knob.concurrency > knob.low:
                 c = knob.concurrency
-                knob.stage.set_concurrency(max(knob.low, c // 2))
+                self._set(knob, max(knob.low, c // 2))
                 self._note(f"{knob.name}: {c} -> {knob.concurrency} for the memory budget")
 
-    def _grow_queues(self, knob: Knob, concurrency: int) -> None:
-        # Default-sized queues as the build sizes them for a stage of this concurrency: the
-        # one before it holds enough to feed each of its slots, the one after it enough for
-        # each slot's result (a stage that keeps input order holds finished calls back while
-        # its output is full: a queue of 2 after 48 reads in flight starves the next stage).
+    def _set(self, knob: Knob, concurrency: int) -> None:
+        # Change the stage's concurrency, and size its default-sized queues as the build does
+        # for a stage of that concurrency: the one before it holds enough to feed each slot,
+        # the one after it enough for each slot's result (a stage that keeps input order
+        # holds finished calls back while its output is full: a queue of 2 after 48 reads in
+        # flight starves the next stage). Within the byte limits of the queue (Growth) and
+        # the memory budget. A queue that grew on its own (cheap stages) keeps its size.
+        knob.stage.set_concurrency(concurrency)
         for index in (knob.index - 1, knob.index):
             channel = self._channels[index]
             growth = channel.growth
-            if channel is self._sink or growth is None or channel.capacity >= concurrency:
+            if channel is self._sink or growth is None:
                 continue
             size = min(concurrency, growth.grow_to)
             budget = self._tuning.memory_budget
             each = self._bytes(index)
             if budget is not None and each > 0:
-                size = min(size, max(channel.capacity, int(budget // (4 * each))))
-            if size > channel.capacity:
-                growth.rebase(size)  # where it shrinks back to, as if built at this size
-                channel.resize(size)
+                size = min(size, max(growth.first, int(budget // (4 * each))))
+            old = growth.start
+            growth.rebase(size)
+            if channel.capacity == old or channel.capacity < growth.start:
+                channel.resize(growth.start)
 
     # -- measuring -------------------------------------------------------------------------------
 

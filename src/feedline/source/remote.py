@@ -14,6 +14,7 @@ import asyncio
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -29,6 +30,9 @@ __all__ = ["RemoteStats", "RemoteStore"]
 
 _INLINE_FILE_BYTES = 256 << 10
 """Cache files up to this size are read and written on the event loop (see ``read``)."""
+
+_PART_THREADS = 16
+"""The most threads one ``read_sync`` uses for its parts at once."""
 
 _MESSAGE_CHARS = 300  # of the first line of the store's message (it may hold an XML body)
 
@@ -168,7 +172,8 @@ class RemoteStore:
             ``L B / 4`` bytes, 1 to 64 MiB (see ``_parts.py``): a read takes at most about
             1.25 ``L`` where connections are many, and a fast connection gets objects whole.
             ``None`` (default): one request per object. ``read_sync`` sends the parts after
-            the first at once too, on an event loop of the calling thread's own.
+            the first at once too, on threads (at most 16 per read, each request within
+            ``max_in_flight``).
         **options: Passed to ``obstore.store.from_url``: the store's settings (``region``,
             ``endpoint``, ``access_key_id``, ``skip_signature``, ...) and, if needed,
             ``client_options`` (merged over the timeouts above). HTTP without TLS is allowed
@@ -205,13 +210,15 @@ class RemoteStore:
                 f"'file:///data', got {url!r}"
             )
         _positive("max_in_flight", max_in_flight, integer=True)
-        if part_size is not None and part_size != "auto":
-            if isinstance(part_size, str):
-                raise ConfigurationError(
-                    f"RemoteStore(part_size=...) must be a number of bytes, 'auto' or None, "
-                    f"got {part_size!r}"
-                )
-            _positive("part_size", part_size, integer=True)
+        if (
+            part_size is not None
+            and part_size != "auto"
+            and (isinstance(part_size, bool) or not isinstance(part_size, int) or part_size <= 0)
+        ):
+            raise ConfigurationError(
+                "RemoteStore(part_size=...) must be a positive number of bytes, 'auto' or "
+                f"None, got {part_size!r}"
+            )
         for name, value in (
             ("timeout", timeout),
             ("connect_timeout", connect_timeout),
@@ -408,8 +415,9 @@ class RemoteStore:
                 return view
             attempt += 1
 
-    async def _get(self, key: str, options: Any) -> tuple[memoryview, Any]:
-        # One request: the body and the object's metadata.
+    async def _get(self, key: str, options: Any, first: bool = False) -> tuple[memoryview, Any]:
+        # One request: the body and the object's metadata. ``first``: the first part of a
+        # whole-object read, which an empty object refuses (no byte 0): then read it whole.
         async with self._loop_limit():
             self._begin()
             view = None
@@ -418,47 +426,36 @@ class RemoteStore:
                 result = await self._ob.get_async(self._store, key, options=options)
                 headers = time.perf_counter()
                 view = memoryview(await result.bytes_async())
-                if self._sizer is not None:
-                    body = time.perf_counter() - headers
-                    self._sizer.observe(headers - sent, view.nbytes, body)
+                self._observe(sent, headers, view)
             except Exception as error:
-                raise self._failed(key, error) from error
+                if not (first and _bad_range(error)):
+                    raise self._failed(key, error) from error
             finally:  # also when cancelled (a pipeline that stops cancels its reads)
                 self._end(view)
+        if view is None:
+            return await self._get(key, None)
         return view, result.meta
 
-    async def _get_parts(
-        self, key: str, part: int, got: tuple[memoryview, Any] | None = None
-    ) -> tuple[memoryview, Any]:
-        # The first part tells the size (``got``: read already); the rest come at once, of the
-        # same version. With part_size="auto", the first part timed the connection: the rest
-        # take the size that says.
-        first, meta = got if got is not None else await self._get(key, {"range": (0, part)})
+    def _observe(self, sent: float, headers: float, view: memoryview) -> None:
+        # With part_size="auto": time the request (to its headers) and its body.
+        if self._sizer is not None:
+            self._sizer.observe(headers - sent, view.nbytes, time.perf_counter() - headers)
+
+    async def _get_parts(self, key: str, part: int) -> tuple[memoryview, Any]:
+        # The first part tells the size; the rest come at once, of the same version. With
+        # part_size="auto", the first part timed the connection: the rest take the size that
+        # says.
+        first, meta = await self._get(key, {"range": (0, part)}, first=True)
         size = int(meta["size"])
         if size <= first.nbytes:
             return first, meta
-        if self._sizer is not None:
-            part = self._sizer.size()
-        buffer = bytearray(size)
-        buffer[: first.nbytes] = first
-        etag = meta.get("e_tag")
+        plan = _Parts(self, key, first, meta, part)
 
         async def fetch(start: int) -> None:
-            end = min(size, start + part)
-            options: dict[str, Any] = {"range": (start, end)}
-            if etag:
-                options["if_match"] = etag  # a changed object fails, not mixes versions
-            view, _ = await self._get(key, options)
-            if view.nbytes != end - start:
-                raise RemoteReadError(
-                    self.url,
-                    key,
-                    f"reading {key!r} in parts: bytes {start}-{end} came back as "
-                    f"{view.nbytes} bytes (the object changed, or the store ignored the range)",
-                )
-            buffer[start:end] = view
+            view, _ = await self._get(key, plan.options(start))
+            plan.put(start, view)
 
-        tasks = [asyncio.ensure_future(fetch(s)) for s in range(first.nbytes, size, part)]
+        tasks = [asyncio.ensure_future(fetch(start)) for start in plan.starts]
         try:
             await asyncio.gather(*tasks)
         except BaseException:
@@ -466,7 +463,7 @@ class RemoteStore:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)  # and are retrieved
             raise
-        return memoryview(buffer), meta
+        return memoryview(plan.buffer), meta
 
     def read_sync(
         self, key: str, *, start: int | None = None, end: int | None = None
@@ -533,9 +530,7 @@ class RemoteStore:
         while True:
             part = self._sizer.size() if self._sizer is not None else self._part_size
             if options is None and part is not None:
-                view, meta = self._get_sync(key, {"range": (0, part)})
-                if int(meta["size"]) > view.nbytes:
-                    view, meta = self._rest_sync(key, part, view, meta)
+                view, meta = self._get_parts_sync(key, part)
             else:
                 view, meta = self._get_sync(key, options)
             if options is not None or not self._verifier.enabled:
@@ -544,8 +539,8 @@ class RemoteStore:
                 return view
             attempt += 1
 
-    def _get_sync(self, key: str, options: Any) -> tuple[memoryview, Any]:
-        # One request from this thread: the body and the object's metadata.
+    def _get_sync(self, key: str, options: Any, first: bool = False) -> tuple[memoryview, Any]:
+        # One request from this thread (see _get).
         with self._thread_limit:
             self._begin()
             view = None
@@ -554,27 +549,36 @@ class RemoteStore:
                 result = self._ob.get(self._store, key, options=options)
                 headers = time.perf_counter()
                 view = memoryview(result.bytes())
-                if self._sizer is not None:
-                    body = time.perf_counter() - headers
-                    self._sizer.observe(headers - sent, view.nbytes, body)
+                self._observe(sent, headers, view)
             except Exception as error:
-                raise self._failed(key, error) from error
+                if not (first and _bad_range(error)):
+                    raise self._failed(key, error) from error
             finally:
                 self._end(view)
+        if view is None:
+            return self._get_sync(key, None)
         return view, result.meta
 
-    def _rest_sync(
-        self, key: str, part: int, first: memoryview, meta: Any
-    ) -> tuple[memoryview, Any]:
-        # The parts after the first, at once, on an event loop of this thread's own (read_sync
-        # is called from threads, where none runs).
+    def _get_parts_sync(self, key: str, part: int) -> tuple[memoryview, Any]:
+        # As _get_parts, the parts after the first at once on threads of their own; each
+        # request takes a slot of max_in_flight, like any of read_sync's.
+        first, meta = self._get_sync(key, {"range": (0, part)}, first=True)
+        if int(meta["size"]) <= first.nbytes:
+            return first, meta
+        plan = _Parts(self, key, first, meta, part)
+
+        def fetch(start: int) -> None:
+            view, _ = self._get_sync(key, plan.options(start))
+            plan.put(start, view)
+
+        threads = min(len(plan.starts), self._max_in_flight, _PART_THREADS)
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="feedline-parts")
         try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(self._get_parts(key, part, (first, meta)))
-        # Called from a coroutine (which it blocks): the rest in one request.
-        rest, _ = self._get_sync(key, {"range": (first.nbytes, int(meta["size"]))})
-        return memoryview(bytes(first) + bytes(rest)), meta
+            for done in [pool.submit(fetch, start) for start in plan.starts]:
+                done.result()  # the first error raises; the parts not begun are dropped
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        return memoryview(plan.buffer), meta
 
     def _checked(self, key: str, checked: tuple[str | None, bool], attempt: int) -> bool:
         """Count a verification; ``False``: read again; raises once the retries are spent."""
@@ -738,6 +742,44 @@ _ENDPOINT_KEYS = (
 _STATUS = re.compile(r"status code: (\d{3})([^:]*)(?::\s*(.*))?")
 _RETRIES = re.compile(r"after (\d+) retries")
 _XML_FIELD = re.compile(r"<(Code|Message)>([^<]*)</\1>")
+
+
+class _Parts:
+    """The parts of one whole-object read after its first: where they go, what they ask for.
+
+    Each asks for the version the first part came from (``If-Match`` on its ETag: a changed
+    object fails rather than mixing two versions), and must come back at its full length.
+    """
+
+    def __init__(self, store: RemoteStore, key: str, first: memoryview, meta: Any, part: int):
+        self._store, self._key = store, key
+        self.size = int(meta["size"])
+        if store._sizer is not None:  # the first part timed the connection: size the rest
+            part = store._sizer.size()
+        self._part = part
+        self._etag = meta.get("e_tag")
+        self.buffer = bytearray(self.size)
+        self.buffer[: first.nbytes] = first
+        self.starts = range(first.nbytes, self.size, part)
+
+    def options(self, start: int) -> dict[str, Any]:
+        """The request for the part from ``start``."""
+        options: dict[str, Any] = {"range": (start, min(self.size, start + self._part))}
+        if self._etag:
+            options["if_match"] = self._etag
+        return options
+
+    def put(self, start: int, view: memoryview) -> None:
+        """Copy the part from ``start`` into place, after checking its length."""
+        end = min(self.size, start + self._part)
+        if view.nbytes != end - start:
+            raise RemoteReadError(
+                self._store.url,
+                self._key,
+                f"reading {self._key!r} in parts: bytes {start}-{end} came back as "
+                f"{view.nbytes} bytes (the object changed, or the store ignored the range)",
+            )
+        self.buffer[start:end] = view
 
 
 def _shorten(text: str, limit: int) -> str:
