@@ -521,3 +521,19 @@ def test_a_read_feeding_a_waiting_stage_jumps_to_what_that_stage_can_take() -> N
     raised = int(first.split("read: 2 -> ")[1].split()[0])
     assert raised > 8, stats.tuning  # more than two doublings at once
     assert stats["read"].queue.capacity >= min(stats["read"].concurrency, 64)
+
+
+def test_a_cheap_next_stage_does_not_send_a_read_past_what_the_server_serves() -> None:
+    # len() takes microseconds: feeding it "at its capacity" would ask for thousands of reads
+    # in flight. A raise to feed it goes 8 times at most, and is undone when it does not pay.
+    read = limited_server(8, 0.02)
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(10**9))
+        .pipe(read, concurrency="auto", name="read")
+        .pipe(str, concurrency="auto", name="check")
+        .add_sink()
+        .build()
+    )
+    stats, _ = run_for(pipeline, 3.0)
+    assert 8 <= stats["read"].concurrency < 32, stats.tuning

@@ -26,7 +26,8 @@ for some items to come out) does one of these:
   few looks; a raise that does not pay is undone at the next. A stage that feeds a tuned
   stage which waits for items goes at once to the calls in flight that stage's capacity
   needs (Little's law: its concurrency / its call time x this stage's call time, with
-  :data:`FEED_MARGIN`), if that is more than a doubling.
+  :data:`FEED_MARGIN`), if that is more than a doubling, and at most :data:`FEED_MOST`
+  times at once.
 * **Fewer for a slower consumer.** While the sink is full, the busiest tuned stage is
   tried at half (kept if the output stays as fast, as above): threads that compute take the
   GIL and the cores from the consumer, and calls that wait hold memory it does not need.
@@ -97,6 +98,9 @@ CEILING_TTL = 30.0
 FEED_MARGIN = 1.25
 """A stage that feeds a waiting tuned stage is raised at once to this many times the calls in
 flight that stage's capacity needs (see ``Tuner._to_feed``)."""
+
+FEED_MOST = 8
+"""The most times its concurrency a raise to feed the next stage goes at once."""
 
 JUDGED_RAISE = 4.0
 """A raise of more than this many times must bring what a raise of this many times must."""
@@ -434,7 +438,10 @@ class Tuner:
         task, fed_task = self._task(knob, mark, now), self._task(after, mark, now)
         if busy >= BUSY or task <= 0 or fed_task <= 0:
             return 0
-        return math.ceil(FEED_MARGIN * after.concurrency / fed_task * task)
+        wanted = math.ceil(FEED_MARGIN * after.concurrency / fed_task * task)
+        # At most FEED_MOST times at once: a next stage of microseconds (a len(), a cheap
+        # check) would ask for hundreds, which a store at its bandwidth cannot serve sooner.
+        return min(wanted, FEED_MOST * knob.concurrency)
 
     def _limiting(self, mark: _Mark, now: _Mark, besides: Knob) -> Knob | None:
         # Another tuned stage whose slots were busy in the window and that may go higher.
