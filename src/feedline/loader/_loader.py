@@ -323,7 +323,7 @@ class DataLoader(Generic[T]):
             self._workers = WorkerSet(
                 loader.dataset,
                 num_workers=loader.num_workers,
-                concurrency=self._fetch.threads,
+                concurrency=self._fetch,
                 prefetch=self.prefetch_factor,
                 worker_init_fn=loader.worker_init_fn,
                 mp_context=self.mp_context,

@@ -36,6 +36,7 @@ from feedline.pipeline._queues import await_closed_queues, close_queue, write_fi
 from feedline.pipeline._subprocess import _CLOSE_GRACE, _DEFAULT_SHM_MIN, _POLL, _Abandoned
 
 from ._collate import shm_collate_for
+from ._concurrency import FetchConcurrency
 from ._deal import Dealer, TaskStream, read_start
 from ._fetch import BatchFetcher, Task, collate_in_worker
 from ._state import is_stateful
@@ -85,7 +86,7 @@ class _WorkerIterable:
         tasks: Any,
         worker_id: int,
         num_workers: int,
-        concurrency: int,
+        concurrency: FetchConcurrency,
         in_flight: int,
         worker_init_fn: Callable[[int], None] | None,
         collate_fn: Callable[[Any], Any],
@@ -124,7 +125,9 @@ class _WorkerIterable:
             return
         fetcher = BatchFetcher(
             self._dataset,
-            self._concurrency,
+            self._concurrency.threads,
+            least=self._concurrency.least,
+            start=self._concurrency.start,
             snapshot=self._dataset.state_dict if stateful else None,
             origin=origin,
             seed=base_seed,
@@ -139,7 +142,7 @@ class _WorkerIterable:
             # from the other workers): the first one always, then while the fetcher keeps
             # their items on this thread; at a concurrency of one, every batch, so that global
             # draws match PyTorch's.
-            several = self._concurrency > 1
+            several = self._concurrency.threads > 1
             for task in tasks.take(1 if several and not fetcher.inline else None):
                 yield fetcher.fetch_now(task)
                 if several and not fetcher.inline:
@@ -333,7 +336,8 @@ class WorkerSet:
     Args:
         dataset: The map-style dataset, pickled once per worker.
         num_workers: How many processes.
-        concurrency: Threads fetching items in each worker.
+        concurrency: The calls of ``dataset[i]`` at once in each worker: threads, and with
+            ``"auto"`` the fewest and first (``Auto.low``, ``Auto.start``).
         prefetch: Batches each worker may have ready or in flight.
         worker_init_fn: Called with the worker id in each worker, once, before its first
             epoch and after the seeding (as in PyTorch).
@@ -357,7 +361,7 @@ class WorkerSet:
         dataset: Any,
         *,
         num_workers: int,
-        concurrency: int,
+        concurrency: FetchConcurrency,
         prefetch: int,
         worker_init_fn: Callable[[int], None] | None,
         mp_context: str | None,
