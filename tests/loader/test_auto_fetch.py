@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import threading
 from typing import Any
 
@@ -15,7 +14,9 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 from feedline import Auto, ConfigurationError, DataLoader  # noqa: E402
 from feedline.loader._concurrency import FETCH_HIGH, FetchConcurrency  # noqa: E402
 
+from .._system import segments, zombies  # noqa: E402
 from ._datasets import Nested, Slow  # noqa: E402
+from ._procs import no_children_left  # noqa: E402
 
 
 def _fetch_threads() -> int:
@@ -44,6 +45,7 @@ def test_auto_bounds_are_kept() -> None:
 
 
 def test_auto_in_worker_processes_gives_pytorchs_batches() -> None:
+    shm = segments()
     kw: dict[str, Any] = {"batch_size": 3, "num_workers": 2, "shuffle": True}
     expected = list(TorchLoader(Nested(20), generator=torch.Generator().manual_seed(3), **kw))
     loader = DataLoader(
@@ -52,7 +54,9 @@ def test_auto_in_worker_processes_gives_pytorchs_batches() -> None:
     got = list(loader)
     assert [b["x"].tolist() for b in got] == [b["x"].tolist() for b in expected]
     loader.close()
-    assert multiprocessing.active_children() == []
+    no_children_left()
+    assert zombies() == []
+    assert segments() - shm == set()
 
 
 def test_auto_resumes_after_break() -> None:
@@ -121,6 +125,7 @@ def test_setting_fetch_concurrency_takes_effect_next_epoch() -> None:
 
 
 def test_changing_a_worker_setting_mid_epoch_keeps_the_epochs_workers() -> None:
+    shm = segments()
     kw: dict[str, Any] = {"batch_size": 2, "num_workers": 1}
     loader = DataLoader(Nested(12), fetch_concurrency=2, **kw)
     batches = []
@@ -133,7 +138,9 @@ def test_changing_a_worker_setting_mid_epoch_keeps_the_epochs_workers() -> None:
     assert batches == expected
     assert [b["x"].tolist() for b in loader] == expected  # new workers, new setting
     loader.close()
-    assert multiprocessing.active_children() == []
+    no_children_left()
+    assert zombies() == []
+    assert segments() - shm == set()
 
 
 def test_auto_low_is_the_fewest_calls_at_once() -> None:

@@ -16,6 +16,8 @@ from feedline import (
     run_pipeline_in_subprocess,
 )
 
+from .._system import zombies
+from ..loader._procs import no_children_left
 from . import _helpers
 
 
@@ -195,6 +197,8 @@ def test_a_pipeline_in_a_subprocess_is_tuned_there() -> None:
     # The second epoch's first calls (before the tuner's first look) run as many at once as
     # the first epoch ended with, not as many as the cores.
     assert max(second[:20]) > cores, second[:20]
+    no_children_left()
+    assert zombies() == []
 
 
 def test_a_subprocess_pipelines_budget_is_checked_in_the_parent() -> None:

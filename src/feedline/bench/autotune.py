@@ -73,14 +73,14 @@ def _parse(text: str) -> int:
     return total
 
 
-def _wait_10ms(item: Any) -> Any:
-    time.sleep(0.01)
-    return item
+def _waiting(seconds: float) -> Callable[[Any], Any]:
+    """An op that waits ``seconds`` per item, off the cores."""
 
+    def wait(item: Any) -> Any:
+        time.sleep(seconds)
+        return item
 
-def _wait_2ms(item: Any) -> Any:
-    time.sleep(0.002)
-    return item
+    return wait
 
 
 def _cycle(items: list[Any]) -> Iterator[Any]:
@@ -224,7 +224,8 @@ def run(options: BenchOptions) -> ScenarioResult:
             _Case(
                 "two waiting stages (10 ms, then 2 ms)",
                 _pipeline(
-                    lambda: iter(range(10**9)), [("fetch", _wait_10ms), ("check", _wait_2ms)]
+                    lambda: iter(range(10**9)),
+                    [("fetch", _waiting(0.01)), ("check", _waiting(0.002))],
                 ),
                 {
                     "fetch": [8, 16, 32] if not quick else [8, 32],

@@ -325,8 +325,7 @@ class Tuner:
         best: tuple[float, Knob] | None = None
         for i, knob in enumerate(self.knobs):
             self._expire(knob, now.t, self._task(knob, mark, now))
-            slots = now.slots[i] - mark.slots[i]
-            busy = (now.busy[i] - mark.busy[i]) / slots if slots > 0 else 0.0
+            busy = _busy(i, mark, now)
             blocked = (now.full[i] - mark.full[i]) / dt
             c = knob.concurrency
             top = knob.high if knob.ceiling is None else min(knob.high, knob.ceiling - 1)
@@ -433,8 +432,7 @@ class Tuner:
         if i + 1 >= len(self.knobs):
             return 0
         after = self.knobs[i + 1]
-        slots = now.slots[i + 1] - mark.slots[i + 1]
-        busy = (now.busy[i + 1] - mark.busy[i + 1]) / slots if slots > 0 else 1.0
+        busy = _busy(i + 1, mark, now, without_slots=1.0)
         task, fed_task = self._task(knob, mark, now), self._task(after, mark, now)
         if busy >= BUSY or task <= 0 or fed_task <= 0:
             return 0
@@ -448,8 +446,7 @@ class Tuner:
         for i, knob in enumerate(self.knobs):
             if knob is besides or knob.concurrency >= knob.high:
                 continue
-            slots = now.slots[i] - mark.slots[i]
-            busy = (now.busy[i] - mark.busy[i]) / slots if slots > 0 else 0.0
+            busy = _busy(i, mark, now)
             blocked = (now.full[i] - mark.full[i]) / (now.t - mark.t)
             if busy >= BUSY and blocked < 0.5:
                 return knob
@@ -463,8 +460,7 @@ class Tuner:
             lower = max(knob.low, c // 2)
             if lower >= c or (knob.floor is not None and lower <= knob.floor):
                 continue
-            slots = now.slots[i] - mark.slots[i]
-            busy = (now.busy[i] - mark.busy[i]) / slots if slots > 0 else 0.0
+            busy = _busy(i, mark, now)
             if best is None or busy > best[0]:
                 best = busy, knob
         if best is None:
@@ -609,3 +605,9 @@ class Tuner:
         calls = now.calls[i] - mark.calls[i]
         busy = now.busy[i] - mark.busy[i]
         return busy / calls if calls > 0 and busy > 0 else 0.0
+
+
+def _busy(i: int, mark: _Mark, now: _Mark, without_slots: float = 0.0) -> float:
+    """Share of knob ``i``'s slot-time spent in its op between two marks."""
+    slots = now.slots[i] - mark.slots[i]
+    return (now.busy[i] - mark.busy[i]) / slots if slots > 0 else without_slots

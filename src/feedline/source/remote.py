@@ -399,7 +399,7 @@ class RemoteStore:
     async def _fetch(self, key: str, options: Any) -> memoryview:
         attempt = 0
         while True:
-            part = self._sizer.size() if self._sizer is not None else self._part_size
+            part = self._part()
             if options is None and part is not None:
                 view, meta = await self._get_parts(key, part)
             else:
@@ -435,6 +435,10 @@ class RemoteStore:
         if view is None:
             return await self._get(key, None)
         return view, result.meta
+
+    def _part(self) -> int | None:
+        # Bytes per part of a whole-object read now (None: one request).
+        return self._sizer.size() if self._sizer is not None else self._part_size
 
     def _observe(self, sent: float, headers: float, view: memoryview) -> None:
         # With part_size="auto": time the request (to its headers) and its body.
@@ -528,7 +532,7 @@ class RemoteStore:
     def _fetch_sync(self, key: str, options: Any) -> memoryview:
         attempt = 0
         while True:
-            part = self._sizer.size() if self._sizer is not None else self._part_size
+            part = self._part()
             if options is None and part is not None:
                 view, meta = self._get_parts_sync(key, part)
             else:
@@ -651,7 +655,7 @@ class RemoteStore:
                 self._joined,
                 self._verified,
                 self._mismatches,
-                self._part_size if sizer is None else sizer.size(),
+                self._part(),
                 None if sizer is None else sizer.latency,
                 None if sizer is None else sizer.rate,
             )
@@ -754,24 +758,23 @@ class _Parts:
     def __init__(self, store: RemoteStore, key: str, first: memoryview, meta: Any, part: int):
         self._store, self._key = store, key
         self.size = int(meta["size"])
-        if store._sizer is not None:  # the first part timed the connection: size the rest
-            part = store._sizer.size()
-        self._part = part
+        # With part_size="auto", the first part timed the connection: the rest are sized anew.
+        self._size = store._part() or part
         self._etag = meta.get("e_tag")
         self.buffer = bytearray(self.size)
         self.buffer[: first.nbytes] = first
-        self.starts = range(first.nbytes, self.size, part)
+        self.starts = range(first.nbytes, self.size, self._size)
 
     def options(self, start: int) -> dict[str, Any]:
         """The request for the part from ``start``."""
-        options: dict[str, Any] = {"range": (start, min(self.size, start + self._part))}
+        options: dict[str, Any] = {"range": (start, min(self.size, start + self._size))}
         if self._etag:
             options["if_match"] = self._etag
         return options
 
     def put(self, start: int, view: memoryview) -> None:
         """Copy the part from ``start`` into place, after checking its length."""
-        end = min(self.size, start + self._part)
+        end = min(self.size, start + self._size)
         if view.nbytes != end - start:
             raise RemoteReadError(
                 self._store.url,
