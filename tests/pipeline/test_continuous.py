@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from collections.abc import Iterator
@@ -115,16 +114,107 @@ def test_a_skipped_failure_does_not_hold_up_the_epoch() -> None:
     pipeline.stop()
 
 
-def test_an_empty_source_ends_and_groups_may_span_epochs() -> None:
+def test_an_empty_source_ends_and_resumable_is_refused() -> None:
     empty = PipelineBuilder().add_source([]).add_sink().build(continuous=True)
     assert list(empty) == []
-    grouped = PipelineBuilder().add_source(range(10)).aggregate(4).add_sink().build(continuous=True)
-    groups: list[Any] = []
-    for _ in range(4):
-        groups += list(grouped)
-    grouped.stop()
-    assert {len(g) for g in groups} == {4}  # no partial group at the epochs' ends
-    counts = collections.Counter(x for g in groups for x in g)
-    assert all(counts[x] >= 3 for x in range(10))  # 4 epochs, less a group at the edges
     with pytest.raises(ConfigurationError, match="resumable"):
         PipelineBuilder().add_source([1]).add_sink().build(continuous=True, resumable=True)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_groups_end_with_their_epoch(drop_last: bool) -> None:
+    # Completion order and uneven op times mix the items; every group still holds one
+    # epoch's items only, and each epoch ends with its own partial group, as a DataLoader's.
+    pipeline = (
+        PipelineBuilder()
+        .add_source(Epochs())
+        .pipe(Stamps(), concurrency=4)
+        .aggregate(4, drop_last=drop_last)
+        .add_sink()
+        .build(continuous=True)
+    )
+    for epoch in range(4):
+        groups = list(pipeline)
+        assert [len(g) for g in groups] == ([4, 4] if drop_last else [4, 4, 2])
+        assert all(100 * epoch <= x < 100 * epoch + 10 for g in groups for x in g)
+        if not drop_last:
+            assert sorted(x for g in groups for x in g) == list(
+                range(100 * epoch, 100 * epoch + 10)
+            )
+    pipeline.stop()
+    assert _feedline_threads() == []
+
+
+def _some(x: int) -> Iterator[int]:
+    # None, one or two outputs per input.
+    for k in range(x % 3):
+        time.sleep(0.001 * (x % 2))
+        yield 10 * x + k
+
+
+async def _some_async(x: int) -> Any:
+    for k in range(x % 3):
+        yield 10 * x + k
+
+
+def _lists(x: int) -> list[int]:
+    return [10 * x + k for k in range(x % 3)]
+
+
+@pytest.mark.parametrize("kind", ["generator", "async generator", "disaggregate"])
+def test_one_to_many_stages_end_each_epoch_with_its_own_items(kind: str) -> None:
+    # Items that make no output, or several, or whose outputs come late, neither hold an
+    # epoch up nor leak into the next one; the batches are those of a pipeline that is built
+    # anew for each epoch, keeping input order.
+    def build(continuous: bool, ordered: bool, source: Epochs) -> Any:
+        order = "input" if ordered else "completion"
+        calls = 1 if ordered else 3  # one at a time keeps a generator's outputs in order
+        builder = PipelineBuilder().add_source(source)
+        if kind == "generator":
+            builder = builder.pipe(_some, concurrency=calls, output_order=order)
+        elif kind == "async generator":
+            builder = builder.pipe(_some_async, concurrency=calls, output_order=order)
+        else:
+            builder = builder.pipe(_lists, concurrency=3, output_order=order).disaggregate()
+        return builder.aggregate(3).add_sink().build(continuous=continuous)
+
+    reference = Epochs()
+    continuous, ordered = build(True, True, Epochs()), build(False, True, reference)
+    for epoch in range(3):
+        reference.set_epoch(epoch)  # a pipeline of one epoch, built anew
+        assert list(continuous) == list(ordered)
+    continuous.stop()
+    mixed = build(True, False, Epochs())
+    for epoch in range(3):
+        groups = list(mixed)
+        want = sorted(
+            10 * x + k for x in range(100 * epoch, 100 * epoch + 10) for k in range(x % 3)
+        )
+        assert sorted(y for g in groups for y in g) == want
+        sizes = sorted(len(g) for g in groups)  # one partial group at most
+        assert 1 <= sizes[0] <= 3
+        assert sizes[1:] == [3] * (len(groups) - 1)
+    mixed.stop()
+
+
+def _fails_after_one(x: int) -> Iterator[int]:
+    yield x
+    if x % 5 == 0:
+        raise ValueError(f"item {x}")
+    yield -x
+
+
+def test_a_generator_that_fails_part_way_keeps_what_it_gave() -> None:
+    pipeline = (
+        PipelineBuilder()
+        .add_source(Epochs())
+        .pipe(_fails_after_one, concurrency=2)
+        .aggregate(4)
+        .add_sink()
+        .build(continuous=True, max_failures=0.5)
+    )
+    for epoch in range(3):
+        got = sorted(y for g in pipeline for y in g)
+        items = range(100 * epoch, 100 * epoch + 10)
+        assert got == sorted([*items, *(-x for x in items if x % 5)])
+    pipeline.stop()

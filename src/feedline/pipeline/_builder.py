@@ -514,8 +514,9 @@ class PipelineBuilder(Generic[T]):
                 one), so the next epoch's first items are under way while this epoch's last
                 ones finish. Each ``for`` loop still yields one epoch: an item belongs to the
                 epoch of its (first) source item, and items of the next epoch that finish
-                early wait for their loop. A group of ``aggregate`` may take items of two
-                epochs (it belongs to the first). The source must be iterable again (a list,
+                early wait for their loop. ``aggregate`` groups each epoch's items apart
+                (its last group partial, or dropped with ``drop_last``), as a pipeline built
+                anew for each epoch would. The source must be iterable again (a list,
                 a :class:`~feedline.Mixture`, a dataset). Leaving a loop early ends the run
                 (the next loop runs the next epoch). Not with ``resumable``.
             autotune: Tune every stage whose ``concurrency`` was not given (as if it were

@@ -94,6 +94,7 @@ class AggregateConfig:
     buffer_size: int
     collect: Callable[[list[Any]], Any] | None = None  # makes what is emitted of a group
     grows: bool = True
+    epochs: Any = None  # a continuous run's _epochs.Checkpoint: groups end with their epoch
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ class Run:
         self,
         config: PipelineConfig,
         source_wrapper: Callable[[Any, Run], Any],
-        on_failed: Callable[[Any], None] | None = None,
+        on_failed: Callable[[Any, str], None] | None = None,
     ) -> None:
         self.config = config
         self._on_failed = on_failed  # told of each item a stage failed on and skipped
@@ -243,7 +243,10 @@ class Run:
             self._async_stages.append(stage)
             return stage
         if isinstance(cfg, AggregateConfig):
-            work, kind = AggregateWork(cfg.size, cfg.drop_last, cfg.collect), "aggregate"
+            work, kind = (
+                AggregateWork(cfg.size, cfg.drop_last, cfg.collect, cfg.epochs),
+                "aggregate",
+            )
         elif isinstance(cfg, DisaggregateConfig):
             work, kind = DisaggregateWork(cfg.split), "disaggregate"
         else:  # pragma: no cover - the builder only makes the kinds above
@@ -394,10 +397,10 @@ class Run:
         if done:
             self._jobs_done.set()
 
-    def item_failed(self, item: Any) -> None:
-        """A stage failed on ``item`` within the failure budget and skips it."""
+    def item_failed(self, item: Any, stage: str) -> None:
+        """The stage named ``stage`` failed on ``item`` within the failure budget, skipping it."""
         if self._on_failed is not None:
-            self._on_failed(item)
+            self._on_failed(item, stage)
 
     def fail(self, error: BaseException) -> None:
         """Record the first error and begin stopping; the consumer's next ``get`` raises it."""

@@ -16,6 +16,7 @@ from feedline.errors import ConfigurationError
 
 from ._defs import AggregateConfig, DisaggregateConfig, OpKind, PipeConfig, PipelineConfig
 from ._engine import Run
+from ._epochs import Accounting, Checkpoint
 from ._region import RegionPool
 from ._resume import Progress, Tagged, tag_async_source, tag_source
 from .stats import PipelineStats
@@ -108,11 +109,10 @@ class Pipeline(Generic[T]):
         # waiting for the next epoch.
         self._progress = Progress()
         self._loaded: Progress | None = None
-        # build(continuous=True): the epoch the next loop runs, the run's passes over the
-        # source, the numbers delivered, and items of later epochs that came early.
+        # build(continuous=True): the epoch the next loop runs, where the run's epochs end
+        # for the consumer, and items of later epochs that came early.
         self._next_epoch = 0
-        self._passes: _Passes | None = None
-        self._delivered: Progress | None = None
+        self._delivered: Checkpoint | None = None
         self._held: collections.deque[tuple[int, Any]] = collections.deque()
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -141,12 +141,14 @@ class Pipeline(Generic[T]):
         progress: Progress | None = None
         on_failed = None
         if config.continuous:
-            delivered = self._delivered = Progress()  # numbers across the epochs of this run
-            passes = self._passes = _Passes(config.source.source, self._next_epoch)
+            passes = _Passes(config.source.source, self._next_epoch)
+            accounting = Accounting(passes, config.stages)
+            self._delivered = accounting.consumer  # numbers across the epochs of this run
+            config = dataclasses.replace(config, stages=accounting.counted(config.stages))
 
-            def failed_here(item: Any) -> None:
+            def failed_here(item: Any, stage: str) -> None:
                 if isinstance(item, Tagged):
-                    delivered.mark(item.tag)
+                    accounting.failed(item.tag, stage)
 
             on_failed = failed_here
 
@@ -159,7 +161,7 @@ class Pipeline(Generic[T]):
             self._progress = progress  # before _loaded is cleared: never a moment with neither
             self._loaded = None
 
-            def failed(item: Any) -> None:
+            def failed(item: Any, stage: str) -> None:
                 if isinstance(item, Tagged):  # skipped: an uninterrupted run skips it too
                     progress.mark(item.tag)
 
@@ -283,22 +285,19 @@ class Pipeline(Generic[T]):
             self.start()
             run = self._holder.run
             assert run is not None
-            epoch, passes, delivered = self._next_epoch, self._passes, self._delivered
-            held = self._held
-            assert passes is not None
+            epoch, delivered, held = self._next_epoch, self._delivered, self._held
             assert delivered is not None
             while True:
                 while held and held[0][0] == epoch:
                     yield held.popleft()[1]
-                if passes.complete(epoch, delivered.below):
+                if delivered.complete(epoch):
                     break
                 try:
                     item = run.get(None)
                 except EOFError:  # the source ran out: this was its last pass
                     break
-                delivered.mark(item.tag)
-                first = item.tag if isinstance(item.tag, int) else item.tag[0]
-                home = passes.epoch_of(first)
+                home = delivered.epoch_of(item.tag)
+                delivered.arrived(item.tag)
                 if home == epoch:
                     yield item.value
                 else:

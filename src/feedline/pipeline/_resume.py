@@ -29,6 +29,7 @@ from typing import Any
 
 __all__ = [
     "STATE_VERSION",
+    "Account",
     "Progress",
     "Tagged",
     "TaggedAsyncGenerator",
@@ -131,18 +132,34 @@ class TaggedAsyncOp:
         return item
 
 
+Account = Callable[[int | tuple[int, ...], int], None]
+"""Told ``(tag, change)`` as a one-to-many stage changes how many items carry a source number.
+
+A continuous run counts them (see ``_epochs``): ``+1`` before each output, so that the count
+never reaches zero while the input is still at work, and ``-1`` when the input is done (one
+that fails is taken away by the failure itself).
+"""
+
+
 class TaggedGenerator:
-    """A generator op applied to a :class:`Tagged` item's value: each output keeps its source."""
+    """A generator op applied to a :class:`Tagged` item's value: each output keeps its source.
 
-    __slots__ = ("op",)
+    With ``account``, the outputs are counted as they go (see :data:`Account`).
+    """
 
-    def __init__(self, op: Callable[[Any], Iterable[Any]]) -> None:
+    __slots__ = ("account", "op")
+
+    def __init__(self, op: Callable[[Any], Iterable[Any]], account: Account | None = None) -> None:
         self.op = op
+        self.account = account
 
     def __call__(self, item: Tagged) -> Iterator[Tagged]:
-        tag, origin = item.tag, item.origin
-        for value in self.op(item.value):
-            yield Tagged(tag, value, origin)
+        tag, origin, account = item.tag, item.origin, self.account
+        if account is None:
+            for value in self.op(item.value):
+                yield Tagged(tag, value, origin)
+        else:
+            yield from _counted(tag, origin, self.op(item.value), account)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (TaggedGenerator, (self.op,))
@@ -151,15 +168,22 @@ class TaggedGenerator:
 class TaggedAsyncGenerator:
     """An async generator op applied to a :class:`Tagged` item's value."""
 
-    __slots__ = ("op",)
+    __slots__ = ("account", "op")
 
-    def __init__(self, op: Callable[[Any], AsyncIterable[Any]]) -> None:
+    def __init__(
+        self, op: Callable[[Any], AsyncIterable[Any]], account: Account | None = None
+    ) -> None:
         self.op = op
+        self.account = account
 
     async def __call__(self, item: Tagged) -> AsyncIterator[Tagged]:
-        tag, origin = item.tag, item.origin
+        tag, origin, account = item.tag, item.origin, self.account
         async for value in self.op(item.value):
+            if account is not None:
+                account(tag, 1)
             yield Tagged(tag, value, origin)
+        if account is not None:
+            account(tag, -1)
 
 
 def merge_group(group: list[Tagged]) -> Tagged:
@@ -179,25 +203,36 @@ def merge_group(group: list[Tagged]) -> Tagged:
     return Tagged(tuple(tags), values, tuple(origins))
 
 
-def split_group(item: Tagged) -> Iterator[Tagged]:
+def split_group(item: Tagged, account: Account | None = None) -> Iterator[Tagged]:
     """What ``disaggregate`` passes on: each element, with its own source where it is known.
 
     The elements of a group that :func:`merge_group` made keep their numbers and source
     items; the elements of any other iterable (a list an op made of one item) share the
-    item's.
+    item's, and are counted with ``account`` as a generator's outputs are.
     """
     tag, origin = item.tag, item.origin
+    values: Iterable[Any] = item.value
     if isinstance(tag, tuple):
-        values = item.value if isinstance(item.value, list) else list(item.value)
+        values = values if isinstance(values, list) else list(values)
         if len(values) == len(tag):
             for number, source, value in zip(tag, origin, values, strict=True):
                 yield Tagged(number, value, source)
             return
+    if account is None:
         for value in values:
             yield Tagged(tag, value, origin)
-        return
-    for value in item.value:
+    else:
+        yield from _counted(tag, origin, values, account)
+
+
+def _counted(
+    tag: int | tuple[int, ...], origin: Any, values: Iterable[Any], account: Account
+) -> Iterator[Tagged]:
+    # One input's outputs, counted as they go (see Account).
+    for value in values:
+        account(tag, 1)
         yield Tagged(tag, value, origin)
+    account(tag, -1)
 
 
 class Progress:

@@ -34,8 +34,8 @@ class RunContext(Protocol):
     def fail(self, error: BaseException) -> None:
         """Stop the run; the consumer's next get raises ``error``."""
 
-    def item_failed(self, item: Any) -> None:
-        """A stage failed on ``item`` within the failure budget and skips it."""
+    def item_failed(self, item: Any, stage: str) -> None:
+        """The stage named ``stage`` failed on ``item`` within the budget, skipping it."""
 
     def on_loop_thread(self) -> bool:
         """Whether the caller is the event-loop thread."""
@@ -198,4 +198,4 @@ class StageBase:
         elif not self.run.stopping:
             # Skipped for good (within the budget, in a run that goes on): an item that
             # stopped the run, or failed as it stopped, is not.
-            self.run.item_failed(item)
+            self.run.item_failed(item, self.name)

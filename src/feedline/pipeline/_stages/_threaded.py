@@ -94,25 +94,63 @@ class GeneratorWork(Work):
 
 
 class AggregateWork(Work):
-    """Group consecutive items into lists of ``size`` (runs with concurrency 1)."""
+    """Group consecutive items into lists of ``size`` (runs with concurrency 1).
+
+    With ``epochs`` (a continuous run's ``_epochs.Checkpoint``), each epoch has its own
+    group, and an epoch's last, partial group is closed as soon as every item of that epoch
+    has arrived, so no group mixes two epochs.
+    """
 
     iterates = True
 
     def __init__(
-        self, size: int, drop_last: bool, collect: Callable[[list[Any]], Any] | None = None
+        self,
+        size: int,
+        drop_last: bool,
+        collect: Callable[[list[Any]], Any] | None = None,
+        epochs: Any = None,
     ) -> None:
         self.size = size
         self.drop_last = drop_last
         self._collect = collect  # what to emit of a group (default: the list itself)
         self._group: list[Any] = []
+        self._epochs = epochs
+        self._groups: dict[int, list[Any]] = {}  # with epochs: the open group of each
 
     def __call__(self, item: Any) -> Iterator[Any]:
+        if self._epochs is not None:
+            return self._by_epoch(item)
         self._group.append(item)
         if len(self._group) < self.size:
             return iter(())
         return self._emit()
 
+    def _by_epoch(self, item: Any) -> Iterator[Any]:
+        epochs, groups = self._epochs, self._groups
+        epoch = epochs.epoch_of(item.tag)
+        epochs.arrived(item.tag)
+        group = groups.setdefault(epoch, [])
+        group.append(item)
+        out = []
+        if len(group) == self.size:
+            out.append(self._made(groups.pop(epoch)))
+        for ended in [e for e in sorted(groups) if epochs.complete(e)]:
+            out += self._last(groups.pop(ended))
+        return iter(out)
+
+    def _last(self, group: list[Any]) -> list[Any]:
+        # An epoch's last, partial group: emitted, or dropped (then the points after this
+        # stage stop waiting for its items).
+        if not self.drop_last:
+            return [self._made(group)]
+        for item in group:
+            self._epochs.dropped(item.tag)
+        return []
+
     def finish(self) -> Iterator[Any] | None:
+        if self._epochs is not None:
+            groups = [self._groups.pop(e) for e in sorted(self._groups)]
+            return iter([out for g in groups for out in self._last(g)])
         if self._group and not self.drop_last:
             return self._emit()
         self._group = []
@@ -120,7 +158,10 @@ class AggregateWork(Work):
 
     def _emit(self) -> Iterator[Any]:
         group, self._group = self._group, []
-        return iter((group if self._collect is None else self._collect(group),))
+        return iter((self._made(group),))
+
+    def _made(self, group: list[Any]) -> Any:
+        return group if self._collect is None else self._collect(group)
 
 
 class DisaggregateWork(Work):
