@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -147,6 +150,45 @@ def test_auto_low_is_the_fewest_calls_at_once() -> None:
     dataset = Slow(64, 0.05)
     list(DataLoader(dataset, batch_size=64, fetch_concurrency=Auto(low=32, high=64)))
     assert dataset.peak >= 32
+
+
+class _Hashing(Slow):
+    """Each item hashes a few MiB: it computes on a core, the GIL released."""
+
+    data = bytes(2 << 20)
+
+    def wait(self) -> None:
+        hashlib.sha256(self.data).digest()
+
+    def restart_peak(self) -> None:
+        with self.lock:
+            self.peak = self.active
+
+
+def test_a_consumer_that_computes_keeps_a_core_and_one_that_waits_gets_them_all() -> None:
+    # The training thread computes on a core of its own: once it finds its batches ready,
+    # computing items are held to the other cores. A consumer that sleeps (waiting on a
+    # GPU) leaves its core to them, and one that waits for batches gets every core back.
+    cores = os.cpu_count() or 1
+    if cores < 2:
+        pytest.skip("needs 2 cores")
+    batch = 2 * cores
+    dataset = _Hashing(60 * batch, 0.0)
+    phases = ["computes"] * 20 + ["sleeps"] * 20 + ["waits"] * 20
+    peaks = {}
+    for k, _ in enumerate(DataLoader(dataset, batch_size=batch)):
+        if k % 20 == 10:  # the second half of each phase: the fetcher has turned by then
+            dataset.restart_peak()
+        elif k % 20 == 0 and k:
+            peaks[phases[k - 1]] = dataset.peak
+        if phases[k] == "computes":
+            hashlib.sha256(bytes(16 << 20)).digest()  # tens of ms on this thread's core
+        elif phases[k] == "sleeps":
+            time.sleep(0.03)
+    peaks["waits"] = dataset.peak
+    assert peaks["computes"] <= cores - 1, peaks
+    assert peaks["sleeps"] > cores - 1, peaks
+    assert peaks["waits"] > cores - 1, peaks
 
 
 def test_no_fetch_thread_outlives_an_auto_epoch() -> None:

@@ -21,6 +21,7 @@ import functools
 import itertools
 import logging
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -41,6 +42,8 @@ __all__ = ["DataLoader"]
 T = TypeVar("T")
 _log = logging.getLogger("feedline.loader")
 _SKIP = object()
+_WAITED = 0.001
+"""Seconds ``get_item`` may take before the consumer counts as having waited for a batch."""
 # PyTorch's DataLoader refuses to have these set after construction (ValueError); the others
 # may change between epochs. Changing one of _WORKER_SETTINGS restarts the worker processes.
 _WORKER_SETTINGS = frozenset(
@@ -494,6 +497,8 @@ class _LoaderIter(Generic[T]):
             FailureTally(loader.max_failures), tl.collate_fn, bool(tl._auto_collation)
         )
         self._fetcher: BatchFetcher | None = None
+        # When the consumer took its last batch, and its thread's CPU time then.
+        self._left: tuple[float | None, float] = (None, 0.0)
         self._tasks: _Releasable | None = None
         self._first_pending: BatchFetcher | None = None
         concurrent = loader._fetch.threads > 1 and tl.num_workers == 0 and not loader._iterable
@@ -642,7 +647,10 @@ class _LoaderIter(Generic[T]):
             try:
                 if watch is not None:
                     watch.start()
+                asked, asked_cpu = time.perf_counter(), time.thread_time()
                 item = self._pipeline.get_item(timeout=self._timeout)
+                if self._fetcher is not None:
+                    self._took(asked, asked_cpu)
                 if watch is not None:
                     # While this thread waited, only the fetch threads ran user code: if the
                     # global generators moved, the dataset drew from them concurrently.
@@ -670,6 +678,18 @@ class _LoaderIter(Generic[T]):
             if batch is _SKIP:
                 continue
             return batch  # type: ignore[no-any-return]
+
+    def _took(self, asked: float, asked_cpu: float) -> None:
+        # Tell the fetcher whether the consumer waited for this batch, and how much of its
+        # time since the last one its thread computed (see BatchFetcher.consumer_took).
+        now = time.perf_counter()
+        left, left_cpu = self._left
+        computing = None
+        if left is not None and asked > left:
+            computing = (asked_cpu - left_cpu) / (asked - left)
+        assert self._fetcher is not None
+        self._fetcher.consumer_took(now - asked > _WAITED, computing)
+        self._left = (now, time.thread_time())
 
     def _count(self, number: int, dataset_state: tuple[int, Any] | StreamMark | None) -> None:
         position = self.position
