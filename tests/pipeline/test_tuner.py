@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import random
 import threading
 import time
 import weakref
@@ -418,6 +419,28 @@ def test_two_stages_at_the_same_rate_are_raised_in_turn(caplog: pytest.LogCaptur
     assert stats["decode"].concurrency >= 4, stats
     lines = [r.getMessage() for r in caplog.records if " kept" in r.getMessage()]
     assert {line.split()[1] for line in lines} == {"read:", "decode:"}, lines
+
+
+def test_a_stage_feeding_one_held_below_its_ceiling_settles() -> None:
+    # "check" serves 2 calls at once whatever its concurrency, so raising it does not pay and
+    # it gets a ceiling. A raise of "read" (latencies with a long tail) that only makes
+    # "check" the limit cannot be kept for "check" to follow: before, read went up, was
+    # trimmed back for the slots it did not use, and went up again, every second or so.
+    gate = threading.Semaphore(2)
+
+    async def read(i: int) -> int:
+        await asyncio.sleep(random.Random(i).lognormvariate(-3.9, 0.8))  # median 20 ms
+        return i
+
+    def check(i: int) -> int:
+        with gate:
+            time.sleep(0.001)
+        return i
+
+    pipeline = PipelineBuilder().add_source(range(10**9)).pipe(read).pipe(check)
+    stats, _ = run_for(pipeline.add_sink().build(autotune=True), 8.0)
+    late = [d for d in stats.tuning if float(d.split("s ", 1)[0]) > 4.5 and "read:" in d]
+    assert len(late) <= 1, list(stats.tuning)
 
 
 def test_autotune_leaves_an_ordered_generator_at_one_call_and_the_builder_as_it_was() -> None:

@@ -328,8 +328,12 @@ class Tuner:
             busy = _busy(i, mark, now)
             blocked = (now.full[i] - mark.full[i]) / dt
             c = knob.concurrency
-            top = knob.high if knob.ceiling is None else min(knob.high, knob.ceiling - 1)
-            if busy >= BUSY and blocked < 0.5 and c < top and (best is None or busy > best[0]):
+            if (
+                busy >= BUSY
+                and blocked < 0.5
+                and c < _top(knob)
+                and (best is None or busy > best[0])
+            ):
                 best = busy, knob
         if best is None:
             if not raise_only:
@@ -442,9 +446,11 @@ class Tuner:
         return min(wanted, FEED_MOST * knob.concurrency)
 
     def _limiting(self, mark: _Mark, now: _Mark, besides: Knob) -> Knob | None:
-        # Another tuned stage whose slots were busy in the window and that may go higher.
+        # Another tuned stage whose slots were busy in the window and that may go higher (a
+        # stage held below a raise that did not pay may not: keeping a raise for it to follow
+        # only made the raised stage go up and be trimmed back, again and again).
         for i, knob in enumerate(self.knobs):
-            if knob is besides or knob.concurrency >= knob.high:
+            if knob is besides or knob.concurrency >= _top(knob):
                 continue
             busy = _busy(i, mark, now)
             blocked = (now.full[i] - mark.full[i]) / (now.t - mark.t)
@@ -605,6 +611,11 @@ class Tuner:
         calls = now.calls[i] - mark.calls[i]
         busy = now.busy[i] - mark.busy[i]
         return busy / calls if calls > 0 and busy > 0 else 0.0
+
+
+def _top(knob: Knob) -> int:
+    """The most a stage may be raised to: its bound, or below a raise that did not pay."""
+    return knob.high if knob.ceiling is None else min(knob.high, knob.ceiling - 1)
 
 
 def _busy(i: int, mark: _Mark, now: _Mark, without_slots: float = 0.0) -> float:
