@@ -221,9 +221,23 @@ def test_parse_defaults() -> None:
     assert FetchConcurrency.parse("auto") == FetchConcurrency(FETCH_HIGH, Auto())
     assert FetchConcurrency.parse(Auto(low=200)).threads == 200
     stage = FetchConcurrency.parse("auto").batches(2, 8)
-    assert stage == Auto(low=1, high=2 * FETCH_HIGH // 8, start=2)
-    assert FetchConcurrency.parse("auto").batches(2, 8, settled=9) == Auto(1, 32, 9)
+    assert stage == Auto(low=2, high=2 * FETCH_HIGH // 8, start=2)
+    assert FetchConcurrency.parse("auto").batches(2, 8, settled=9) == Auto(2, 32, 9)
+    assert FetchConcurrency.parse("auto").batches(2, 8, settled=1) == Auto(2, 32, 2)
     assert FetchConcurrency.parse(4).batches(2, 8) == 2
+
+
+def test_batches_in_flight_never_go_below_prefetch_factor() -> None:
+    # A slow consumer makes the tuner try fewer batches in flight; PyTorch keeps
+    # prefetch_factor of them, and so does the tuner.
+    loader = DataLoader(Slow(240, 0.002), batch_size=4, prefetch_factor=3)
+    lowest = 99
+    for _ in loader:
+        time.sleep(0.02)
+        stats = loader.stats()
+        if stats is not None:
+            lowest = min(lowest, stats["fetch"].concurrency)
+    assert lowest == 3, loader.stats()
 
 
 def test_a_batch_samplers_size_bounds_the_batches_in_flight() -> None:

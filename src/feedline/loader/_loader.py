@@ -118,7 +118,8 @@ class DataLoader(Generic[T]):
             only the calling thread, so no other thread's lock can be inherited held);
             otherwise the fork server.
         prefetch_factor: Batches in flight per worker (per loader when ``num_workers=0``);
-            default 2.
+            default 2. With ``fetch_concurrency="auto"`` and no workers, the fewest: the
+            tuner may raise it.
         persistent_workers: Keep worker processes between epochs.
         pin_memory_device: Deprecated in PyTorch; must be ``""``.
         fetch_concurrency: How many ``dataset[i]`` calls run at once (per process): an int,
