@@ -135,7 +135,8 @@ class BatchFetcher:
       Saturated, or the calls queued over :attr:`QUEUED_SHARE` of the time (the cores are
       full, also when other processes fill them, which makes this process look idle): it
       admits fewer calls at once (down to cores + 1). Cores idle while calls wait: more (up
-      to ``concurrency``), first come first served, unless most calls running are on a
+      to ``concurrency``; twice as many while the cores are less than half busy), first
+      come first served, unless most calls running are on a
       core or queued for one, more of them than cores. So I/O-bound items get every thread,
       and CPU-bound ones run a few at a time, oldest batch first, instead of every batch in
       flight sharing the cores and finishing late together.
@@ -281,7 +282,9 @@ class BatchFetcher:
             elif busy > 0.92 or full:  # more calls at once would only queue for the cores
                 limit = max(self._least, self._cores + 1, int(limit * 0.8))
             elif busy < 0.85 and self._pool.waiting and not self._cpu_bound_now():
-                limit = min(self._concurrency, grow(limit))  # idle cores, calls waiting: admit
+                # Idle cores, calls waiting: admit more; twice as many while the cores are
+                # mostly idle (calls that wait on I/O), as in the slow start.
+                limit = min(self._concurrency, 2 * limit if busy < 0.5 else grow(limit))
             self._pool.set_limit(limit)
         finally:
             self._adjusting.release()
