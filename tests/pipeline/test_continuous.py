@@ -218,3 +218,71 @@ def test_a_generator_that_fails_part_way_keeps_what_it_gave() -> None:
         items = range(100 * epoch, 100 * epoch + 10)
         assert got == sorted([*items, *(-x for x in items if x % 5)])
     pipeline.stop()
+
+
+class _SlowNextPass(Epochs):
+    """Four items per epoch; beginning epoch 1 takes a while (a shard list, a first read)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        if epoch == 1:
+            time.sleep(1.0)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(100 * self.epoch, 100 * self.epoch + 4))
+
+
+def _only_first_two(x: int) -> Iterator[int]:
+    if x % 100 < 2:
+        yield x
+
+
+@pytest.mark.parametrize("kind", ["filter", "dropped groups", "partial group", "filter then group"])
+def test_an_epoch_ends_when_its_last_item_ends_not_when_the_next_begins(kind: str) -> None:
+    # Epoch 0's loop must not wait for epoch 1 to begin: not when its last items make no
+    # output, nor when its last group is partial or dropped (drop_last).
+    builder: Any = PipelineBuilder().add_source(_SlowNextPass())
+    want: list[Any] = {
+        "filter": [0, 1],
+        "dropped groups": [],
+        "partial group": [[0, 1, 2], [3]],
+        "filter then group": [[0, 1]],
+    }[kind]
+    if kind.startswith("filter"):
+        builder = builder.pipe(_only_first_two)
+    if kind == "dropped groups":
+        builder = builder.aggregate(5, drop_last=True)
+    elif kind.endswith("group"):
+        builder = builder.aggregate(3)
+    pipeline = builder.add_sink().build(continuous=True)
+    start = time.monotonic()
+    assert list(pipeline) == want
+    assert time.monotonic() - start < 0.5
+    assert [x for x in pipeline] == [_shift(v, 100) for v in want]
+    pipeline.stop()
+
+
+def _shift(value: Any, by: int) -> Any:
+    return [x + by for x in value] if isinstance(value, list) else value + by
+
+
+def test_an_item_that_comes_late_is_yielded_in_its_epoch() -> None:
+    # Completion order: an item of epoch 1 finishes after items of epoch 2 have come (it
+    # was held behind them, and never yielded).
+    def op(x: int) -> int:
+        if x == 0:
+            time.sleep(0.5)
+        if x == 100:
+            time.sleep(0.2)
+        return x
+
+    pipeline = (
+        PipelineBuilder()
+        .add_source(Epochs())
+        .pipe(op, concurrency=8)
+        .add_sink()
+        .build(continuous=True)
+    )
+    for epoch in range(3):
+        assert sorted(pipeline) == list(range(100 * epoch, 100 * epoch + 10))
+    pipeline.stop()

@@ -113,7 +113,7 @@ class Pipeline(Generic[T]):
         # for the consumer, and items of later epochs that came early.
         self._next_epoch = 0
         self._delivered: Checkpoint | None = None
-        self._held: collections.deque[tuple[int, Any]] = collections.deque()
+        self._held: dict[int, collections.deque[Any]] = {}  # per epoch
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -287,13 +287,18 @@ class Pipeline(Generic[T]):
             assert run is not None
             epoch, delivered, held = self._next_epoch, self._delivered, self._held
             assert delivered is not None
+            early = held.setdefault(epoch, collections.deque())
             while True:
-                while held and held[0][0] == epoch:
-                    yield held.popleft()[1]
+                while early:
+                    yield early.popleft()
                 if delivered.complete(epoch):
                     break
                 try:
-                    item = run.get(None)
+                    # The epoch may end with no item coming (the last ones failed, or made
+                    # no output): look again now and then.
+                    item = run.get(_POLL)
+                except TimeoutError:
+                    continue
                 except EOFError:  # the source ran out: this was its last pass
                     break
                 home = delivered.epoch_of(item.tag)
@@ -301,8 +306,9 @@ class Pipeline(Generic[T]):
                 if home == epoch:
                     yield item.value
                 else:
-                    held.append((home, item.value))
+                    held.setdefault(home, collections.deque()).append(item.value)
             left_early = False
+            del held[epoch]
             self._next_epoch = epoch + 1
         finally:
             self._iterating = False
@@ -484,8 +490,12 @@ class _Passes:
     """A continuous run's source: pass after pass over the user's source, one per epoch.
 
     Each pass tells the source its epoch (``set_epoch``, where it has one) and records where
-    it ended in the run's numbering, so that an item's epoch follows from its number. A pass
-    that yields nothing ends the run.
+    it ended in the run's numbering, so that an item's epoch follows from its number. The end
+    is recorded before the pass's last item goes on (the source is read one item ahead), so
+    that the stages after know the epoch is over when that item reaches them. A pass that
+    yields nothing ends the run. (It never waits for the consumer: the consumer's thread and
+    the event loop's run the source's job themselves at times, and would wait for
+    themselves.)
     """
 
     def __init__(self, source: Any, first_epoch: int) -> None:
@@ -493,21 +503,39 @@ class _Passes:
         self._first = first_epoch
         self._ends: list[int] = []  # after pass k, this many items were numbered in all
         self._lock = threading.Lock()
+        self._last = False  # the item just yielded ended its pass
 
     def __iter__(self) -> Iterator[Any]:
         count = 0
+        end = object()
         for k in itertools.count():
+            epoch = self._first + k
             setter = getattr(self._source, "set_epoch", None)
             if callable(setter):
-                setter(self._first + k)
+                setter(epoch)
             before = count
-            for item in self._source:
+            items = iter(self._source)
+            item = next(items, end)
+            while item is not end:
+                following = next(items, end)
                 count += 1
+                if following is end:
+                    self._ended(count)
+                    self._last = True
                 yield item
-            with self._lock:
-                self._ends.append(count)
+                self._last = False
+                item = following
             if count == before:
+                self._ended(count)
                 return
+
+    def boundary(self) -> bool:
+        """Whether the item just yielded was the last of its pass (for the source stage)."""
+        return self._last
+
+    def _ended(self, count: int) -> None:
+        with self._lock:
+            self._ends.append(count)
 
     def epoch_of(self, number: int) -> int:
         """The epoch of the item numbered ``number``."""

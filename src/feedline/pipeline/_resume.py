@@ -338,6 +338,7 @@ class _TaggedSource:
         self._stopping = stopping
         # A source that waits for others keeps saying so (see _threaded.ThreadedSource).
         self.waits = bool(getattr(source, "waits", False))
+        self.boundary = getattr(source, "boundary", None)  # a continuous run's _Passes
 
     def __iter__(self) -> Iterator[Tagged]:
         iterator = iter(self._source)

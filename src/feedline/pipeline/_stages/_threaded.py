@@ -634,6 +634,11 @@ class ThreadedSource(_PoolStage):
         # come: a batch would hold the values made while a call waits for one of them to be
         # used, and a pull on the event loop or by the consumer would block that thread.
         self._waits = bool(getattr(source, "waits", False))
+        # A source whose passes end while it goes on (a continuous run's) says when a value
+        # was the last of its pass: that value is handed on at once, not held in a batch
+        # while the next pass begins (its set_epoch, its first read).
+        self._boundary: Callable[[], bool] | None = getattr(source, "boundary", None)
+        self._pass_ended = False  # the last value made ended a pass: hand it on, end the job
 
     def cheap(self) -> bool:
         """Whether the source's values come cheap (never for a source that waits)."""
@@ -698,6 +703,11 @@ class ThreadedSource(_PoolStage):
                     del held[: output.try_put_many(held)]
                     if held:
                         return  # full: on_space starts the next job
+                    if self._pass_ended:
+                        # The next pass may take long to begin: leave this thread to the
+                        # stages after, which finish the pass (a new job goes on).
+                        self._pass_ended = False
+                        return
                     if ctx is not None:
                         if ctx.deferred:
                             ctx.run_deferred()
@@ -753,6 +763,9 @@ class ThreadedSource(_PoolStage):
                     ends.append(time.perf_counter())
                 out.append(value)
                 made += 1
+                if self._boundary is not None and self._boundary():
+                    self._pass_ended = True
+                    return True
                 if ends[-1] - t > INLINE_ABORT:
                     return True
                 t = ends[-1]
