@@ -618,3 +618,19 @@ def test_calls_still_running_when_the_epoch_stops_log_nothing(
         time.sleep(0.2)
     assert "unexpected error" not in caplog.text
     assert "Traceback" not in caplog.text
+
+
+def test_an_iterator_alive_at_interpreter_exit_ends_quietly() -> None:
+    # Its __del__ closes it while the interpreter finalizes: no "Exception ignored" (the
+    # statistics it keeps for the loader imported at that point, and failed).
+    script = (
+        "from feedline import DataLoader\n"
+        "it = iter(DataLoader(list(range(100)), batch_size=4))\n"
+        "next(it)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Exception ignored" not in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

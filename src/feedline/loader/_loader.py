@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import sys
 import threading
 import time
 import warnings
@@ -33,6 +34,7 @@ from feedline.pipeline import Auto, Pipeline, PipelineBuilder, PipelineStats
 
 from ._concurrency import FetchConcurrency
 from ._fetch import BatchFetcher, Collated, FailureTally, Task
+from ._pool import thread_times
 from ._seeds import RngWatch
 from ._state import Position, check_state, decode_rng, derived_seed, is_stateful
 from ._workers import StreamMark, WorkerSet
@@ -440,6 +442,12 @@ class _Finisher:
         return number, collated.batch, dataset_state
 
 
+def _cpu_wanted() -> float:
+    """The calling thread's seconds on a core, or runnable and queued for one, so far."""
+    times = thread_times()
+    return time.thread_time() if times is None else times[0] + times[1]
+
+
 class _LoaderIter(Generic[T]):
     """One epoch of a DataLoader."""
 
@@ -648,7 +656,7 @@ class _LoaderIter(Generic[T]):
             try:
                 if watch is not None:
                     watch.start()
-                asked, asked_cpu = time.perf_counter(), time.thread_time()
+                asked, asked_cpu = time.perf_counter(), _cpu_wanted()
                 item = self._pipeline.get_item(timeout=self._timeout)
                 if self._fetcher is not None:
                     self._took(asked, asked_cpu)
@@ -682,7 +690,9 @@ class _LoaderIter(Generic[T]):
 
     def _took(self, asked: float, asked_cpu: float) -> None:
         # Tell the fetcher whether the consumer waited for this batch, and how much of its
-        # time since the last one its thread computed (see BatchFetcher.consumer_took).
+        # time since the last one its thread computed, or was ready to but queued for a core
+        # (the fetch threads' pushing it off its core must not hide that it computes; see
+        # BatchFetcher.consumer_took).
         now = time.perf_counter()
         left, left_cpu = self._left
         computing = None
@@ -690,7 +700,7 @@ class _LoaderIter(Generic[T]):
             computing = (asked_cpu - left_cpu) / (asked - left)
         assert self._fetcher is not None
         self._fetcher.consumer_took(now - asked > _WAITED, computing)
-        self._left = (now, time.thread_time())
+        self._left = (now, _cpu_wanted())
 
     def _count(self, number: int, dataset_state: tuple[int, Any] | StreamMark | None) -> None:
         position = self.position
@@ -743,7 +753,9 @@ class _LoaderIter(Generic[T]):
             loader._end_workers()  # first: the pipeline's source may be waiting on one
         _LoaderIter._shutdown(self._pipeline, self._fetcher, self._pin_pool, self._tasks)
         self._finalizer.detach()
-        if loader is not None and isinstance(self._pipeline, Pipeline):
+        if loader is not None and isinstance(self._pipeline, Pipeline) and not sys.is_finalizing():
+            # (Not at interpreter exit, where an iterator still alive is closed by __del__
+            # and the statistics' imports fail.)
             loader._last_stats = self._pipeline.stats()
             # The next epoch starts with as many batches in flight as this one's tuner kept
             # (not a trial it had under way).
