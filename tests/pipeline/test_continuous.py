@@ -119,6 +119,8 @@ def test_an_empty_source_ends_and_resumable_is_refused() -> None:
     assert list(empty) == []
     with pytest.raises(ConfigurationError, match="resumable"):
         PipelineBuilder().add_source([1]).add_sink().build(continuous=True, resumable=True)
+    with pytest.raises(ConfigurationError, match="for loop"):
+        empty.get_item()  # its items would never count for a loop's epoch
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
@@ -232,12 +234,19 @@ class _SlowNextPass(Epochs):
         return iter(range(100 * self.epoch, 100 * self.epoch + 4))
 
 
+def _slowly(x: int) -> int:
+    time.sleep(0.002)  # a stage that refills its input from the source before each call
+    return x
+
+
 def _only_first_two(x: int) -> Iterator[int]:
     if x % 100 < 2:
         yield x
 
 
-@pytest.mark.parametrize("kind", ["filter", "dropped groups", "partial group", "filter then group"])
+@pytest.mark.parametrize(
+    "kind", ["filter", "dropped groups", "partial group", "filter then group", "slow op"]
+)
 def test_an_epoch_ends_when_its_last_item_ends_not_when_the_next_begins(kind: str) -> None:
     # Epoch 0's loop must not wait for epoch 1 to begin: not when its last items make no
     # output, nor when its last group is partial or dropped (drop_last).
@@ -247,9 +256,12 @@ def test_an_epoch_ends_when_its_last_item_ends_not_when_the_next_begins(kind: st
         "dropped groups": [],
         "partial group": [[0, 1, 2], [3]],
         "filter then group": [[0, 1]],
+        "slow op": [0, 1, 2, 3],
     }[kind]
     if kind.startswith("filter"):
         builder = builder.pipe(_only_first_two)
+    elif kind == "slow op":
+        builder = builder.pipe(_slowly)
     if kind == "dropped groups":
         builder = builder.aggregate(5, drop_last=True)
     elif kind.endswith("group"):

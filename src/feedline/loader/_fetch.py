@@ -382,8 +382,8 @@ class BatchFetcher:
         :attr:`QUEUED_SHARE` of their time off the cores) are then held to the other
         cores, so that they do not push the training thread off its core (measured on 2
         cores: a training step of 80 ms took 90 ms beside 3 JPEG decodes at once). A
-        consumer that waits on something else (a GPU) leaves its core to them; a batch
-        it waits for lifts the hold at once.
+        consumer whose thread sleeps (a blocking wait on a GPU, on I/O) leaves its core to
+        them; a batch it waits for lifts the hold at once.
 
         Args:
             waited: It waited for the batch (it was not ready).
@@ -396,8 +396,10 @@ class BatchFetcher:
         fed = self._ready_in_a_row >= self.FED_BATCHES
         if fed != self._fed:
             self._fed = fed
-            if not fed and self._pool.limit < self._cores + 1:
-                self._pool.set_limit(max(self._least, self._cores + 1))
+            if not fed:
+                self._waited_share = None  # measured again when it is fed again
+                if self._pool.limit < self._cores + 1:
+                    self._pool.set_limit(max(self._least, self._cores + 1))
 
     def first_delivered(self) -> None:
         """Let the other batches start: the consumer holds the first one. Thread-safe."""

@@ -239,8 +239,15 @@ class Pipeline(Generic[T]):
                 when the pipeline was stopped meanwhile.
             TimeoutError: If no item arrived within ``timeout``.
             PipelineFailure: If a stage exceeded the failure budget.
+            ConfigurationError: With ``build(continuous=True)``, whose epochs are ``for`` loops.
 
         """
+        if self._config.continuous:
+            raise ConfigurationError(
+                "get_item() on a pipeline built with continuous=True: its epochs end where "
+                "each for loop ends, which get_item() cannot tell; iterate it with a for loop "
+                "per epoch, or build it without continuous=True"
+            )
         run = self._holder.run
         if run is None:
             raise RuntimeError(

@@ -327,11 +327,10 @@ class Tuner:
             self._expire(knob, now.t, self._task(knob, mark, now))
             busy = _busy(i, mark, now)
             blocked = (now.full[i] - mark.full[i]) / dt
-            c = knob.concurrency
             if (
                 busy >= BUSY
                 and blocked < 0.5
-                and c < _top(knob)
+                and _raisable(knob)
                 and (best is None or busy > best[0])
             ):
                 best = busy, knob
@@ -346,10 +345,7 @@ class Tuner:
             target = min(knob.high, max(2 * c, math.ceil(c * knob.jump), fed))
             knob.jump = 1.0
         else:
-            # Halfway to what did not pay, while that is a step worth a window.
-            target = min(knob.high, (c + knob.ceiling) // 2)
-            if target < c + max(1, c // 4):
-                return
+            target = min(knob.high, (c + knob.ceiling) // 2)  # halfway to what did not pay
         budget = self._tuning.memory_budget
         if budget is not None:
             each = self._in_flight_bytes(knob)
@@ -450,7 +446,7 @@ class Tuner:
         # stage held below a raise that did not pay may not: keeping a raise for it to follow
         # only made the raised stage go up and be trimmed back, again and again).
         for i, knob in enumerate(self.knobs):
-            if knob is besides or knob.concurrency >= _top(knob):
+            if knob is besides or not _raisable(knob):
                 continue
             busy = _busy(i, mark, now)
             blocked = (now.full[i] - mark.full[i]) / (now.t - mark.t)
@@ -613,9 +609,16 @@ class Tuner:
         return busy / calls if calls > 0 and busy > 0 else 0.0
 
 
-def _top(knob: Knob) -> int:
-    """The most a stage may be raised to: its bound, or below a raise that did not pay."""
-    return knob.high if knob.ceiling is None else min(knob.high, knob.ceiling - 1)
+def _raisable(knob: Knob) -> bool:
+    """Whether the tuner would raise a stage.
+
+    Below its bound; and, below a raise that did not pay, halfway to it is a step worth a
+    window (a quarter more at least).
+    """
+    c = knob.concurrency
+    if knob.ceiling is None:
+        return c < knob.high
+    return min(knob.high, (c + knob.ceiling) // 2) >= c + max(1, c // 4)
 
 
 def _busy(i: int, mark: _Mark, now: _Mark, without_slots: float = 0.0) -> float:

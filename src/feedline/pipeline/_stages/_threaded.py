@@ -639,6 +639,10 @@ class ThreadedSource(_PoolStage):
         # while the next pass begins (its set_epoch, its first read).
         self._boundary: Callable[[], bool] | None = getattr(source, "boundary", None)
         self._pass_ended = False  # the last value made ended a pass: hand it on, end the job
+        # Until a pool thread takes the next job: the next pass may take long to begin, and
+        # a thread that runs it inline (a stage refilling its input, the consumer) would hold
+        # the items it has, the last pass's among them, meanwhile.
+        self._after_pass = False
 
     def cheap(self) -> bool:
         """Whether the source's values come cheap (never for a source that waits)."""
@@ -649,6 +653,11 @@ class ThreadedSource(_PoolStage):
 
     def run_inline(self, ctx: JobContext, kick: bool = True) -> bool:
         """Run the source's job on the calling thread if it is idle and may proceed."""
+        with self._lock:
+            after_pass = self._after_pass
+        if after_pass:  # a pool thread goes on (see _after_pass)
+            self._kick()
+            return False
         with self._lock:
             claim = not self._active and not self._done and not self.run.stopping
             if claim:
@@ -685,6 +694,7 @@ class ThreadedSource(_PoolStage):
             if not self._queued:
                 return  # stolen by a waiting consumer
             self._queued = False
+            self._after_pass = False
         self._job()
 
     def _job(self) -> None:
@@ -705,8 +715,10 @@ class ThreadedSource(_PoolStage):
                         return  # full: on_space starts the next job
                     if self._pass_ended:
                         # The next pass may take long to begin: leave this thread to the
-                        # stages after, which finish the pass (a new job goes on).
+                        # stages after, which finish the pass (a pool thread goes on).
                         self._pass_ended = False
+                        with self._lock:
+                            self._after_pass = True
                         return
                     if ctx is not None:
                         if ctx.deferred:
