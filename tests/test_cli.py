@@ -150,6 +150,9 @@ def test_bench_distributed_quick_reads_the_store_once_with_the_locality_aware_lo
     assert 0 < ours["extra"]["beta_percent"] < 50
     assert ours["extra"]["exchanged_mb"] > 0
     assert ours["extra"]["store_gets"] == 0  # the later epochs read nothing from the store
+    # The cost model predicts every epoch, from terms measured in the same run.
+    assert all(m["extra"]["model_s"] > 0 for m in data["measurements"])
+    assert any(n.startswith("2 ranks, the cost model's terms") for n in data["notes"])
 
 
 def test_bench_decode_quick(tmp_path: Path) -> None:

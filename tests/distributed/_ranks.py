@@ -328,3 +328,14 @@ def stop_mid_epoch(
         time.sleep(0.05)
     found["threads"] = left
     return found
+
+
+def exchange_costs(rank: int, world: int, sizes: list[int]) -> list[list[float]]:
+    """measure_exchange() for each sample size: ``[L_b, R_b, sample_bytes, world]``."""
+    from feedline.distributed import measure_exchange
+
+    found = []
+    for size in sizes:
+        cost = measure_exchange(size, rounds=5)
+        found.append([cost.L_b, cost.R_b, cost.sample_bytes, cost.world])
+    return found

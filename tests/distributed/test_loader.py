@@ -260,3 +260,26 @@ def test_ranks_built_with_different_settings_are_refused() -> None:
     for r in results:
         assert r["error"] == "ConfigurationError"
         assert "seed 0 here, 1 there" in r["message"] or "seed 1 here, 0 there" in r["message"]
+
+
+def test_measure_exchange_gives_every_rank_the_same_terms_and_bigger_samples_a_lower_rate() -> None:
+    import math
+
+    small, large = 1_000, 4_000_000
+    results = run_ranks(3, _ranks.exchange_costs, sizes=[small, large])
+    assert results[0] == results[1] == results[2]  # the slowest rank's, everywhere
+    (l_small, r_small, size_small, world), (l_large, r_large, size_large, _) = results[0]
+    assert (size_small, size_large, world) == (small, large, 3)
+    for latency, rate in ((l_small, r_small), (l_large, r_large)):
+        assert 0 <= latency < 1
+        assert 0 < rate < math.inf
+    # 4,000 times the bytes (copied and CRC-checked at both ends): far fewer samples a second.
+    assert r_large < r_small / 2
+
+
+def test_measure_exchange_needs_a_group_of_two_ranks_or_more() -> None:
+    from feedline.distributed import measure_exchange
+    from feedline.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="init_process_group"):
+        measure_exchange(1000)

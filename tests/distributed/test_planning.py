@@ -205,6 +205,30 @@ def test_the_cost_model_is_the_papers_equations() -> None:
         CostModel(D=1.0, V=1.0, R=1.0, U=1.0, R_c=1.0, alpha=1.5)
 
 
+def test_the_per_step_terms_beyond_the_paper_add_to_the_locality_aware_io_only() -> None:
+    import math
+
+    from feedline.distributed import CostModel
+
+    paper = CostModel(D=1000.0, V=10.0, R=100.0, U=50.0, R_c=1000.0, alpha=0.8, b=10)
+    model = CostModel(
+        D=1000.0, V=10.0, R=100.0, U=50.0, R_c=1000.0, alpha=0.8, b=10, L_b=0.01, L_plan=0.002
+    )
+    assert paper.balancing_latency(4, beta=0.05) == 0.0  # the paper's model by default
+    steps = 25  # 1000 samples, 4 ranks of 10
+    rounds = -math.expm1(-0.05 * 0.8 * 4 * 10)  # the steps that move at least one sample
+    latency = steps * (0.002 + rounds * 0.01)
+    assert model.balancing_latency(4, beta=0.05) == pytest.approx(latency)
+    assert model.io_time(4, "locality-aware", beta=0.05) == pytest.approx(
+        paper.io_time(4, "locality-aware", beta=0.05) + latency
+    )
+    assert model.balancing_latency(4, beta=0.0) == pytest.approx(steps * 0.002)  # no rounds
+    for method in ("regular", "distributed cache"):
+        assert model.io_time(4, method) == paper.io_time(4, method)
+    with pytest.raises(ValueError, match="L_b"):
+        CostModel(D=1.0, V=1.0, R=1.0, U=1.0, R_c=1.0, L_b=-1.0)
+
+
 def test_expected_beta_agrees_with_the_planner() -> None:
     from feedline.distributed import expected_beta
 

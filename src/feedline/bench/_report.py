@@ -76,6 +76,10 @@ def _percent(v: float) -> str:
     return f"{100 * v:.0f}%"
 
 
+def _off_by(v: float) -> str:
+    return f"{100 * v:+.0f}%"
+
+
 def _times(v: float) -> str:
     return f"{v:.2f}x"
 
@@ -99,6 +103,7 @@ _COLUMNS: dict[str, tuple[str, Callable[[float], str]]] = {
     "peak_rss_mib": ("peak RSS (MiB)", fmt),
     "epoch_s": ("s per epoch", fmt),
     "model_s": ("cost model (s)", fmt),
+    "model_off": ("model off by", _off_by),
     "store_gets": ("store GETs", fmt),
     "exchanged_mb": ("exchanged (MB)", fmt),
     "beta_percent": ("beta (%)", fmt),

@@ -7,13 +7,20 @@ the figures are those of loading, not decoding). Per epoch: its time (the slowes
 the store's GETs and bytes, the bytes the ranks exchanged, beta. Contenders: the regular
 loader (``DistributedSampler``'s split, ``feedline.DataLoader`` reading the store, the
 baseline) and ``feedline.distributed.DistributedLoader``, with one copy of each sample over
-the ranks' caches and with two. The cost model predicts the epochs that read the store. The
-planner's time per step at the paper's largest scale is measured without processes.
+the ranks' caches and with two. The planner's time per step at the paper's largest scale is
+measured without processes.
+
+The cost model predicts every epoch. Its terms are measured in the same run, before each
+round, by as many processes as ranks at once (so that they share the cores as the ranks do):
+``U`` as each rank serving its share from its cache alone (a one-rank loader), ``L_plan`` as
+every rank planning an epoch, ``L_b`` and ``R_b`` by :func:`measure_exchange`, and ``beta``
+from the planned epoch; ``R`` is the store's cap.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing as mp
 import socket
 import statistics
@@ -29,7 +36,7 @@ from ._server import ServerProcess, served
 __all__ = ["run"]
 
 BATCH = 16
-EPOCHS = 3
+EPOCHS = 5  # the later ones from the caches: cheap, and many, for steady figures
 DELAY = 0.020
 RATE = 20e6  # bytes per second, all ranks together
 _NAMES = {
@@ -53,14 +60,12 @@ class _Raw:
         return self.store.get(i)
 
 
-def _rank(rank: int, world: int, port: int, kind: str, url: str, count: int, out: Any) -> None:
-    # One rank: EPOCHS epochs of its loader; rank 0 reports each epoch's figures.
+def _join(rank: int, world: int, port: int) -> None:
+    # This process joins the ranks' gloo group on loopback.
     import datetime
 
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -68,6 +73,18 @@ def _rank(rank: int, world: int, port: int, kind: str, url: str, count: int, out
         world_size=world,
         timeout=datetime.timedelta(seconds=300),
     )
+
+
+def _rank(
+    rank: int, world: int, port: int, kind: str, url: str, count: int, epochs: int, out: Any
+) -> None:
+    # One rank: `epochs` epochs of its loader; rank 0 reports each epoch's figures.
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    _join(rank, world, port)
     try:
         samples: Any = _Raw(HttpDataset(url, count, decode=False))
         loader: Any
@@ -87,8 +104,8 @@ def _rank(rank: int, world: int, port: int, kind: str, url: str, count: int, out
             loader = DistributedLoader(
                 samples, batch_size=BATCH, collate_fn=list, seed=0, replicas=copies
             )
-        epochs = []
-        for epoch in range(EPOCHS):
+        found = []
+        for epoch in range(epochs):
             (sampler or loader).set_epoch(epoch)
             before = None if sampler else loader.stats()
             dist.barrier()
@@ -106,7 +123,7 @@ def _rank(rank: int, world: int, port: int, kind: str, url: str, count: int, out
                 beta = (after.beta_sum - before.beta_sum) / steps if steps else 0.0
             total = torch.tensor([sent])
             dist.all_reduce(total)
-            epochs.append(
+            found.append(
                 {
                     "seconds": seconds,
                     "gets": gets,
@@ -117,45 +134,143 @@ def _rank(rank: int, world: int, port: int, kind: str, url: str, count: int, out
         if sampler is None:
             loader.close()
         if rank == 0:
-            out.put(json.dumps(epochs))
+            out.put(json.dumps(found))
     finally:
         dist.destroy_process_group()
 
 
-def _run_world(kind: str, world: int, server: ServerProcess, count: int) -> list[dict[str, Any]]:
-    # Start the ranks, and read the store's counters around each epoch from here.
+def _terms(
+    rank: int, world: int, port: int, paths: list[str], count: int, barrier: Any, out: Any
+) -> None:
+    # One rank's part in measuring the cost model's terms; rank 0 reports them.
+
+    import torch
+    import torch.distributed as dist
+
+    from feedline.distributed import (
+        DistributedLoader,
+        GlobalSequence,
+        holders,
+        measure_exchange,
+        plan_for,
+    )
+    from feedline.distributed._placement import second_copies
+
+    torch.set_num_threads(1)
+    blobs = [open(path, "rb").read() for path in paths]  # noqa: SIM115 - read at once
+    samples = [blobs[i % len(blobs)] for i in range(count)]
+    # U: this rank's share served from its cache by a one-rank loader, every rank at once.
+    local: DistributedLoader[Any] = DistributedLoader(
+        samples[rank::world], batch_size=BATCH, collate_fn=list, seed=0
+    )
+    times = []
+    for epoch in range(4):  # epoch 0 fills the cache
+        local.set_epoch(epoch)
+        barrier.wait()
+        start = time.perf_counter()
+        for _ in local:
+            pass
+        barrier.wait()
+        times.append(time.perf_counter() - start)
+    local.close()
+    terms: dict[str, Any] = {"U": len(samples[rank::world]) / statistics.median(times[1:])}
+    _join(rank, world, port)
+    try:
+        # L_plan and beta: every rank plans an epoch after the first, as the loader does.
+        sequence = GlobalSequence(count, world, BATCH, seed=0)
+        placed = holders(count, world, seed=0, replicas=2)
+        grid = sequence.grid(1)
+        for kind, second in (("locality-aware", None), ("replicas", second_copies(placed, 0, 1.0))):
+            moved = 0
+            plan_for(sequence.step(0, 0), placed[0], rank, second)  # as epoch 0 did: warm
+            dist.barrier()
+            start = time.perf_counter()
+            for k in range(sequence.steps):
+                rows = sequence.step(1, k, grid)
+                moved += plan_for(rows, placed[0], rank, second).exchanged
+            dist.barrier()
+            terms[f"L_plan {kind}"] = (time.perf_counter() - start) / sequence.steps
+            terms[f"beta {kind}"] = moved / (sequence.steps * world * BATCH)
+        mean = round(statistics.fmean(len(s) for s in samples))
+        cost = measure_exchange(mean)
+        terms["L_b"], terms["R_b"] = cost.L_b, cost.R_b
+        if rank == 0:
+            out.put(json.dumps(terms))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, target: Any, args: tuple[Any, ...]) -> Any:
+    # Run target(rank, world, port, *args, out) on `world` processes; rank 0's report.
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    before = server.served()["gets"]
-    procs = [
-        ctx.Process(target=_rank, args=(r, world, port, kind, server.url, count, out))
-        for r in range(world)
-    ]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, out)) for r in range(world)]
     for p in procs:
         p.start()
     try:
-        epochs: list[dict[str, Any]] = json.loads(out.get(timeout=1800))
+        return json.loads(out.get(timeout=1800))
     finally:
         for p in procs:
             p.join(60)
             if p.is_alive():
                 p.kill()
                 p.join()
-    for epoch in epochs:  # the store's running count, read by rank 0 after each epoch
+
+
+def _predict(terms: dict[str, Any], world: int, count: int, mean_size: float) -> dict[str, float]:
+    # The cost model's epoch time per case: "<kind> <epoch 0 | cached>".
+    from feedline.distributed import CostModel
+
+    store = RATE / mean_size
+    found = {}
+    for kind in _NAMES:
+        cached = kind != "regular"
+        model = CostModel(
+            D=count,
+            V=math.inf,  # no training here
+            R=store,
+            U=terms["U"],
+            R_c=terms["R_b"],
+            alpha=1.0 if cached else 0.0,
+            b=BATCH,
+            L_b=terms["L_b"],
+            L_plan=terms.get(f"L_plan {kind}", 0.0),
+        )
+        beta = terms.get(f"beta {kind}", 0.0)
+        if cached:
+            found[f"{kind} cached"] = model.epoch_time(world, "locality-aware", beta)
+        else:
+            found[f"{kind} cached"] = model.epoch_time(world, "regular")
+        first = CostModel(D=count, V=math.inf, R=store, U=terms["U"], R_c=terms["R_b"], alpha=0.0)
+        found[f"{kind} epoch 0"] = first.epoch_time(world, "regular")
+    return found
+
+
+def _run_world(
+    kind: str, world: int, server: ServerProcess, count: int, epochs: int
+) -> list[dict[str, Any]]:
+    # Start the ranks, and read the store's counters around each epoch from here.
+    before = server.served()["gets"]
+    found: list[dict[str, Any]] = _spawn(world, _rank, (kind, server.url, count, epochs))
+    for epoch in found:  # the store's running count, read by rank 0 after each epoch
         epoch["gets"], before = epoch["gets"] - before, epoch["gets"]
-    return epochs
+    return found
 
 
 def _measure(
-    world: int, count: int, rounds: dict[str, list[list[dict[str, Any]]]], model_s: float
+    world: int,
+    count: int,
+    rounds: dict[str, list[list[dict[str, Any]]]],
+    predicted: dict[str, float],
 ) -> list[Measurement]:
     # Per case (the first epoch, the later ones), each contender's median over the rounds,
-    # and its per-round ratios to the regular loader's.
+    # its per-round ratios to the regular loader's, and the cost model's epoch time.
     found = []
-    for label, chosen in (("epoch 0", slice(0, 1)), ("epochs 1-2", slice(1, None))):
+    last = len(next(iter(rounds.values()))[0]) - 1
+    for label, chosen in (("epoch 0", slice(0, 1)), (f"epochs 1-{last}", slice(1, None))):
         case = f"{world} ranks, {label}"
         rates: dict[str, list[float]] = {}
         for kind, runs in rounds.items():
@@ -169,8 +284,9 @@ def _measure(
                 "exchanged_mb": statistics.median(e["exchanged_bytes"] for e in picked) / 1e6,
                 "beta_percent": 100 * statistics.median(e["beta"] for e in picked),
             }
-            if kind == "regular" or label == "epoch 0":  # epochs that read the store
-                extra["model_s"] = model_s
+            model = predicted[f"{kind} {'epoch 0' if label == 'epoch 0' else 'cached'}"]
+            extra["model_s"] = model
+            extra["model_off"] = model / extra["epoch_s"] - 1
             ratios = [a / b for a, b in zip(rates[kind], rates["regular"], strict=True)]
             found.append(
                 Measurement(
@@ -184,6 +300,21 @@ def _measure(
                 )
             )
     return found
+
+
+def _describe(world: int, terms: list[dict[str, Any]]) -> str:
+    # The cost model's measured terms for one world, the median over the rounds.
+    def mid(key: str, scale: float = 1.0) -> float:
+        return float(statistics.median(t[key] for t in terms)) * scale
+
+    return (
+        f"{world} ranks, the cost model's terms (every rank at once): U {mid('U'):,.0f} "
+        f"samples/s per rank from its cache, L_b {mid('L_b', 1e3):.2f} ms and R_b "
+        f"{mid('R_b'):,.0f} samples/s (measure_exchange), L_plan "
+        f"{mid('L_plan locality-aware', 1e3):.2f} ms (1 copy) and "
+        f"{mid('L_plan replicas', 1e3):.2f} ms (2 copies), beta from the planner "
+        f"{mid('beta locality-aware', 100):.2f}% and {mid('beta replicas', 100):.3f}%"
+    )
 
 
 def _planning(steps: int) -> str:
@@ -219,6 +350,7 @@ def run(options: BenchOptions) -> ScenarioResult:
         16 if options.quick else 128, "imagenet", options.data_dir, progress, options.steps
     )
     count = 256 if options.quick else 1536
+    epochs = 3 if options.quick else EPOCHS
     worlds = [2] if options.quick else [4, 8]
     sizes = [f.stat().st_size for f in files]
     mean_size = statistics.fmean(sizes[i % len(sizes)] for i in range(count))
@@ -226,7 +358,7 @@ def run(options: BenchOptions) -> ScenarioResult:
     notes = [
         jpeg_source(options.data_dir),
         f"{count:,} samples (mean {mean_size / 1e3:,.0f} kB), batches of {BATCH} per rank, "
-        f"{EPOCHS} epochs; the store adds {DELAY * 1e3:.0f} ms per GET and serves "
+        f"{epochs} epochs; the store adds {DELAY * 1e3:.0f} ms per GET and serves "
         f"{RATE / 1e6:g} MB/s to all ranks together",
         f"{1 if options.quick else 2} alternating round(s) per contender, medians; samples/s "
         "is the dataset over the epoch's time (the slowest rank's, between two barriers)",
@@ -236,24 +368,33 @@ def run(options: BenchOptions) -> ScenarioResult:
     with ServerProcess(files, DELAY, RATE) as server:
         for world in worlds:
             rounds: dict[str, list[list[dict[str, Any]]]] = {k: [] for k in _NAMES}
+            terms: list[dict[str, Any]] = []
             for round_ in range(repeats):
+                if progress:
+                    progress(f"{world} ranks: the cost model's terms (run {round_ + 1}/{repeats})")
+                barrier = mp.get_context("spawn").Barrier(world)
+                terms.append(_spawn(world, _terms, ([str(f) for f in files], count, barrier)))
                 for kind in _NAMES:  # alternating, round by round
                     if progress:
                         progress(f"{world} ranks: {kind} (run {round_ + 1}/{repeats})")
-                    rounds[kind].append(_run_world(kind, world, server, count))
-            measurements += _measure(world, count, rounds, count / (RATE / mean_size))
+                    rounds[kind].append(_run_world(kind, world, server, count, epochs))
+            predictions = [_predict(t, world, count, mean_size) for t in terms]
+            predicted = {k: statistics.median(p[k] for p in predictions) for k in predictions[0]}
+            measurements += _measure(world, count, rounds, predicted)
+            notes.append(_describe(world, terms))
             for kind, runs in rounds.items():
                 gets = statistics.median(sum(e["gets"] for e in epochs) for epochs in runs)
                 notes.append(
-                    f"{world} ranks, {kind}: {gets:,.0f} GETs from the store over {EPOCHS} "
+                    f"{world} ranks, {kind}: {gets:,.0f} GETs from the store over {epochs} "
                     f"epochs ({gets / count:.2f} per sample)"
                 )
     notes += [
-        "cost model (s): the epoch time equations (2) and (4) give for the epochs that read "
-        f"the store: D / R, with R its cap over the mean sample ({RATE / mean_size:,.0f} "
-        "samples/s); no training and no decoding here. For the epochs from the caches, "
-        "beta D / R_b (the exchange) is a fraction of a second on loopback, where the "
-        "loaders' per-step costs on the shared cores dominate: no prediction is given",
+        "cost model (s): CostModel.epoch_time with no training (V infinite); epochs that read "
+        f"the store: D / R + D / (p U), R the store's cap over the mean sample "
+        f"({RATE / mean_size:,.0f} samples/s); epochs from the caches (alpha = 1): "
+        "beta D / R_b + D / (p U) + steps (L_plan + rounds L_b), with the terms measured "
+        "before each round (the median of the rounds' predictions); model off by: the "
+        "prediction over the measured epoch time, minus 1",
         "beta: the exchanged share of each global batch (the paper's medians at batch 32: 6.9%;"
         " it grows as the batch shrinks); exchanged: bytes sent between ranks per epoch",
     ]

@@ -10,6 +10,13 @@ The paper's variables, per epoch (rates in samples per second):
 - ``alpha``: the share of the dataset the ranks' caches hold together;
 - ``beta``: the share of each global batch the locality-aware method exchanges.
 
+Two terms go beyond the paper, for the locality-aware method's per-step costs (both 0 by
+default, which is the paper's model): ``L_b``, the time of one balancing exchange round beyond
+moving its bytes (a round trip of headers before the payloads), paid by the steps that move
+anything; and ``L_plan``, the time to plan one step on one rank. With a fast network and small
+batches these dominate ``beta D / R_b``; :func:`measure_exchange` measures ``L_b`` and ``R_b``
+on a process group.
+
 Loading overlaps training, so an epoch costs the larger of its training time and its
 loading time. The regular loader reads everything from storage each epoch; a distributed
 cache reads the cached share from other ranks (all but ``1/p`` of it); the locality-aware
@@ -65,7 +72,11 @@ class CostModel:
         R_c: The rate of reads from other ranks' caches.
         alpha: The share of the dataset that the ranks' caches hold together.
         R_b: The rate of the exchange that balances a batch (default: ``R_c``).
-        b: The local batch size, for ``beta`` when a method is not given one.
+        b: The local batch size: ``D / (p b)`` steps per epoch, and ``beta`` when a method
+            is not given one.
+        L_b: Seconds one balancing exchange round takes beyond moving its bytes (not in the
+            paper: 0).
+        L_plan: Seconds one rank takes to plan one step (not in the paper: 0).
 
     """
 
@@ -76,12 +87,17 @@ class CostModel:
     R_c: float
     alpha: float = 1.0
     R_b: float | None = None
-    b: int = 32  # the local batch, for beta when it is not given
+    b: int = 32
+    L_b: float = 0.0
+    L_plan: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("D", "V", "R", "U", "R_c"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        for name in ("L_b", "L_plan"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} is a time, >= 0; got {getattr(self, name)!r}")
         if not 0 <= self.alpha <= 1:
             raise ValueError(f"alpha is a share of the dataset, in [0, 1]; got {self.alpha!r}")
 
@@ -114,8 +130,21 @@ class CostModel:
             return storage + self.alpha * self.D / self.R_c * (p - 1) / p
         if method == "locality-aware":
             share = expected_beta(p, self.b) if beta is None else beta
-            return storage + self.alpha * self.D / (self.R_b or self.R_c) * share
+            moved = self.alpha * self.D / (self.R_b or self.R_c) * share
+            return storage + moved + self.balancing_latency(p, share)
         raise ValueError(f"unknown method {method!r}")
+
+    def balancing_latency(self, p: int, beta: float | None = None) -> float:
+        """The locality-aware method's per-step costs in an epoch (beyond the paper).
+
+        ``steps * (L_plan + rounds * L_b)``, with ``D / (p b)`` steps and ``rounds`` the
+        share of steps that move at least one sample: ``1 - exp(-beta p b)`` (a step moves
+        ``beta p b`` samples on average).
+        """
+        share = expected_beta(p, self.b) if beta is None else beta
+        steps = math.ceil(self.D / (p * self.b))
+        rounds = -math.expm1(-share * self.alpha * p * self.b)
+        return steps * (self.L_plan + rounds * self.L_b)
 
     def epoch_time(self, p: int, method: Method = "regular", beta: float | None = None) -> float:
         """(6) generalised: the larger of training and loading (they overlap)."""
