@@ -72,6 +72,44 @@ def test_seeds_and_epochs_interleave_differently_and_repeat_exactly() -> None:
         assert mine == list(range(k * SPAN, k * SPAN + len(mine)))
 
 
+class _EpochShuffled:
+    """A source that shuffles its items for the epoch that ``set_epoch`` gave it."""
+
+    def __init__(self, items: range) -> None:
+        self.items = items
+        self.epochs: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+    def order(self, epoch: int) -> list[int]:
+        import random
+
+        order = list(self.items)
+        random.Random(epoch).shuffle(order)
+        return order
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order(self.epochs[-1] if self.epochs else 0))
+
+
+def test_set_epoch_reaches_every_source_through_a_continuous_pipeline() -> None:
+    sources = [_EpochShuffled(r) for r in _sources((20, 10))]
+    inner = Mixture([sources[1]])  # a nested mixture passes it on too
+    mix = Mixture([sources[0], inner], weights=[2, 1], seed=0)
+    pipeline = PipelineBuilder[int]().add_source(mix).add_sink(4).build(continuous=True)
+    try:
+        epochs = [list(pipeline) for _ in range(3)]
+    finally:
+        pipeline.stop()
+    for source in sources:  # the run may have begun the next epoch's pass already
+        assert source.epochs[:3] == [0, 1, 2]
+    for epoch, items in enumerate(epochs):  # each epoch: each source's shuffle for it
+        for k, source in enumerate(sources):
+            assert [x for x in items if x // SPAN == k] == source.order(epoch)
+    assert epochs[0] != epochs[1]
+
+
 def test_a_source_that_runs_out_leaves_the_others_their_weights() -> None:
     mix = Mixture(_sources((30, 1000, 1000)), weights=[1, 1, 2], stop="all", seed=0)
     drawn = [x // SPAN for x in mix]

@@ -38,7 +38,7 @@ def _decode(sample: dict[str, Any]) -> tuple[Any, int]:
 
     from feedline.io import decode_image
 
-    image = decode_image(bytes(sample["jpg"]), size=(224, 224))
+    image = decode_image(sample["jpg"], size=(224, 224))  # bytes or a view: not copied
     return torch.from_numpy(image), int(bytes(sample["cls"]))
 
 

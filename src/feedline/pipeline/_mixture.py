@@ -103,8 +103,17 @@ class Mixture(Generic[T]):
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """Interleave the sources as for ``epoch`` from the next iteration on (with weights)."""
+        """Interleave the sources as for ``epoch`` from the next iteration on (with weights).
+
+        Passed on to every source that has a ``set_epoch`` (``TarShards``, a nested
+        ``Mixture``, a dataset of the user's), so that each shuffles for the epoch too; a
+        pipeline calls it before each of its passes.
+        """
         self.epoch = epoch
+        for source in self.sources:
+            setter = getattr(source, "set_epoch", None)
+            if callable(setter):
+                setter(epoch)
 
     def __len__(self) -> int:
         """The items of an iteration, where every source has a length (``TypeError`` else).
