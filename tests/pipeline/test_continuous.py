@@ -298,3 +298,57 @@ def test_an_item_that_comes_late_is_yielded_in_its_epoch() -> None:
     for epoch in range(3):
         assert sorted(pipeline) == list(range(100 * epoch, 100 * epoch + 10))
     pipeline.stop()
+
+
+class Counted:
+    """Twenty items per epoch, numbered by it; counts the items read, all epochs together."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.read = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        for x in range(100 * self.epoch, 100 * self.epoch + 20):
+            self.read += 1
+            yield x
+
+
+def test_a_slow_item_holds_up_the_reads_of_later_epochs_without_spinning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import feedline.pipeline._pipeline as pipeline_module
+
+    monkeypatch.setattr(pipeline_module, "_AHEAD", 30)
+    release = threading.Event()
+
+    def op(x: int) -> int:
+        if x == 3:  # epoch 0's item 3 holds its loop up until released
+            release.wait(10)
+        return x
+
+    source = Counted()
+    pipeline = (
+        PipelineBuilder()
+        .add_source(source)
+        .pipe(op, concurrency=4, output_order="completion")
+        .add_sink(4)
+        .build(continuous=True)
+    )
+    epochs: list[list[int]] = []
+    loop = threading.Thread(target=lambda: epochs.extend(sorted(pipeline) for _ in range(4)))
+    loop.start()
+    time.sleep(0.5)  # the run goes as far as it may meanwhile
+    cpu = time.process_time()
+    time.sleep(1.0)
+    spent = time.process_time() - cpu
+    # Epoch 0 ends at item 20; 30 items may be read past it (and one read ahead).
+    assert 20 + 30 <= source.read <= 20 + 30 + 1
+    assert spent < 0.3, f"{spent:.2f} s of CPU in 1 s while the reads wait: a busy loop"
+    release.set()
+    loop.join(20)
+    assert not loop.is_alive()
+    pipeline.stop()
+    assert epochs == [list(range(100 * e, 100 * e + 20)) for e in range(4)]

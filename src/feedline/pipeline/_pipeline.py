@@ -25,6 +25,9 @@ __all__ = ["Pipeline"]
 
 T = TypeVar("T")
 
+_AHEAD = 1024
+"""A continuous run reads at most this many source items past the consumer's epoch."""
+
 _POLL = 0.1  # seconds; how often a pipeline used as a source checks whether its reader stopped
 
 
@@ -114,6 +117,7 @@ class Pipeline(Generic[T]):
         self._next_epoch = 0
         self._delivered: Checkpoint | None = None
         self._held: dict[int, collections.deque[Any]] = {}  # per epoch
+        self._passes: _Passes | None = None  # the current run's source (reads held back)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -141,7 +145,8 @@ class Pipeline(Generic[T]):
         progress: Progress | None = None
         on_failed = None
         if config.continuous:
-            passes = _Passes(config.source.source, self._next_epoch)
+            passes = _Passes(config.source.source, self._next_epoch, _AHEAD)
+            self._passes = passes
             accounting = Accounting(passes, config.stages)
             self._delivered = accounting.consumer  # numbers across the epochs of this run
             config = dataclasses.replace(config, stages=accounting.counted(config.stages))
@@ -292,8 +297,15 @@ class Pipeline(Generic[T]):
             self.start()
             run = self._holder.run
             assert run is not None
-            epoch, delivered, held = self._next_epoch, self._delivered, self._held
+            epoch, delivered, held, passes = (
+                self._next_epoch,
+                self._delivered,
+                self._held,
+                self._passes,
+            )
             assert delivered is not None
+            assert passes is not None
+            passes.consumer_at(epoch)
             early = held.setdefault(epoch, collections.deque())
             while True:
                 while early:
@@ -317,6 +329,7 @@ class Pipeline(Generic[T]):
             left_early = False
             del held[epoch]
             self._next_epoch = epoch + 1
+            passes.consumer_at(epoch + 1)  # the next epoch's items may be read on
         finally:
             self._iterating = False
             if left_early:  # a break or an exception: the run ends; the next loop starts anew
@@ -505,12 +518,16 @@ class _Passes:
     themselves.)
     """
 
-    def __init__(self, source: Any, first_epoch: int) -> None:
+    def __init__(self, source: Any, first_epoch: int, ahead: int) -> None:
         self._source = source
         self._first = first_epoch
         self._ends: list[int] = []  # after pass k, this many items were numbered in all
         self._lock = threading.Lock()
         self._last = False  # the item just yielded ended its pass
+        self._count = 0  # items read from the source so far
+        self._ahead = ahead
+        self._consumer = first_epoch  # the epoch the consumer's loop is in, or runs next
+        self._wake: Callable[[], None] | None = None
 
     def __iter__(self) -> Iterator[Any]:
         count = 0
@@ -526,6 +543,7 @@ class _Passes:
             while item is not end:
                 following = next(items, end)
                 count += 1
+                self._count = count + (following is not end)
                 if following is end:
                     self._ended(count)
                     self._last = True
@@ -539,6 +557,28 @@ class _Passes:
     def boundary(self) -> bool:
         """Whether the item just yielded was the last of its pass (for the source stage)."""
         return self._last
+
+    def ready(self) -> bool:
+        """Whether the source may be read now (for the source stage).
+
+        Items of epochs after the consumer's wait for it (held), so the run reads at most
+        ``ahead`` items past the end of the consumer's epoch: a slow item that holds the
+        consumer's loop up holds up the reads too, instead of items piling up for later loops.
+        """
+        with self._lock:
+            k = self._consumer - self._first
+            return k >= len(self._ends) or self._count < self._ends[k] + self._ahead
+
+    def wake_with(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` when the source may be read again (the source stage's kick)."""
+        self._wake = wake
+
+    def consumer_at(self, epoch: int) -> None:
+        """The consumer's loop is in ``epoch`` (or runs it next): reads may go further."""
+        with self._lock:
+            self._consumer = epoch
+        if self._wake is not None:
+            self._wake()
 
     def _ended(self, count: int) -> None:
         with self._lock:

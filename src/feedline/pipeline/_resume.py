@@ -338,7 +338,10 @@ class _TaggedSource:
         self._stopping = stopping
         # A source that waits for others keeps saying so (see _threaded.ThreadedSource).
         self.waits = bool(getattr(source, "waits", False))
-        self.boundary = getattr(source, "boundary", None)  # a continuous run's _Passes
+        # A continuous run's _Passes says where passes end, and how far it may be read.
+        self.boundary = getattr(source, "boundary", None)
+        self.ready = getattr(source, "ready", None)
+        self.wake_with = getattr(source, "wake_with", None)
 
     def __iter__(self) -> Iterator[Tagged]:
         iterator = iter(self._source)

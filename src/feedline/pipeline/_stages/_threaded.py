@@ -638,6 +638,12 @@ class ThreadedSource(_PoolStage):
         # was the last of its pass: that value is handed on at once, not held in a batch
         # while the next pass begins (its set_epoch, its first read).
         self._boundary: Callable[[], bool] | None = getattr(source, "boundary", None)
+        # A source that may be read only so far ahead of its consumer (a continuous run's)
+        # says whether it may be read now, and wakes the stage when that changes.
+        self._ready: Callable[[], bool] | None = getattr(source, "ready", None)
+        wake_with = getattr(source, "wake_with", None)
+        if wake_with is not None:
+            wake_with(self._kick)
         self._pass_ended = False  # the last value made ended a pass: hand it on, end the job
         # Until a pool thread takes the next job: the next pass may take long to begin, and
         # a thread that runs it inline (a stage refilling its input, the consumer) would hold
@@ -653,6 +659,8 @@ class ThreadedSource(_PoolStage):
 
     def run_inline(self, ctx: JobContext, kick: bool = True) -> bool:
         """Run the source's job on the calling thread if it is idle and may proceed."""
+        if self._ready is not None and not self._ready():
+            return False
         with self._lock:
             after_pass = self._after_pass
         if after_pass:  # a pool thread goes on (see _after_pass)
@@ -675,6 +683,8 @@ class ThreadedSource(_PoolStage):
         self._kick()
 
     def _kick(self) -> None:
+        if self._ready is not None and not self._ready():
+            return  # woken again when it may be read
         with self._lock:
             if self._active or self._done or self.run.stopping:
                 return
@@ -729,6 +739,8 @@ class ThreadedSource(_PoolStage):
                     self._done = True
                     output.close()
                     return
+                if self._ready is not None and not self._ready():
+                    return  # too far ahead of the consumer: woken when it catches up
                 if self._steps_aside(ctx):
                     stepped_aside = True
                     return
@@ -778,6 +790,8 @@ class ThreadedSource(_PoolStage):
                 if self._boundary is not None and self._boundary():
                     self._pass_ended = True
                     return True
+                if self._ready is not None and not self._ready():
+                    return False  # the next value waits for the consumer
                 if ends[-1] - t > INLINE_ABORT:
                     return True
                 t = ends[-1]
