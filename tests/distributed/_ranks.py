@@ -330,12 +330,22 @@ def stop_mid_epoch(
     return found
 
 
-def exchange_costs(rank: int, world: int, sizes: list[int]) -> list[list[float]]:
-    """measure_exchange() for each sample size: ``[L_b, R_b, sample_bytes, world]``."""
+def exchange_costs(
+    rank: int, world: int, sizes: list[int], members: list[int] | None = None
+) -> list[list[float]] | None:
+    """measure_exchange() for each sample size: ``[L_b, R_b, sample_bytes, world]``.
+
+    With ``members``, on a group of those ranks only (the others return None).
+    """
+    import torch.distributed as dist
+
     from feedline.distributed import measure_exchange
 
+    group = None if members is None else dist.new_group(members, backend="gloo")
+    if members is not None and rank not in members:
+        return None
     found = []
     for size in sizes:
-        cost = measure_exchange(size, rounds=5)
+        cost = measure_exchange(size, rounds=5, group=group)
         found.append([cost.L_b, cost.R_b, cost.sample_bytes, cost.world])
     return found

@@ -18,7 +18,7 @@ from ._defs import AggregateConfig, DisaggregateConfig, OpKind, PipeConfig, Pipe
 from ._engine import Run
 from ._epochs import Accounting, Checkpoint
 from ._region import RegionPool
-from ._resume import Progress, Tagged, tag_async_source, tag_source
+from ._resume import PassControl, Progress, Tagged, tag_async_source, tag_source
 from .stats import PipelineStats
 
 __all__ = ["Pipeline"]
@@ -147,6 +147,7 @@ class Pipeline(Generic[T]):
         if config.continuous:
             passes = _Passes(config.source.source, self._next_epoch, _AHEAD)
             self._passes = passes
+            self._held.clear()  # a new run makes them again
             accounting = Accounting(passes, config.stages)
             self._delivered = accounting.consumer  # numbers across the epochs of this run
             config = dataclasses.replace(config, stages=accounting.counted(config.stages))
@@ -506,7 +507,7 @@ class _UntilStopped:
         return self._source.iter_until(lambda: run.stopping)  # type: ignore[no-any-return]
 
 
-class _Passes:
+class _Passes(PassControl):
     """A continuous run's source: pass after pass over the user's source, one per epoch.
 
     Each pass tells the source its epoch (``set_epoch``, where it has one) and records where

@@ -30,6 +30,7 @@ from typing import Any
 __all__ = [
     "STATE_VERSION",
     "Account",
+    "PassControl",
     "Progress",
     "Tagged",
     "TaggedAsyncGenerator",
@@ -327,6 +328,26 @@ class Progress:
 _SKIP_CHECK = 256  # skipped items between two looks at whether the run is stopping
 
 
+class PassControl:
+    """What a continuous run's source tells its source stage (``_pipeline._Passes``).
+
+    A class, not attributes looked up on any source, so that a user's source with methods
+    of these names is iterated as any other.
+    """
+
+    def boundary(self) -> bool:
+        """Whether the item just yielded was the last of its pass."""
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        """Whether the source may be read now (it may be too far ahead of its consumer)."""
+        raise NotImplementedError
+
+    def wake_with(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` when the source may be read again."""
+        raise NotImplementedError
+
+
 class _TaggedSource:
     """The source's items numbered from 0, without those already done (when resuming)."""
 
@@ -339,9 +360,7 @@ class _TaggedSource:
         # A source that waits for others keeps saying so (see _threaded.ThreadedSource).
         self.waits = bool(getattr(source, "waits", False))
         # A continuous run's _Passes says where passes end, and how far it may be read.
-        self.boundary = getattr(source, "boundary", None)
-        self.ready = getattr(source, "ready", None)
-        self.wake_with = getattr(source, "wake_with", None)
+        self.passes = source if isinstance(source, PassControl) else None
 
     def __iter__(self) -> Iterator[Tagged]:
         iterator = iter(self._source)

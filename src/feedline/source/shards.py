@@ -120,18 +120,22 @@ class TarShards(_Base):  # type: ignore[type-arg]
         pending: collections.deque[tuple[str, Future[Any]]] = collections.deque()
         pool = ThreadPoolExecutor(self.read_ahead + 1, thread_name_prefix="feedline-shard")
 
-        def read_next() -> None:
+        def read_next() -> bool:
             key = next(upcoming, None)
-            if key is not None:
-                pending.append((key, pool.submit(self.shards.read, place[key])))
+            if key is None:
+                return False
+            pending.append((key, pool.submit(self.shards.read, place[key])))
+            return True
 
         try:
-            for _ in range(self.read_ahead + 1):
-                read_next()
+            # The first shard alone: the shards after it would share its bandwidth and
+            # delay the first samples; they are read while its samples go on.
+            read_next()
             while pending:
                 key, future = pending.popleft()
                 data = future.result()
-                read_next()
+                while len(pending) <= self.read_ahead and read_next():
+                    pass
                 yield from tar_samples(data, shard=key)
         finally:
             for _, future in pending:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .._queue import EMPTY, Channel
+from .._resume import PassControl
 from ._common import (
     BATCH,
     INLINE_ABORT,
@@ -637,13 +638,15 @@ class ThreadedSource(_PoolStage):
         # A source whose passes end while it goes on (a continuous run's) says when a value
         # was the last of its pass: that value is handed on at once, not held in a batch
         # while the next pass begins (its set_epoch, its first read).
-        self._boundary: Callable[[], bool] | None = getattr(source, "boundary", None)
-        # A source that may be read only so far ahead of its consumer (a continuous run's)
-        # says whether it may be read now, and wakes the stage when that changes.
-        self._ready: Callable[[], bool] | None = getattr(source, "ready", None)
-        wake_with = getattr(source, "wake_with", None)
-        if wake_with is not None:
-            wake_with(self._kick)
+        # Such a source is also read only so far ahead of its consumer: it says whether it
+        # may be read now, and wakes the stage when that changes.
+        passes = getattr(source, "passes", None)
+        if not isinstance(passes, PassControl):
+            passes = None
+        self._boundary: Callable[[], bool] | None = passes.boundary if passes else None
+        self._ready: Callable[[], bool] | None = passes.ready if passes else None
+        if passes is not None:
+            passes.wake_with(self._kick)
         self._pass_ended = False  # the last value made ended a pass: hand it on, end the job
         # Until a pool thread takes the next job: the next pass may take long to begin, and
         # a thread that runs it inline (a stage refilling its input, the consumer) would hold
@@ -659,7 +662,7 @@ class ThreadedSource(_PoolStage):
 
     def run_inline(self, ctx: JobContext, kick: bool = True) -> bool:
         """Run the source's job on the calling thread if it is idle and may proceed."""
-        if self._ready is not None and not self._ready():
+        if self._waits_for_consumer():
             return False
         with self._lock:
             after_pass = self._after_pass
@@ -682,8 +685,12 @@ class ThreadedSource(_PoolStage):
         """Begin iterating."""
         self._kick()
 
+    def _waits_for_consumer(self) -> bool:
+        # Nothing to do until the consumer moves on: no value to put, and none may be read.
+        return self._ready is not None and not self._held and not self._ready()
+
     def _kick(self) -> None:
-        if self._ready is not None and not self._ready():
+        if self._waits_for_consumer():
             return  # woken again when it may be read
         with self._lock:
             if self._active or self._done or self.run.stopping:
