@@ -4,8 +4,9 @@ Every rank sends to the next rank and receives from the previous one (a ring), t
 loader's own :class:`Exchange` (headers, CRC-checked payloads), first one sample per rank and
 round, then ``samples`` per rank and round. The extra samples' time gives the rate ``R_b``
 (all ranks together, as the cost model has it), and what the one-sample round takes beyond
-its bytes gives ``L_b``. A round's time is the slowest rank's; each figure is the median
-over the rounds; every rank returns the same figures.
+its bytes gives ``L_b``. Rounds go back to back, as a loader's steps do; a round's time is
+the slowest rank's, the median of three timed runs of rounds; every rank returns the same
+figures.
 """
 
 from __future__ import annotations
@@ -25,8 +26,14 @@ __all__ = ["ExchangeCost", "measure_exchange"]
 
 _log = logging.getLogger("feedline.distributed")
 
-_TAG = (1 << 28) + 1
-"""Tags above the loader's (which wrap below 2**28), should a loader share the group."""
+_TAG = 1 << 28
+"""Tags from here up (the loader's wrap below it), should a loader share the group."""
+
+_TAGS = (1 << 29) - 1
+"""Exchange tags stay below 2**29."""
+
+_RUNS = 3
+"""Timed runs of rounds per measurement; their median is taken."""
 
 
 @dataclass(frozen=True)
@@ -57,14 +64,15 @@ def measure_exchange(
 ) -> ExchangeCost:
     """Measure ``L_b`` and ``R_b`` on a process group; every rank of it must call it alike.
 
-    Each figure is the median over the rounds of the slowest rank's time, so that a round
-    held up by another process on the machine does not count.
+    Rounds run back to back, as a loader's steps do, in three timed runs per measurement: the
+    median run counts (the slowest rank's), so that one held up by another process on the
+    machine does not.
 
     Args:
         sample_bytes: The size of a sample, as the loader would move them (the mean).
         samples: Samples each rank sends per round in the second measurement (>= 2); more
             make ``R_b`` steadier.
-        rounds: Rounds per measurement (>= 1), after one that sets the connections up.
+        rounds: Rounds per timed run (>= 1), after one that sets the connections up.
         group: The group to measure (gloo); default: a new gloo group of all ranks, destroyed
             before returning.
         timeout: Seconds to wait for a peer before :class:`ExchangeTimeout`.
@@ -121,8 +129,9 @@ def measure_exchange(
 def _round_times(
     group: Any, world: int, sample_bytes: int, count: int, rounds: int, timeout: float
 ) -> float:
-    # The median over the rounds of the slowest rank's time for one round of the ring, each
-    # rank sending ``count`` samples to the next rank and receiving as many from the last.
+    # Seconds per round of the ring, each rank sending ``count`` samples to the next rank and
+    # receiving as many from the last: rounds back to back, as a loader's steps go, timed
+    # between two barriers; the median of three such runs, the slowest rank's.
     import torch
     import torch.distributed as dist
 
@@ -130,14 +139,17 @@ def _round_times(
     nxt = dist.get_global_rank(group, (me + 1) % world)
     prev = dist.get_global_rank(group, (me - 1) % world)
     exchange = Exchange(group, dist.get_rank(), timeout)
-    blob = bytes(sample_bytes)
-    indices = np.arange(count, dtype=np.int64)
-    times = torch.zeros(rounds + 1, dtype=torch.float64)
-    dist.barrier(group)
-    for k in range(rounds + 1):  # the first round sets the pairs up: not counted
-        tag = _TAG + (count * (rounds + 1) + k) % (1 << 20)
+    sends = [(nxt, np.arange(count, dtype=np.int64), [bytes(sample_bytes)] * count)]
+    tag = _TAG + count * (_RUNS * rounds + 1)
+    exchange.swap(tag % _TAGS, "measure_exchange", sends, [(prev, count)])  # sets pairs up
+    runs = torch.zeros(_RUNS, dtype=torch.float64)
+    for run in range(_RUNS):
+        dist.barrier(group)
         start = time.perf_counter()
-        exchange.swap(tag, "measure_exchange", [(nxt, indices, [blob] * count)], [(prev, count)])
-        times[k] = time.perf_counter() - start
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    return float(times[1:].median())
+        for _ in range(rounds):
+            tag += 1
+            exchange.swap(tag % _TAGS, "measure_exchange", sends, [(prev, count)])
+        dist.barrier(group)
+        runs[run] = (time.perf_counter() - start) / rounds
+    dist.all_reduce(runs, op=dist.ReduceOp.MAX, group=group)
+    return float(runs.median())
