@@ -342,10 +342,10 @@ def exchange_costs(
     from feedline.distributed import measure_exchange
 
     group = None if members is None else dist.new_group(members, backend="gloo")
-    if members is not None and rank not in members:
-        return None
     found = []
-    for size in sizes:
-        cost = measure_exchange(size, rounds=5, group=group)
-        found.append([cost.L_b, cost.R_b, cost.sample_bytes, cost.world])
-    return found
+    if members is None or rank in members:
+        for size in sizes:
+            cost = measure_exchange(size, rounds=5, group=group)
+            found.append([cost.L_b, cost.R_b, cost.sample_bytes, cost.world])
+    dist.barrier()  # rank 0 holds the group's store: it leaves after the others
+    return found if found else None
