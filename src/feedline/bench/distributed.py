@@ -13,8 +13,9 @@ measured without processes.
 The cost model predicts every epoch. Its terms are measured in the same run, before each
 round, by as many processes as ranks at once (so that they share the cores as the ranks do):
 ``U`` as each rank serving its share from its cache alone (a one-rank loader), ``L_plan`` as
-every rank planning an epoch, ``L_b`` and ``R_b`` by :func:`measure_exchange`, and ``beta``
-from the planned epoch; ``R`` is the store's cap.
+every rank planning the epochs after the first, ``L_b`` and ``R_b`` by
+:func:`measure_exchange`, and ``beta`` from the planned epochs; ``R`` is the store's cap.
+Each round's prediction is compared with that round's epochs.
 """
 
 from __future__ import annotations
