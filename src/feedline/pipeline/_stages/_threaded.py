@@ -635,11 +635,10 @@ class ThreadedSource(_PoolStage):
         # come: a batch would hold the values made while a call waits for one of them to be
         # used, and a pull on the event loop or by the consumer would block that thread.
         self._waits = bool(getattr(source, "waits", False))
-        # A source whose passes end while it goes on (a continuous run's) says when a value
-        # was the last of its pass: that value is handed on at once, not held in a batch
-        # while the next pass begins (its set_epoch, its first read).
-        # Such a source is also read only so far ahead of its consumer: it says whether it
-        # may be read now, and wakes the stage when that changes.
+        # A continuous run's source (a PassControl) says when a value was the last of its
+        # pass: that value is handed on at once, not held in a batch while the next pass
+        # begins (its set_epoch, its first read). It is also read only so far ahead of the
+        # consumer: it says whether it may be read now, and wakes the stage when it may.
         passes = getattr(source, "passes", None)
         if not isinstance(passes, PassControl):
             passes = None
