@@ -10,12 +10,13 @@ baseline) and ``feedline.distributed.DistributedLoader``, with one copy of each 
 the ranks' caches and with two. The planner's time per step at the paper's largest scale is
 measured without processes.
 
-The cost model predicts every epoch. Its terms are measured in the same run, before each
-round, by as many processes as ranks at once (so that they share the cores as the ranks do):
-``U`` as each rank serving its share from its cache alone (a one-rank loader), ``L_plan`` as
-every rank planning the epochs after the first, ``L_b`` and ``R_b`` by
-:func:`measure_exchange`, and ``beta`` from the planned epochs; ``R`` is the store's cap.
-Each round's prediction is compared with that round's epochs.
+The cost model predicts every epoch. Its terms are measured by the ranks' own processes,
+each right after the epoch from the caches it predicts, every rank at once (so that they
+share the cores as in the epoch, and the shared machine's drift reaches both alike): ``U``
+as each rank serving its share from its cache alone (a one-rank loader), ``L_plan`` as every
+rank planning that epoch's steps, ``L_b`` and ``R_b`` by :func:`measure_exchange`, and
+``beta`` from the plans; ``R`` is the store's cap. Each round's prediction (from the medians
+of its terms) is compared with that round's epochs.
 """
 
 from __future__ import annotations
@@ -78,9 +79,19 @@ def _join(rank: int, world: int, port: int) -> None:
 
 
 def _rank(
-    rank: int, world: int, port: int, kind: str, url: str, count: int, epochs: int, out: Any
+    rank: int,
+    world: int,
+    port: int,
+    kind: str,
+    url: str,
+    paths: list[str],
+    count: int,
+    epochs: int,
+    out: Any,
 ) -> None:
-    # One rank: `epochs` epochs of its loader; rank 0 reports each epoch's figures.
+    # One rank: `epochs` epochs of its loader; rank 0 reports each epoch's figures. After each
+    # epoch from the caches, the same processes measure the cost model's terms for it (the
+    # shared machine drifts: terms taken minutes apart predicted epochs 20% off).
 
     import torch
     import torch.distributed as dist
@@ -91,6 +102,7 @@ def _rank(
         samples: Any = _Raw(HttpDataset(url, count, decode=False))
         loader: Any
         sampler: Any
+        terms: _Terms | None = None
         if kind == "regular":
             from torch.utils.data import DistributedSampler
 
@@ -106,6 +118,7 @@ def _rank(
             loader = DistributedLoader(
                 samples, batch_size=BATCH, collate_fn=list, seed=0, replicas=copies
             )
+            terms = _Terms(rank, world, paths, count, copies)
         found = []
         for epoch in range(epochs):
             (sampler or loader).set_epoch(epoch)
@@ -125,91 +138,102 @@ def _rank(
                 beta = (after.beta_sum - before.beta_sum) / steps if steps else 0.0
             total = torch.tensor([sent])
             dist.all_reduce(total)
-            found.append(
-                {
-                    "seconds": seconds,
-                    "gets": gets,
-                    "exchanged_bytes": int(total.item()),
-                    "beta": beta,
-                }
-            )
+            figures = {
+                "seconds": seconds,
+                "gets": gets,
+                "exchanged_bytes": int(total.item()),
+                "beta": beta,
+            }
+            if terms is not None:
+                figures.update(terms.measure(epoch))
+            found.append(figures)
         if sampler is None:
             loader.close()
+        if terms is not None:
+            terms.close()
         if rank == 0:
             out.put(json.dumps(found))
     finally:
         dist.destroy_process_group()
 
 
-def _terms(
-    rank: int,
-    world: int,
-    port: int,
-    paths: list[str],
-    count: int,
-    epochs: int,
-    barrier: Any,
-    out: Any,
-) -> None:
-    # One rank's part in measuring the cost model's terms; rank 0 reports them.
+class _Terms:
+    """One rank's part in measuring the cost model's terms, epoch by epoch.
 
-    import torch
-    import torch.distributed as dist
+    ``U``: this rank's share served from its cache by a one-rank loader; ``L_plan``: the
+    epoch's steps planned as the loader plans them; ``beta``: from those plans; ``L_b`` and
+    ``R_b``: :func:`measure_exchange`. Every rank measures at once, between barriers, so that
+    they share the cores as in the epoch.
+    """
 
-    from feedline.distributed import (
-        DistributedLoader,
-        GlobalSequence,
-        holders,
-        measure_exchange,
-        plan_for,
-    )
-    from feedline.distributed._placement import second_copies
+    def __init__(self, rank: int, world: int, paths: list[str], count: int, copies: float):
+        from feedline.distributed import DistributedLoader, GlobalSequence, holders
+        from feedline.distributed._placement import second_copies
 
-    torch.set_num_threads(1)
-    blobs = [open(path, "rb").read() for path in paths]  # noqa: SIM115 - read at once
-    samples = [blobs[i % len(blobs)] for i in range(count)]
-    # U: this rank's share served from its cache by a one-rank loader, every rank at once.
-    local: DistributedLoader[Any] = DistributedLoader(
-        samples[rank::world], batch_size=BATCH, collate_fn=list, seed=0
-    )
-    times = []
-    for epoch in range(epochs):  # epoch 0 fills the cache
-        local.set_epoch(epoch)
-        barrier.wait()
+        self.rank, self.world = rank, world
+        blobs = [open(path, "rb").read() for path in paths]  # noqa: SIM115 - read at once
+        samples = [blobs[i % len(blobs)] for i in range(count)]
+        self.share = samples[rank::world]
+        self.mean = round(statistics.fmean(len(s) for s in samples))
+        self.local: Any = DistributedLoader(self.share, batch_size=BATCH, collate_fn=list, seed=0)
+        self.sequence = GlobalSequence(count, world, BATCH, seed=0)
+        self.placed = holders(count, world, seed=0, replicas=2)
+        self.second = second_copies(self.placed, 0, 1.0) if copies > 1 else None
+
+    def measure(self, epoch: int) -> dict[str, float]:
+        """The terms for ``epoch`` (nothing for the first: its local epoch fills the cache)."""
+        from feedline.distributed import measure_exchange
+
+        alone, _ = self._local_epoch(epoch, plan=False)
+        if epoch == 0:
+            return {}
+        # The loader plans on a thread of its own beside the rest of its work, which made
+        # planning cost half as much again as alone (caches, switches): plan beside the
+        # one-rank loader's epoch, and count what that adds.
+        beside, moved = self._local_epoch(epoch, plan=True)
+        cost = measure_exchange(self.mean, rounds=10)
+        return {
+            "U": len(self.share) / alone,
+            "L_plan": max(0.0, beside - alone) / self.sequence.steps,
+            "planned_beta": moved / (self.sequence.steps * self.world * BATCH),
+            "L_b": cost.L_b,
+            "R_b": cost.R_b,
+        }
+
+    def _local_epoch(self, epoch: int, plan: bool) -> tuple[float, int]:
+        # One epoch of the one-rank loader between barriers, with the epoch's steps planned
+        # on another thread meanwhile if `plan`: its seconds and the samples the plans move.
+        import threading
+
+        import torch.distributed as dist
+
+        from feedline.distributed import plan_for
+
+        moved = 0
+
+        def planning() -> None:
+            nonlocal moved
+            grid = self.sequence.grid(epoch)
+            for k in range(self.sequence.steps):
+                rows = self.sequence.step(epoch, k, grid)
+                moved += plan_for(rows, self.placed[0], self.rank, self.second).exchanged
+
+        planner = threading.Thread(target=planning) if plan else None
+        self.local.set_epoch(epoch)
+        dist.barrier()
         start = time.perf_counter()
-        for _ in local:
+        if planner is not None:
+            planner.start()
+        for _ in self.local:
             pass
-        barrier.wait()
-        times.append(time.perf_counter() - start)
-    local.close()
-    terms: dict[str, Any] = {"U": len(samples[rank::world]) / statistics.median(times[1:])}
-    _join(rank, world, port)
-    try:
-        # L_plan and beta: every rank plans the epochs after the first, as the loader does.
-        sequence = GlobalSequence(count, world, BATCH, seed=0)
-        placed = holders(count, world, seed=0, replicas=2)
-        later = range(1, epochs)
-        steps = sequence.steps * len(later)
-        for kind, second in (("locality-aware", None), ("replicas", second_copies(placed, 0, 1.0))):
-            moved = 0
-            plan_for(sequence.step(0, 0), placed[0], rank, second)  # as epoch 0 did: warm
-            dist.barrier()
-            start = time.perf_counter()
-            for epoch in later:
-                grid = sequence.grid(epoch)
-                for k in range(sequence.steps):
-                    rows = sequence.step(epoch, k, grid)
-                    moved += plan_for(rows, placed[0], rank, second).exchanged
-            dist.barrier()
-            terms[f"L_plan {kind}"] = (time.perf_counter() - start) / steps
-            terms[f"beta {kind}"] = moved / (steps * world * BATCH)
-        mean = round(statistics.fmean(len(s) for s in samples))
-        cost = measure_exchange(mean)
-        terms["L_b"], terms["R_b"] = cost.L_b, cost.R_b
-        if rank == 0:
-            out.put(json.dumps(terms))
-    finally:
-        dist.destroy_process_group()
+        if planner is not None:
+            planner.join()
+        dist.barrier()
+        return time.perf_counter() - start, moved
+
+    def close(self) -> None:
+        """End the one-rank loader."""
+        self.local.close()
 
 
 def _spawn(world: int, target: Any, args: tuple[Any, ...]) -> Any:
@@ -232,41 +256,54 @@ def _spawn(world: int, target: Any, args: tuple[Any, ...]) -> Any:
                 p.join()
 
 
-def _predict(terms: dict[str, Any], world: int, count: int, mean_size: float) -> dict[str, float]:
-    # The cost model's epoch time per case: "<kind> <epoch 0 | cached>".
+_TERMS = ("U", "L_plan", "planned_beta", "L_b", "R_b")
+
+
+def _terms_of(epochs: list[dict[str, Any]]) -> dict[str, float]:
+    # One run's terms: the median over its epochs from the caches.
+    return {t: statistics.median(e[t] for e in epochs[1:]) for t in _TERMS}
+
+
+def _predict(
+    round_: dict[str, list[dict[str, Any]]], world: int, count: int, mean_size: float
+) -> dict[str, float]:
+    # One round's cost-model epoch time per case, "<kind> <epoch 0 | cached>", each
+    # locality-aware kind from the terms measured beside its own epochs; the regular loader
+    # (bound by the store) with the U of the default loader's run.
     from feedline.distributed import CostModel
 
     store = RATE / mean_size
     found = {}
-    for kind in _NAMES:
-        cached = kind != "regular"
+    shared = _terms_of(round_["locality-aware"])
+    for kind, epochs in round_.items():
+        first = CostModel(D=count, V=math.inf, R=store, U=shared["U"], R_c=shared["R_b"])
+        found[f"{kind} epoch 0"] = first.epoch_time(world, "regular")
+        if kind == "regular":
+            found[f"{kind} cached"] = found[f"{kind} epoch 0"]
+            continue
+        terms = _terms_of(epochs)
         model = CostModel(
             D=count,
             V=math.inf,  # no training here
             R=store,
             U=terms["U"],
             R_c=terms["R_b"],
-            alpha=1.0 if cached else 0.0,
+            alpha=1.0,
             b=BATCH,
             L_b=terms["L_b"],
-            L_plan=terms.get(f"L_plan {kind}", 0.0),
+            L_plan=terms["L_plan"],
         )
-        beta = terms.get(f"beta {kind}", 0.0)
-        if cached:
-            found[f"{kind} cached"] = model.epoch_time(world, "locality-aware", beta)
-        else:
-            found[f"{kind} cached"] = model.epoch_time(world, "regular")
-        first = CostModel(D=count, V=math.inf, R=store, U=terms["U"], R_c=terms["R_b"], alpha=0.0)
-        found[f"{kind} epoch 0"] = first.epoch_time(world, "regular")
+        found[f"{kind} cached"] = model.epoch_time(world, "locality-aware", terms["planned_beta"])
     return found
 
 
 def _run_world(
-    kind: str, world: int, server: ServerProcess, count: int, epochs: int
+    kind: str, world: int, server: ServerProcess, paths: list[str], count: int, epochs: int
 ) -> list[dict[str, Any]]:
     # Start the ranks, and read the store's counters around each epoch from here.
     before = server.served()["gets"]
-    found: list[dict[str, Any]] = _spawn(world, _rank, (kind, server.url, count, epochs))
+    args = (kind, server.url, paths, count, epochs)
+    found: list[dict[str, Any]] = _spawn(world, _rank, args)
     for epoch in found:  # the store's running count, read by rank 0 after each epoch
         epoch["gets"], before = epoch["gets"] - before, epoch["gets"]
     return found
@@ -317,18 +354,20 @@ def _measure(
     return found
 
 
-def _describe(world: int, terms: list[dict[str, Any]]) -> str:
+def _describe(world: int, rounds: dict[str, list[list[dict[str, Any]]]]) -> str:
     # The cost model's measured terms for one world, the median over the rounds.
-    def mid(key: str, scale: float = 1.0) -> float:
-        return float(statistics.median(t[key] for t in terms)) * scale
+    def mid(kind: str, key: str, scale: float = 1.0) -> float:
+        return float(statistics.median(_terms_of(r)[key] for r in rounds[kind])) * scale
 
+    one, two = "locality-aware", "replicas"
     return (
-        f"{world} ranks, the cost model's terms (every rank at once): U {mid('U'):,.0f} "
-        f"samples/s per rank from its cache, L_b {mid('L_b', 1e3):.2f} ms and R_b "
-        f"{mid('R_b'):,.0f} samples/s (measure_exchange), L_plan "
-        f"{mid('L_plan locality-aware', 1e3):.2f} ms (1 copy) and "
-        f"{mid('L_plan replicas', 1e3):.2f} ms (2 copies), beta from the planner "
-        f"{mid('beta locality-aware', 100):.2f}% and {mid('beta replicas', 100):.3f}%"
+        f"{world} ranks, the cost model's terms (every rank at once, after each epoch from the "
+        f"caches; 1 copy, 2 copies): U {mid(one, 'U'):,.0f}, {mid(two, 'U'):,.0f} samples/s "
+        f"per rank from its cache; L_b {mid(one, 'L_b', 1e3):.2f}, {mid(two, 'L_b', 1e3):.2f} "
+        f"ms and R_b {mid(one, 'R_b'):,.0f}, {mid(two, 'R_b'):,.0f} samples/s "
+        f"(measure_exchange); L_plan {mid(one, 'L_plan', 1e3):.2f}, "
+        f"{mid(two, 'L_plan', 1e3):.2f} ms; beta from the planner "
+        f"{mid(one, 'planned_beta', 100):.2f}%, {mid(two, 'planned_beta', 100):.3f}%"
     )
 
 
@@ -386,21 +425,19 @@ def run(options: BenchOptions) -> ScenarioResult:
     with ServerProcess(files, DELAY, RATE) as server:
         for world in worlds:
             rounds: dict[str, list[list[dict[str, Any]]]] = {k: [] for k in _NAMES}
-            terms: list[dict[str, Any]] = []
+            paths = [str(f) for f in files]
             for round_ in range(repeats):
-                if progress:
-                    progress(f"{world} ranks: the cost model's terms (run {round_ + 1}/{repeats})")
-                barrier = mp.get_context("spawn").Barrier(world)
-                paths = [str(f) for f in files]
-                args = (paths, count, epochs["locality-aware"], barrier)
-                terms.append(_spawn(world, _terms, args))
                 for kind in _NAMES:  # alternating, round by round
                     if progress:
                         progress(f"{world} ranks: {kind} (run {round_ + 1}/{repeats})")
-                    rounds[kind].append(_run_world(kind, world, server, count, epochs[kind]))
-            predictions = [_predict(t, world, count, mean_size) for t in terms]
+                    found = _run_world(kind, world, server, paths, count, epochs[kind])
+                    rounds[kind].append(found)
+            predictions = [
+                _predict({k: runs[i] for k, runs in rounds.items()}, world, count, mean_size)
+                for i in range(repeats)
+            ]
             measurements += _measure(world, count, rounds, predictions)
-            notes.append(_describe(world, terms))
+            notes.append(_describe(world, rounds))
             for kind, runs in rounds.items():
                 gets = statistics.median(sum(e["gets"] for e in epochs) for epochs in runs)
                 notes.append(
@@ -412,7 +449,8 @@ def run(options: BenchOptions) -> ScenarioResult:
         f"the store: D / R + D / (p U), R the store's cap over the mean sample "
         f"({RATE / mean_size:,.0f} samples/s); epochs from the caches (alpha = 1): "
         "beta D / R_b + D / (p U) + steps (L_plan + rounds L_b), with the terms measured "
-        "before each round (the median of the rounds' predictions); model off by: each "
+        "by the same processes after each of its epochs (their medians; the median of the "
+        "rounds' predictions); model off by: each "
         "round's prediction over that round's mean epoch time, minus 1 (the median of the "
         "rounds)",
         "beta: the exchanged share of each global batch (the paper's medians at batch 32: 6.9%;"
