@@ -165,6 +165,81 @@ def test_cpu_work_is_not_raised_past_the_cores() -> None:
     assert stats["_hash"].concurrency <= 4, stats
 
 
+class _ColdStart:
+    """CPU work whose calls in the first 0.15 s also wait (threads starting, cold caches)."""
+
+    def __init__(self, warm_after: float = 0.15) -> None:
+        self.start: float | None = None
+        self.warm_after = warm_after
+
+    def __call__(self, i: int) -> bytes:
+        now = time.perf_counter()
+        if self.start is None:
+            self.start = now
+        if now - self.start < self.warm_after:
+            time.sleep(0.01)
+        return _hash(i)
+
+
+def test_a_raise_judged_against_a_cold_start_on_busy_cores_is_tried_back() -> None:
+    # The first window's rate is held down by the slow first calls: a raise from 2 to 4
+    # looks like it pays. Judged while the work keeps the 2 cores of the budget busy, the
+    # stage is tried at 2 again at once.
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(10**9))
+        .pipe(_ColdStart(), concurrency=Auto(low=1, high=4, start=2), name="decode")
+        .add_sink()
+        .build(cpu_budget=2)
+    )
+    stats, _ = run_for(pipeline, 2.0)
+    tuning = "\n".join(stats.tuning)
+    assert "decode: 2 -> 4 kept" in tuning, tuning
+    assert "decode: trying 2 again" in tuning, tuning
+
+
+def test_a_stage_computing_on_every_busy_core_is_not_tried_at_half() -> None:
+    # Two calls keep two cores busy (a semaphore stands for the cores, so that a bigger
+    # machine gives the same): a raise to 4 does not pay, and half of 2 would idle a core.
+    cores = threading.Semaphore(2)
+
+    def compute(i: int) -> bytes:
+        with cores:
+            return _hash(i)
+
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(10**9))
+        .pipe(compute, concurrency=Auto(low=1, high=4, start=2), name="compute")
+        .add_sink()
+        .build(cpu_budget=4)
+    )
+    seen: list[int] = []
+    stats, _ = run_for(
+        pipeline,
+        2.5,
+        every=lambda t: (
+            seen.append(pipeline.stats()["compute"].concurrency) if len(seen) < t * 20 else None
+        ),
+    )
+    assert any("4 did not pay" in d for d in stats.tuning), stats.tuning
+    assert min(seen) >= 2, (seen, stats.tuning)
+
+
+def test_a_read_raised_on_a_cold_start_is_not_tried_back() -> None:
+    # Calls that wait leave the cores idle: a raise kept against the first window stands.
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(10**9))
+        .pipe(waiting(0.02, "read"), concurrency=Auto(start=2, high=64))
+        .add_sink()
+        .build()
+    )
+    stats, _ = run_for(pipeline, 1.5)
+    assert not any("again" in d for d in stats.tuning), stats.tuning
+    assert stats["read"].concurrency >= 16, stats
+
+
 def test_explicit_concurrency_is_never_changed_and_bounds_hold() -> None:
     seen: list[int] = []
     pipeline = (

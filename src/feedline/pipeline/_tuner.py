@@ -10,24 +10,27 @@ for some items to come out) does one of these:
   the stage's capacity (its concurrency over its mean call time in the window: an op that
   holds the GIL or computes on busy cores only takes longer per call as calls are added).
   Otherwise the failed value becomes the stage's *ceiling*, and the stage is tried at half
-  the concurrency it had: kept if the output rate stays at :data:`KEEP_LOWER` of what it
-  was (an op that holds the GIL or computes may run as fast with less contention), and put
-  back otherwise, that value becoming its *floor* (not tried again). A ceiling holds until
+  the concurrency it had (not below the cores the process kept busy, :data:`LOWER_CORES`):
+  kept if the output rate stays at :data:`KEEP_LOWER` of what it was (an op that holds the
+  GIL or computes may run as fast with less contention), and put back otherwise, that value
+  becoming its *floor* (not tried again). A raise kept against the run's first window on
+  busy cores is tried back at once (:data:`RECHECK_CPU`): the start-up held that window's
+  rate down. A ceiling holds until
   the stage's mean call time, at the concurrency it was kept at, changes by :data:`CHANGED`
   (a slower server, larger items: what did not pay may pay now), or :data:`CEILING_TTL`
   passes; a floor too. Calls that became F times longer make the
   next raise go to F times the concurrency at once (Little's law: the same rate needs F
   times as many calls in flight).
 * **Raise the bottleneck.** Unless the consumer is the slower side (the sink is full most of
-  the window) or the process already uses its CPU budget, the tuned stage whose slots were
-  busiest (at least :data:`BUSY` of the time, not held up by a full output) is doubled
-  within its bound and the memory budget; below a ceiling, it goes halfway to it (while that
-  is a quarter more at least). Doubling reaches the dozens of calls a slow read wants in a
-  few looks; a raise that does not pay is undone at the next. A stage that feeds a tuned
-  stage which waits for items goes at once to the calls in flight that stage's capacity
-  needs (Little's law: its concurrency / its call time x this stage's call time, with
-  :data:`FEED_MARGIN`), if that is more than a doubling, and at most :data:`FEED_MOST`
-  times at once.
+  the window) or the process already uses its CPU budget (:data:`BUSY_CPU` of it), the
+  tuned stage whose slots were busiest (at least :data:`BUSY` of the time, not held up by a
+  full output) is doubled within its bound and the memory budget; below a ceiling, it goes
+  halfway to it (while that is a quarter more at least). Doubling reaches the dozens of
+  calls a slow read wants in a few looks; a raise that does not pay is undone at the next.
+  A stage that feeds a tuned stage which waits for items goes at once to the calls in
+  flight that stage's capacity needs (Little's law: its concurrency / its call time x this
+  stage's call time, with :data:`FEED_MARGIN`), if that is more than a doubling, and at
+  most :data:`FEED_MOST` times at once.
 * **Fewer for a slower consumer.** While the sink is full, the busiest tuned stage is
   tried at half (kept if the output stays as fast, as above): threads that compute take the
   GIL and the cores from the consumer, and calls that wait hold memory it does not need.
@@ -58,9 +61,12 @@ from ._tuning import Tuning
 
 __all__ = [
     "BUSY",
+    "BUSY_CPU",
     "CEILING_TTL",
     "CHANGED",
     "GAIN",
+    "LOWER_CORES",
+    "RECHECK_CPU",
     "SHARE",
     "SIZE_EVERY",
     "TRIM_AFTER",
@@ -101,6 +107,21 @@ flight that stage's capacity needs (see ``Tuner._to_feed``)."""
 
 FEED_MOST = 8
 """The most times its concurrency a raise to feed the next stage goes at once."""
+
+BUSY_CPU = 0.95
+"""The process uses its CPU budget from this share of it on: no stage is raised (more calls
+would only queue for the cores). Not lower: beside a server process on the same 2 cores,
+read + decode kept 1.8 of them busy, and raising its decode from 2 calls to 4 still paid
+(the process's threads took a larger share of the cores)."""
+
+RECHECK_CPU = 0.8
+"""A raise kept against the run's first window is tried back where it was if the process
+used this share of its cores at least in the window that judged it (see ``Tuner._recheck``)."""
+
+LOWER_CORES = 0.9
+"""After a raise that did not pay, the stage is tried at half only if that leaves at least
+this share of the cores the process kept busy in the window as calls (else it would idle
+cores: a stage that computes at one call per core is kept there)."""
 
 JUDGED_RAISE = 4.0
 """A raise of more than this many times must bring what a raise of this many times must."""
@@ -207,6 +228,8 @@ class _Trial:
     rate: float  # the output rate before the raise
     capacity: float  # concurrency / mean call time before the raise: calls it could end per s
     task: float  # the stage's mean call time in the window before the raise
+    cold: bool = False  # decided on the run's first window (its rate held down by start-up)
+    recheck: bool = False  # back below such a raise (see Tuner._recheck)
 
 
 class Tuner:
@@ -320,7 +343,7 @@ class Tuner:
             if rate > 0:  # not a consumer that paused (an evaluation, a checkpoint)
                 self._try_fewer(mark, now, rate)
             return
-        if (now.cpu - mark.cpu) / dt >= 0.95 * self._cores:
+        if (now.cpu - mark.cpu) / dt >= BUSY_CPU * self._cores:
             return  # the cores are busy: more calls in flight would only queue for them
         best: tuple[float, Knob] | None = None
         for i, knob in enumerate(self.knobs):
@@ -356,7 +379,8 @@ class Tuner:
             return
         task = self._task(knob, mark, now)  # at the concurrency the window had
         self._set(knob, target)
-        self._trial = _Trial(knob, c, target, rate, c / task if task > 0 else 0.0, task)
+        capacity = c / task if task > 0 else 0.0
+        self._trial = _Trial(knob, c, target, rate, capacity, task, cold=raise_only)
         # The window of the trial starts once the new calls are under way.
         self._mark = self._take_mark()
         _log.debug("tuner: trying %s at %d (was %d, %.0f items/s)", knob.name, target, c, rate)
@@ -371,6 +395,8 @@ class Tuner:
             as_fast = trial.rate > 0 and rate >= trial.rate * KEEP_LOWER
             if as_fast or self._output_ended():
                 knob.ceiling_task = task  # at the concurrency kept
+                if trial.recheck:  # the raise did not pay after all
+                    knob.ceiling, knob.ceiling_at = trial.before, time.perf_counter()
                 self._note(
                     f"{knob.name}: {trial.before} -> {trial.after} kept, as fast "
                     f"({trial.rate:,.0f} -> {rate:,.0f} items/s)"
@@ -394,7 +420,7 @@ class Tuner:
                 f"{knob.name}: {trial.before} -> {trial.after} kept "
                 f"({trial.rate:,.0f} -> {rate:,.0f} items/s)"
             )
-            return False
+            return self._recheck(trial, rate, mark, now)
         other = self._limiting(mark, now, knob)
         if other is not None and capacity >= trial.capacity * need:
             # The stage can do more, and another tuned stage now limits the output (two
@@ -414,7 +440,14 @@ class Tuner:
             f"{knob.name}: {trial.after} did not pay ({trial.rate:,.0f} -> {rate:,.0f} items/s)"
         )
         lower = max(knob.low, trial.before // 2)
-        if lower < trial.before and (knob.floor is None or lower > knob.floor):
+        # Fewer calls than the cores the process kept busy would leave cores idle: a decode
+        # at one call per core was tried at half, every time, and ran half as fast.
+        busy_cores = (now.cpu - mark.cpu) / (now.t - mark.t)
+        if (
+            lower < trial.before
+            and (knob.floor is None or lower > knob.floor)
+            and lower >= busy_cores * LOWER_CORES
+        ):
             # Try fewer: an op that holds the GIL or computes on busy cores may run as fast
             # with less contention, and holds less memory.
             self._set(knob, lower)
@@ -476,6 +509,24 @@ class Tuner:
         self._set(knob, lower)
         self._trial = _Trial(knob, c, lower, rate, 0.0, task)
         self._mark = self._take_mark()
+
+    def _recheck(self, trial: _Trial, rate: float, mark: _Mark, now: _Mark) -> bool:
+        # A raise kept against the run's first window compared a rate that the start-up
+        # held down (threads starting, cold caches, first calls slow). Where the cores were
+        # already mostly busy, the gain may be that alone: a JPEG decode went from one call
+        # per core to two and stayed there, 15% slower. The stage is tried where it was at
+        # once: kept if as fast, else put back (see _judge). Returns whether it was.
+        dt = now.t - mark.t
+        if not trial.cold or (now.cpu - mark.cpu) / dt < RECHECK_CPU * self._cores:
+            return False
+        knob = trial.knob
+        self._set(knob, trial.before)
+        task = self._task(knob, mark, now)
+        self._trial = _Trial(knob, trial.after, trial.before, rate, 0.0, task, recheck=True)
+        self._note(
+            f"{knob.name}: trying {trial.before} again, the raise was judged against the start-up"
+        )
+        return True
 
     def _trim(self, mark: _Mark, now: _Mark, dt: float) -> None:
         for i, knob in enumerate(self.knobs):
