@@ -46,6 +46,16 @@ def run_for(
     return stats, marks
 
 
+def sampler(pipeline: Pipeline[Any], stage: str, seen: list[int]) -> Callable[[float], None]:
+    """For ``run_for``'s ``every``: appends ``stage``'s concurrency to ``seen`` 20 times a s."""
+
+    def every(t: float) -> None:
+        if len(seen) < t * 20:
+            seen.append(pipeline.stats()[stage].concurrency)
+
+    return every
+
+
 def rate_between(marks: list[tuple[float, int]], start: float, end: float) -> float:
     inside = [(t, n) for t, n in marks if start <= t <= end]
     (t0, n0), (t1, n1) = inside[0], inside[-1]
@@ -137,9 +147,7 @@ def test_a_stage_that_holds_the_gil_is_not_raised_for_nothing() -> None:
     stats, _ = run_for(
         pipeline,
         3.0,
-        every=lambda t: (
-            seen.append(pipeline.stats()["_spin"].concurrency) if len(seen) < t * 20 else None
-        ),
+        every=sampler(pipeline, "_spin", seen),
     )
     # Raises do not pay (the capacity per call falls as calls are added) and are undone;
     # one may be under way when the loop ends.
@@ -218,9 +226,7 @@ def test_a_stage_computing_on_every_busy_core_is_not_tried_at_half() -> None:
     stats, _ = run_for(
         pipeline,
         2.5,
-        every=lambda t: (
-            seen.append(pipeline.stats()["compute"].concurrency) if len(seen) < t * 20 else None
-        ),
+        every=sampler(pipeline, "compute", seen),
     )
     assert any("4 did not pay" in d for d in stats.tuning), stats.tuning
     assert min(seen) >= 2, (seen, stats.tuning)
@@ -253,9 +259,7 @@ def test_explicit_concurrency_is_never_changed_and_bounds_hold() -> None:
     stats, _ = run_for(
         pipeline,
         2.5,
-        every=lambda t: (
-            seen.append(pipeline.stats()["read"].concurrency) if len(seen) < t * 20 else None
-        ),
+        every=sampler(pipeline, "read", seen),
     )
     assert stats["fixed"].concurrency == 3
     assert not any(d.startswith("fixed") or " fixed:" in d for d in stats.tuning)
