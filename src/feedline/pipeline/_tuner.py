@@ -13,9 +13,9 @@ for some items to come out) does one of these:
   the concurrency it had (not below the cores the process kept busy, :data:`LOWER_CORES`):
   kept if the output rate stays at :data:`KEEP_LOWER` of what it was (an op that holds the
   GIL or computes may run as fast with less contention), and put back otherwise, that value
-  becoming its *floor* (not tried again). A raise kept against the run's first window on
-  busy cores is tried back at once (:data:`RECHECK_CPU`): the start-up held that window's
-  rate down. A ceiling holds until
+  becoming its *floor* (not tried again). A raise kept against the run's first window,
+  decided and judged on busy cores (:data:`RECHECK_CPU`), is tried back at once: the
+  start-up held that window's rate down. A ceiling holds until
   the stage's mean call time, at the concurrency it was kept at, changes by :data:`CHANGED`
   (a slower server, larger items: what did not pay may pay now), or :data:`CEILING_TTL`
   passes; a floor too. Calls that became F times longer make the
@@ -116,12 +116,13 @@ read + decode kept 1.8 of them busy, and raising its decode from 2 calls to 4 st
 
 RECHECK_CPU = 0.8
 """A raise kept against the run's first window is tried back where it was if the process
-used this share of its cores at least in the window that judged it (see ``Tuner._recheck``)."""
+kept this share of its CPU budget busy at least in that window and in the one that judged it
+(see ``Tuner._recheck``)."""
 
 LOWER_CORES = 0.9
-"""After a raise that did not pay, the stage is tried at half only if that leaves at least
-this share of the cores the process kept busy in the window as calls (else it would idle
-cores: a stage that computes at one call per core is kept there)."""
+"""After a raise that did not pay, the stage is tried at half, but not at fewer calls than
+this share of the cores the process kept busy in the window (they would idle: a stage that
+computes at one call per core is kept there)."""
 
 JUDGED_RAISE = 4.0
 """A raise of more than this many times must bring what a raise of this many times must."""
@@ -228,7 +229,9 @@ class _Trial:
     rate: float  # the output rate before the raise
     capacity: float  # concurrency / mean call time before the raise: calls it could end per s
     task: float  # the stage's mean call time in the window before the raise
-    cold: bool = False  # decided on the run's first window (its rate held down by start-up)
+    # Decided on the run's first window (its rate held down by the start-up): the cores the
+    # process kept busy in it, as a share of its budget; None otherwise.
+    cold_cpu: float | None = None
     recheck: bool = False  # back below such a raise (see Tuner._recheck)
 
 
@@ -319,12 +322,14 @@ class Tuner:
         if current.out - mark.out < _MIN_ITEMS and dt < _MAX_WINDOW:
             return
         # A window shorter than _MIN_WINDOW only decides a raise (or nothing).
-        self._decide(mark, current, raise_only=dt < _MIN_WINDOW)
+        self._decide(mark, current, raise_only=dt < _MIN_WINDOW, first=first)
         self._first = False
 
     # -- decisions -------------------------------------------------------------------------------
 
-    def _decide(self, mark: _Mark, now: _Mark, raise_only: bool = False) -> None:
+    def _decide(
+        self, mark: _Mark, now: _Mark, raise_only: bool = False, first: bool = False
+    ) -> None:
         dt = now.t - mark.t
         rate = (now.out - mark.out) / dt
         trial, self._trial = self._trial, None
@@ -380,7 +385,8 @@ class Tuner:
         task = self._task(knob, mark, now)  # at the concurrency the window had
         self._set(knob, target)
         capacity = c / task if task > 0 else 0.0
-        self._trial = _Trial(knob, c, target, rate, capacity, task, cold=raise_only)
+        cold = (now.cpu - mark.cpu) / dt / self._cores if first else None
+        self._trial = _Trial(knob, c, target, rate, capacity, task, cold_cpu=cold)
         # The window of the trial starts once the new calls are under way.
         self._mark = self._take_mark()
         _log.debug("tuner: trying %s at %d (was %d, %.0f items/s)", knob.name, target, c, rate)
@@ -439,15 +445,13 @@ class Tuner:
         self._note(
             f"{knob.name}: {trial.after} did not pay ({trial.rate:,.0f} -> {rate:,.0f} items/s)"
         )
-        lower = max(knob.low, trial.before // 2)
-        # Fewer calls than the cores the process kept busy would leave cores idle: a decode
-        # at one call per core was tried at half, every time, and ran half as fast.
+        # Half, but not fewer calls than the cores the process kept busy: they would idle
+        # (a decode at one call per core was tried at half, every time, and ran half as
+        # fast). The process's CPU may be another stage's, or the consumer's: that only
+        # keeps this stage higher than it needs.
         busy_cores = (now.cpu - mark.cpu) / (now.t - mark.t)
-        if (
-            lower < trial.before
-            and (knob.floor is None or lower > knob.floor)
-            and lower >= busy_cores * LOWER_CORES
-        ):
+        lower = max(knob.low, trial.before // 2, math.ceil(LOWER_CORES * busy_cores))
+        if lower < trial.before and (knob.floor is None or lower > knob.floor):
             # Try fewer: an op that holds the GIL or computes on busy cores may run as fast
             # with less contention, and holds less memory.
             self._set(knob, lower)
@@ -513,16 +517,34 @@ class Tuner:
     def _recheck(self, trial: _Trial, rate: float, mark: _Mark, now: _Mark) -> bool:
         # A raise kept against the run's first window compared a rate that the start-up
         # held down (threads starting, cold caches, first calls slow). Where the cores were
-        # already mostly busy, the gain may be that alone: a JPEG decode went from one call
-        # per core to two and stayed there, 15% slower. The stage is tried where it was at
-        # once: kept if as fast, else put back (see _judge). Returns whether it was.
-        dt = now.t - mark.t
-        if not trial.cold or (now.cpu - mark.cpu) / dt < RECHECK_CPU * self._cores:
+        # already mostly busy in that window, and still are, the gain may be that alone: a
+        # JPEG decode went from one call per core to two and stayed there, 15% slower. The
+        # stage is tried back at once, unless that would leave busy cores without a call:
+        # kept if as fast (the raise becomes its ceiling), else put back with the lower value
+        # as its floor (see _judge). Returns whether it was tried.
+        knob, cores = trial.knob, self._cores
+        busy = (now.cpu - mark.cpu) / (now.t - mark.t)
+        if (
+            trial.cold_cpu is None
+            or trial.cold_cpu < RECHECK_CPU
+            or busy < RECHECK_CPU * cores
+            or trial.before < LOWER_CORES * busy
+            or knob.concurrency != trial.after
+            or self._output_ended()
+        ):
             return False
-        knob = trial.knob
         self._set(knob, trial.before)
         task = self._task(knob, mark, now)
-        self._trial = _Trial(knob, trial.after, trial.before, rate, 0.0, task, recheck=True)
+        # A trial of fewer calls: from the raised value back to where it was.
+        self._trial = _Trial(
+            knob,
+            before=trial.after,
+            after=trial.before,
+            rate=rate,
+            capacity=0.0,
+            task=task,
+            recheck=True,
+        )
         self._note(
             f"{knob.name}: trying {trial.before} again, the raise was judged against the start-up"
         )
