@@ -13,10 +13,10 @@ measured without processes.
 The cost model predicts every epoch. Its terms are measured by the ranks' own processes,
 each right after the epoch from the caches it predicts, every rank at once (so that they
 share the cores as in the epoch, and the shared machine's drift reaches both alike): ``U``
-as each rank serving its share from its cache alone (a one-rank loader), ``L_plan`` as every
-rank planning that epoch's steps, ``L_b`` and ``R_b`` by :func:`measure_exchange`, and
-``beta`` from the plans; ``R`` is the store's cap. Each round's prediction (from the medians
-of its terms) is compared with that round's epochs.
+as each rank serving its share from its cache alone (a one-rank loader), ``L_plan`` as what
+planning that epoch's steps adds to that loader's epoch when it runs beside it, ``L_b`` and
+``R_b`` by :func:`measure_exchange`, and ``beta`` from the plans; ``R`` is the store's cap.
+Each round's prediction (from the medians of its terms) is compared with that round's epochs.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing as mp
+import queue
 import socket
 import statistics
 import time
@@ -97,12 +98,13 @@ def _rank(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # Before joining the group: its one-rank loader must not take the group's ranks.
+    terms = None if kind == "regular" else _Terms(rank, world, paths, count, kind)
     _join(rank, world, port)
+    loader: Any = None
     try:
         samples: Any = _Raw(HttpDataset(url, count, decode=False))
-        loader: Any
-        sampler: Any
-        terms: _Terms | None = None
+        sampler: Any = None
         if kind == "regular":
             from torch.utils.data import DistributedSampler
 
@@ -113,12 +115,10 @@ def _rank(
         else:
             from feedline.distributed import DistributedLoader
 
-            sampler = None
             copies = 2.0 if kind == "replicas" else 1.0
             loader = DistributedLoader(
                 samples, batch_size=BATCH, collate_fn=list, seed=0, replicas=copies
             )
-            terms = _Terms(rank, world, paths, count, copies)
         found = []
         for epoch in range(epochs):
             (sampler or loader).set_epoch(epoch)
@@ -147,26 +147,27 @@ def _rank(
             if terms is not None:
                 figures.update(terms.measure(epoch))
             found.append(figures)
-        if sampler is None:
-            loader.close()
-        if terms is not None:
-            terms.close()
         if rank == 0:
             out.put(json.dumps(found))
     finally:
+        if terms is not None:
+            terms.close()
+        if loader is not None and hasattr(loader, "close"):
+            loader.close()
         dist.destroy_process_group()
 
 
 class _Terms:
     """One rank's part in measuring the cost model's terms, epoch by epoch.
 
-    ``U``: this rank's share served from its cache by a one-rank loader; ``L_plan``: the
-    epoch's steps planned as the loader plans them; ``beta``: from those plans; ``L_b`` and
-    ``R_b``: :func:`measure_exchange`. Every rank measures at once, between barriers, so that
-    they share the cores as in the epoch.
+    ``U``: this rank's share served from its cache by a one-rank loader (made before the
+    process joins the group, so that it stays one rank); ``L_plan``: what planning the
+    epoch's steps, as the loader plans them, adds to that loader's epoch beside it;
+    ``beta``: from those plans; ``L_b`` and ``R_b``: :func:`measure_exchange`. Every rank
+    measures at once, between barriers, so that they share the cores as in the epoch.
     """
 
-    def __init__(self, rank: int, world: int, paths: list[str], count: int, copies: float):
+    def __init__(self, rank: int, world: int, paths: list[str], count: int, kind: str):
         from feedline.distributed import DistributedLoader, GlobalSequence, holders
         from feedline.distributed._placement import second_copies
 
@@ -176,9 +177,10 @@ class _Terms:
         self.share = samples[rank::world]
         self.mean = round(statistics.fmean(len(s) for s in samples))
         self.local: Any = DistributedLoader(self.share, batch_size=BATCH, collate_fn=list, seed=0)
+        assert self.local.world_size == 1, "the one-rank loader took a process group's ranks"
         self.sequence = GlobalSequence(count, world, BATCH, seed=0)
         self.placed = holders(count, world, seed=0, replicas=2)
-        self.second = second_copies(self.placed, 0, 1.0) if copies > 1 else None
+        self.second = second_copies(self.placed, 0, 1.0) if kind == "replicas" else None
 
     def measure(self, epoch: int) -> dict[str, float]:
         """The terms for ``epoch`` (nothing for the first: its local epoch fills the cache)."""
@@ -189,12 +191,12 @@ class _Terms:
             return {}
         # The loader plans on a thread of its own beside the rest of its work, which made
         # planning cost half as much again as alone (caches, switches): plan beside the
-        # one-rank loader's epoch, and count what that adds.
+        # one-rank loader's epoch, and count what that adds (noise either way included).
         beside, moved = self._local_epoch(epoch, plan=True)
-        cost = measure_exchange(self.mean, rounds=10)
+        cost = measure_exchange(self.mean, rounds=10)  # per epoch: the median over epochs
         return {
             "U": len(self.share) / alone,
-            "L_plan": max(0.0, beside - alone) / self.sequence.steps,
+            "L_plan": (beside - alone) / self.sequence.steps,
             "planned_beta": moved / (self.sequence.steps * self.world * BATCH),
             "L_b": cost.L_b,
             "R_b": cost.R_b,
@@ -224,10 +226,12 @@ class _Terms:
         start = time.perf_counter()
         if planner is not None:
             planner.start()
-        for _ in self.local:
-            pass
-        if planner is not None:
-            planner.join()
+        try:
+            for _ in self.local:
+                pass
+        finally:
+            if planner is not None:
+                planner.join()
         dist.barrier()
         return time.perf_counter() - start, moved
 
@@ -247,7 +251,18 @@ def _spawn(world: int, target: Any, args: tuple[Any, ...]) -> Any:
     for p in procs:
         p.start()
     try:
-        return json.loads(out.get(timeout=1800))
+        deadline = time.monotonic() + 1800
+        while True:
+            try:
+                return json.loads(out.get(timeout=1.0))
+            except queue.Empty:
+                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if failed:  # the others would wait at a barrier for gloo's timeout
+                    codes = ", ".join(f"rank {r}: {procs[r].exitcode}" for r in failed)
+                    message = f"a rank process failed ({codes}); see its traceback"
+                    raise RuntimeError(message) from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the ranks did not report within 30 minutes") from None
     finally:
         for p in procs:
             p.join(60)
@@ -291,7 +306,7 @@ def _predict(
             alpha=1.0,
             b=BATCH,
             L_b=terms["L_b"],
-            L_plan=terms["L_plan"],
+            L_plan=max(0.0, terms["L_plan"]),
         )
         found[f"{kind} cached"] = model.epoch_time(world, "locality-aware", terms["planned_beta"])
     return found
