@@ -290,11 +290,12 @@ def _predict(
     store = RATE / mean_size
     found = {}
     shared = _terms_of(round_["locality-aware"])
+    first = CostModel(D=count, V=math.inf, R=store, U=shared["U"], R_c=shared["R_b"])
+    reading = first.epoch_time(world, "regular")
     for kind, epochs in round_.items():
-        first = CostModel(D=count, V=math.inf, R=store, U=shared["U"], R_c=shared["R_b"])
-        found[f"{kind} epoch 0"] = first.epoch_time(world, "regular")
+        found[f"{kind} epoch 0"] = reading
         if kind == "regular":
-            found[f"{kind} cached"] = found[f"{kind} epoch 0"]
+            found[f"{kind} cached"] = reading
             continue
         terms = _terms_of(epochs)
         model = CostModel(

@@ -348,7 +348,7 @@ class Tuner:
             if rate > 0:  # not a consumer that paused (an evaluation, a checkpoint)
                 self._try_fewer(mark, now, rate)
             return
-        if (now.cpu - mark.cpu) / dt >= BUSY_CPU * self._cores:
+        if _cores_busy(mark, now) >= BUSY_CPU * self._cores:
             return  # the cores are busy: more calls in flight would only queue for them
         best: tuple[float, Knob] | None = None
         for i, knob in enumerate(self.knobs):
@@ -385,7 +385,7 @@ class Tuner:
         task = self._task(knob, mark, now)  # at the concurrency the window had
         self._set(knob, target)
         capacity = c / task if task > 0 else 0.0
-        cold = (now.cpu - mark.cpu) / dt / self._cores if first else None
+        cold = _cores_busy(mark, now) / self._cores if first else None
         self._trial = _Trial(knob, c, target, rate, capacity, task, cold_cpu=cold)
         # The window of the trial starts once the new calls are under way.
         self._mark = self._take_mark()
@@ -449,7 +449,7 @@ class Tuner:
         # (a decode at one call per core was tried at half, every time, and ran half as
         # fast). The process's CPU may be another stage's, or the consumer's: that only
         # keeps this stage higher than it needs.
-        busy_cores = (now.cpu - mark.cpu) / (now.t - mark.t)
+        busy_cores = _cores_busy(mark, now)
         lower = max(knob.low, trial.before // 2, math.ceil(LOWER_CORES * busy_cores))
         if lower < trial.before and (knob.floor is None or lower > knob.floor):
             # Try fewer: an op that holds the GIL or computes on busy cores may run as fast
@@ -523,7 +523,7 @@ class Tuner:
         # kept if as fast (the raise becomes its ceiling), else put back with the lower value
         # as its floor (see _judge). Returns whether it was tried.
         knob, cores = trial.knob, self._cores
-        busy = (now.cpu - mark.cpu) / (now.t - mark.t)
+        busy = _cores_busy(mark, now)
         if (
             trial.cold_cpu is None
             or trial.cold_cpu < RECHECK_CPU
@@ -680,6 +680,11 @@ class Tuner:
         calls = now.calls[i] - mark.calls[i]
         busy = now.busy[i] - mark.busy[i]
         return busy / calls if calls > 0 and busy > 0 else 0.0
+
+
+def _cores_busy(mark: _Mark, now: _Mark) -> float:
+    """The cores the process kept busy between two marks, on average."""
+    return (now.cpu - mark.cpu) / (now.t - mark.t)
 
 
 def _raisable(knob: Knob) -> bool:
