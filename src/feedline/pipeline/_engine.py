@@ -153,8 +153,8 @@ class Run:
 
     def _growth(self, index: int, capacity: int) -> Growth | None:
         # How the channel after stage ``index`` (0: the source) may grow, if at all: the sink
-        # when it has the default size, a queue between stages when it has the default size
-        # and both its stages are cheap (see _growth).
+        # when it has the default size, a queue between stages when it has the default size,
+        # its producer is cheap and its consumer light, also when it is filled (see _growth).
         config = self.config
         sink_bytes, queue_bytes = SINK_GROW_BYTES, QUEUE_GROW_BYTES
         if config.tuning is not None and config.tuning.memory_budget is not None:
@@ -173,7 +173,8 @@ class Run:
             capacity,
             MAX_DEFAULT_SINK,
             queue_bytes,
-            lambda: stages[index].cheap() and stages[index + 1].cheap(),
+            lambda: stages[index].cheap() and stages[index + 1].light(),
+            on_fill=True,
         )
 
     @staticmethod

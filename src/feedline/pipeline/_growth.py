@@ -80,20 +80,23 @@ class Growth:
     """How one channel grows: its limits, and when it last tried.
 
     The channel calls :meth:`found_empty` (with its lock held) when its consumer finds it empty,
-    and measures the item that follows with :meth:`target` if that returns true, and one item
-    in :data:`RECHECK` while grown. A doubling that changes nothing (at a limit) makes the
-    channel stop asking for a while, so that a channel that cannot grow does not measure an
-    item at every turn: first for :data:`RECHECK` items taken, then twice as many each time,
-    up to :data:`MAX_QUIET`.
+    and :meth:`found_full` when its producer fills it; it measures the item that follows with
+    :meth:`target` if that returns true, and one item in :data:`RECHECK` while grown. A
+    doubling that changes nothing (at a limit) makes the channel stop asking for a while, so
+    that a channel that cannot grow does not measure an item at every turn: first for
+    :data:`RECHECK` items taken, then twice as many each time, up to :data:`MAX_QUIET`.
 
     Args:
         start: The channel's first capacity; it never shrinks below it.
         grow_to: The most items it grows to.
         grow_bytes: The most bytes of items like the one measured it grows to hold.
         allowed: Whether the channel may be above its start now (``None``: always). Between
-            stages: whether both neighbours are cheap, since only then does a hand-over cost
-            as much as the work it hands over. A grown channel that is no longer allowed
-            shrinks back to its start at its next measure.
+            stages: whether its producer is cheap and its consumer light, since only then
+            does a hand-over cost much next to the work it hands over. A grown channel that
+            is no longer allowed shrinks back to its start at its next measure.
+        on_fill: Whether it also doubles when its producer fills it (while allowed): a cheap
+            producer that refills half the channel per turn, run by the consumer's own
+            thread, never lets the consumer find it empty, yet pays a turn per few items.
 
     """
 
@@ -106,6 +109,7 @@ class Growth:
         "first",
         "grow_bytes",
         "grow_to",
+        "on_fill",
         "start",
     )
 
@@ -117,12 +121,14 @@ class Growth:
         grow_to: int,
         grow_bytes: int,
         allowed: Callable[[], bool] | None = None,
+        on_fill: bool = False,
     ) -> None:
         self.start = start  # the size it shrinks back to
         self.first = start  # the size the build gave it
         self.grow_to = grow_to
         self.grow_bytes = grow_bytes
         self._allowed = allowed
+        self.on_fill = on_fill
         self._fills_seen = 0  # the channel's fills when its consumer last found it empty
         self._doubling = False  # the next item measured decides a doubling
         self._quiet = RECHECK  # items taken without a doubling after one that changed nothing
@@ -149,6 +155,17 @@ class Growth:
         if fills == self._fills_seen or gets < self._quiet_until:
             return False
         self._fills_seen = fills
+        self._doubling = True
+        return True
+
+    def found_full(self, gets: int) -> bool:
+        """Whether to measure the next item, now that the producer filled the channel.
+
+        Yes for a channel that grows on fills (``on_fill``) while it is allowed to, unless a
+        recent doubling changed nothing. Called with the channel's lock held.
+        """
+        if not self.on_fill or gets < self._quiet_until or not self.allowed():
+            return False
         self._doubling = True
         return True
 

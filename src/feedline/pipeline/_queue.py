@@ -225,8 +225,7 @@ class Channel:
             if n == 0:
                 self._end_empty(t)
             if n + 1 == self.capacity:
-                self._full_since = t
-                self.fills += 1
+                self._filled(t)
             self._put_sum += t
             self.last_put = now
             items.append(item)
@@ -263,8 +262,7 @@ class Channel:
             if n == 0:
                 self._end_empty(t)
             if n + k == self.capacity:
-                self._full_since = t
-                self.fills += 1
+                self._filled(t)
             self._put_sum += k * t
             self.last_put = now
             items.extend(batch if k == len(batch) else itertools.islice(batch, k))
@@ -275,6 +273,13 @@ class Channel:
         return k
 
     # The helpers below are called with the lock held; t is the time since _t0.
+
+    def _filled(self, t: float) -> None:
+        self._full_since = t
+        self.fills += 1
+        growth = self._growth
+        if growth is not None and growth.found_full(self._gets):
+            self._measure_at = self._gets + 1
 
     def _end_empty(self, t: float) -> None:
         if self._empty_since is not None:
