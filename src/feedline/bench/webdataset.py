@@ -6,8 +6,14 @@ runs: ``webdataset.WebDataset`` over the shards' URLs (read with ``curl``, its d
 HTTP), decoding each sample in a ``map``, batched, in PyTorch's DataLoader with 1, 2 and 4
 workers (each worker reads its own shards); ratios are to the best of them, round by round.
 feedline: ``TarShards`` over a ``RemoteStore`` as the source of a pipeline that decodes on
-as many threads as there are cores. Both decode with ``feedline.io.decode_image``, so the
-figures compare the loaders. Items are samples per second over a whole epoch.
+as many threads as there are cores. Two cases:
+
+* both decode with ``feedline.io.decode_image``, so the figures compare the loaders alone;
+* WebDataset decodes as its users write it, ``.decode("pil")`` and a Pillow resize (what
+  torchvision's ``Resize`` does on a PIL image), and feedline as above: the whole of what a
+  WebDataset user would switch from.
+
+Items are samples per second over a whole epoch.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ BATCH = 32
 DELAY = 0.020
 WDS = "webdataset + DataLoader"
 BEST = f"{WDS} (best of its workers, per round)"
+PIL = "Pillow"  # the marker of the case where WebDataset decodes as its users write it
 
 
 def _decode(sample: dict[str, Any]) -> tuple[Any, int]:
@@ -40,6 +47,18 @@ def _decode(sample: dict[str, Any]) -> tuple[Any, int]:
 
     image = decode_image(sample["jpg"], size=(224, 224))  # bytes or a view: not copied
     return torch.from_numpy(image), int(bytes(sample["cls"]))
+
+
+def _pil_decode(sample: dict[str, Any]) -> tuple[Any, int]:
+    # What a WebDataset user writes: .decode("pil") made the picture a PIL image; resized
+    # with Pillow's antialiased bilinear filter (torchvision's Resize on a PIL image).
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    image = sample["jpg"].convert("RGB").resize((224, 224), Image.Resampling.BILINEAR)
+    label = sample["cls"]
+    return torch.from_numpy(np.array(image)), int(label if isinstance(label, int) else bytes(label))
 
 
 def _write_shards(folder: Path, pictures: list[Path], shards: int, per_shard: int) -> list[Path]:
@@ -68,16 +87,14 @@ def _count(batches: Any) -> tuple[int, float]:
     return items, time.perf_counter() - start
 
 
-def _webdataset(urls: list[str], workers: int) -> tuple[int, float]:
+def _webdataset(urls: list[str], workers: int, pil: bool = False) -> tuple[int, float]:
     import torch
     import webdataset as wds
 
     start = time.perf_counter()
-    dataset = (
-        wds.WebDataset(urls, shardshuffle=False, empty_check=False)
-        .map(_decode)
-        .batched(BATCH, partial=True)
-    )
+    dataset = wds.WebDataset(urls, shardshuffle=False, empty_check=False)
+    dataset = dataset.decode("pil").map(_pil_decode) if pil else dataset.map(_decode)
+    dataset = dataset.batched(BATCH, partial=True)
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
     items, _ = _count(loader)
     return items, time.perf_counter() - start
@@ -120,23 +137,32 @@ def run(options: BenchOptions) -> ScenarioResult:
         f"{shards} shards of {per_shard} JPEGs ({megabytes / shards:,.0f} MB) from HTTP with "
         f"{DELAY * 1e3:.0f} ms per request, to batches of {BATCH} at 224x224"
     )
+    found: list[Measurement] = []
     with ServerProcess(paths, DELAY) as server:
         urls = [f"{server.url}/{n}" for n in range(shards)]
-        contenders = [
-            Contender(f"{WDS}, workers={w}", functools.partial(_webdataset, urls, w))
-            for w in ((2,) if options.quick else (1, 2, 4))
-        ]
         keys = [str(n) for n in range(shards)]
         feedline = "feedline TarShards + pipeline"
-        contenders.append(
-            Contender(feedline, functools.partial(_feedline_shards, server.url, keys))
-        )
-        found = alternate(case, contenders, repeats, None, options.progress)
-    _to_best(found)
+        for pil in (False, True):
+            name = f"{WDS}, {PIL} decode" if pil else WDS
+            contenders = [
+                Contender(f"{name}, workers={w}", functools.partial(_webdataset, urls, w, pil))
+                for w in ((2,) if options.quick else (1, 2, 4))
+            ]
+            contenders.append(
+                Contender(feedline, functools.partial(_feedline_shards, server.url, keys))
+            )
+            where = "the same shards, WebDataset decoding with Pillow" if pil else case
+            measured = alternate(where, contenders, repeats, None, options.progress)
+            _to_best(measured)
+            found += measured
     notes = [
         jpeg_source(options.data_dir),
         f"{repeats} alternating run(s) per contender, medians; samples/s over a whole epoch, "
-        f"start included; each ratio is to the best {WDS} of the same round",
+        f"start included; each ratio is to the best {WDS} of the same round and case",
+        "feedline decodes with feedline.io.decode_image in both cases; WebDataset with it in "
+        'the first case (the loaders compared alone), with .decode("pil") and a Pillow '
+        "resize to 224x224 (bilinear, antialiased: torchvision's Resize on a PIL image) in "
+        "the second (what its users write)",
     ]
     return make_result(
         "webdataset",
