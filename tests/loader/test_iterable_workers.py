@@ -149,3 +149,29 @@ def test_resuming_with_another_worker_count_is_refused(before: int, after: int) 
     with pytest.raises(ConfigurationError, match=f"num_workers={before}"):
         list(resumed)
     no_children_left()
+
+
+class _Counting(torch.utils.data.IterableDataset[int]):
+    """Counts how far it has been read."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.read = 0
+
+    def __iter__(self) -> Any:
+        for i in range(self.n):
+            self.read = i + 1
+            yield i
+
+
+def test_an_iterable_dataset_in_the_loaders_process_is_read_only_a_few_batches_ahead() -> None:
+    # A cheap dataset feeding a cheap collation: the queue between them must not grow to 64
+    # batches, as a pipeline's default queue would. Prefetching asks for a few.
+    dataset = _Counting(20_000)
+    loader = DataLoader(dataset, batch_size=4)
+    ahead = []
+    for k, batch in enumerate(loader):
+        if k in (200, 1000, 3000):
+            ahead.append(dataset.read - (int(batch[-1]) + 1))
+    assert len(ahead) == 3
+    assert max(ahead) <= 4 * (4 + loader.in_flight + 2), ahead

@@ -7,12 +7,14 @@ import dataclasses
 import json
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 
 from feedline import PipelineBuilder
+from feedline.errors import ConfigurationError
 from feedline.pipeline._growth import Growth, approx_nbytes
 from feedline.pipeline._queue import EMPTY, Channel
 from feedline.pipeline._resume import Tagged
@@ -264,7 +266,7 @@ def test_a_batched_get_measures_the_item_at_the_measure_point() -> None:
 
 def test_a_channel_grows_only_while_its_growth_allows() -> None:
     allow = False
-    channel = Channel("q", 2, Growth(2, 64, 64 * MiB, lambda: allow))
+    channel = Channel("q", 2, Growth(2, 64, 64 * MiB, lambda _n: allow))
 
     def three_turns() -> int:
         for _ in range(3):  # each: full, found empty, one more item taken
@@ -293,7 +295,7 @@ def _refill_turns(channel: Channel, turns: int) -> None:
 
 def test_a_channel_that_grows_on_fills_doubles_though_never_found_empty() -> None:
     allow = False
-    channel = Channel("q", 4, Growth(4, 64, 64 * MiB, lambda: allow, on_fill=True))
+    channel = Channel("q", 4, Growth(4, 64, 64 * MiB, lambda _n: allow, on_fill=True))
     _refill_turns(channel, 5)
     assert channel.capacity == 4  # not while its neighbours forbid it
     allow = True
@@ -302,6 +304,88 @@ def test_a_channel_that_grows_on_fills_doubles_though_never_found_empty() -> Non
     fixed = Channel("q", 4, Growth(4, 64, 64 * MiB, on_fill=False))
     _refill_turns(fixed, 10)
     assert fixed.capacity == 4  # found empty never: no growth without on_fill
+
+
+def test_one_fill_doubles_a_channel_once_whether_or_not_it_is_then_found_empty() -> None:
+    channel = Channel("q", 4, Growth(4, 64, 64 * MiB, on_fill=True))
+    _fill(channel, 1)  # a fill: the next item taken is measured, and doubles the channel
+    _drain(channel)  # found empty after that same fill: no second doubling
+    channel.try_put(1)
+    channel.try_get()
+    assert channel.capacity == 8
+
+
+def test_a_channel_growing_on_fills_at_its_byte_limit_backs_off() -> None:
+    channel = Channel("q", 4, Growth(4, 64, 4 * MiB, on_fill=True))  # four such items fit
+    item = _Counted()
+    _Counted.asked = 0
+    for _ in range(2000):  # about 4,000 items taken, 2,000 fills that each ask to grow
+        _fill(channel, item)
+        _drain(channel)
+    assert channel.capacity == 4
+    # Quiet for 64, 128, ... 4,096 items after each doubling that changed nothing.
+    assert 3 <= _Counted.asked <= 10
+
+
+def test_the_allowance_is_asked_for_the_capacity_to_double_from() -> None:
+    asked: list[int] = []
+
+    def below_16(n: int) -> bool:
+        asked.append(n)
+        return n < 16
+
+    channel = Channel("q", 4, Growth(4, 64, 64 * MiB, below_16, on_fill=True))
+    _refill_turns(channel, 6)
+    assert channel.capacity == 16  # 4 -> 8 -> 16, not from 16
+    assert {4, 8, 16} <= set(asked)
+
+
+def test_items_of_mixed_sizes_size_a_channel_for_the_large_ones() -> None:
+    growth = Growth(2, 64, 16 * MiB)
+    large, small = np.zeros(4 * MiB, np.uint8), np.zeros(64, np.uint8)
+    assert growth.limit(large) == 4
+    # One small item measured after a large one must not open the channel to 64 of them:
+    # the size falls by an eighth of the way per item measured.
+    assert growth.limit(small) == 4
+    assert [growth.limit(small) for _ in range(3)][-1] <= 8
+    assert max(growth.limit(small) for _ in range(100)) == 64  # in the end it does fall
+
+
+def _spin(seconds: float) -> Callable[[int], int]:
+    def spin(x: int) -> int:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+        return x
+
+    return spin
+
+
+def test_the_queue_from_a_cheap_source_to_an_op_of_real_work_stays_small() -> None:
+    # 150 us per call: 8 items would be more than QUEUE_SPAN (1 ms) of it, so the source's
+    # queue keeps its first size, however often the source fills it.
+    p = PipelineBuilder().add_source(range(3000)).pipe(_spin(150e-6), name="work").build()
+    with p.auto_stop():
+        assert sorted(p) == list(range(3000))
+        stats = p.stats()
+    assert stats["source"].queue.capacity == 4, stats["source"].queue
+    assert stats["source"].queue.empty_fraction < 0.2  # the source was ahead: it was full often
+
+
+def test_an_explicit_source_buffer_is_fixed() -> None:
+    rows = [json.dumps([{"a": i, "b": 2 * i, "c": str(i)} for i in range(40)])] * 4000
+    p = (
+        PipelineBuilder()
+        .add_source(rows, buffer_size=3)
+        .pipe(_parse, concurrency=1, name="parse")
+        .build()
+    )
+    with p.auto_stop():
+        assert sum(1 for _ in p) == 4000
+        stats = p.stats()
+    assert stats["source"].queue.capacity == 3
+    with pytest.raises(ConfigurationError, match="buffer_size must be an int >= 1"):
+        PipelineBuilder().add_source(rows, buffer_size=0)
 
 
 def _parse(text: str) -> int:
@@ -316,12 +400,13 @@ def test_the_queue_from_a_cheap_source_to_a_light_op_grows() -> None:
     # Each refill of a 4-item queue is a turn of the source's job for two items; grown, the
     # turns are few (measured: a 30 us op went from 22k to 24.7k items/s at one call, as
     # fast as at eight).
-    rows = [json.dumps([{"a": i, "b": 2 * i, "c": str(i)} for i in range(40)])] * 4000
+    rows = [json.dumps([{"a": i, "b": 2 * i, "c": str(i)} for i in range(40)])] * 10_000
     p = PipelineBuilder().add_source(rows).pipe(_parse, concurrency=1, name="parse").build()
     with p.auto_stop():
-        assert sum(p) == 4000 * sum(3 * i + i for i in range(40))
+        assert sum(p) == 10_000 * sum(3 * i + i for i in range(40))
         stats = p.stats()
-    assert stats["source"].queue.capacity > 4, stats["source"].queue
+    # Up to QUEUE_SPAN of the op's calls: 32 items of 30 us (16 if its calls run slow).
+    assert 16 <= stats["source"].queue.capacity <= 32, stats["source"].queue
 
 
 def test_a_growing_channel_wakes_its_refused_producer() -> None:
@@ -436,7 +521,7 @@ def test_a_channel_at_its_limit_backs_off_instead_of_measuring_every_turn() -> N
 
 def test_a_grown_channel_no_longer_allowed_shrinks_back_to_its_start() -> None:
     allow = True
-    channel = Channel("q", 2, Growth(2, 64, 64 * MiB, lambda: allow))
+    channel = Channel("q", 2, Growth(2, 64, 64 * MiB, lambda _n: allow))
     for _ in range(4):
         _turn(channel, 1)
     assert channel.capacity == 32
@@ -448,7 +533,7 @@ def test_a_grown_channel_no_longer_allowed_shrinks_back_to_its_start() -> None:
 
 
 def test_a_size_the_tuner_set_keeps_the_byte_limit() -> None:
-    growth = Growth(2, 64, 16 << 20, allowed=lambda: False)  # stages not cheap: no doubling
+    growth = Growth(2, 64, 16 << 20, allowed=lambda _n: False)  # stages not cheap: no doubling
     growth.rebase(48)  # the tuner raised the stage to 48
     small, large = np.zeros(1000, np.uint8), np.zeros(4 << 20, np.uint8)
     assert growth.target(small, 48, doubling=False) == 48  # stays where the tuner put it

@@ -532,7 +532,7 @@ class _LoaderIter(Generic[T]):
                 start=skip,
             )
         elif loader._iterable:
-            self._add_iterable_source(builder, tl, replay, dataset_state)
+            self._add_iterable_source(builder, tl, replay, dataset_state, loader.in_flight)
         else:
             epoch = self._add_map_source(
                 builder, loader, sampler_iter, skip, replay, base_seed, sampler, dataset_state
@@ -545,7 +545,8 @@ class _LoaderIter(Generic[T]):
             self._pipeline = _Direct(epoch, self._finish)
         else:
             if epoch is not None:
-                builder.add_source(epoch)
+                # The workers' batches: a short queue of whole batches, which does not grow.
+                builder.add_source(epoch, buffer_size=max(2, loader.in_flight))
             builder.pipe(self._finish, name="collate_fn")
             if loader._pin:
                 self._pin_pool = ThreadPoolExecutor(1, thread_name_prefix="feedline-pin")
@@ -618,7 +619,12 @@ class _LoaderIter(Generic[T]):
         return None
 
     def _add_iterable_source(
-        self, builder: PipelineBuilder[Any], tl: Any, replay: int, state: list[Any] | None
+        self,
+        builder: PipelineBuilder[Any],
+        tl: Any,
+        replay: int,
+        state: list[Any] | None,
+        in_flight: int,
     ) -> None:
         dataset = tl.dataset
         stateful = is_stateful(dataset)
@@ -637,7 +643,9 @@ class _LoaderIter(Generic[T]):
                 if n >= skip:
                     yield n, chunk, (0, dataset.state_dict()) if stateful else None
 
-        builder.add_source(batches())
+        # Fixed: the dataset is read no further ahead of collation than prefetching asks
+        # (a default queue after a cheap source would grow to 64 batches).
+        builder.add_source(batches(), buffer_size=max(4, in_flight))
 
     def __iter__(self) -> _LoaderIter[T]:
         return self

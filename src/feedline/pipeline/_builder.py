@@ -158,7 +158,11 @@ class PipelineBuilder(Generic[T]):
     # -- stages -------------------------------------------------------------------------------
 
     def add_source(
-        self, source: Iterable[T] | AsyncIterable[T], *, name: str = "source"
+        self,
+        source: Iterable[T] | AsyncIterable[T],
+        *,
+        name: str = "source",
+        buffer_size: int | None = None,
     ) -> PipelineBuilder[T]:
         """Set where items come from.
 
@@ -169,9 +173,15 @@ class PipelineBuilder(Generic[T]):
                 epoch, and a one-shot iterator gives them only once. A sync iterable runs in
                 the thread pool; an async one on the event loop.
             name: The stage's name in statistics and errors.
+            buffer_size: Capacity of the queue after the source; defaults to twice the first
+                stage's concurrency, at least 4, growing as a default queue after a stage
+                does (see :meth:`pipe`). An explicit size is fixed: the source is read at
+                most this many items ahead of the first stage. Without stages, the sink's
+                ``buffer_size`` applies instead.
 
         Raises:
-            ConfigurationError: If a source was already set or ``source`` is not iterable.
+            ConfigurationError: If a source was already set, ``source`` is not iterable, or
+                ``buffer_size`` is not a positive int.
 
         """
         if self._source is not None:
@@ -188,8 +198,13 @@ class PipelineBuilder(Generic[T]):
                 f"the source must be an Iterable or an AsyncIterable, got {type(source).__name__}"
                 "; wrap a function that makes items in a generator"
             )
+        if buffer_size is not None:
+            buffer_size = _check_positive_int("buffer_size", buffer_size, "It bounds the queue.")
         self._source = SourceConfig(
-            source=source, name=self._claim(name, "source"), is_async=is_async
+            source=source,
+            name=self._claim(name, "source"),
+            is_async=is_async,
+            buffer_size=buffer_size,
         )
         return self
 
@@ -227,12 +242,12 @@ class PipelineBuilder(Generic[T]):
                 and ``max(8, concurrency)`` for a coroutine or async-generator op, whose
                 cheap hand-overs on the event loop come in longer bursts through a longer
                 queue, with fewer task switches per item. A default-sized queue grows
-                while both this stage and the next are cheap (under 20 µs per call) and its
-                size keeps the next stage waiting: it doubles each time the next stage finds
-                it empty after it filled since it last did, up to 64 items and 16 MiB of
-                items like the one measured (see :meth:`add_sink`). An explicit size is
-                fixed: pass a smaller one for large items, since each queued item holds its
-                memory.
+                while this stage is cheap (under 20 µs per call) and the next one cheap too,
+                or of so little work that the doubled queue holds under 1 ms of its calls:
+                it doubles each time the next stage finds it empty after it filled since it
+                last did, or this stage fills it, up to 64 items and 16 MiB of items like
+                those measured (see :meth:`add_sink`). An explicit size is fixed: pass a
+                smaller one for large items, since each queued item holds its memory.
 
         Raises:
             ConfigurationError: On an argument that cannot work, saying what would.

@@ -64,6 +64,7 @@ class SourceConfig:
     source: Iterable[Any] | AsyncIterable[Any]
     name: str
     is_async: bool
+    buffer_size: int | None = None  # the queue after it; None: the default, which may grow
 
 
 @dataclass(frozen=True)
@@ -135,8 +136,8 @@ SINK_GROW_BYTES = 64 << 20
 
 QUEUE_GROW_BYTES = 16 << 20
 """A default queue between two stages grows only while the items it would hold come to at most
-this many bytes (it grows to :data:`MAX_DEFAULT_SINK` items at most, and only between two cheap
-stages: see :mod:`._growth`)."""
+this many bytes (it grows to :data:`MAX_DEFAULT_SINK` items at most, and only after a cheap
+stage: see :mod:`._growth`)."""
 
 
 @dataclass(frozen=True)

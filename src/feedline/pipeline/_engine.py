@@ -31,7 +31,7 @@ from ._defs import (
     PipelineConfig,
 )
 from ._executors import Submitter, WorkerPool
-from ._growth import Growth
+from ._growth import QUEUE_SPAN, Growth
 from ._queue import EMPTY, Channel
 from ._resume import TaggedOp
 from ._stages._async import AsyncSource, AsyncStage
@@ -106,9 +106,15 @@ class Run:
         # The source's queue holds two items per slot of the first stage: the source job
         # refills it from its low-water mark (half full), so each refill moves a slot's worth
         # of items rather than one item per job.
-        first_capacity = max(4, 2 * concurrency[0]) if config.stages else config.sink.buffer_size
         src_cfg = config.source
-        out = Channel(f"{src_cfg.name}->", first_capacity, self._growth(0, first_capacity))
+        if not config.stages:  # the sink
+            size = config.sink.buffer_size
+            out = Channel(f"{src_cfg.name}->", size, self._growth(0, size))
+        elif src_cfg.buffer_size is not None:
+            out = Channel(f"{src_cfg.name}->", src_cfg.buffer_size)
+        else:
+            first = max(4, 2 * concurrency[0])
+            out = Channel(f"{src_cfg.name}->", first, self._growth(0, first))
         self.channels.append(out)
         source: ThreadedSource | AsyncSource
         if src_cfg.is_async:
@@ -153,8 +159,9 @@ class Run:
 
     def _growth(self, index: int, capacity: int) -> Growth | None:
         # How the channel after stage ``index`` (0: the source) may grow, if at all: the sink
-        # when it has the default size, a queue between stages when it has the default size,
-        # its producer is cheap and its consumer light, also when it is filled (see _growth).
+        # when it has the default size; a queue between stages when it has the default size,
+        # its producer is cheap and its consumer cheap or of little work, also when it is
+        # filled (see _growth).
         config = self.config
         sink_bytes, queue_bytes = SINK_GROW_BYTES, QUEUE_GROW_BYTES
         if config.tuning is not None and config.tuning.memory_budget is not None:
@@ -169,13 +176,16 @@ class Run:
         if capacity >= MAX_DEFAULT_SINK:
             return None
         stages = self.stages  # filled in after the channels: read when growth is asked for
-        return Growth(
-            capacity,
-            MAX_DEFAULT_SINK,
-            queue_bytes,
-            lambda: stages[index].cheap() and stages[index + 1].light(),
-            on_fill=True,
-        )
+
+        def may_double(n: int) -> bool:
+            # Called with the channel's lock held: reads the stages' smoothed call times only.
+            producer, consumer = stages[index], stages[index + 1]
+            if not producer.cheap():
+                return False
+            each = consumer.counters.ewma
+            return consumer.cheap() or 0 <= 2 * n * each < QUEUE_SPAN
+
+        return Growth(capacity, MAX_DEFAULT_SINK, queue_bytes, may_double, on_fill=True)
 
     @staticmethod
     def _link(producers: list[Any]) -> tuple[Any, ...] | None:

@@ -8,9 +8,15 @@ its producer never finds the queue empty, and a producer slower than its consume
 with bursts (a ``disaggregate``, a generator), which the room then absorbs. tf.data's autotuned
 prefetch buffers grow on the same idea.
 
-Growth stops at a number of items and at a byte budget for items like the one measured
-(:func:`approx_nbytes`; :data:`UNKNOWN_SIZE_CAP` items if it cannot tell). A grown queue measures
-one item in :data:`RECHECK` and shrinks, keeping what it holds, if items got larger.
+A queue between a cheap producer and a consumer of little work also doubles when its producer
+fills it (``on_fill``), while it holds less than :data:`QUEUE_SPAN` of the consumer's work: the
+consumer's own thread runs such a producer whenever it takes an item from a half-empty queue,
+so it never finds the queue empty, yet pays a turn of the producer per half a queue.
+
+Growth stops at a number of items and at a byte budget for items as large as those measured
+lately (:func:`approx_nbytes`, quick to rise and slow to fall; :data:`UNKNOWN_SIZE_CAP` items if
+it cannot tell). A grown queue measures one item in :data:`RECHECK` and shrinks, keeping what it
+holds, if items got larger.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any
 
 from ._resume import Tagged
 
-__all__ = ["MAX_QUIET", "RECHECK", "UNKNOWN_SIZE_CAP", "Growth", "approx_nbytes"]
+__all__ = ["MAX_QUIET", "QUEUE_SPAN", "RECHECK", "UNKNOWN_SIZE_CAP", "Growth", "approx_nbytes"]
 
 UNKNOWN_SIZE_CAP = 16
 """The most a growing queue holds of items whose size :func:`approx_nbytes` cannot tell."""
@@ -30,6 +36,15 @@ RECHECK = 64
 
 MAX_QUIET = 4096
 """The most items a queue takes without asking to grow after doublings that changed nothing."""
+
+QUEUE_SPAN = 1e-3
+"""A queue between stages whose consumer is not cheap grows while it holds less than this many
+seconds of the consumer's calls: a turn of the producer (a wake-up, or a run on the consumer's
+thread: tens of microseconds) per half of it is then a few percent of the work at most."""
+
+SIZE_FALL = 0.125
+"""How far the bytes per item a queue is sized for fall toward a smaller item measured (they
+rise at once): items of mixed sizes are sized for the large ones."""
 
 _SCALARS = (int, float, complex, bool, type(None))
 
@@ -90,13 +105,14 @@ class Growth:
         start: The channel's first capacity; it never shrinks below it.
         grow_to: The most items it grows to.
         grow_bytes: The most bytes of items like the one measured it grows to hold.
-        allowed: Whether the channel may be above its start now (``None``: always). Between
-            stages: whether its producer is cheap and its consumer light, since only then
-            does a hand-over cost much next to the work it hands over. A grown channel that
-            is no longer allowed shrinks back to its start at its next measure.
-        on_fill: Whether it also doubles when its producer fills it (while allowed): a cheap
-            producer that refills half the channel per turn, run by the consumer's own
-            thread, never lets the consumer find it empty, yet pays a turn per few items.
+        allowed: Whether the channel may now double from the capacity given (``None``:
+            always). Between stages: whether its producer is cheap and its consumer cheap or
+            the doubled queue would hold less than :data:`QUEUE_SPAN` of its work, since only
+            then does a hand-over cost much next to the work it hands over. A grown channel
+            that could not now double from a quarter of its size shrinks back to its start
+            at its next measure. Called with the channel's lock held: it must not use the
+            channel.
+        on_fill: Whether it also doubles when its producer fills it (while allowed).
 
     """
 
@@ -104,6 +120,7 @@ class Growth:
         "_allowed",
         "_doubling",
         "_fills_seen",
+        "_nbytes",
         "_quiet",
         "_quiet_until",
         "first",
@@ -120,7 +137,7 @@ class Growth:
         start: int,
         grow_to: int,
         grow_bytes: int,
-        allowed: Callable[[], bool] | None = None,
+        allowed: Callable[[int], bool] | None = None,
         on_fill: bool = False,
     ) -> None:
         self.start = start  # the size it shrinks back to
@@ -129,7 +146,8 @@ class Growth:
         self.grow_bytes = grow_bytes
         self._allowed = allowed
         self.on_fill = on_fill
-        self._fills_seen = 0  # the channel's fills when its consumer last found it empty
+        self._fills_seen = 0  # the channel's fills when a doubling was last asked for
+        self._nbytes: float | None = None  # bytes per item it is sized for (None: not known)
         self._doubling = False  # the next item measured decides a doubling
         self._quiet = RECHECK  # items taken without a doubling after one that changed nothing
         self._quiet_until = 0  # the channel's gets before which no doubling is asked for
@@ -142,9 +160,9 @@ class Growth:
         """
         self.start = max(self.first, min(self.grow_to, start))
 
-    def allowed(self) -> bool:
-        """Whether the channel may be above its start size now."""
-        return self._allowed is None or self._allowed()
+    def allowed(self, capacity: int) -> bool:
+        """Whether the channel may now double from ``capacity`` items."""
+        return self._allowed is None or self._allowed(capacity)
 
     def found_empty(self, fills: int, gets: int) -> bool:
         """Whether to measure the next item, now that the consumer found the channel empty.
@@ -158,14 +176,17 @@ class Growth:
         self._doubling = True
         return True
 
-    def found_full(self, gets: int) -> bool:
+    def found_full(self, fills: int, gets: int, capacity: int) -> bool:
         """Whether to measure the next item, now that the producer filled the channel.
 
-        Yes for a channel that grows on fills (``on_fill``) while it is allowed to, unless a
-        recent doubling changed nothing. Called with the channel's lock held.
+        Yes for a channel that grows on fills (``on_fill``) while it may double from
+        ``capacity``, unless a recent doubling changed nothing. The fill then counts as seen:
+        the consumer finding the channel empty after it asks for no second doubling. Called
+        with the channel's lock held.
         """
-        if not self.on_fill or gets < self._quiet_until or not self.allowed():
+        if not self.on_fill or gets < self._quiet_until or not self.allowed(capacity):
             return False
+        self._fills_seen = fills
         self._doubling = True
         return True
 
@@ -178,14 +199,15 @@ class Growth:
         """The capacity to have after measuring ``item`` (called without the channel's lock).
 
         Doubled within the limits if ``doubling`` (the caller checks :meth:`allowed` first);
-        otherwise back within the byte budget for items like ``item``, or back to the start
-        if no longer allowed.
+        otherwise back within the byte budget for items like those measured lately, or back
+        to the start if it could not now double even from a quarter of ``capacity`` (a margin
+        of two against noise in the call times that allowed it).
         """
         if doubling:
             return min(self.limit(item), 2 * capacity)
         if capacity <= self.first:
             return capacity  # nothing to shrink: no need to measure
-        if not self.allowed():
+        if not self.allowed(max(1, capacity // 4)):
             return min(self.start, self.limit(item))  # the tuner's size, within the bytes
         return min(capacity, self.limit(item))
 
@@ -198,15 +220,23 @@ class Growth:
             self._quiet = min(2 * self._quiet, MAX_QUIET)
 
     def limit(self, item: Any) -> int:
-        """The most items like ``item`` the channel may hold (never below its first size)."""
+        """The most items the channel may hold, ``item`` measured (never below its first size).
+
+        Sized for the bytes per item measured lately: they rise at once to a larger item, and
+        fall by :data:`SIZE_FALL` of the way toward a smaller one.
+        """
         try:
             nbytes = approx_nbytes(item)
         except Exception:  # a user's object may fail in ways approx_nbytes cannot foresee
             nbytes = None
         if nbytes is None:
             limit = UNKNOWN_SIZE_CAP
-        elif nbytes > 0:
-            limit = self.grow_bytes // nbytes
         else:
-            limit = self.grow_to
+            old = self._nbytes
+            if old is None or nbytes > old:
+                each = float(nbytes)
+            else:
+                each = old + SIZE_FALL * (nbytes - old)
+            self._nbytes = each
+            limit = int(self.grow_bytes // each) if each > 0 else self.grow_to
         return max(self.first, min(self.grow_to, limit))

@@ -278,7 +278,7 @@ class Channel:
         self._full_since = t
         self.fills += 1
         growth = self._growth
-        if growth is not None and growth.found_full(self._gets):
+        if growth is not None and growth.found_full(self.fills, self._gets, self.capacity):
             self._measure_at = self._gets + 1
 
     def _end_empty(self, t: float) -> None:
@@ -393,7 +393,7 @@ class Channel:
         # back-off count from this item, whether it was taken alone or in a batch.
         growth = self._growth
         assert growth is not None
-        if doubling and not growth.allowed():
+        if doubling and not growth.allowed(self.capacity):
             doubling = False  # not now; no back-off either, since asking again costs little
         target = growth.target(item, self.capacity, doubling)
         with self._lock:

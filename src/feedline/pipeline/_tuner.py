@@ -642,7 +642,7 @@ class Tuner:
         # the one after it enough for each slot's result (a stage that keeps input order
         # holds finished calls back while its output is full: a queue of 2 after 48 reads in
         # flight starves the next stage). Within the byte limits of the queue (Growth) and
-        # the memory budget. A queue that grew on its own (cheap stages) keeps its size.
+        # the memory budget. A queue that grew on its own (after a cheap stage) keeps its size.
         knob.stage.set_concurrency(concurrency)
         for index in (knob.index - 1, knob.index):
             channel = self._channels[index]

@@ -61,11 +61,6 @@ INLINE_BELOW = 20e-6
 """A threaded stage whose op takes less than this (seconds, smoothed) may be run by the thread
 that hands it an item, instead of waking another thread: a wake-up costs more than the op."""
 
-LIGHT_BELOW = 250e-6
-"""A stage whose op takes less than this (seconds, smoothed) is fed from a queue that may grow
-while its producer is cheap: its job ends whenever it finds the queue empty, and a job that
-ends and is woken again costs a wake-up (tens of microseconds), a tenth or more of such an op."""
-
 BATCH = 16
 """Items a cheap stage handles in one go where it can: a cheap coroutine stage takes this many
 from its input at once, and a cheap source makes up to this many (no more than the room in its
@@ -163,10 +158,6 @@ class StageBase:
     def cheap(self) -> bool:
         """Whether the op's smoothed time is below :data:`INLINE_BELOW` (a thread wake-up)."""
         return 0 <= self.counters.ewma < INLINE_BELOW
-
-    def light(self) -> bool:
-        """Whether the op's smoothed time is below :data:`LIGHT_BELOW` (a few wake-ups)."""
-        return 0 <= self.counters.ewma < LIGHT_BELOW
 
     def record_failure(self, item: Any, error: Exception) -> None:
         """Count a failed item, log it (rate-limited), and stop the run past the budget.
