@@ -52,3 +52,25 @@ def test_a_sample_of_another_step_raises_though_its_bytes_are_intact() -> None:
         ExchangeError, match="rank 1 sent sample 42, which is not in epoch 2, step 7"
     ):
         _check_members(step, {1: _roundtrip(header, payload)})
+
+
+def test_a_send_or_receive_that_a_dead_peer_refuses_raises_exchange_timeout() -> None:
+    # gloo refuses to start a transfer on a connection the peer closed, before any wait;
+    # that must read like a broken wait: which rank, what, which step, and what to look at.
+    from feedline.distributed import ExchangeTimeout
+    from feedline.distributed._exchange import Exchange
+
+    def refused(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError(
+            "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242\n"
+            "more lines of gloo's own"
+        )
+
+    exchange = Exchange(group=None, rank=0, timeout=5.0)
+    with pytest.raises(ExchangeTimeout) as caught:
+        exchange._post(refused, None, 2, 14, "the send of 3 sample(s) to rank 2", "epoch 1, step 7")
+    message = str(caught.value)
+    assert "rank 0: the send of 3 sample(s) to rank 2 failed (epoch 1, step 7)" in message
+    assert "Connection closed by peer" in message
+    assert "probably died" in message
+    assert "more lines" not in message

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -88,9 +88,10 @@ class Exchange:
             header, payload = _pack(tag, indices, samples)
             outgoing += [header, payload]
             what = f"the send of {len(indices)} sample(s) to rank {dst}"
-            sending.append((dist.isend(header, dst, group=self._group, tag=2 * tag), what))
+            work = self._post(dist.isend, header, dst, 2 * tag, what, where)
+            sending.append((work, what))
             if payload.numel():
-                work = dist.isend(payload, dst, group=self._group, tag=2 * tag + 1)
+                work = self._post(dist.isend, payload, dst, 2 * tag + 1, what, where)
                 sending.append((work, what))
             self.sent_samples += len(indices)
             self.sent_bytes += int(payload.numel())
@@ -98,8 +99,8 @@ class Exchange:
         heading: list[tuple[Any, str]] = []
         for src, count in receives:
             headers[src] = torch.empty(2 + 3 * count, dtype=torch.int64)
-            work = dist.irecv(headers[src], src, group=self._group, tag=2 * tag)
-            heading.append((work, f"the header of {count} sample(s) from rank {src}"))
+            what = f"the header of {count} sample(s) from rank {src}"
+            heading.append((self._post(dist.irecv, headers[src], src, 2 * tag, what, where), what))
         deadline = time.monotonic() + self.timeout  # for the whole step
         self._wait(heading, where, deadline)  # the payloads' sizes are in the headers
         payloads = {}
@@ -108,8 +109,9 @@ class Exchange:
             lengths = headers[src][2 + count : 2 + 2 * count].numpy()
             payloads[src] = torch.empty(int(lengths[lengths > 0].sum()), dtype=torch.uint8)
             if payloads[src].numel():
-                work = dist.irecv(payloads[src], src, group=self._group, tag=2 * tag + 1)
-                receiving.append((work, f"{count} sample(s) from rank {src}"))
+                what = f"{count} sample(s) from rank {src}"
+                work = self._post(dist.irecv, payloads[src], src, 2 * tag + 1, what, where)
+                receiving.append((work, what))
         self._wait(receiving + sending, where, deadline)
         received: Received = {}
         for src, count in receives:
@@ -117,6 +119,16 @@ class Exchange:
             self.received_samples += count
             self.received_bytes += int(payloads[src].numel())
         return received
+
+    def _post(
+        self, post: Callable[..., Any], tensor: Any, peer: int, tag: int, what: str, where: str
+    ) -> Any:
+        # Start a send or a receive. On a connection that a dead peer closed, gloo refuses
+        # at once, before any wait: that is the same failure as a wait that breaks.
+        try:
+            return post(tensor, peer, group=self._group, tag=tag)
+        except RuntimeError as error:
+            raise self._failed(what, where, error, timed_out=False) from error
 
     def _wait(self, pending: list[tuple[Any, str]], where: str, deadline: float) -> None:
         # gloo's waits cannot be resumed once they time out (the pair is closed), so each
@@ -129,17 +141,25 @@ class Exchange:
                 work.wait(datetime.timedelta(seconds=left))
             except RuntimeError as error:
                 timed_out = "Timed out" in str(error) or time.monotonic() >= deadline
-                cause = (
-                    f"it sent nothing within {self.timeout:g} s: that rank hangs or stopped "
-                    "iterating. Every rank must iterate the loader alike (the same epochs, "
-                    "and the same steps before a break); raise timeout= if storage reads are "
-                    "this slow"
-                    if timed_out
-                    else f"{error}. That rank probably died; its own log says why"
-                )
-                raise ExchangeTimeout(
-                    f"rank {self.rank}: {what} failed ({where}): {cause}"
-                ) from error
+                raise self._failed(what, where, error, timed_out) from error
+
+    def _failed(
+        self, what: str, where: str, error: RuntimeError, timed_out: bool
+    ) -> ExchangeTimeout:
+        cause = (
+            f"it sent nothing within {self.timeout:g} s: that rank hangs or stopped "
+            "iterating. Every rank must iterate the loader alike (the same epochs, and the "
+            "same steps before a break); raise timeout= if storage reads are this slow"
+            if timed_out
+            else f"{_first_line(error)}. That rank probably died; its own log says why"
+        )
+        return ExchangeTimeout(f"rank {self.rank}: {what} failed ({where}): {cause}")
+
+
+def _first_line(error: BaseException) -> str:
+    # gloo's messages run on over several lines (and an emoji): the first says what broke.
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _pack(tag: int, indices: np.ndarray, samples: list[Any]) -> tuple[Any, Any]:
