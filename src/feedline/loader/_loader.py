@@ -547,7 +547,8 @@ class _LoaderIter(Generic[T]):
             if epoch is not None:
                 # The workers' batches: a short queue of whole batches, which does not grow.
                 builder.add_source(epoch, buffer_size=max(2, loader.in_flight))
-            builder.pipe(self._finish, name="collate_fn")
+            # Whole batches on to pinning: a short queue, which does not grow either.
+            builder.pipe(self._finish, name="collate_fn", buffer_size=max(2, loader.in_flight))
             if loader._pin:
                 self._pin_pool = ThreadPoolExecutor(1, thread_name_prefix="feedline-pin")
                 builder.pipe(
@@ -643,8 +644,8 @@ class _LoaderIter(Generic[T]):
                 if n >= skip:
                     yield n, chunk, (0, dataset.state_dict()) if stateful else None
 
-        # Fixed: the dataset is read no further ahead of collation than prefetching asks
-        # (a default queue after a cheap source would grow to 64 batches).
+        # Fixed: the dataset is read a few batches ahead of collation (4, or what prefetching
+        # asks if more), not the 64 batches a default queue after a cheap source grows to.
         builder.add_source(batches(), buffer_size=max(4, in_flight))
 
     def __iter__(self) -> _LoaderIter[T]:

@@ -8,10 +8,11 @@ its producer never finds the queue empty, and a producer slower than its consume
 with bursts (a ``disaggregate``, a generator), which the room then absorbs. tf.data's autotuned
 prefetch buffers grow on the same idea.
 
-A queue between a cheap producer and a consumer of little work also doubles when its producer
-fills it (``on_fill``), while it holds less than :data:`QUEUE_SPAN` of the consumer's work: the
-consumer's own thread runs such a producer whenever it takes an item from a half-empty queue,
-so it never finds the queue empty, yet pays a turn of the producer per half a queue.
+A queue after a cheap producer grows (either way) while its consumer is cheap too, or while the
+doubled queue holds less than :data:`QUEUE_SPAN` of the consumer's calls; such a queue also
+doubles when its producer fills it (``on_fill``): the consumer's own thread runs a cheap
+producer whenever it takes an item from a half-empty queue, so it never finds the queue empty,
+yet pays a turn of the producer per half a queue.
 
 Growth stops at a number of items and at a byte budget for items as large as those measured
 lately (:func:`approx_nbytes`, quick to rise and slow to fall; :data:`UNKNOWN_SIZE_CAP` items if
@@ -110,8 +111,8 @@ class Growth:
             the doubled queue would hold less than :data:`QUEUE_SPAN` of its work, since only
             then does a hand-over cost much next to the work it hands over. A grown channel
             that could not now double from a quarter of its size shrinks back to its start
-            at its next measure. Called with the channel's lock held: it must not use the
-            channel.
+            at its next measure. It may be called with the channel's lock held: it must not
+            use the channel.
         on_fill: Whether it also doubles when its producer fills it (while allowed).
 
     """
