@@ -240,3 +240,46 @@ def wait_and_count(item: int) -> int:
 def waiting_builder(n: int) -> PipelineBuilder[int]:
     """``range(n)`` through :func:`wait_and_count`, its concurrency left to the tuner."""
     return PipelineBuilder().add_source(range(n)).pipe(wait_and_count)
+
+
+def die_on_three(x: int) -> int:
+    """Kills its own (worker) process on 3, as a crash in native code would."""
+    if x == 3:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x
+
+
+def wait_for_file(path: str) -> int:
+    """Blocks until ``path`` exists; returns the worker's pid."""
+    while not os.path.exists(path):
+        time.sleep(0.01)
+    return os.getpid()
+
+
+def length_and_pid(data: bytes) -> tuple[int, int, int]:
+    return len(data), data[0] if data else -1, os.getpid()
+
+
+def big_bytes(n: int) -> bytes:
+    return bytes([n % 256]) * (3 << 20)
+
+
+def fail_init() -> None:
+    raise RuntimeError("this initializer fails")
+
+
+class NeedsTwoArgs(Exception):
+    """An exception that pickles but cannot be rebuilt from its pickle."""
+
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__(f"{a} and {b}")
+
+
+def raise_needs_two(x: int) -> int:
+    raise NeedsTwoArgs(x, x)
+
+
+def return_a_lock(x: int) -> object:
+    return threading.Lock()

@@ -40,9 +40,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _kill_parent_and_watch(method: str, initializer: str) -> list[int]:
+def _kill_parent_and_watch(method: str, initializer: str, script: str = _PARENT) -> list[int]:
     parent = subprocess.Popen(
-        [sys.executable, "-c", _PARENT, method, initializer],
+        [sys.executable, "-c", script, method, initializer],
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,
@@ -77,3 +77,35 @@ def test_without_it_the_workers_outlive_the_parent() -> None:
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert left != []
+
+
+_REGION_PARENT = textwrap.dedent(
+    """
+    import os, time
+    from multiprocessing import forkserver
+    from feedline import PipelineBuilder
+    from tests.pipeline._helpers import pid_and_square
+
+    if __name__ == "__main__":
+        pipeline = (
+            PipelineBuilder().add_source(range(1000)).pipe_in_processes(pid_and_square, processes=2)
+            .add_sink().build()
+        )
+        pids = set()
+        for pid, _ in pipeline:
+            pids.add(pid)
+            if len(pids) == 2:
+                break
+        pipeline.start()  # a second epoch, left running when this process is killed
+        pids.add(forkserver._forkserver._forkserver_pid)
+        print(" ".join(str(p) for p in pids), flush=True)
+        time.sleep(60)
+    """
+)
+
+
+def test_a_process_regions_workers_end_with_a_killed_parent() -> None:
+    left = _kill_parent_and_watch("forkserver", "yes", _REGION_PARENT)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == []

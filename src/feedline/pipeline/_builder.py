@@ -35,7 +35,6 @@ from ._resume import (
     merge_group,
     split_group,
 )
-from ._shm import unpack
 from ._tuning import THREAD_HIGH, Auto, Tuning
 
 __all__ = ["PipelineBuilder"]
@@ -88,7 +87,7 @@ def _with_region_pools(stages: tuple[StageConfig, ...]) -> tuple[StageConfig, ..
     for s in stages:
         if isinstance(s, PipeConfig) and isinstance(s.executor, _RegionPlaceholder):
             s = dataclasses.replace(
-                s, executor=RegionPool(s.executor.processes, s.executor.mp_context)
+                s, executor=RegionPool(s.executor.processes, s.executor.mp_context, s.name)
             )
         out.append(s)
     return tuple(out)
@@ -363,7 +362,7 @@ class PipelineBuilder(Generic[T]):
                 a worker finds its next item waiting).
             output_order: As in :meth:`pipe`.
             name: Name in statistics and errors; defaults to the functions' names joined
-                by ``+``. A second stage, ``<name>:unpack``, maps the shared memory.
+                by ``+``.
             mp_context: Start method of the workers (default ``"forkserver"``; ``"spawn"``
                 also works; a fork of a process running the pipeline's threads is unsafe).
 
@@ -392,15 +391,13 @@ class PipelineBuilder(Generic[T]):
         region = name or "+".join(_op_name(op) for op in run)
         op = RunOfStages(run, region)
         _check_picklable(region, op, "or keep it in a pipe() stage on threads")
-        self.pipe(
+        return self.pipe(
             op,
             concurrency=2 * processes if concurrency is None else concurrency,
             executor=_RegionPlaceholder(processes, mp_context),
             output_order=output_order,
             name=region,
         )
-        # The results' arrays, mapped from shared memory, in this process.
-        return self.pipe(unpack, output_order=output_order, name=f"{region}:unpack")
 
     def aggregate(
         self, num_items: int, *, drop_last: bool = False, name: str | None = None

@@ -6,26 +6,31 @@ native batch call) gains nothing from threads. :meth:`PipelineBuilder.pipe_in_pr
 worker processes: each worker runs the whole run on an item, so only the run's input and
 its output cross the process boundary; nothing is pickled between the run's stages. The
 output's NumPy arrays (and CPU tensors) come back through shared memory, as from a
-subprocess pipeline, and are mapped again by a light stage in this process.
+subprocess pipeline, and are mapped again in this process by the pool's thread that receives
+the result.
 
 The pool belongs to the pipeline: its processes start with the first item (from the fork
 server, since the pipeline's threads make a plain fork unsafe), serve the epochs that run
 to their end, end with their parent if it is killed, and are shut down when an epoch is
 stopped part-way or fails (the next item starts new ones) and when the pipeline is dropped;
-segments a worker made and nobody mapped are removed then.
+segments a worker made and nobody mapped are removed then. The processes are a
+:class:`~feedline.pipeline._pipe_pool.PipePool`: a pipe each way per worker, no helper threads.
 """
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future, ProcessPoolExecutor
+from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
 from ._lifetime import die_with_parent
-from ._shm import SegmentNames, pack, remove_prefixed, set_segment_names
+from ._pipe_pool import PipePool
+from ._resume import Tagged, TaggedOp
+from ._shm import SegmentNames, pack, remove_prefixed, set_segment_names, unpack
 
 __all__ = ["RegionPool", "RunOfStages"]
 
@@ -57,46 +62,75 @@ def _start_worker(prefix: str) -> None:
     set_segment_names(_names)
 
 
+def _retag(item: Tagged, outer: Future[Any], inner: Future[Any]) -> None:
+    # The worker's result becomes the item's value (an error leaves the item as it was).
+    error = inner.exception()
+    if error is not None:
+        outer.set_exception(error)
+    else:
+        item.value = inner.result()
+        outer.set_result(item)
+
+
 class RegionPool(Executor):
     """The worker processes of one region: a process pool the pipeline owns.
 
     The processes start with the first item and serve the epochs that follow; :meth:`close`
     ends them (the pipeline does when an epoch is stopped part-way or fails, and when it is
-    dropped), and the next item starts new ones.
+    dropped), and the next item starts new ones. Each start is a :class:`PipePool` of its own,
+    whose workers name their shared memory with a new prefix.
 
     Args:
         processes: How many worker processes.
         mp_context: Start method (default: the fork server).
+        name: The region's stage name, for errors.
 
     """
 
-    def __init__(self, processes: int, mp_context: str | None = None) -> None:
+    def __init__(self, processes: int, mp_context: str | None = None, name: str = "region") -> None:
         self.processes = processes
+        self.name = name
         self._context = mp.get_context(mp_context or "forkserver")
         self._lock = threading.Lock()
-        self._pool: ProcessPoolExecutor | None = None
+        self._pool: PipePool | None = None
         self._prefix = ""
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
-        """Run ``fn(*args, **kwargs)`` in a worker (starting the workers if they are not)."""
+        """Run ``fn(*args, **kwargs)`` in a worker (starting the workers if they are not).
+
+        A stage's op applied to an item that carries its source item (``TaggedOp`` on a
+        ``Tagged``) sends only the item's value: its source item stays in this process.
+        """
+        if isinstance(fn, TaggedOp) and len(args) == 1 and not kwargs:
+            (item,) = args
+            if isinstance(item, Tagged):
+                inner = self._pool_now().submit(fn.op, item.value)
+                outer: Future[Any] = Future()
+                outer.set_running_or_notify_cancel()
+                inner.add_done_callback(functools.partial(_retag, item, outer))
+                return outer
+        return self._pool_now().submit(fn, *args, **kwargs)
+
+    def _pool_now(self) -> PipePool:
         with self._lock:
             if self._pool is None:
                 self._prefix = SegmentNames.new_prefix()
-                self._pool = ProcessPoolExecutor(
+                self._pool = PipePool(
                     self.processes,
-                    mp_context=self._context,
+                    self._context,
+                    f"process region {self.name!r}",
                     initializer=_start_worker,
                     initargs=(self._prefix,),
+                    on_result=unpack,
                 )
-            pool = self._pool
-        return pool.submit(fn, *args, **kwargs)
+            return self._pool
 
     def close(self) -> None:
         """End the workers at once (items under way are dropped) and free their segments."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.close()
             remove_prefixed(self._prefix)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:

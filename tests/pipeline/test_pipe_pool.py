@@ -1,0 +1,176 @@
+"""PipePool, the process regions' pool: calls, results and errors over a pipe per worker."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from concurrent.futures import CancelledError
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+import pytest
+
+from feedline import PipelineBuilder, PipelineFailure
+from feedline.pipeline._pipe_pool import PipePool
+
+from .._system import zombies
+from ._helpers import (
+    NeedsTwoArgs,
+    big_bytes,
+    die_on_three,
+    fail_init,
+    fail_on_three,
+    length_and_pid,
+    pid_and_square,
+    raise_needs_two,
+    return_a_lock,
+    square,
+    wait_for_file,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+_CTX = multiprocessing.get_context("forkserver")
+
+
+def _pool_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("feedline-pool")]
+
+
+def _no_leftovers() -> None:
+    assert multiprocessing.active_children() == []
+    assert zombies() == []
+    assert _pool_threads() == []
+
+
+def test_calls_go_to_the_least_busy_worker_and_the_pool_restarts_after_close() -> None:
+    pool = PipePool(2, _CTX, "test")
+    futures = [pool.submit(square, i) for i in range(20)]
+    assert [f.result(30) for f in futures] == [i * i for i in range(20)]
+    assert len(multiprocessing.active_children()) == 2
+    pool.close()
+    _no_leftovers()
+    assert pool.submit(square, 7).result(30) == 49  # new workers
+    pool.close()
+    pool.close()  # again: nothing to do
+    _no_leftovers()
+
+
+def test_submitting_large_items_to_a_busy_worker_never_blocks(tmp_path: Path) -> None:
+    # 3 MiB per call is far more than a pipe holds: what it cannot take waits in the outbox.
+    flag = str(tmp_path / "go")
+    pool = PipePool(1, _CTX, "test")
+    try:
+        stuck = pool.submit(wait_for_file, flag)
+        t0 = time.monotonic()
+        futures = [pool.submit(length_and_pid, big_bytes(i)) for i in range(8)]
+        submitted = time.monotonic() - t0
+        assert not stuck.done()  # the worker is still stuck: nothing it took let submit go on
+        Path(flag).touch()
+        pid = stuck.result(30)
+        assert [f.result(30) for f in futures] == [(3 << 20, i, pid) for i in range(8)]
+        assert submitted < 20  # returned while the worker was stuck (the pipe holds 64 KiB)
+    finally:
+        Path(flag).touch()
+        pool.close()
+    _no_leftovers()
+
+
+def test_errors_come_back_as_the_users_exception_with_the_workers_traceback() -> None:
+    pool = PipePool(1, _CTX, "region 'x'")
+    try:
+        with pytest.raises(ValueError, match="three is not allowed") as caught:
+            pool.submit(fail_on_three, 3).result(30)
+        assert "Original traceback in worker process" in "\n".join(caught.value.__notes__)
+        assert "fail_on_three" in "\n".join(caught.value.__notes__)
+        with pytest.raises(RuntimeError, match=r"NeedsTwoArgs.*cannot be rebuilt"):
+            pool.submit(raise_needs_two, 1).result(30)
+        with pytest.raises(TypeError, match="lock"):  # a result that cannot be pickled
+            pool.submit(return_a_lock, 1).result(30)
+        assert pool.submit(square, 3).result(30) == 9  # the worker goes on after each
+        assert NeedsTwoArgs(1, 2).args == ("1 and 2",)
+    finally:
+        pool.close()
+    _no_leftovers()
+
+
+def test_a_worker_that_dies_fails_its_item_and_a_replacement_runs_the_queued_ones() -> None:
+    pool = PipePool(1, _CTX, "region 'x'")
+    try:
+        first = pool.submit(square, 2).result(30)  # the worker has answered: it may be replaced
+        futures = [pool.submit(die_on_three, i) for i in range(3, 8)]
+        with pytest.raises(BrokenProcessPool, match=r"region 'x'.*killed by SIGKILL.*this item"):
+            futures[0].result(30)
+        assert [f.result(30) for f in futures[1:]] == [4, 5, 6, 7]
+        assert first == 4
+    finally:
+        pool.close()
+    _no_leftovers()
+
+
+def test_a_worker_that_cannot_start_breaks_the_pool() -> None:
+    pool = PipePool(2, _CTX, "region 'x'", initializer=fail_init)
+    try:
+        future = pool.submit(square, 2)
+        with pytest.raises(BrokenProcessPool, match="before it answered a call"):
+            future.result(30)
+        with pytest.raises(BrokenProcessPool, match="before it answered"):
+            pool.submit(square, 2)  # the pool is broken: later calls are refused at once
+    finally:
+        pool.close()
+    _no_leftovers()
+
+
+def test_closing_with_calls_under_way_cancels_them(tmp_path: Path) -> None:
+    pool = PipePool(2, _CTX, "test")
+    futures = [pool.submit(wait_for_file, str(tmp_path / "never")) for _ in range(4)]
+    time.sleep(0.2)
+    pool.close()  # the workers are stuck in a call: ended after a short grace
+    for future in futures:
+        with pytest.raises(CancelledError):
+            future.result(0)
+    _no_leftovers()
+
+
+def test_workers_ignore_ctrl_c(tmp_path: Path) -> None:
+    flag = str(tmp_path / "go")
+    pool = PipePool(1, _CTX, "test")
+    try:
+        pid, _ = pool.submit(pid_and_square, 1).result(30)  # the worker is up
+        future = pool.submit(wait_for_file, flag)
+        os.kill(pid, signal.SIGINT)  # as a terminal's Ctrl-C reaches the whole group
+        time.sleep(0.2)
+        Path(flag).touch()
+        assert future.result(30) == pid
+    finally:
+        pool.close()
+    _no_leftovers()
+
+
+def test_a_region_whose_worker_dies_names_the_item_and_skips_it_within_the_budget() -> None:
+    def build(max_failures: int) -> object:
+        return (
+            PipelineBuilder()
+            .add_source(range(8))
+            .pipe_in_processes(die_on_three, processes=2, name="native")
+            .add_sink()
+            .build(max_failures=max_failures)
+        )
+
+    skipping = build(1)
+    assert sorted(skipping) == [0, 1, 2, 4, 5, 6, 7]  # type: ignore[call-overload]
+    failing = build(0)
+    with pytest.raises(PipelineFailure, match=r"stage 'native'.*source item") as caught:
+        list(failing)  # type: ignore[call-overload]
+    assert "killed by SIGKILL" in str(caught.value.__cause__)
+    del skipping, failing
+    import gc
+
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _no_leftovers()
