@@ -283,3 +283,30 @@ def raise_needs_two(x: int) -> int:
 
 def return_a_lock(x: int) -> object:
     return threading.Lock()
+
+
+def fail_unless(path: str) -> None:
+    """An initializer that fails until ``path`` exists."""
+    if not os.path.exists(path):
+        raise RuntimeError(f"{path} is missing")
+
+
+def sleep_for(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def exit_code_of_a_child(x: int) -> int | None:
+    """Starts a process of its own (which a daemonic worker could not)."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=square, args=(x,))
+    child.start()
+    child.join()
+    return child.exitcode
+
+
+def call_sys_exit(x: int) -> int:
+    import sys
+
+    sys.exit(x)

@@ -20,13 +20,17 @@ from .._system import zombies
 from ._helpers import (
     NeedsTwoArgs,
     big_bytes,
+    call_sys_exit,
     die_on_three,
+    exit_code_of_a_child,
     fail_init,
     fail_on_three,
+    fail_unless,
     length_and_pid,
     pid_and_square,
     raise_needs_two,
     return_a_lock,
+    sleep_for,
     square,
     wait_for_file,
 )
@@ -115,9 +119,10 @@ def test_a_worker_that_cannot_start_breaks_the_pool() -> None:
     pool = PipePool(2, _CTX, "region 'x'", initializer=fail_init)
     try:
         future = pool.submit(square, 2)
-        with pytest.raises(BrokenProcessPool, match="before it answered a call"):
+        with pytest.raises(BrokenProcessPool, match="as it started"):
             future.result(30)
-        with pytest.raises(BrokenProcessPool, match="before it answered"):
+        assert pool.broken
+        with pytest.raises(BrokenProcessPool, match="as it started"):
             pool.submit(square, 2)  # the pool is broken: later calls are refused at once
     finally:
         pool.close()
@@ -173,4 +178,83 @@ def test_a_region_whose_worker_dies_names_the_item_and_skips_it_within_the_budge
     deadline = time.monotonic() + 10
     while multiprocessing.active_children() and time.monotonic() < deadline:
         time.sleep(0.05)
+    _no_leftovers()
+
+
+def test_a_crash_on_a_new_workers_first_item_fails_only_that_item() -> None:
+    # The replacement of a worker that died is ready before it runs anything: its own death
+    # on its first item is that item's doing, not a start that failed.
+    pool = PipePool(1, _CTX, "region 'x'")
+    try:
+        futures = [pool.submit(die_on_three, i) for i in (3, 3, 4, 5)]
+        for future in futures[:2]:
+            with pytest.raises(BrokenProcessPool, match="while it ran this item"):
+                future.result(30)
+        assert [f.result(30) for f in futures[2:]] == [4, 5]
+        assert not pool.broken
+    finally:
+        pool.close()
+    _no_leftovers()
+
+
+def test_a_broken_pool_works_again_once_closed(tmp_path: Path) -> None:
+    flag = tmp_path / "ready"
+    pool = PipePool(2, _CTX, "test", initializer=fail_unless, initargs=(str(flag),))
+    try:
+        with pytest.raises(BrokenProcessPool, match="as it started"):
+            pool.submit(square, 2).result(30)
+        pool.close()
+        flag.touch()
+        assert pool.submit(square, 3).result(30) == 9
+    finally:
+        pool.close()
+    _no_leftovers()
+
+
+def test_an_op_may_start_processes_and_may_call_sys_exit() -> None:
+    pool = PipePool(1, _CTX, "test")
+    try:
+        assert pool.submit(exit_code_of_a_child, 2).result(30) == 0  # workers are not daemonic
+        with pytest.raises(RuntimeError, match=r"SystemExit\(3,\).*raise an exception instead"):
+            pool.submit(call_sys_exit, 3).result(30)
+        assert pool.submit(square, 4).result(30) == 16  # the worker went on
+    finally:
+        pool.close()
+    _no_leftovers()
+
+
+def test_a_close_interrupted_part_way_is_finished_by_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from feedline.pipeline import _pipe_pool
+
+    pool = PipePool(2, _CTX, "test")
+    assert pool.submit(square, 2).result(30) == 4
+    real = _pipe_pool._end
+
+    def interrupted(workers: object) -> None:
+        monkeypatch.setattr(_pipe_pool, "_end", real)
+        raise KeyboardInterrupt  # a second Ctrl-C while the first one's close waits
+
+    monkeypatch.setattr(_pipe_pool, "_end", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pool.close()
+    assert len(multiprocessing.active_children()) == 2
+    pool.close()
+    _no_leftovers()
+
+
+def test_leaving_an_epoch_early_does_not_wait_for_the_items_in_the_workers() -> None:
+    pipeline = (
+        PipelineBuilder()
+        .add_source([0.0] + [30.0] * 6)
+        .pipe_in_processes(sleep_for, processes=2, concurrency=4)
+        .add_sink()
+        .build()
+    )
+    t0 = time.monotonic()
+    for _ in pipeline:
+        break
+    assert time.monotonic() - t0 < 15  # not the 30 s items (nor those queued behind them)
+    del pipeline
     _no_leftovers()

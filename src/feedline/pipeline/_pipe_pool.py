@@ -6,109 +6,45 @@ worker sends its result through a feeder thread of its own. Every call so wakes 
 on both sides, which a stage of a few milliseconds per item pays for with a good part of a core
 on a small machine. :class:`PipePool` sends each call straight down the pipe of the worker with
 the fewest calls, from the submitting thread, and one thread per pool waits on every worker's
-result pipe and exit at once. A worker reads its next call only when it has answered the last.
+result pipe and exit at once. A worker reads its next call only when it has answered the last
+(the worker's side: ``_pipe_worker``).
 
 Writes never block the submitting thread (the event loop, for a pipeline): the task pipes do
 not block, and what a full pipe cannot take waits in the worker's outbox until the pool's
 thread sees the pipe writable. A worker that dies fails the call it was running, with its exit
-code or signal; the calls queued behind it go to its replacement. A worker that dies before it
-answered anything (its initializer or the import of the function failed) breaks the pool: its
-calls and every later one fail with :class:`~concurrent.futures.process.BrokenProcessPool`.
+code or signal, and a replacement runs the calls queued behind it. A worker that dies before
+it said it is ready (its initializer failed, or its start) breaks the pool: its calls and every
+later one fail with :class:`~concurrent.futures.process.BrokenProcessPool` until :meth:`close`.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
+import multiprocessing.util
 import os
 import pickle
 import selectors
 import signal
-import struct
 import threading
 import time
-import traceback
+import weakref
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Executor, Future
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
-from feedline.errors import add_note, rebuilds
+from feedline.errors import add_note
+
+from ._pipe_worker import HEADER, READY, read_exactly, serve, write_views
 
 __all__ = ["PipePool"]
 
 T = TypeVar("T")
 
-_HEADER = struct.Struct("<QQ?")  # payload bytes, call number, whether the call succeeded
-_GRACE = 0.5  # seconds a closing pool gives its workers to end on their own
-_IOV_MAX = 64  # buffers handed to one writev
-
-
-def _read_exactly(fd: int, size: int) -> bytearray | None:
-    # ``size`` bytes from a blocking pipe, or None at its end (the writer closed or died).
-    data = bytearray(size)
-    view = memoryview(data)
-    got = 0
-    while got < size:
-        n = os.readv(fd, [view[got:]])
-        if n == 0:
-            return None
-        got += n
-    return data
-
-
-def _write_all(fd: int, *parts: bytes | bytearray) -> None:
-    views = [memoryview(p) for p in parts if len(p)]
-    while views:
-        n = os.writev(fd, views[:_IOV_MAX])
-        while n and views:
-            if n >= len(views[0]):
-                n -= len(views.pop(0))
-            else:
-                views[0], n = views[0][n:], 0
-
-
-def _answer(fn: Callable[..., Any], args: Any, kwargs: Any) -> tuple[bytes, bool]:
-    try:
-        return pickle.dumps(fn(*args, **kwargs), pickle.HIGHEST_PROTOCOL), True
-    except Exception as error:
-        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        return pickle.dumps((error if rebuilds(error) else None, text)), False
-
-
-def _serve(
-    tasks: Connection,
-    results: Connection,
-    initializer: Callable[..., Any] | None,
-    initargs: tuple[Any, ...],
-) -> None:
-    # A worker's life: answer calls in order until the parent closes the task pipe.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    if initializer is not None:
-        initializer(*initargs)
-    fd_in, fd_out = tasks.fileno(), results.fileno()
-    os.set_blocking(fd_in, True)
-    while True:
-        header = _read_exactly(fd_in, _HEADER.size)
-        if header is None:
-            return
-        size, call, _ = _HEADER.unpack(header)
-        body = _read_exactly(fd_in, size)
-        if body is None:
-            return
-        try:
-            fn, args, kwargs = pickle.loads(body)
-        except Exception as error:  # the function or an argument cannot be rebuilt here
-            text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-            payload, ok = pickle.dumps((error if rebuilds(error) else None, text)), False
-        else:
-            del body
-            payload, ok = _answer(fn, args, kwargs)
-        try:
-            _write_all(fd_out, _HEADER.pack(len(payload), call, ok), payload)
-        except BrokenPipeError:
-            return
+_GRACE = 0.5  # seconds a closing pool gives its idle workers to end on their own
+_pools: weakref.WeakSet[PipePool] = weakref.WeakSet()
+_exiting = False
 
 
 class _Worker:
@@ -122,8 +58,8 @@ class _Worker:
         # The calls sent, in order (the first is running), with their payloads to send again
         # should the worker die with calls queued behind the one it ran.
         self.calls: dict[int, tuple[Future[Any], bytes]] = {}
-        self.outbox: collections.deque[memoryview] = collections.deque()
-        self.answered = 0
+        self.outbox: list[memoryview] = []
+        self.ready = False  # it said so: a death from now on is an item's doing
         self.writing = False  # registered with the selector for writes
         self.ended = False  # its result pipe reached its end
 
@@ -131,27 +67,19 @@ class _Worker:
         # With the pool's lock held.
         self.calls[call] = (future, payload)
         pending = bool(self.outbox)
-        self.outbox.append(memoryview(_HEADER.pack(len(payload), call, True)))
-        self.outbox.append(memoryview(payload))
+        self.outbox += [memoryview(HEADER.pack(len(payload), call, True)), memoryview(payload)]
         if not pending:
             self.flush()
 
     def flush(self) -> None:
-        # Write what the task pipe takes now, without blocking.
-        outbox = self.outbox
-        while outbox:
-            try:
-                n = os.writev(self.fd_out, list(outbox)[:_IOV_MAX])
-            except BlockingIOError:
-                return
-            except OSError:  # the worker is gone: its exit is handled by the pool's thread
-                outbox.clear()
-                return
-            while n and outbox:
-                if n >= len(outbox[0]):
-                    n -= len(outbox.popleft())
-                else:
-                    outbox[0], n = outbox[0][n:], 0
+        # Write what the task pipe takes now, without blocking (with the pool's lock held).
+        try:
+            while self.outbox:
+                write_views(self.fd_out, self.outbox)
+        except BlockingIOError:
+            pass
+        except OSError:  # the worker is gone: its exit is handled by the pool's thread
+            self.outbox.clear()
 
 
 class _Generation:
@@ -163,6 +91,7 @@ class _Generation:
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
         self.closing = False
+        self.wake_open = True
         self.broken: str | None = None
         self.thread: threading.Thread | None = None
 
@@ -170,12 +99,32 @@ class _Generation:
         with contextlib.suppress(BlockingIOError, OSError):  # a full pipe wakes it already
             os.write(self.wake_w, b"\0")
 
+    def end(self, name: str) -> None:
+        # Stop the thread, end the workers, cancel what they had; safe to call again after an
+        # interruption (a second Ctrl-C), each step picking up where the last stopped.
+        if self.thread is not None:
+            self.thread.join()
+        for worker in self.workers:
+            worker.tasks.close()  # an idle worker reads the end of its pipe and exits
+        _end(self.workers)
+        for worker in self.workers:
+            worker.results.close()
+            for future, _ in worker.calls.values():
+                if not future.done():
+                    future.set_exception(CancelledError(f"{name}: the pool was closed"))
+        if self.wake_open:
+            self.wake_open = False
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+
 
 class PipePool(Executor):
     """Worker processes, each fed calls through a pipe of its own (see the module's docstring).
 
     The workers start at the first call; :meth:`close` ends them, and the next call starts new
-    ones. Functions and arguments travel pickled, as for any process pool.
+    ones. Functions and arguments travel pickled, as for any process pool. The workers are not
+    daemonic (an op may start processes of its own); pools still open at interpreter exit are
+    closed before ``multiprocessing`` joins its children.
 
     Args:
         processes: How many worker processes.
@@ -191,7 +140,7 @@ class PipePool(Executor):
     def __init__(
         self,
         processes: int,
-        context: Any,
+        context: multiprocessing.context.BaseContext,
         name: str,
         initializer: Callable[..., Any] | None = None,
         initargs: tuple[Any, ...] = (),
@@ -199,24 +148,34 @@ class PipePool(Executor):
     ) -> None:
         self.processes = processes
         self.name = name
-        self._context = context
+        self._context: Any = context
         self._initializer, self._initargs = initializer, initargs
         self._on_result = on_result
         self._lock = threading.Lock()
         self._generation: _Generation | None = None
+        self._ending: list[_Generation] = []  # closed, not yet fully ended (an interrupt)
         self._calls = 0
+        _pools.add(self)
+
+    @property
+    def broken(self) -> bool:
+        """Whether a worker died before it was ready: calls fail until :meth:`close`."""
+        gen = self._generation
+        return gen is not None and gen.broken is not None
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         """Send ``fn(*args, **kwargs)`` to the worker with the fewest calls (starting workers).
 
         Raises:
-            BrokenProcessPool: A worker of this pool died before it answered any call.
+            BrokenProcessPool: A worker of this pool died before it was ready.
 
         """
         payload = pickle.dumps((fn, args, kwargs), pickle.HIGHEST_PROTOCOL)
         future: Future[T] = Future()
         future.set_running_or_notify_cancel()  # sent at once: it can no longer be cancelled
         with self._lock:
+            if _exiting:
+                raise RuntimeError(f"{self.name}: the interpreter is exiting")
             gen = self._generation
             if gen is None:
                 gen = self._generation = self._start()
@@ -230,40 +189,36 @@ class PipePool(Executor):
         return future
 
     def close(self) -> None:
-        """End the workers (calls under way fail with ``CancelledError``); safe to call again."""
+        """End the workers; calls under way fail with ``CancelledError``.
+
+        Workers running a call are ended at once; idle ones are given a moment to exit. Safe
+        to call again, also after an interruption part-way (it finishes the job).
+        """
         with self._lock:
             gen, self._generation = self._generation, None
-            if gen is None:
-                return
-            gen.closing = True
-            gen.wake()
-        if gen.thread is not None:
-            gen.thread.join()
-        for worker in gen.workers:
-            worker.tasks.close()  # the worker reads the end of its pipe and exits
-        _end(gen.workers)
-        for worker in gen.workers:
-            worker.results.close()
-            for future, _ in worker.calls.values():
-                future.set_exception(CancelledError(f"{self.name}: the pool was closed"))
-            worker.calls.clear()
-        os.close(gen.wake_r)
-        os.close(gen.wake_w)
+            if gen is not None:
+                gen.closing = True
+                gen.wake()
+                self._ending.append(gen)
+            ending = list(self._ending)
+        for gen in ending:
+            gen.end(self.name)
+            with self._lock:
+                if gen in self._ending:
+                    self._ending.remove(gen)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """As :meth:`close` (for ``Executor``'s API)."""
         self.close()
 
-    # -- the pool's thread -------------------------------------------------------------------
+    # -- starting workers ------------------------------------------------------------------------
 
     def _start(self) -> _Generation:
         gen = _Generation()
         try:
             gen.workers = [self._new_worker() for _ in range(self.processes)]
         except BaseException:
-            _end(gen.workers)
-            os.close(gen.wake_r)
-            os.close(gen.wake_w)
+            gen.end(self.name)
             raise
         gen.thread = threading.Thread(
             target=self._serve_results, args=(gen,), name=f"feedline-pool-{self.name}", daemon=True
@@ -275,10 +230,9 @@ class PipePool(Executor):
         task_r, task_w = self._context.Pipe(duplex=False)
         result_r, result_w = self._context.Pipe(duplex=False)
         process = self._context.Process(
-            target=_serve,
+            target=serve,
             args=(task_r, result_w, self._initializer, self._initargs),
             name=f"feedline-{self.name}",
-            daemon=True,
         )
         try:
             process.start()
@@ -287,7 +241,16 @@ class PipePool(Executor):
             result_w.close()
         return _Worker(process, task_w, result_r)
 
+    # -- the pool's thread -----------------------------------------------------------------------
+
     def _serve_results(self, gen: _Generation) -> None:
+        try:
+            self._serve(gen)
+        except BaseException as error:  # a bug here must fail the calls, not leave them hanging
+            self._break(gen, f"{self.name}: the pool's thread failed ({error!r})", [])
+            raise
+
+    def _serve(self, gen: _Generation) -> None:
         # Wait on every worker's results and exit (and on writable task pipes with an outbox).
         with selectors.DefaultSelector() as selector:
             selector.register(gen.wake_r, selectors.EVENT_READ)
@@ -296,7 +259,7 @@ class PipePool(Executor):
                 with self._lock:
                     if gen.closing:
                         return
-                    self._watch(gen, selector, watched)
+                    _watch(gen, selector, watched)
                 for key, _ in selector.select():
                     if key.fd == gen.wake_r:
                         with contextlib.suppress(BlockingIOError):
@@ -315,46 +278,41 @@ class PipePool(Executor):
                     else:  # its exit: after the results it sent
                         self._worker_ended(gen, worker, selector, watched)
 
-    def _watch(self, gen: _Generation, selector: Any, watched: set[_Worker]) -> None:
-        # With the lock held: register new workers, and task pipes for writes while they wait.
-        for worker in gen.workers:
-            if worker not in watched:
-                watched.add(worker)
-                selector.register(worker.fd_in, selectors.EVENT_READ, ("results", worker))
-                selector.register(worker.process.sentinel, selectors.EVENT_READ, ("exit", worker))
-            if bool(worker.outbox) != worker.writing:
-                worker.writing = not worker.writing
-                if worker.writing:
-                    selector.register(worker.fd_out, selectors.EVENT_WRITE, ("tasks", worker))
-                else:
-                    selector.unregister(worker.fd_out)
-
     def _take_result(self, worker: _Worker) -> bool:
         # Read one answer (the worker writes it whole); False at the pipe's end.
-        header = _read_exactly(worker.fd_in, _HEADER.size)
-        body = None if header is None else _read_exactly(worker.fd_in, _HEADER.unpack(header)[0])
+        header = read_exactly(worker.fd_in, HEADER.size)
+        body = None if header is None else read_exactly(worker.fd_in, HEADER.unpack(header)[0])
         if header is None or body is None:
             return False
-        _, call, ok = _HEADER.unpack(header)
+        _, call, ok = HEADER.unpack(header)
+        if call == READY:
+            worker.ready = True
+            return True
         with self._lock:
-            future, _ = worker.calls.pop(call)
-            worker.answered += 1
+            future, _ = worker.calls.pop(call, (None, b""))
+        if future is None:  # a call the pool failed when it broke: nobody waits for it
+            return True
+        pid = worker.process.pid
         try:
             value = pickle.loads(body)
-            if ok and self._on_result is not None:
-                value = self._on_result(value)
         except Exception as error:
             future.set_exception(
                 RuntimeError(
-                    f"{self.name}: a result from worker process {worker.process.pid} cannot be "
-                    f"rebuilt in this process ({type(error).__name__}: {error})"
+                    f"{self.name}: a result from worker process {pid} cannot be rebuilt in "
+                    f"this process ({type(error).__name__}: {error})"
                 )
             )
             return True
-        if ok:
-            future.set_result(value)
-        else:
-            future.set_exception(_rebuilt(value, self.name, worker.process.pid))
+        if not ok:
+            future.set_exception(_rebuilt(value, self.name, pid))
+            return True
+        if self._on_result is not None:
+            try:
+                value = self._on_result(value)
+            except Exception as error:
+                future.set_exception(error)
+                return True
+        future.set_result(value)
         return True
 
     def _worker_ended(
@@ -363,7 +321,7 @@ class PipePool(Executor):
         # A worker exited while the pool runs: take what it answered, then fail or move the rest.
         os.set_blocking(worker.fd_in, False)
         with contextlib.suppress(BlockingIOError):
-            while worker.calls and not worker.ended and self._take_result(worker):
+            while not worker.ended and self._take_result(worker):
                 pass
         worker.process.join()
         if not worker.ended:
@@ -372,40 +330,71 @@ class PipePool(Executor):
         if worker.writing:
             selector.unregister(worker.fd_out)
         watched.discard(worker)
+        worker.tasks.close()
+        worker.results.close()
         how = _exit_text(worker.process.exitcode)
         pid = worker.process.pid
+        if not worker.ready:
+            self._break(
+                gen,
+                f"{self.name}: worker process {pid} {how} as it started (its initializer or "
+                "its start failed: its output is above); close the pool to try again",
+                [worker],
+            )
+            return
         with self._lock:
-            calls = list(worker.calls.items())
+            calls = list(worker.calls.values())
             worker.calls.clear()
             worker.outbox.clear()
             gen.workers.remove(worker)
-            running, queued = calls[:1], calls[1:]
-            if worker.answered == 0:
-                gen.broken = (
-                    f"{self.name}: worker process {pid} {how} before it answered a call (did "
-                    "its start fail? its output is above)"
-                )
+            try:
+                gen.workers.append(self._new_worker())
+            except Exception as error:  # no replacement: the pool is broken
+                gen.broken = f"{self.name}: could not start a worker process ({error})"
             else:
-                try:
-                    gen.workers.append(self._new_worker())
-                except Exception as error:  # no replacement: the pool is broken
-                    gen.broken = f"{self.name}: could not start a worker process ({error})"
-            if gen.broken is not None:  # every call fails, now and later
-                running += queued + [c for w in gen.workers for c in w.calls.items()]
-                queued = []
-                for w in gen.workers:
-                    w.calls.clear()
-                    w.outbox.clear()
-            for call, (future, payload) in queued:  # never started: others run them
-                min(gen.workers, key=lambda w: len(w.calls)).send(call, future, payload)
-        worker.tasks.close()
-        worker.results.close()
-        message = gen.broken or (
-            f"{self.name}: worker process {pid} {how} while it ran this item; a crash in "
-            "native code or running out of memory are the usual causes"
-        )
-        for _, (future, _) in running:
-            future.set_exception(BrokenProcessPool(message))
+                for future, payload in calls[1:]:  # never started: others run them
+                    self._calls += 1
+                    min(gen.workers, key=lambda w: len(w.calls)).send(self._calls, future, payload)
+                calls = calls[:1]
+        for future, _ in calls:
+            future.set_exception(
+                BrokenProcessPool(
+                    f"{self.name}: worker process {pid} {how} while it ran this item; a crash "
+                    "in native code or running out of memory are the usual causes"
+                )
+            )
+        if gen.broken is not None:
+            self._break(gen, gen.broken, [])
+
+    def _break(self, gen: _Generation, reason: str, gone: list[_Worker]) -> None:
+        # Every call fails with ``reason``, and later ones at once, until the pool is closed.
+        with self._lock:
+            gen.broken = reason
+            calls = [c for w in gen.workers for c, _ in w.calls.values()]
+            for w in gen.workers:
+                w.calls.clear()
+                w.outbox.clear()
+            for w in gone:
+                if w in gen.workers:
+                    gen.workers.remove(w)
+        for future in calls:
+            future.set_exception(BrokenProcessPool(reason))
+
+
+def _watch(gen: _Generation, selector: selectors.BaseSelector, watched: set[_Worker]) -> None:
+    # With the pool's lock held: register new workers, and task pipes for writes while an
+    # outbox waits.
+    for worker in gen.workers:
+        if worker not in watched:
+            watched.add(worker)
+            selector.register(worker.fd_in, selectors.EVENT_READ, ("results", worker))
+            selector.register(worker.process.sentinel, selectors.EVENT_READ, ("exit", worker))
+        if bool(worker.outbox) != worker.writing:
+            worker.writing = not worker.writing
+            if worker.writing:
+                selector.register(worker.fd_out, selectors.EVENT_WRITE, ("tasks", worker))
+            else:
+                selector.unregister(worker.fd_out)
 
 
 def _rebuilt(value: Any, name: str, pid: int | None) -> BaseException:
@@ -430,7 +419,11 @@ def _exit_text(code: int | None) -> str:
 
 
 def _end(workers: list[_Worker]) -> None:
-    # Give the workers a moment to end on their own (their task pipe is closed), then end them.
+    # Workers with calls under way are ended at once (what they run is dropped); idle ones
+    # are given a moment to exit on their own, having read the end of their task pipe.
+    for worker in workers:
+        if worker.calls and worker.process.exitcode is None:
+            worker.process.terminate()
     deadline = time.monotonic() + _GRACE
     for worker in workers:
         worker.process.join(max(0.0, deadline - time.monotonic()))
@@ -441,3 +434,16 @@ def _end(workers: list[_Worker]) -> None:
         if worker.process.exitcode is None:
             worker.process.kill()
             worker.process.join()
+
+
+def _close_all_at_exit() -> None:
+    # Before multiprocessing joins its (non-daemonic) children at exit: end the pools' workers,
+    # which would otherwise wait for calls forever.
+    global _exiting
+    _exiting = True
+    for pool in list(_pools):
+        with contextlib.suppress(Exception):
+            pool.close()
+
+
+multiprocessing.util.Finalize(None, _close_all_at_exit, exitpriority=100)

@@ -46,6 +46,9 @@ class _Holder:
         with self.lock:
             run = self.run
         if run is not None:
+            if not run.finished:  # part-way: what the regions' workers run is dropped
+                run.begin_stop()  # no new calls; those under way fail as the workers end
+                self.close_regions()
             run.stop()  # re-entrant: an interrupted stop keeps the run for the next call
             with self.lock:
                 ended = self.run is run
@@ -56,6 +59,9 @@ class _Holder:
                     hook.stage_end(stage)
             if not run.finished:  # stopped part-way or failed: items under way are dropped
                 self.close_regions()
+            for pool in self.regions:
+                if pool.broken:  # its workers could not start: the next epoch tries again
+                    pool.close()
 
     def close_regions(self) -> None:
         for pool in self.regions:

@@ -94,6 +94,13 @@ class RegionPool(Executor):
         self._lock = threading.Lock()
         self._pool: PipePool | None = None
         self._prefix = ""
+        self._ending: list[tuple[PipePool, str]] = []  # closed, not yet fully (an interrupt)
+
+    @property
+    def broken(self) -> bool:
+        """Whether a worker died as it started: every item fails until :meth:`close`."""
+        pool = self._pool
+        return pool is not None and pool.broken
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         """Run ``fn(*args, **kwargs)`` in a worker (starting the workers if they are not).
@@ -126,12 +133,21 @@ class RegionPool(Executor):
             return self._pool
 
     def close(self) -> None:
-        """End the workers at once (items under way are dropped) and free their segments."""
+        """End the workers at once (items under way are dropped) and free their segments.
+
+        Safe to call again, also after an interruption part-way (it finishes the job).
+        """
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
+            if self._pool is not None:
+                self._ending.append((self._pool, self._prefix))
+                self._pool = None
+            ending = list(self._ending)
+        for pool, prefix in ending:
             pool.close()
-            remove_prefixed(self._prefix)
+            remove_prefixed(prefix)
+            with self._lock:
+                if (pool, prefix) in self._ending:
+                    self._ending.remove((pool, prefix))
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """As :meth:`close` (the pipeline owns the pool; this is for ``Executor``'s API)."""
