@@ -258,3 +258,81 @@ def test_leaving_an_epoch_early_does_not_wait_for_the_items_in_the_workers() -> 
     assert time.monotonic() - t0 < 15  # not the 30 s items (nor those queued behind them)
     del pipeline
     _no_leftovers()
+
+
+def _dead(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def test_a_worker_killed_between_items_is_blamed_for_none() -> None:
+    # Calls sent to a worker that was already dead (the pool's thread may not have seen it
+    # yet) were never read by it: they run on its replacement.
+    pool = PipePool(1, _CTX, "test")
+    try:
+        for _ in range(3):
+            pid, _ = pool.submit(pid_and_square, 1).result(30)
+            os.kill(pid, signal.SIGKILL)  # idle, between items (as the OOM killer might)
+            deadline = time.monotonic() + 10
+            while not _dead(pid) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            futures = [pool.submit(square, i) for i in range(4)]
+            assert [f.result(30) for f in futures] == [0, 1, 4, 9]
+    finally:
+        pool.close()
+    _no_leftovers()
+
+
+def test_the_calls_a_dead_worker_never_read_are_those_whole_in_its_pipe() -> None:
+    from concurrent.futures import Future
+    from multiprocessing.connection import Connection
+
+    from feedline.pipeline._pipe_pool import _Worker
+    from feedline.pipeline._pipe_worker import HEADER
+
+    read_end, write_end = os.pipe()
+    worker = _Worker(None, Connection(write_end), Connection(read_end))
+    futures: list[Future[object]] = [Future() for _ in range(3)]
+    for call, future in enumerate(futures, 1):
+        worker.send(call, future, bytes(100 * call))
+    assert [f for f, _ in worker.never_read()] == futures  # it died between items
+    os.read(read_end, HEADER.size + 100)  # it took the first call, then died
+    assert [f for f, _ in worker.never_read()] == futures[1:]
+    worker.gone = True  # a later call found the pipe closed: kept in the outbox
+    worker.outbox += [memoryview(b"x" * (HEADER.size + 400))]
+    worker.calls[4] = (Future(), bytes(400))
+    assert len(worker.never_read()) == 3
+    worker.tasks.close()
+    worker.results.close()
+
+
+def test_two_threads_stopping_a_region_pipeline_at_once() -> None:
+    for _ in range(4):
+        pipeline = (
+            PipelineBuilder()
+            .add_source([0.0] + [5.0] * 6)
+            .pipe_in_processes(sleep_for, processes=2)
+            .add_sink()
+            .build()
+        )
+        it = iter(pipeline)
+        assert next(it) == 0.0
+        errors: list[BaseException] = []
+
+        def stop(p: object = pipeline, errors: list[BaseException] = errors) -> None:
+            try:
+                p.stop()  # type: ignore[attr-defined]
+            except BaseException as error:  # any error fails the test
+                errors.append(error)
+
+        threads = [threading.Thread(target=stop) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert errors == []
+        del it, pipeline
+    _no_leftovers()

@@ -20,11 +20,14 @@ later one fail with :class:`~concurrent.futures.process.BrokenProcessPool` until
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import multiprocessing.util
 import os
 import pickle
 import selectors
 import signal
+import sys
+import termios
 import threading
 import time
 import weakref
@@ -62,6 +65,7 @@ class _Worker:
         self.ready = False  # it said so: a death from now on is an item's doing
         self.writing = False  # registered with the selector for writes
         self.ended = False  # its result pipe reached its end
+        self.gone = False  # a write found the worker gone: what it did not take stays here
 
     def send(self, call: int, future: Future[Any], payload: bytes) -> None:
         # With the pool's lock held.
@@ -74,12 +78,32 @@ class _Worker:
     def flush(self) -> None:
         # Write what the task pipe takes now, without blocking (with the pool's lock held).
         try:
-            while self.outbox:
+            while self.outbox and not self.gone:
                 write_views(self.fd_out, self.outbox)
         except BlockingIOError:
             pass
         except OSError:  # the worker is gone: its exit is handled by the pool's thread
-            self.outbox.clear()
+            self.gone = True
+
+    def never_read(self) -> list[tuple[Future[Any], bytes]]:
+        # After the worker's death, with the lock held: the calls it never read (those whose
+        # bytes are all still in its pipe or outbox), to run elsewhere. The one call it read
+        # and did not answer (it reads the next only after answering) is what it ran.
+        unread = sum(len(v) for v in self.outbox)
+        try:
+            buffered = bytearray(4)
+            fcntl.ioctl(self.fd_out, termios.FIONREAD, buffered)
+            unread += int.from_bytes(buffered, sys.byteorder)
+        except OSError:  # not known here: the first call is taken to be the one it ran
+            return list(self.calls.values())[1:]
+        found: list[tuple[Future[Any], bytes]] = []
+        for future, payload in reversed(self.calls.values()):
+            size = HEADER.size + len(payload)
+            if unread < size:
+                break
+            unread -= size
+            found.append((future, payload))
+        return found[::-1]
 
 
 class _Generation:
@@ -154,6 +178,7 @@ class PipePool(Executor):
         self._lock = threading.Lock()
         self._generation: _Generation | None = None
         self._ending: list[_Generation] = []  # closed, not yet fully ended (an interrupt)
+        self._close_lock = threading.Lock()
         self._calls = 0
         _pools.add(self)
 
@@ -200,12 +225,11 @@ class PipePool(Executor):
                 gen.closing = True
                 gen.wake()
                 self._ending.append(gen)
-            ending = list(self._ending)
-        for gen in ending:
-            gen.end(self.name)
-            with self._lock:
-                if gen in self._ending:
-                    self._ending.remove(gen)
+        with self._close_lock:  # one caller ends them; another waits for it to finish
+            while self._ending:
+                self._ending[0].end(self.name)
+                with self._lock:
+                    del self._ending[0]
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """As :meth:`close` (for ``Executor``'s API)."""
@@ -330,8 +354,6 @@ class PipePool(Executor):
         if worker.writing:
             selector.unregister(worker.fd_out)
         watched.discard(worker)
-        worker.tasks.close()
-        worker.results.close()
         how = _exit_text(worker.process.exitcode)
         pid = worker.process.pid
         if not worker.ready:
@@ -344,18 +366,21 @@ class PipePool(Executor):
             return
         with self._lock:
             calls = list(worker.calls.values())
+            unread = worker.never_read()
             worker.calls.clear()
             worker.outbox.clear()
             gen.workers.remove(worker)
+            worker.tasks.close()
+            worker.results.close()
             try:
                 gen.workers.append(self._new_worker())
             except Exception as error:  # no replacement: the pool is broken
                 gen.broken = f"{self.name}: could not start a worker process ({error})"
             else:
-                for future, payload in calls[1:]:  # never started: others run them
+                for future, payload in unread:  # never started: others run them
                     self._calls += 1
                     min(gen.workers, key=lambda w: len(w.calls)).send(self._calls, future, payload)
-                calls = calls[:1]
+                calls = calls[: len(calls) - len(unread)]
         for future, _ in calls:
             future.set_exception(
                 BrokenProcessPool(
@@ -377,6 +402,8 @@ class PipePool(Executor):
             for w in gone:
                 if w in gen.workers:
                     gen.workers.remove(w)
+                w.tasks.close()
+                w.results.close()
         for future in calls:
             future.set_exception(BrokenProcessPool(reason))
 
@@ -389,7 +416,7 @@ def _watch(gen: _Generation, selector: selectors.BaseSelector, watched: set[_Wor
             watched.add(worker)
             selector.register(worker.fd_in, selectors.EVENT_READ, ("results", worker))
             selector.register(worker.process.sentinel, selectors.EVENT_READ, ("exit", worker))
-        if bool(worker.outbox) != worker.writing:
+        if bool(worker.outbox and not worker.gone) != worker.writing:
             worker.writing = not worker.writing
             if worker.writing:
                 selector.register(worker.fd_out, selectors.EVENT_WRITE, ("tasks", worker))

@@ -95,6 +95,7 @@ class RegionPool(Executor):
         self._pool: PipePool | None = None
         self._prefix = ""
         self._ending: list[tuple[PipePool, str]] = []  # closed, not yet fully (an interrupt)
+        self._close_lock = threading.Lock()
 
     @property
     def broken(self) -> bool:
@@ -108,29 +109,33 @@ class RegionPool(Executor):
         A stage's op applied to an item that carries its source item (``TaggedOp`` on a
         ``Tagged``) sends only the item's value: its source item stays in this process.
         """
-        if isinstance(fn, TaggedOp) and len(args) == 1 and not kwargs:
-            (item,) = args
-            if isinstance(item, Tagged):
-                inner = self._pool_now().submit(fn.op, item.value)
-                outer: Future[Any] = Future()
-                outer.set_running_or_notify_cancel()
-                inner.add_done_callback(functools.partial(_retag, item, outer))
-                return outer
-        return self._pool_now().submit(fn, *args, **kwargs)
+        # Under the lock: a close() that swaps the pool out waits for the call to be sent, and
+        # ends it with the pool, rather than leave it to a pool nobody holds.
+        with self._lock:
+            pool = self._pool_now()
+            if isinstance(fn, TaggedOp) and len(args) == 1 and not kwargs:
+                (item,) = args
+                if isinstance(item, Tagged):
+                    inner = pool.submit(fn.op, item.value)
+                    outer: Future[Any] = Future()
+                    outer.set_running_or_notify_cancel()
+                    inner.add_done_callback(functools.partial(_retag, item, outer))
+                    return outer
+            return pool.submit(fn, *args, **kwargs)
 
     def _pool_now(self) -> PipePool:
-        with self._lock:
-            if self._pool is None:
-                self._prefix = SegmentNames.new_prefix()
-                self._pool = PipePool(
-                    self.processes,
-                    self._context,
-                    f"process region {self.name!r}",
-                    initializer=_start_worker,
-                    initargs=(self._prefix,),
-                    on_result=unpack,
-                )
-            return self._pool
+        # With the lock held.
+        if self._pool is None:
+            self._prefix = SegmentNames.new_prefix()
+            self._pool = PipePool(
+                self.processes,
+                self._context,
+                f"process region {self.name!r}",
+                initializer=_start_worker,
+                initargs=(self._prefix,),
+                on_result=unpack,
+            )
+        return self._pool
 
     def close(self) -> None:
         """End the workers at once (items under way are dropped) and free their segments.
@@ -141,13 +146,13 @@ class RegionPool(Executor):
             if self._pool is not None:
                 self._ending.append((self._pool, self._prefix))
                 self._pool = None
-            ending = list(self._ending)
-        for pool, prefix in ending:
-            pool.close()
-            remove_prefixed(prefix)
-            with self._lock:
-                if (pool, prefix) in self._ending:
-                    self._ending.remove((pool, prefix))
+        with self._close_lock:  # one caller ends them; another waits for it to finish
+            while self._ending:
+                pool, prefix = self._ending[0]
+                pool.close()
+                remove_prefixed(prefix)
+                with self._lock:
+                    del self._ending[0]
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """As :meth:`close` (the pipeline owns the pool; this is for ``Executor``'s API)."""
