@@ -1,10 +1,17 @@
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
+
+# A shell without job control starts background commands (``./run test &``, nohup) with
+# Ctrl-C ignored, and children inherit that: the tests of what Ctrl-C does need Python's
+# handler back, in this process and in the processes they start.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _live_threads() -> set[threading.Thread]:
