@@ -196,6 +196,32 @@ def rebuilds(error: BaseException) -> bool:
     return type(copy) is type(error)
 
 
+def portable(error: BaseException) -> tuple[BaseException | None, str]:
+    """What another process can re-raise of ``error``, and its traceback as text.
+
+    The error itself if it :func:`rebuilds` from its pickle, else ``None``.
+    """
+    import traceback
+
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    return (error if rebuilds(error) else None), text
+
+
+def not_rebuilt(text: str, raised_in: str, traceback_in: str) -> RuntimeError:
+    """The ``RuntimeError`` that stands for an exception another process could not send.
+
+    As PyTorch's DataLoader does where :func:`portable` gave ``None``: the exception's last
+    line and its traceback.
+    """
+    last = text.strip().splitlines()[-1] if text.strip() else "an exception"
+    return RuntimeError(
+        f"{last} (raised in {raised_in}; its class cannot be rebuilt in this process from its "
+        "pickle, so it comes as a RuntimeError: give its __init__ the message as its only "
+        f"required argument, or define __reduce__)\nOriginal traceback in {traceback_in}:\n"
+        f"{text}"
+    )
+
+
 def add_note(error: BaseException, note: str) -> None:
     """Attach ``note`` to ``error`` (PEP 678; shown below the traceback from Python 3.11).
 

@@ -16,7 +16,7 @@ import pytest
 from feedline import PipelineBuilder, PipelineFailure
 from feedline.pipeline._pipe_pool import PipePool
 
-from .._system import zombies
+from .._system import segments, zombies
 from ._helpers import (
     NeedsTwoArgs,
     big_bytes,
@@ -44,10 +44,21 @@ def _pool_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("feedline-pool")]
 
 
+_segments_before: set[str] = set()
+
+
+@pytest.fixture(autouse=True)
+def _count_segments() -> None:
+    _segments_before.clear()
+    _segments_before.update(segments())
+
+
 def _no_leftovers() -> None:
+    """No child process, zombie, pool thread or shared-memory segment left by the test."""
     assert multiprocessing.active_children() == []
     assert zombies() == []
     assert _pool_threads() == []
+    assert segments() <= _segments_before
 
 
 def test_calls_go_to_the_least_busy_worker_and_the_pool_restarts_after_close() -> None:

@@ -37,9 +37,9 @@ from concurrent.futures.process import BrokenProcessPool
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
-from feedline.errors import add_note
+from feedline.errors import add_note, not_rebuilt
 
-from ._pipe_worker import HEADER, READY, read_exactly, serve, write_views
+from ._pipe_worker import HEADER, READY, read_message, serve, write_views
 
 __all__ = ["PipePool"]
 
@@ -304,11 +304,10 @@ class PipePool(Executor):
 
     def _take_result(self, worker: _Worker) -> bool:
         # Read one answer (the worker writes it whole); False at the pipe's end.
-        header = read_exactly(worker.fd_in, HEADER.size)
-        body = None if header is None else read_exactly(worker.fd_in, HEADER.unpack(header)[0])
-        if header is None or body is None:
+        got = read_message(worker.fd_in)
+        if got is None:
             return False
-        _, call, ok = HEADER.unpack(header)
+        call, ok, body = got
         if call == READY:
             worker.ready = True
             return True
@@ -430,12 +429,7 @@ def _rebuilt(value: Any, name: str, pid: int | None) -> BaseException:
     if error is not None:
         add_note(error, f"Original traceback in {where}:\n{text}")
         return error  # type: ignore[no-any-return]
-    last = text.strip().splitlines()[-1] if text.strip() else "an exception"
-    return RuntimeError(
-        f"{last} (raised in {where}; its class cannot be rebuilt in this process from its "
-        "pickle, so it comes as a RuntimeError: give its __init__ the message as its only "
-        f"required argument, or define __reduce__)\nOriginal traceback in {where}:\n{text}"
-    )
+    return not_rebuilt(text, where, where)
 
 
 def _exit_text(code: int | None) -> str:

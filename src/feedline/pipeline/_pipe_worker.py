@@ -12,14 +12,13 @@ import os
 import pickle
 import signal
 import struct
-import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from feedline.errors import rebuilds
+from feedline.errors import portable
 
-__all__ = ["HEADER", "READY", "read_exactly", "serve"]
+__all__ = ["HEADER", "READY", "read_message", "serve", "write_views"]
 
 HEADER = struct.Struct("<QQ?")
 """Payload bytes, call number, whether the call succeeded."""
@@ -30,8 +29,8 @@ READY = 0
 _IOV_MAX = 64  # buffers handed to one writev
 
 
-def read_exactly(fd: int, size: int) -> bytearray | None:
-    """``size`` bytes from a pipe, or None at its end (the writer closed it or died)."""
+def _read_exactly(fd: int, size: int) -> bytearray | None:
+    # ``size`` bytes from a pipe, or None at its end (the writer closed it or died).
     data = bytearray(size)
     view = memoryview(data)
     got = 0
@@ -41,6 +40,19 @@ def read_exactly(fd: int, size: int) -> bytearray | None:
             return None
         got += n
     return data
+
+
+def read_message(fd: int) -> tuple[int, bool, bytearray] | None:
+    """One message from a pipe: (call number, whether the call succeeded, its pickle).
+
+    ``None`` at the pipe's end (the writer closed it or died).
+    """
+    header = _read_exactly(fd, HEADER.size)
+    if header is None:
+        return None
+    size, call, ok = HEADER.unpack(header)
+    body = _read_exactly(fd, size)
+    return None if body is None else (call, ok, body)
 
 
 def write_views(fd: int, views: list[memoryview]) -> int:
@@ -59,19 +71,19 @@ def write_views(fd: int, views: list[memoryview]) -> int:
 
 def _failure(error: BaseException) -> bytes:
     # The error itself where this process can rebuild it from its pickle, and its traceback.
-    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     if not isinstance(error, Exception):  # SystemExit and the like end calls, not the worker
+        cause = error
         error = RuntimeError(
-            f"the op raised {type(error).__name__}{error.args!r} in a worker process; return "
+            f"the op raised {type(cause).__name__}{cause.args!r} in a worker process; return "
             "or raise an exception instead"
         )
-    return pickle.dumps((error if rebuilds(error) else None, text))
+        error.__traceback__ = cause.__traceback__
+    return pickle.dumps(portable(error))
 
 
 def _answer(body: bytearray) -> tuple[bytes, bool]:
     try:
         fn, args, kwargs = pickle.loads(body)
-        del body
         return pickle.dumps(fn(*args, **kwargs), pickle.HIGHEST_PROTOCOL), True
     except BaseException as error:
         return _failure(error), False
@@ -97,11 +109,10 @@ def serve(
                 write_views(fd_out, message)
         except BrokenPipeError:  # the parent is gone
             return
-        header = read_exactly(fd_in, HEADER.size)
-        body = None if header is None else read_exactly(fd_in, HEADER.unpack(header)[0])
-        if header is None or body is None:
+        got = read_message(fd_in)
+        if got is None:
             return
+        call, _, body = got
         payload, ok = _answer(body)
-        del body
-        message = [memoryview(HEADER.pack(len(payload), HEADER.unpack(header)[1], ok))]
-        message.append(memoryview(payload))
+        del got, body
+        message = [memoryview(HEADER.pack(len(payload), call, ok)), memoryview(payload)]

@@ -26,7 +26,6 @@ import queue
 import signal
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.reduction import ForkingPickler
@@ -38,7 +37,8 @@ from feedline.errors import (
     SubprocessDied,
     SubprocessFailure,
     add_note,
-    rebuilds,
+    not_rebuilt,
+    portable,
 )
 
 from ._builder import PipelineBuilder
@@ -61,14 +61,6 @@ T = TypeVar("T")
 _POLL = 0.2  # seconds between liveness checks while waiting
 _DEFAULT_SHM_MIN = 64 * 1024
 _STARTUP_SECONDS = 120.0  # the least a child gets to start and make its iterable
-
-
-def _error_message(error: BaseException) -> tuple[BaseException | None, str]:
-    # The error itself, if the parent can rebuild it from its pickle (an exception class
-    # whose __init__ takes other arguments than its message cannot be, and unpickling it in
-    # the parent would raise a TypeError about that instead); its traceback as text always.
-    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    return (error if rebuilds(error) else None), text
 
 
 def _send(data_q: Any, stop: Any, message: Any, packed: Any = None) -> bool:
@@ -122,7 +114,7 @@ def _child_main(
     try:
         iterable = factory()
     except BaseException as error:
-        data_q.put(("init-error", *_error_message(error)))
+        data_q.put(("init-error", *portable(error)))
         return
     # Without starting the feeder thread: that waits for the thread to run (about 1.5 ms on
     # cores busy with the other workers' starts), before this child's first item.
@@ -142,7 +134,7 @@ def _child_main(
                     break
             data_q.put(("end",))
         except BaseException as error:
-            data_q.put(("error", *_error_message(error)))
+            data_q.put(("error", *portable(error)))
 
 
 _CLOSE_GRACE = 0.3  # seconds a child gets to leave by itself before it is terminated
@@ -395,14 +387,7 @@ class SubprocessIterable(Generic[T]):
             add_note(error, f"Original traceback in {self._name}:\n{text}")
             raise error
         if self._reraise and error is None:
-            # As PyTorch's DataLoader does with an exception it cannot rebuild.
-            last = text.strip().splitlines()[-1] if text.strip() else "an exception"
-            raise RuntimeError(
-                f"{last} (raised in {self._name}{where}; its class cannot be rebuilt in this "
-                "process from its pickle, so it comes as a RuntimeError: give its __init__ "
-                "the message as its only required argument, or define __reduce__)\n"
-                f"Original traceback in {self._name}:\n{text}"
-            )
+            raise not_rebuilt(text, f"{self._name}{where}", self._name)
         failure = SubprocessFailure(f"error {when}:\n{text}", error)
         raise failure from error
 
