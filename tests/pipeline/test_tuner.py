@@ -220,14 +220,15 @@ class _Windows:
         self.stage = _Stage(concurrency)
         self.knob = Knob(self.stage, 1, 1, 8)
         self.tuner = Tuner([self.knob], [_Channel(), _Channel()], Tuning(cpu_budget=2))  # type: ignore[list-item]
-        self.t = self.out = self.cpu = self.busy = 0.0
+        self.t = self.out = self.cpu = self.busy = self.slots = 0.0
         self.calls = 0
 
     def mark(self) -> Any:
         from feedline.pipeline._tuner import _Mark
 
-        slots = [self.t * 8]  # busy / slots: every slot busy (see ``window``)
-        return _Mark(self.t, int(self.out), self.cpu, [self.busy], [self.calls], slots, [0.0, 0.0])
+        return _Mark(
+            self.t, int(self.out), self.cpu, [self.busy], [self.calls], [self.slots], [0.0, 0.0]
+        )
 
     def window(
         self, seconds: float, rate: float, cores: float, task: float, first: bool = False
@@ -237,8 +238,9 @@ class _Windows:
         self.t += seconds
         self.out += rate * seconds
         self.cpu += cores * seconds
-        self.busy += seconds * 8  # as many busy slot-seconds as slots: fully busy
-        self.calls += max(1, round(seconds * c / task))
+        self.busy += seconds * c  # as many busy slot-seconds as slots: fully busy
+        self.slots += seconds * c
+        self.calls += max(1, round(seconds * c / task))  # so the mean call is ``task`` long
         now = self.mark()
         self.tuner._mark = before
         self.tuner._decide(before, now, raise_only=first, first=first)
@@ -303,6 +305,38 @@ def test_after_a_raise_that_did_not_pay_half_stays_above_the_busy_cores(
     w.window(0.3, rate=1000, cores=cores, task=0.004)
     assert "4 did not pay" in w.decisions
     assert w.concurrency == tried, w.decisions
+
+
+def test_calls_that_wait_are_not_tried_at_half_after_a_raise_that_did_not_pay() -> None:
+    # Calls as long at 8 as at 4 (they wait on a server, not on each other): fewer would
+    # not shorten them, and 2 of them could end 500 a second where 1,000 are wanted.
+    w = _Windows(concurrency=4)
+    w.window(0.3, rate=1000, cores=0.5, task=0.004)
+    assert w.concurrency == 8
+    w.window(0.3, rate=1000, cores=0.5, task=0.004)
+    assert "8 did not pay" in w.decisions
+    assert w.concurrency == 4, w.decisions
+    assert w.tuner._trial is None  # no window spent at 2
+
+
+def test_fewer_calls_that_look_as_fast_but_cannot_end_as_many_are_put_back() -> None:
+    # Calls that grew with the raise are tried at half; the window after the cut still
+    # puts out 1,000 items a second (from items queued behind the stage), but 2 calls of
+    # 4 ms end 500 a second: put back, 2 becoming the floor.
+    w = _Windows(concurrency=4)
+    w.window(0.3, rate=1000, cores=0.5, task=0.004)
+    w.window(0.3, rate=1000, cores=1.0, task=0.008)  # contention: tried at half
+    assert w.concurrency == 2, w.decisions
+    w.window(0.3, rate=1000, cores=1.0, task=0.004)
+    assert "back to 4, 2 was slower" in w.decisions
+    assert (w.concurrency, w.knob.floor) == (4, 2)
+    # Where 2 calls could end as many (they got shorter), the cut is kept.
+    w = _Windows(concurrency=4)
+    w.window(0.3, rate=1000, cores=0.5, task=0.004)
+    w.window(0.3, rate=1000, cores=1.0, task=0.008)
+    w.window(0.3, rate=1000, cores=1.92, task=0.002)  # busy cores: nothing raised after it
+    assert "4 -> 2 kept, as fast" in w.decisions
+    assert w.concurrency == 2
 
 
 def test_a_read_raised_on_a_cold_start_is_not_tried_back() -> None:

@@ -409,6 +409,7 @@ class BatchFetcher:
         fed = self._ready_in_a_row >= self.FED_BATCHES
         if fed != self._fed:
             self._fed = fed
+            self._jobs_run = 0  # the next job measures (see SAMPLE_EVERY)
             if not fed:
                 self._waited_share = None  # measured again when it is fed again
                 if self._pool.limit < self._cores + 1:
