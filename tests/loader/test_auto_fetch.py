@@ -200,6 +200,46 @@ def test_a_consumer_that_computes_keeps_a_core_and_one_that_waits_gets_them_all(
     assert at_once["waits"] > cores - 0.6, at_once
 
 
+def test_a_fed_consumer_has_the_fetch_threads_times_read_on_one_job_in_eight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each read of a thread's times is system calls that hand the GIL to the fetch thread
+    # and back, which a training thread launching small ops waits for: while the consumer
+    # is fed, one job in SAMPLE_EVERY reads them, and the first job after it becomes fed.
+    from feedline.loader import _fetch
+
+    reads = []
+    real = _fetch.thread_times
+    monkeypatch.setattr(_fetch, "thread_times", lambda: reads.append(1) or real())
+    jobs = []
+
+    class Counted(_fetch.BatchFetcher):
+        def _run_items(self, *args: Any) -> None:
+            jobs.append(1)
+            super()._run_items(*args)
+
+    fetcher = Counted(list(range(10_000)), 4, cores=2)
+    try:
+        fetcher.fetch_now((0, list(range(8))))
+        assert not reads  # not fed: no reads
+        for _ in range(fetcher.FED_BATCHES):
+            fetcher.consumer_took(waited=False, computing=0.9)
+        for b in range(1, 41):
+            fetcher.fetch_now((b, list(range(8 * b, 8 * b + 8))))
+        fed_jobs = len(jobs) - 1
+        assert fed_jobs >= 40
+        # Two reads (before and after) per measured job; two threads may both take a turn.
+        assert 2 <= len(reads) <= 2 * (fed_jobs // fetcher.SAMPLE_EVERY + 2), (reads, jobs)
+        fetcher.consumer_took(waited=True, computing=None)  # it waited: not fed
+        for _ in range(fetcher.FED_BATCHES):
+            fetcher.consumer_took(waited=False, computing=0.9)
+        before = len(reads)
+        fetcher.fetch_now((41, [0]))  # one item, one job: measured
+        assert len(reads) == before + 2
+    finally:
+        fetcher.close()
+
+
 def test_no_fetch_thread_outlives_an_auto_epoch() -> None:
     before = _fetch_threads()
     loader = DataLoader(Slow(200, 0.01), batch_size=4, fetch_concurrency="auto")

@@ -220,27 +220,43 @@ class _Windows:
         self.stage = _Stage(concurrency)
         self.knob = Knob(self.stage, 1, 1, 8)
         self.tuner = Tuner([self.knob], [_Channel(), _Channel()], Tuning(cpu_budget=2))  # type: ignore[list-item]
-        self.t = self.out = self.cpu = self.busy = self.slots = 0.0
+        self.t = self.out = self.cpu = self.busy = self.slots = self.sink_full = 0.0
         self.calls = 0
 
     def mark(self) -> Any:
         from feedline.pipeline._tuner import _Mark
 
         return _Mark(
-            self.t, int(self.out), self.cpu, [self.busy], [self.calls], [self.slots], [0.0, 0.0]
+            self.t,
+            int(self.out),
+            self.cpu,
+            [self.busy],
+            [self.calls],
+            [self.slots],
+            [0.0, self.sink_full],
         )
 
     def window(
-        self, seconds: float, rate: float, cores: float, task: float, first: bool = False
+        self,
+        seconds: float,
+        rate: float,
+        cores: float,
+        task: float,
+        first: bool = False,
+        sink_full: float = 0.0,
+        busy: float = 1.0,
     ) -> None:
+        """One window; ``task`` 0: the stage ended no call; ``sink_full``: share of it full;
+        ``busy``: share of the slots busy."""
         before = self.mark()
         c = self.stage.counters.concurrency
+        self.sink_full += sink_full * seconds
         self.t += seconds
         self.out += rate * seconds
         self.cpu += cores * seconds
-        self.busy += seconds * c  # as many busy slot-seconds as slots: fully busy
+        self.busy += seconds * c * busy
         self.slots += seconds * c
-        self.calls += max(1, round(seconds * c / task))  # so the mean call is ``task`` long
+        self.calls += round(seconds * c * busy / task) if task else 0  # each ``task`` long
         now = self.mark()
         self.tuner._mark = before
         self.tuner._decide(before, now, raise_only=first, first=first)
@@ -337,6 +353,58 @@ def test_fewer_calls_that_look_as_fast_but_cannot_end_as_many_are_put_back() -> 
     w.window(0.3, rate=1000, cores=1.92, task=0.002)  # busy cores: nothing raised after it
     assert "4 -> 2 kept, as fast" in w.decisions
     assert w.concurrency == 2
+
+
+def test_a_raise_from_a_cold_window_is_tried_at_half_even_with_calls_as_long() -> None:
+    # The first window's calls were slow with the start-up: no measure of how long calls
+    # are. Calls as long after the raise may be contention (warm calls twice as long), so
+    # half is tried.
+    w = _Windows(concurrency=2)
+    w.window(0.1, rate=400, cores=1.0, task=0.004, first=True)
+    assert w.concurrency == 4
+    w.window(0.3, rate=400, cores=1.0, task=0.004)
+    assert "4 did not pay" in w.decisions
+    assert w.concurrency == 1, w.decisions
+
+
+def test_a_cut_judged_on_a_window_that_ended_no_call_goes_by_the_rate() -> None:
+    w = _Windows(concurrency=4)
+    w.window(0.3, rate=1000, cores=0.5, task=0.004)
+    w.window(0.3, rate=1000, cores=1.0, task=0.008)  # contention: tried at half
+    assert w.concurrency == 2
+    w.window(0.3, rate=1000, cores=1.92, task=0.0)  # no call ended: capacity unknown
+    assert "4 -> 2 kept, as fast" in w.decisions
+
+
+def test_a_cut_for_a_slower_consumer_is_put_back_if_the_stage_cannot_keep_up() -> None:
+    # The sink full: the stage is tried at half. 2 calls of 4 ms end 500 a second, where
+    # the stage ended 1,000 (its output still looked as fast, from items queued behind it).
+    w = _Windows(concurrency=4)
+    w.window(0.3, rate=1000, cores=1.0, task=0.004, sink_full=0.9)
+    assert w.concurrency == 2, w.decisions
+    w.window(0.3, rate=1000, cores=1.0, task=0.004, sink_full=0.9)
+    assert "back to 4, 2 was slower" in w.decisions
+    assert w.concurrency == 4
+    # Where the consumer takes 400 a second, 2 calls of 4 ms (500 a second) are enough.
+    w = _Windows(concurrency=4)
+    w.window(0.3, rate=400, cores=1.0, task=0.01, sink_full=0.9)  # 4 calls, 400 a second
+    w.window(0.3, rate=400, cores=1.0, task=0.004, sink_full=0.9)
+    assert "4 -> 2 kept, as fast" in w.decisions
+
+
+def test_the_window_after_a_put_back_does_not_clear_the_ceiling() -> None:
+    # It ends the trial's last calls, longer than calls at the value put back: not a change
+    # of conditions. Calls longer in the window after that are.
+    w = _Windows(concurrency=4)
+    w.window(0.3, rate=1000, cores=0.5, task=0.004)
+    w.window(0.3, rate=1000, cores=0.5, task=0.004)  # 8 did not pay: back to 4
+    assert (w.concurrency, w.knob.ceiling) == (4, 8), w.decisions
+    # Half the slots busy: nothing raised or trimmed, the ceiling only checked.
+    w.window(0.3, rate=1000, cores=0.5, task=0.012, busy=0.5)  # the tails of the 8
+    assert w.knob.ceiling == 8
+    w.window(0.3, rate=1000, cores=0.5, task=0.012, busy=0.5)  # calls 3 times as long
+    assert w.knob.ceiling is None
+    assert w.knob.jump == pytest.approx(3.0)
 
 
 def test_a_read_raised_on_a_cold_start_is_not_tried_back() -> None:

@@ -584,9 +584,11 @@ class BatchFetcher:
         self._measured(spent / (stop - start))
 
     def _sample_due(self) -> bool:
-        # Whether this job, run while the consumer is fed, measures its threads' times.
-        self._jobs_run += 1
-        return self._jobs_run % self.SAMPLE_EVERY == 1
+        # Whether this job, run while the consumer is fed, measures its threads' times. The
+        # pool's threads count without a lock: two at once may both measure, none skips one.
+        n = self._jobs_run + 1
+        self._jobs_run = n
+        return n % self.SAMPLE_EVERY == 1
 
     def close(self) -> None:
         """Stop the threads; calls not started yet are dropped."""

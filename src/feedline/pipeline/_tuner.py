@@ -84,8 +84,9 @@ GAIN = 1.05
 """A raise is kept if the output rate grew by this factor at least..."""
 
 KEEP_LOWER = 0.97
-"""After a raise that did not pay, the stage is tried at half; that is kept if the output
-rate stays at this share of what it was at least."""
+"""A trial of fewer calls (at half, after a raise that did not pay) is kept if the output
+rate stays at this share of what it was at least, and the stage's capacity at this share of
+the calls it ended before."""
 
 SHARE = 0.25
 """... and by this share of the raise at least (a doubling: by a quarter), so that a window's
@@ -128,10 +129,11 @@ this share of the cores the process kept busy in the window (they would idle: a 
 computes at one call per core is kept there)."""
 
 CONTENTION = 0.5
-"""A raise that did not pay and made the stage's calls longer by more than this share of the
-raise (a doubling: by half) found contention (the GIL, busy cores, a server at its limit):
-fewer calls may be as fast, and are tried. Calls about as long as before wait on something
-that fewer would not shorten: fewer are tried only if they could still end the calls wanted."""
+"""A raise of R times that did not pay and made the stage's calls longer by more than
+R ** CONTENTION times (a doubling: 1.41 times) found contention (the GIL, busy cores, a
+server at its limit): fewer calls may be as fast, and are tried. Calls about as long as
+before wait on something that fewer would not shorten: fewer are tried only if they could
+still end the calls wanted."""
 
 JUDGED_RAISE = 4.0
 """A raise of more than this many times must bring what a raise of this many times must."""
@@ -189,6 +191,7 @@ class Knob:
         "index",
         "jump",
         "low",
+        "settle_window",
         "stage",
         "trim",
     )
@@ -207,6 +210,9 @@ class Knob:
         self.floor_at = 0.0
         self.jump = 1.0  # how much longer its calls became when conditions last changed
         self.trim = 0  # windows in a row with few slots used
+        # The window after a trial was put back: its calls include the trial's last ones,
+        # longer or shorter than calls at this concurrency (see Tuner._expire).
+        self.settle_window = -1
 
     @property
     def name(self) -> str:
@@ -242,8 +248,9 @@ class _Trial:
     # process kept busy in it, as a share of its budget; None otherwise.
     cold_cpu: float | None = None
     recheck: bool = False  # back below such a raise (see Tuner._recheck)
-    # The stage's calls ended per second in the window before (a trial of fewer calls is
-    # kept only if it can still end as many: see Tuner._judge); 0: not known.
+    # The stage's calls ended per second in the window before the trial (a trial of fewer
+    # calls is kept only if it can still end as many: see Tuner._judge); for the trial at
+    # half after a raise that did not pay, in the window before that raise. 0: not known.
     demand: float = 0.0
 
 
@@ -279,6 +286,7 @@ class Tuner:
         self.decisions: deque[str] = deque(maxlen=8)
         self._trial: _Trial | None = None
         self._first = True  # the run's first window (see look)
+        self._windows = 0  # windows decided on
         self._sizes: list[ItemSizes] = []
         self._warned: set[str] = set()
         if tuning.memory_budget is not None:
@@ -344,6 +352,7 @@ class Tuner:
     ) -> None:
         dt = now.t - mark.t
         rate = (now.out - mark.out) / dt
+        self._windows += 1
         trial, self._trial = self._trial, None
         if trial is not None and self._judge(trial, rate, mark, now):
             self._mark = self._take_mark()
@@ -364,7 +373,7 @@ class Tuner:
             return  # the cores are busy: more calls in flight would only queue for them
         best: tuple[float, Knob] | None = None
         for i, knob in enumerate(self.knobs):
-            self._expire(knob, now.t, self._task(knob, mark, now))
+            self._expire(knob, now.t, self._task(knob, mark, now), self._windows)
             busy = _busy(i, mark, now)
             blocked = (now.full[i] - mark.full[i]) / dt
             if (
@@ -418,7 +427,7 @@ class Tuner:
             as_fast = (
                 trial.rate > 0
                 and rate >= trial.rate * KEEP_LOWER
-                and capacity >= trial.demand * KEEP_LOWER
+                and (task <= 0 or capacity >= trial.demand * KEEP_LOWER)  # task 0: none ended
             )
             if as_fast or self._output_ended():
                 knob.ceiling_task = task  # at the concurrency kept
@@ -431,6 +440,7 @@ class Tuner:
                 return False
             self._set(knob, trial.before)
             knob.floor, knob.floor_at = trial.after, time.perf_counter()
+            knob.settle_window = self._windows + 1
             self._note(f"{knob.name}: back to {trial.before}, {trial.after} was slower")
             return True
         # Kept if the output grew, and the stage's own capacity with it: an op that holds
@@ -485,6 +495,7 @@ class Tuner:
             )
         else:
             self._set(knob, trial.before)
+            knob.settle_window = self._windows + 1
         return True
 
     @staticmethod
@@ -495,11 +506,12 @@ class Tuner:
         # them shorter, so ``lower`` of them end ``lower / task`` a second. Calls that grew
         # with the raise (contention: the GIL, busy cores, a server at its limit) may shrink
         # with fewer: those are tried. (Measured: reads of 30 ms whose raise from 32 to 64
-        # did not pay were tried at 16, a window at two thirds of the rate.)
-        if trial.demand <= 0 or trial.task <= 0 or task <= 0:
+        # did not pay were tried at 16, a window at two thirds of the rate.) Not after a raise
+        # decided on the run's first window: its calls were slow with the start-up, no
+        # measure of how long they are.
+        if trial.demand <= 0 or trial.task <= 0 or task <= 0 or trial.cold_cpu is not None:
             return False
-        grew = task / trial.task - 1
-        if grew > CONTENTION * (trial.after / trial.before - 1):
+        if task / trial.task > (trial.after / trial.before) ** CONTENTION:
             return False
         return lower / trial.task < trial.demand * KEEP_LOWER
 
@@ -537,7 +549,7 @@ class Tuner:
     def _try_fewer(self, mark: _Mark, now: _Mark, rate: float) -> None:
         best: tuple[float, Knob] | None = None
         for i, knob in enumerate(self.knobs):
-            self._expire(knob, now.t, self._task(knob, mark, now))
+            self._expire(knob, now.t, self._task(knob, mark, now), self._windows)
             c = knob.concurrency
             lower = max(knob.low, c // 2)
             if lower >= c or (knob.floor is not None and lower <= knob.floor):
@@ -611,12 +623,21 @@ class Tuner:
                 knob.trim = 0
 
     @staticmethod
-    def _expire(knob: Knob, now: float, task: float) -> None:
+    def _expire(knob: Knob, now: float, task: float, window: int) -> None:
         # A ceiling holds while conditions hold (the op's mean time in the window, ``task``,
         # within twice or half of what it was at the concurrency kept) and for CEILING_TTL
         # at most; a floor likewise.
+        # Not on the window right after a trial was put back: it ends the trial's last calls
+        # (measured: 1 MB reads of a 200 MB/s server, tried at 32 in flight and put back at
+        # 4, ended calls twice as long as at 4 in that window; read as changed conditions,
+        # the ceiling went and 32 was tried again, every second).
         old = knob.ceiling_task
-        changed = old > 0 and task > 0 and (task > CHANGED * old or task < old / CHANGED)
+        changed = (
+            window != knob.settle_window
+            and old > 0
+            and task > 0
+            and (task > CHANGED * old or task < old / CHANGED)
+        )
         if changed:
             knob.floor = None
             # Calls that take F times longer need F times as many in flight for the same
