@@ -90,6 +90,39 @@ def test_a_scenario_without_its_modules_is_skipped_and_says_what_to_install(
     assert "## Not run" in summary
     assert "- formats: needs feedline_absent_module" in summary
     assert not (out / "formats.png").exists()
+    # The header names the machine and versions though the first scenario did not run.
+    assert "- **feedline**: 0." in summary
+    assert "?" not in summary.split("## Headline")[0]
+    assert "numpy " in summary
+    assert "**Quick run**" in summary  # a smoke test says so
+
+
+def test_out_that_is_a_file_is_an_error_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "results"
+    target.write_text("not a folder")
+    assert main(["bench", "engine", "--quick", "--out", str(target)]) == 2
+    assert f"--out {target} is a file" in capsys.readouterr().err
+    assert target.read_text() == "not a folder"
+
+
+def test_a_data_folder_without_jpegs_is_not_filled_with_generated_pictures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pictures = tmp_path / "pngs"
+    pictures.mkdir()
+    (pictures / "a.png").write_bytes(b"\x89PNG")
+    assert main(["bench", "decode", "--quick", "--data", str(pictures)]) == 2
+    assert "holds files but no JPEG" in capsys.readouterr().err
+    assert [p.name for p in pictures.iterdir()] == ["a.png"]
+
+
+def test_feedline_alone_prints_its_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    assert "bench" in out
+    assert "report" in out
 
 
 def test_report_writes_the_summary_again_from_the_json(

@@ -5,8 +5,6 @@ between, and I/O functions that release the GIL. Start with :class:`PipelineBuil
 :class:`DataLoader` where ``torch.utils.data.DataLoader`` is used today.
 """
 
-from __future__ import annotations
-
 import typing as _typing
 
 from .errors import (

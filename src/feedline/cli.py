@@ -150,8 +150,24 @@ def _bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    _restart_for_spdl(args, names)
+    if args.data is not None and _foreign_folder(Path(args.data)):
+        print(
+            f"feedline bench: --data {args.data} holds files but no JPEG (*.jpg, *.jpeg): the "
+            "picture scenarios would write their generated pictures there. Give a folder of "
+            "JPEGs, an empty folder (or one an earlier run generated pictures in), or leave "
+            "--data out.",
+            file=sys.stderr,
+        )
+        return 2
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        print(
+            f"feedline bench: --out {args.out} is a file; give a folder for the results "
+            "(JSON, charts and summary.md), new or existing.",
+            file=sys.stderr,
+        )
+        return 2
+    _restart_for_spdl(args, names)
     # PyTorch warns whenever a loader has more workers than cores; the benchmark means to.
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     results = []
@@ -187,6 +203,16 @@ def _bench(args: argparse.Namespace) -> int:
     for r in skipped:
         print(f"skipped {r.scenario}: {r.skipped}")
     return 0
+
+
+def _foreign_folder(folder: Path) -> bool:
+    # A folder of files that are neither JPEGs nor what the benchmarks generate (a dataset of
+    # PNGs, say), which the picture scenarios would otherwise take as their cache.
+    from feedline.bench._data import GENERATED, user_jpegs
+
+    if user_jpegs(folder):
+        return False
+    return any(not GENERATED.fullmatch(entry.name) for entry in folder.iterdir())
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -258,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="a folder of your own JPEGs (searched recursively) for the picture scenarios "
-        "instead of generated ImageNet-like ones, or where generated datasets are cached "
+        "instead of generated ImageNet-like ones (nothing is written there), or an empty "
+        "folder where generated datasets are cached "
         "(default: $FEEDLINE_BENCH_DATA or ~/.cache/feedline/bench)",
     )
     bench.add_argument(
@@ -301,6 +328,9 @@ def main(argv: list[str] | None = None, *, may_restart: bool = False) -> int:
 
     """
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):
+        parser.print_help()  # what the commands are, rather than the one argument missing
+        return 2
     args = parser.parse_args(argv)
     args.may_restart = may_restart
     args.argv = list(sys.argv[1:] if argv is None else argv)[1:]

@@ -5,6 +5,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import re
 import subprocess
 import sys
 import threading
@@ -201,6 +202,22 @@ def test_failures_within_budget_are_skipped_and_logged(caplog: pytest.LogCapture
     assert batches == [[0, 1, 2, 4], [5, 6, 7, 8, 9], [10, 12, 13, 14], [15, 16, 17, 18, 19]]
     assert "dataset[3] failed" in caplog.text
     assert "cannot read sample 3" in caplog.text
+    assert "dataset[11] failed" in caplog.text  # a few failures: each one logged
+
+
+def test_many_failures_are_summed_up_at_the_end_of_the_epoch(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    bad = set(range(1, 60, 2))
+    with caplog.at_level(logging.WARNING, logger="feedline.loader"):
+        assert (
+            sum(len(b) for b in DataLoader(Failing(60, bad), batch_size=6, max_failures=30)) == 30
+        )
+    logged = [r.message for r in caplog.records if "failed and was skipped" in r.message]
+    held = sum(int(m) for r in logged for m in re.findall(r"\((\d+) more since", r))
+    (summed,) = [r.message for r in caplog.records if "not logged one by one" in r.message]
+    assert summed.startswith(f"{30 - len(logged) - held} more failed item(s) skipped")
+    assert "[30 failure(s) in all]" in summed
 
 
 def test_failures_past_budget_raise_from_the_loop() -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -97,9 +98,32 @@ def test_failures_are_logged_rate_limited(caplog: pytest.LogCaptureFixture) -> N
     with caplog.at_level(logging.WARNING, logger="feedline.pipeline"):
         list(p)
     failures = [r for r in caplog.records if "failed on sample" in r.message]
-    assert 1 <= len(failures) < 10
+    assert 5 <= len(failures) < 15  # the first five at once, then one a second
     assert failures[0].exc_info is not None  # the first one carries its traceback
     assert all(r.exc_info is None for r in failures[1:])
+    # What was held back is summed up when the run ends, with the last one named.
+    (summed,) = [r.message for r in caplog.records if "not logged one by one" in r.message]
+    held = sum(int(m) for r in failures for m in re.findall(r"\((\d+) more since", r.message))
+    assert f"fail_on_odd': {200 - len(failures) - held} more failed" in summed
+    assert "[200 failure(s) in all]" in summed
+
+
+def test_a_few_failures_are_each_logged_with_their_source_item(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    paths = [f"img-{i}.jpg" for i in range(9)]
+    p = (
+        PipelineBuilder()
+        .add_source(paths)
+        .pipe(lambda path: fail_on_odd(int(path[4:-4])), name="decode")
+        .build(max_failures=None)
+    )
+    with caplog.at_level(logging.WARNING, logger="feedline.pipeline"):
+        assert len(list(p)) == 5
+    logged = caplog.text
+    for bad in ("img-1.jpg", "img-3.jpg", "img-5.jpg", "img-7.jpg"):
+        assert f"'{bad}'" in logged
+    assert "not logged one by one" not in logged
 
 
 def test_failure_in_every_stage_kind() -> None:

@@ -121,6 +121,8 @@ def alternate(
     repeats: int,
     baseline: str | None,
     progress: Callable[[str], None] | None = None,
+    *,
+    cpu_seconds: Callable[[], float] | None = None,
 ) -> list[Measurement]:
     """Run each contender ``repeats`` times, round-robin, and summarise by the median.
 
@@ -128,9 +130,12 @@ def alternate(
     letting it land on whichever ran during a busy moment. The ratio to ``baseline`` is the
     median of the per-round ratios (each run against the baseline's run of the same round),
     so that a machine whose speed drifts between rounds does not skew it. Each measurement's
-    ``extra["cpu_s_per_1000"]`` is the median CPU time per 1000 items (this process and the
-    children it has waited for) of its runs.
+    ``extra["cpu_s_per_1000"]`` is the median CPU time per 1000 items of its runs, as
+    ``cpu_seconds`` counts it (default :func:`process_cpu_seconds`: this process and the
+    children it has waited for; a contender whose worker processes outlive its runs needs
+    them counted too).
     """
+    clock = process_cpu_seconds if cpu_seconds is None else cpu_seconds
     rates: dict[str, list[float]] = {c.name: [] for c in contenders}
     cpu: dict[str, list[float]] = {c.name: [] for c in contenders}
     if len(rates) != len(contenders):
@@ -139,9 +144,9 @@ def alternate(
         for c in contenders:
             if progress is not None:
                 progress(f"{case}: {c.name} (run {r + 1}/{repeats})")
-            cpu0 = process_cpu_seconds()
+            cpu0 = clock()
             items, seconds = c.run()
-            spent = process_cpu_seconds() - cpu0
+            spent = clock() - cpu0
             rates[c.name].append(items / seconds if seconds > 0 else float("nan"))
             # Per item of the pass; scenarios that count items otherwise (a steady window,
             # one first batch) overwrite it with their own figure (LoaderCosts.attach).

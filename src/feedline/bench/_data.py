@@ -10,12 +10,21 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["cache_dir", "jpeg_files", "jpeg_source", "natural_image", "read_all", "user_jpegs"]
+__all__ = [
+    "GENERATED",
+    "cache_dir",
+    "jpeg_files",
+    "jpeg_source",
+    "natural_image",
+    "read_all",
+    "user_jpegs",
+]
 
 # Side lengths drawn for ImageNet-like pictures: ImageNet's median is 500x375 (or 375x500).
 _IMAGENET_WIDTHS = (400, 600)
@@ -30,7 +39,7 @@ _USER_SCAN_LIMIT = 4096  # files of a user's folder looked at, at most (ImageNet
 def user_jpegs(directory: str | Path | None) -> list[Path]:
     """The user's own JPEGs under ``directory`` (recursively, sorted), if it holds any.
 
-    Folders this module generates (``jpeg-*-v1``) do not count. At most the first 4096
+    Folders the benchmarks generate (:data:`GENERATED`) do not count. At most the first 4096
     files found are returned, so that a whole dataset is not listed. A folder is scanned
     once per process: every scenario asks.
     """
@@ -55,8 +64,12 @@ def _scan(directory: str) -> tuple[Path, ...]:
     return tuple(found)
 
 
+GENERATED = re.compile(r"(jpeg-\w+|random-\d+|npz|shards)-v\d+")
+"""The folders the benchmarks generate their data in, under the cache root."""
+
+
 def _generated(name: str) -> bool:
-    return name.startswith("jpeg-") and name.endswith("-v1")
+    return GENERATED.fullmatch(name) is not None
 
 
 def _readable(paths: list[Path], progress: Any) -> list[Path]:

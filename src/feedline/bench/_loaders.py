@@ -32,6 +32,7 @@ __all__ = [
     "descendants_cpu",
     "process_tree_memory",
     "time_loader",
+    "tree_cpu_seconds",
 ]
 
 SIZE = (224, 224)
@@ -306,6 +307,11 @@ def descendants_cpu(pid: int, exclude: Collection[int] = ()) -> float:
                 total += sum(int(f) for f in fields[11:15]) / _TICKS
                 todo.append(child)
     return total
+
+
+def tree_cpu_seconds() -> float:
+    """CPU seconds of this process and all its descendants, live ones included."""
+    return process_cpu_seconds() + descendants_cpu(os.getpid())
 
 
 def process_tree_memory(pid: int, exclude: Collection[int] = ()) -> tuple[int, int]:

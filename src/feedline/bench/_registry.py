@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._common import ScenarioResult
+from ._machine import machine_info
 
 __all__ = [
     "EXTRAS",
@@ -123,7 +124,11 @@ def run_scenarios(
         absent = missing_modules(REQUIRES[name])
         if absent:
             result = ScenarioResult(
-                scenario=name, baseline="", measurements=[], skipped=install_hint(absent)
+                scenario=name,
+                baseline="",
+                measurements=[],
+                skipped=install_hint(absent),
+                machine=machine_info(),  # the summary's header reads it from any result
             )
         else:
             module = importlib.import_module(f"feedline.bench.{name}")

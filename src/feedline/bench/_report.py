@@ -146,7 +146,8 @@ def _ratio_label(result: ScenarioResult) -> str:
 
 
 def _header(results: Sequence[ScenarioResult], command: str, dated: bool) -> list[str]:
-    info = next((r.machine for r in results if r.machine), {})
+    # A result saved before skipped results recorded the machine holds only its start time.
+    info = next((r.machine for r in results if "versions" in r.machine), {})
     versions = info.get("versions", {})
     ours = versions.get("feedline", "?")
     commit = info.get("commit") if dated else None
@@ -176,6 +177,13 @@ def _header(results: Sequence[ScenarioResult], command: str, dated: bool) -> lis
         where,
         f"- **feedline**: {ours}" + (f", commit {commit}" if commit else ""),
     ]
+    if dated and info and not commit:
+        lines[-1] += " (not run from a git checkout: no commit to name)"
+    if any(re.search(r"(^| )--quick( |$)", said(r)) for r in results) or "--quick" in command:
+        lines.append(
+            "- **Quick run** (`--quick`): one round per contender on less data, a smoke test "
+            "of the benchmark and not a measurement; its ratios are noise"
+        )
     if info:
         memory = info.get("memory_gib")
         lines.append(

@@ -172,7 +172,7 @@ def _available(name: str, fn: Callable[[bytes], Any], probe: bytes) -> str | Non
     try:
         fn(probe)
     except ImportError as exc:
-        return f"{name} left out: {exc}"
+        return f"{name} left out: {exc} (pip install 'feedline[bench]')"
     return None
 
 

@@ -85,7 +85,7 @@ def _feedline_loader(paths: list[str], fixed: bool = False) -> Any:
 
     # Its defaults, as a user would start: the fetcher finds that decoding computes and runs
     # about one call per core (measured on 2 cores: as fast as fetch_concurrency=2 or 3).
-    # fixed: the default before the tuner, twice the batch size, at most 64 calls at once.
+    # fixed: twice the batch size, at most 64 calls at once, to compare the tuner with.
     dataset = FileDataset(paths, "feedline")
     if fixed:
         return DataLoader(dataset, batch_size=BATCH, fetch_concurrency=64)
@@ -269,7 +269,7 @@ def run(options: BenchOptions) -> ScenarioResult:
         "pattern; its stages pass items on in completion order, feedline's in input order)",
         "feedline DataLoader: its defaults (fetch_concurrency='auto': the tuner sets calls "
         "at once, up to 128, and batches in flight, from cold each pass); "
-        "fetch_concurrency=64: fixed, as the default was before the tuner",
+        "fetch_concurrency=64: fixed (twice the batch size, at most 64), beside the tuned default",
         f"feedline pipeline, autotuned: the same pipeline with its decode stage "
         f"concurrency='auto' (from {cores}, at most {2 * cores}) instead of {cores}: each "
         "pass starts the tuner cold",

@@ -76,7 +76,7 @@ def _torch(dataset: Any, workers: int) -> Any:
 def _feedline(dataset: Any, tuned: bool = False, workers: int = 0, fixed: bool = False) -> Any:
     from feedline import DataLoader
 
-    if fixed:  # the default before the tuner: twice the batch, at most 64
+    if fixed:  # a fixed setting to compare the tuner with: twice the batch, at most 64
         return DataLoader(dataset, batch_size=BATCH, fetch_concurrency=64)
     if not tuned:
         return DataLoader(dataset, batch_size=BATCH, num_workers=workers)
@@ -249,9 +249,9 @@ def run(options: BenchOptions) -> ScenarioResult:
         "the thread-based loaders (2x with decoding), so that start-up weighs alike",
         f"feedline: DataLoader(batch_size={BATCH}) with its defaults (fetch_concurrency "
         "'auto': calls at once, up to 128, and batches in flight, from prefetch_factor's 2, "
-        f"set by the tuner, from cold each pass); {FIXED}: fixed, as the default was before "
-        f"the tuner; {TUNED}: also prefetch_factor=4; num_workers=0; the server is another "
-        "process (asyncio, keep-alive)",
+        f"set by the tuner, from cold each pass); {FIXED}: fixed (twice the batch, at most "
+        f"64), beside the tuned default; {TUNED}: also prefetch_factor=4; num_workers=0; "
+        "the server is another process (asyncio, keep-alive)",
         "feedline workers=N: DataLoader(batch_size=32, num_workers=N) over PyTorch's items, "
         "for its first batch beside PyTorch's with as many workers",
         f"feedline pipeline: a read stage {READS_PER_CORE * cores} wide, then a decode stage "

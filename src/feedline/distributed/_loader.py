@@ -27,6 +27,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from feedline._extras import require_torch
 from feedline.errors import ConfigurationError, add_note
 from feedline.pipeline import Pipeline, PipelineBuilder
 from feedline.source import ObjectCache
@@ -277,6 +278,7 @@ class DistributedLoader(Generic[T]):
         max_failures: int | float | None = 0,
         group: Any = None,
     ) -> None:
+        require_torch("feedline.distributed.DistributedLoader (it runs on torch.distributed)")
         if not hasattr(samples, "__len__") or not hasattr(samples, "__getitem__"):
             raise ConfigurationError(
                 f"samples must be a map-style dataset of raw samples (len() and [i]), got "

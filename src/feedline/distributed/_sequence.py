@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from feedline._extras import require_torch
+
 __all__ = ["GlobalSequence"]
 
 
@@ -79,11 +81,11 @@ class GlobalSequence:
     def order(self, epoch: int) -> np.ndarray:
         """The epoch's padded (or cut) order of sample indices, as DistributedSampler's."""
         if self.shuffle:
-            import torch
-
+            torch = require_torch("DistributedSampler's shuffled order")
             generator = torch.Generator()
             generator.manual_seed(self.seed + epoch)
-            base = torch.randperm(self.size, generator=generator).numpy().astype(np.int64)
+            drawn = torch.randperm(self.size, generator=generator)
+            base: np.ndarray = drawn.numpy().astype(np.int64)
         else:
             base = np.arange(self.size, dtype=np.int64)
         base = base[self.skip :]

@@ -22,17 +22,13 @@ from typing import Any
 
 import numpy as np
 
+from feedline._extras import require_torch
+
 __all__ = ["to_jax", "to_numpy", "to_torch", "transfer"]
 
 
 def _torch() -> Any:
-    try:
-        import torch
-    except ImportError:
-        raise ImportError(
-            "this needs PyTorch: pip install 'feedline[torch]' (or torch itself)"
-        ) from None
-    return torch
+    return require_torch("converting arrays to and from torch tensors")
 
 
 def to_numpy(x: Any) -> np.ndarray[Any, Any]:

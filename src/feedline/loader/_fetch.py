@@ -609,6 +609,19 @@ class FailureTally:
         self.failures = 0
         self.items = 0
         self._throttle = LogThrottle()
+        self._last_held = ""
+
+    def flush(self) -> None:
+        """Log, in one line, the failures the rate limit held back since its last message."""
+        held = self._throttle.take_held()
+        if held:
+            _log.warning(
+                "%d more failed item(s) skipped, not logged one by one; the last: %s "
+                "[%d failure(s) in all]",
+                held,
+                self._last_held,
+                self.failures,
+            )
 
     def keep(self, items: list[Any]) -> list[Any]:
         """The items that did not fail; raises once failures exceed the budget."""
@@ -633,7 +646,9 @@ class FailureTally:
                 add_note(error, "Original traceback:\n" + failed.traceback)
             raise error
         more = self._throttle.admit()
-        if more is not None:
+        if more is None:
+            self._last_held = f"dataset[{failed.index!r}]: {failed.error_type}: {failed.message}"
+        else:
             _log.warning(
                 "dataset[%r] failed and was skipped: %s: %s [%d failure(s) so far]%s%s",
                 failed.index,
@@ -644,6 +659,7 @@ class FailureTally:
                 "\n" + failed.traceback if self.failures == 1 else "",
             )
         if self._budget.exceeded(self.failures, self.items):
+            self.flush()
             failure = PipelineFailure(
                 "dataset.__getitem__",
                 self.failures,

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
+from feedline._extras import require_torch
 from feedline.errors import ConfigurationError, add_note
 from feedline.pipeline import Auto, Pipeline, PipelineBuilder, PipelineStats
 
@@ -61,15 +62,7 @@ _WORKER_SETTINGS = frozenset(
 
 
 def _torch() -> Any:
-    try:
-        import torch
-        import torch.utils.data
-    except ImportError as exc:
-        raise ImportError(
-            "feedline.DataLoader builds on PyTorch's samplers and collation: "
-            "pip install 'feedline[torch]'"
-        ) from exc
-    return torch
+    return require_torch("feedline.DataLoader (built on PyTorch's samplers and collation)")
 
 
 class _Abort:
@@ -164,7 +157,7 @@ class DataLoader(Generic[T]):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
-        fetch_concurrency: int | str | Auto | None = None,
+        fetch_concurrency: int | str | Auto | None = "auto",
         max_failures: int | float | None = 0,
     ) -> None:
         torch = _torch()
@@ -408,7 +401,7 @@ class _Finisher:
     """
 
     def __init__(self, tally: FailureTally, collate_fn: Callable[[Any], Any], auto: bool) -> None:
-        self._tally = tally
+        self.tally = tally
         self._collate_fn = collate_fn
         self._auto = auto
 
@@ -417,7 +410,7 @@ class _Finisher:
         if isinstance(items, Collated):  # collated in a worker process
             return self._collated(number, items, dataset_state)
         try:
-            good = self._tally.keep(items)
+            good = self.tally.keep(items)
         except Exception as error:  # the failure budget is spent
             return _Abort(error)
         if not good:
@@ -430,7 +423,7 @@ class _Finisher:
 
     def _collated(self, number: int, collated: Collated, dataset_state: Any) -> Any:
         try:
-            self._tally.account(collated.failed, collated.size)
+            self.tally.account(collated.failed, collated.size)
         except Exception as error:  # the failure budget is spent
             return _Abort(error)
         if collated.message:  # collate_fn raised in the worker
@@ -559,7 +552,13 @@ class _LoaderIter(Generic[T]):
             builder.add_sink(loader.in_flight)
             self._pipeline = builder.build(max_failures=0)
         self._finalizer = weakref.finalize(
-            self, _LoaderIter._shutdown, self._pipeline, self._fetcher, self._pin_pool, self._tasks
+            self,
+            _LoaderIter._shutdown,
+            self._pipeline,
+            self._fetcher,
+            self._pin_pool,
+            self._tasks,
+            self._finish.tally,
         )
         self._pipeline.start()
 
@@ -760,7 +759,9 @@ class _LoaderIter(Generic[T]):
         loader = self._loader
         if loader is not None and (end_workers or not loader._torch_loader.persistent_workers):
             loader._end_workers()  # first: the pipeline's source may be waiting on one
-        _LoaderIter._shutdown(self._pipeline, self._fetcher, self._pin_pool, self._tasks)
+        _LoaderIter._shutdown(
+            self._pipeline, self._fetcher, self._pin_pool, self._tasks, self._finish.tally
+        )
         self._finalizer.detach()
         if loader is not None and isinstance(self._pipeline, Pipeline) and not sys.is_finalizing():
             # (Not at interpreter exit, where an iterator still alive is closed by __del__
@@ -780,6 +781,7 @@ class _LoaderIter(Generic[T]):
         fetcher: BatchFetcher | None,
         pin: ThreadPoolExecutor | None,
         tasks: _Releasable | None,
+        tally: FailureTally,
     ) -> None:
         pipeline.stop()
         if tasks is not None:
@@ -788,6 +790,7 @@ class _LoaderIter(Generic[T]):
             fetcher.close()
         if pin is not None:
             pin.shutdown(wait=True, cancel_futures=True)
+        tally.flush()
 
     def __del__(self) -> None:
         if hasattr(self, "_finalizer"):  # __init__ may have raised before it was set

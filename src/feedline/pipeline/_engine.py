@@ -556,6 +556,8 @@ class Run:
                 waited,
             )
         self._pool.shutdown(wait=True)
+        for stage in self.stages:  # no job left to fail: sum up what the logs held back
+            stage.flush_failures()
         if isinstance(self._source, ThreadedSource):
             self._source.close()
         if not self.loop.is_closed():

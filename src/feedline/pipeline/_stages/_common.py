@@ -118,17 +118,21 @@ class FailureBudget:
 
 
 class LogThrottle:
-    """At most one message per ``interval`` seconds: the first at once, later ones counted.
+    """The first ``burst`` messages at once, then at most one per ``interval`` s; the rest counted.
 
-    Not locked: callers that log from several threads hold their own lock around :meth:`admit`.
+    A few failures are each worth a line (which files were bad); a flood is summed up. What
+    was held back when the run ends is left for :meth:`take_held` to report in one line.
+    Not locked: callers that log from several threads hold their own lock around it.
     """
 
-    __slots__ = ("_held", "_interval", "_last")
+    __slots__ = ("_burst", "_held", "_interval", "_last", "_sent")
 
-    def __init__(self, interval: float = 1.0) -> None:
+    def __init__(self, interval: float = 1.0, burst: int = 5) -> None:
         self._interval = interval
+        self._burst = burst
         self._last: float | None = None
         self._held = 0
+        self._sent = 0
 
     def admit(self) -> str | None:
         """Whether to log now: ``None`` to stay quiet (the message is counted).
@@ -136,11 +140,18 @@ class LogThrottle:
         Otherwise, a suffix to append that says how many were held back since the last one.
         """
         now = time.monotonic()
-        if self._last is not None and now - self._last < self._interval:
+        early = self._sent < self._burst and not self._held
+        if not early and self._last is not None and now - self._last < self._interval:
             self._held += 1
             return None
         held, self._held, self._last = self._held, 0, now
+        self._sent += 1
         return f" ({held} more since the last message)" if held else ""
+
+    def take_held(self) -> int:
+        """How many messages were held back since the last one logged; counts them as told."""
+        held, self._held = self._held, 0
+        return held
 
 
 class StageBase:
@@ -154,6 +165,7 @@ class StageBase:
         self.counters = StageCounters(name, kind, concurrency)
         self._budget = budget
         self._throttle = LogThrottle()
+        self._last_held = ""  # the last failure the throttle held back, for flush_failures
 
     def cheap(self) -> bool:
         """Whether the op's smoothed time is below :data:`INLINE_BELOW` (a thread wake-up)."""
@@ -177,6 +189,8 @@ class StageBase:
             c.last_sample = sample
             failures, items = c.failures, c.items_in
             more = self._throttle.admit()
+            if more is None:
+                self._last_held = f"sample {sample}{where}: {type(error).__name__}: {error}"
         if more is not None:
             _log.warning(
                 "stage %r failed on sample %s%s: %s: %s [%d failure(s) so far]%s",
@@ -190,6 +204,7 @@ class StageBase:
                 exc_info=error if failures == 1 else None,
             )
         if self._budget.exceeded(failures, items):
+            self.flush_failures()
             failure = PipelineFailure(
                 self.name, failures, items, sample, error, self._budget.description, source=source
             )
@@ -199,3 +214,17 @@ class StageBase:
             # Skipped for good (within the budget, in a run that goes on): an item that
             # stopped the run, or failed as it stopped, is not.
             self.run.item_failed(item, self.name)
+
+    def flush_failures(self) -> None:
+        """Log, in one line, the failures the throttle held back since its last message."""
+        with self.counters.lock:
+            held, failures = self._throttle.take_held(), self.counters.failures
+        if held:
+            _log.warning(
+                "stage %r: %d more failed sample(s) not logged one by one; the last: %s "
+                "[%d failure(s) in all]",
+                self.name,
+                held,
+                self._last_held,
+                failures,
+            )
