@@ -204,6 +204,34 @@ class ResumableStream(IterableDataset[int]):
         self.position = state["position"]
 
 
+class SharesStream(IterableDataset[int]):
+    """A stateful stream split among workers by ``get_worker_info()`` (torchdata's test case).
+
+    ``sizes[w]`` items for worker ``w``, numbered on from the items of the workers before it;
+    its state is how far the calling process's copy went.
+    """
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+        self.i = 0
+        self.resume: int | None = None
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        worker, sizes = (info.id, self.sizes) if info is not None else (0, [sum(self.sizes)])
+        self.i, self.resume = (self.resume or 0), None
+        start = sum(sizes[:worker])
+        for i in range(start + self.i, start + sizes[worker]):
+            self.i += 1
+            yield i
+
+    def state_dict(self) -> dict[str, int]:
+        return {"i": self.i}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.resume = state["i"]
+
+
 class StatefulSampler(torch.utils.data.Sampler[int]):
     """A sampler that resumes itself: a seeded permutation and how far it went."""
 

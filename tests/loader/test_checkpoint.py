@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 
 from feedline import DataLoader  # noqa: E402
 
-from ._datasets import Counting, ResumableStream, StatefulSampler  # noqa: E402
+from ._datasets import Counting, ResumableStream, SharesStream, StatefulSampler  # noqa: E402
 
 StatefulDataLoader = stateful_dataloader.StatefulDataLoader
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -135,6 +135,29 @@ def test_a_stateful_iterable_dataset_resumes_itself_instead_of_replaying() -> No
     resumed.load_state_dict(state)
     assert _values(list(resumed)) == [[6, 7, 8], [9]]
     assert fresh.opened == 4  # nothing before the checkpoint was read again
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_checkpoint_kept_while_the_epoch_goes_on_resumes_where_it_was_taken(
+    workers: int,
+) -> None:
+    # torchdata's own resume case: the state is saved aside (for a checkpoint written later)
+    # and the loop goes on to the end of the epoch before a new process resumes from it.
+    outcomes = []
+    for cls in (StatefulDataLoader, DataLoader):
+        kw: dict[str, Any] = {"batch_size": 3, "num_workers": workers, "collate_fn": list}
+        loader = cls(SharesStream([5, 7]), **kw)
+        it = iter(loader)
+        head = [next(it), next(it)]
+        state = loader.state_dict()
+        rest = list(it)
+        resumed = cls(SharesStream([5, 7]), **kw)
+        resumed.load_state_dict(state)
+        outcomes.append((head, rest, list(resumed)))
+    assert outcomes[1] == outcomes[0]
+    head, rest, after_resume = outcomes[1]
+    assert after_resume == rest
+    assert sorted(i for b in head + rest for i in b) == list(range(12))
 
 
 def test_a_stateful_sampler_resumes_itself() -> None:

@@ -17,6 +17,7 @@ the epoch, and the epochs after it, are what an uninterrupted run yields.
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import logging
@@ -627,8 +628,8 @@ class _LoaderIter(Generic[T]):
         in_flight: int,
     ) -> None:
         dataset = tl.dataset
-        stateful = is_stateful(dataset)
-        if stateful and state is not None and state[0] is not None:
+        snapshot = _snapshot(dataset)
+        if snapshot is not None and state is not None and state[0] is not None:
             replay = 0  # the dataset resumes itself
         size = tl.batch_size if tl._auto_collation else 1
         drop_last = bool(tl.drop_last) and tl._auto_collation
@@ -641,7 +642,7 @@ class _LoaderIter(Generic[T]):
                 if not chunk or (drop_last and len(chunk) < size):
                     return
                 if n >= skip:
-                    yield n, chunk, (0, dataset.state_dict()) if stateful else None
+                    yield n, chunk, (0, snapshot()) if snapshot is not None else None
 
         # Fixed: the dataset is read a few batches ahead of collation (4, or what prefetching
         # asks if more), not the 64 batches a default queue after a cheap source grows to.
@@ -874,7 +875,7 @@ def _numbered(
     """
     for n, b in zip(itertools.count(skip), itertools.islice(batches, replay, None)):
         if sampler is not None:
-            states[n] = sampler.state_dict()
+            states[n] = copy.deepcopy(sampler.state_dict())  # it may change what it gave
         if n not in ahead:
             yield n, b
 
@@ -907,7 +908,10 @@ def _batch_items(tl: Any) -> int:
 
 
 def _snapshot(dataset: Any) -> Callable[[], Any] | None:
-    return dataset.state_dict if is_stateful(dataset) else None
+    # A copy of the state as it is now: a dataset may hand out a dict it goes on changing.
+    if not is_stateful(dataset):
+        return None
+    return lambda: copy.deepcopy(dataset.state_dict())
 
 
 def _pin_numbered(torch: Any, item: Any) -> Any:

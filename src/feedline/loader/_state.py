@@ -113,7 +113,8 @@ class Position:
             "yielded_ahead": ahead,
             "finished": self.finished,
             "sampler_state": sampler,
-            "dataset_state": dataset,
+            # A copy: the iterator replaces the list's entries as batches are handed out.
+            "dataset_state": None if dataset is None else list(dataset),
             "persistent_seed": None if chain is None else list(chain),
             "worker_batches": None if streams is None else list(streams),
             "worker_turn": turn,
