@@ -72,16 +72,39 @@ def test_the_streams_exception_is_raised_as_it_is_and_no_worker_is_left() -> Non
         it = iter(cls(ShardedStream(30, fail_at=9), batch_size=2, num_workers=2))
         with pytest.raises(KeyError, match="item 9 is missing"):
             list(it)
-        # PyTorch's iterator ends its workers when it is collected, which the traceback's
-        # reference can put off: end them here. feedline's ended them as it raised.
+        # The iterator goes on after the error, so its workers live until it is closed:
+        # PyTorch's when it is collected (which the traceback's reference can put off).
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
         else:
+            it.close()
             no_children_left()
         del it
     no_children_left()
     assert _zombies() == []
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loop_that_catches_the_streams_exception_gets_what_pytorch_gives(workers: int) -> None:
+    # A worker whose iterator raised is done; the other workers' batches still come.
+    outcomes = []
+    for cls in (TorchLoader, DataLoader):
+        it = iter(cls(ShardedStream(30, fail_at=9), batch_size=2, num_workers=workers))
+        seen: list[Any] = []
+        while True:
+            try:
+                seen.append(next(it)[:, 0].tolist())
+            except StopIteration:
+                break
+            except KeyError as error:
+                # PyTorch's text from a worker holds its traceback; feedline's is the original.
+                seen.append("KeyError: item 9" if "item 9 is missing" in str(error) else "?")
+        outcomes.append(seen)
+        del it
+    assert outcomes[1] == outcomes[0]
+    assert "KeyError: item 9" in outcomes[1]
+    no_children_left()
 
 
 @pytest.mark.parametrize("stop_after", [1, 4, 7])

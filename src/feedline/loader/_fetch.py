@@ -34,6 +34,7 @@ __all__ = [
     "Collated",
     "FailedItem",
     "FailureTally",
+    "failed_in_worker",
     "Task",
     "collate_in_worker",
 ]
@@ -103,22 +104,30 @@ def collate_in_worker(
         try:
             batch = collate_fn(good if auto else good[0])
         except Exception as error:
-            import pickle
-
-            text = traceback.format_exc()
-            try:
-                pickle.dumps(error)
-            except Exception:
-                kept: BaseException | None = None
-            else:
-                kept = error
-            add_note(
-                error, f"feedline.DataLoader: raised by collate_fn on batch {number} in {origin}"
-            )
-            return number, Collated(None, failed, len(items), kept, text), state
+            raised = failed_in_worker(error, f"collate_fn on batch {number} in {origin}")
+            return number, raised._replace(failed=failed, size=len(items)), state
         return number, Collated(batch, failed, len(items)), state
 
     return collate
+
+
+def failed_in_worker(error: Exception, where: str) -> Collated:
+    """A batch that raises ``error`` in the parent (``where``: what raised it, for a note).
+
+    Call it in the ``except`` block, for the traceback. The exception itself crosses if it
+    pickles; its text and traceback always do.
+    """
+    import pickle
+
+    text = traceback.format_exc()
+    try:
+        pickle.dumps(error)
+    except Exception:
+        kept: BaseException | None = None
+    else:
+        kept = error
+    add_note(error, f"feedline.DataLoader: raised by {where}")
+    return Collated(None, [], 0, kept, text)
 
 
 class BatchFetcher:
@@ -605,7 +614,8 @@ class FailureTally:
 
     def __init__(self, max_failures: int | float | None) -> None:
         self._budget = FailureBudget(max_failures)
-        self._strict = max_failures == 0
+        self.strict = max_failures == 0
+        """No budget: an item's own exception is raised as it is (PyTorch's behaviour)."""
         self.failures = 0
         self.items = 0
         self._throttle = LogThrottle()
@@ -637,7 +647,7 @@ class FailureTally:
     def _record(self, failed: FailedItem) -> None:
         self.failures += 1
         error = failed.error or RuntimeError(f"{failed.error_type}: {failed.message}")
-        if self._strict:
+        if self.strict:
             # No budget: the dataset's own exception, as PyTorch raises it, with where it came
             # from in a note.
             where = f"feedline.DataLoader: raised by dataset[{failed.index!r}]"

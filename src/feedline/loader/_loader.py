@@ -67,10 +67,21 @@ def _torch() -> Any:
 
 
 class _Abort:
-    __slots__ = ("error",)
+    """A batch that raises instead: ``error``, for batch ``number``.
 
-    def __init__(self, error: BaseException) -> None:
+    A dataset's or ``collate_fn``'s own exception is raised for its batch and the epoch goes
+    on (as PyTorch's iterator: a loop that catches it gets the next batch); a spent failure
+    budget (``number`` None) ends the epoch.
+    """
+
+    __slots__ = ("dataset_state", "error", "number")
+
+    def __init__(
+        self, error: BaseException, number: int | None = None, dataset_state: Any = None
+    ) -> None:
         self.error = error
+        self.number = number
+        self.dataset_state = dataset_state
 
 
 def _pin(torch: Any, data: Any) -> Any:
@@ -408,29 +419,37 @@ class _Finisher:
 
     def __call__(self, fetched: tuple[int, Any, Any]) -> Any:
         number, items, dataset_state = fetched
+        if isinstance(items, _Abort):  # the dataset's iterator raised
+            return items
         if isinstance(items, Collated):  # collated in a worker process
             return self._collated(number, items, dataset_state)
         try:
             good = self.tally.keep(items)
-        except Exception as error:  # the failure budget is spent
-            return _Abort(error)
+        except Exception as error:  # the dataset's own error, or the failure budget is spent
+            return self._failed(error, number, dataset_state)
         if not good:
             return number, _SKIP, dataset_state
         try:
             return number, self._collate_fn(good if self._auto else good[0]), dataset_state
         except Exception as error:
             add_note(error, f"feedline.DataLoader: raised by collate_fn on batch {number}")
-            return _Abort(error)
+            return _Abort(error, number, dataset_state)
+
+    def _failed(self, error: Exception, number: int, dataset_state: Any) -> _Abort:
+        # Without a budget, the item's own exception: its batch raises, the epoch goes on.
+        if self.tally.strict:
+            return _Abort(error, number, dataset_state)
+        return _Abort(error)
 
     def _collated(self, number: int, collated: Collated, dataset_state: Any) -> Any:
         try:
             self.tally.account(collated.failed, collated.size)
-        except Exception as error:  # the failure budget is spent
-            return _Abort(error)
+        except Exception as error:
+            return self._failed(error, number, dataset_state)
         if collated.message:  # collate_fn raised in the worker
             raised = collated.error or RuntimeError(collated.message.strip().splitlines()[-1])
             add_note(raised, "Original traceback:\n" + collated.message)
-            return _Abort(raised)
+            return _Abort(raised, number, dataset_state)
         if collated.batch is None:
             return number, _SKIP, dataset_state
         return number, collated.batch, dataset_state
@@ -635,14 +654,20 @@ class _LoaderIter(Generic[T]):
         drop_last = bool(tl.drop_last) and tl._auto_collation
         skip = self.position.yielded
 
-        def batches() -> Iterator[tuple[int, list[Any], Any]]:
-            items = iter(dataset)
-            for n in itertools.count(skip - replay):
-                chunk = list(itertools.islice(items, size))
-                if not chunk or (drop_last and len(chunk) < size):
-                    return
-                if n >= skip:
-                    yield n, chunk, (0, snapshot()) if snapshot is not None else None
+        def batches() -> Iterator[tuple[int, list[Any] | _Abort, Any]]:
+            n = skip - replay
+            try:
+                items = iter(dataset)
+                for n in itertools.count(skip - replay):
+                    chunk = list(itertools.islice(items, size))
+                    if not chunk or (drop_last and len(chunk) < size):
+                        return
+                    if n >= skip:
+                        yield n, chunk, (0, snapshot()) if snapshot is not None else None
+            except Exception as error:
+                # Raised in turn, after the batches read before it, and the epoch ends there
+                # (PyTorch's iterator: the dataset's iterator is done after it raised).
+                yield max(n, skip), _Abort(error), None
 
         # Fixed: the dataset is read a few batches ahead of collation (4, or what prefetching
         # asks if more), not the 64 batches a default queue after a cheap source grows to.
@@ -689,8 +714,16 @@ class _LoaderIter(Generic[T]):
                 self.close(end_workers=True)
                 raise
             if isinstance(item, _Abort):
-                self.close()
-                raise item.error
+                if item.number is None:  # the failure budget is spent: the epoch ends
+                    self.close()
+                else:  # this batch raises; the next call goes on with the next one
+                    self._count(item.number, item.dataset_state)
+                error = item.error
+                # The traceback keeps this frame: without its reference, an iterator that a
+                # loop left with the error is collected (its threads stopped) as usual, even
+                # while the error is kept (pytest.raises, a logged exception).
+                del self, item
+                raise error
             number, batch, dataset_state = item
             self._count(number, dataset_state)
             if batch is _SKIP:

@@ -38,7 +38,7 @@ from feedline.pipeline._subprocess import _CLOSE_GRACE, _DEFAULT_SHM_MIN, _POLL,
 from ._collate import shm_collate_for
 from ._concurrency import FetchConcurrency
 from ._deal import Dealer, TaskStream, read_start
-from ._fetch import BatchFetcher, Task, collate_in_worker
+from ._fetch import BatchFetcher, Task, collate_in_worker, failed_in_worker
 from ._state import is_stateful
 
 __all__ = ["StreamMark", "WorkerSet"]
@@ -161,16 +161,21 @@ class _WorkerIterable:
         assert self._stream is not None
         size, drop_last = self._stream
         finish = collate_in_worker(shm_collate_for(self._collate_fn), self._auto, origin)
-        items = iter(self._dataset)
         number = first - replay
-        while True:
-            chunk = list(itertools.islice(items, size))
-            if not chunk or (drop_last and len(chunk) < size):
-                return
-            if number >= first:
-                state = (0, self._dataset.state_dict()) if stateful else None
-                yield finish((number, chunk, state))
-            number += 1
+        try:
+            items = iter(self._dataset)
+            while True:
+                chunk = list(itertools.islice(items, size))
+                if not chunk or (drop_last and len(chunk) < size):
+                    return
+                if number >= first:
+                    state = (0, self._dataset.state_dict()) if stateful else None
+                    yield finish((number, chunk, state))
+                number += 1
+        except Exception as error:
+            # Raised in the parent in this worker's turn; its stream ends there, the other
+            # workers' go on (as in PyTorch, whose worker's iterator is done after it raised).
+            yield max(number, first), failed_in_worker(error, f"the dataset in {origin}"), None
 
     def _pipeline(self, fetcher: BatchFetcher, tasks: TaskStream) -> Iterator[Any]:
         # The batches after the first: fetched by a pipeline, several in flight.
