@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -35,6 +36,7 @@ from ._datasets import (  # noqa: E402
     WorkerView,
     draw_at_init,
 )
+from ._procs import no_children_left  # noqa: E402
 
 
 def assert_same(a: Any, b: Any) -> None:
@@ -658,3 +660,91 @@ def test_an_iterator_alive_at_interpreter_exit_ends_quietly() -> None:
     assert done.returncode == 0, done.stderr
     assert "Exception ignored" not in done.stderr, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+class _NoneItems(torch.utils.data.Dataset[Any]):
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, i: int) -> Any:
+        return None
+
+
+class _Many(torch.utils.data.Dataset[Any]):
+    """Answers a batch's indices in one call (as Hugging Face datasets do), items singly."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> Any:
+        return ("single", i)
+
+    def __getitems__(self, indices: list[Any]) -> list[Any]:
+        if 4 in indices:
+            raise KeyError("a batch with item 4")
+        return [("many", int(i)) for i in indices]
+
+
+def _drain(it: Any) -> list[Any]:
+    # Every batch and every exception (by type) until the iterator ends, as a loop that
+    # catches errors and goes on sees them.
+    seen: list[Any] = []
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return seen
+        except Exception as error:
+            seen.append(type(error).__name__)
+        else:
+            seen.append(batch.tolist() if isinstance(batch, torch.Tensor) else batch)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loop_that_catches_a_datasets_exception_gets_the_next_batch_as_in_pytorch(
+    workers: int,
+) -> None:
+    outcomes = [
+        _drain(iter(cls(Failing(12, {7}), batch_size=2, num_workers=workers)))
+        for cls in (TorchLoader, DataLoader)
+    ]
+    assert outcomes[1] == outcomes[0] == [[0, 1], [2, 3], [4, 5], "OSError", [8, 9], [10, 11]]
+    no_children_left()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_of_none_items_and_index_tensors_come_as_in_pytorch(workers: int) -> None:
+    for kw in (
+        {"batch_size": None},
+        {"batch_size": 2, "collate_fn": list},
+        {"batch_sampler": list(torch.arange(6).split(2))},  # tensors of indices
+        {"batch_sampler": [np.array([3, 1]), np.array([0, 5])]},
+    ):
+        dataset = _NoneItems() if "batch_sampler" not in kw else list(range(10))
+        expected = _drain(iter(TorchLoader(dataset, num_workers=workers, **kw)))
+        assert _drain(iter(DataLoader(dataset, num_workers=workers, **kw))) == expected, kw
+    no_children_left()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataset_with_getitems_gets_each_batch_in_one_call_as_in_pytorch(workers: int) -> None:
+    kw: dict[str, Any] = {"batch_size": 3, "collate_fn": list, "num_workers": workers}
+    expected = _drain(iter(TorchLoader(_Many(), **kw)))
+    assert expected[0] == [("many", 0), ("many", 1), ("many", 2)]
+    assert _drain(iter(DataLoader(_Many(), **kw))) == expected  # batch 1 raises KeyError
+    # Without batches, items are asked for one by one.
+    one_by_one = _drain(iter(DataLoader(_Many(), batch_size=None)))
+    assert one_by_one == _drain(iter(TorchLoader(_Many(), batch_size=None)))
+    assert one_by_one[:2] == [["single", 0], ["single", 1]]  # default_convert: lists
+    no_children_left()
+
+
+def test_the_iterator_has_a_length_and_the_context_is_checked_as_in_pytorch() -> None:
+    for cls in (TorchLoader, DataLoader):
+        assert len(iter(cls(list(range(10)), batch_size=3))) == 4
+        with pytest.raises(ValueError, match="multiprocessing_context can only be used"):
+            cls(list(range(4)), multiprocessing_context="spawn")
+        loader = cls(list(range(4)), num_workers=2, multiprocessing_context="spawn")
+        assert loader.multiprocessing_context.get_start_method() == "spawn"
+    assert DataLoader(list(range(4)), num_workers=1, multiprocessing_context="spawn").mp_context
+    assert DataLoader(list(range(4)), snapshot_every_n_steps=5).state_dict()["version"]

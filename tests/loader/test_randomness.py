@@ -208,3 +208,24 @@ def test_persistent_workers_resume_mid_epoch_exactly() -> None:
     tail = list(resumed) + list(resumed)
     resumed.close()
     _same(head + tail, whole)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("stop", [0, 1])
+def test_a_loop_left_early_leaves_the_generator_where_pytorch_leaves_it(
+    workers: int, stop: int
+) -> None:
+    # The loader draws batches ahead; leaving the loop puts generator= back where PyTorch's
+    # iterator left it, so that what the program draws next (the next epoch's shuffle) agrees.
+    outcomes = []
+    for cls in (TorchLoader, DataLoader):
+        generator = torch.Generator().manual_seed(3)
+        loader = cls(
+            list(range(10)), batch_size=3, shuffle=True, generator=generator, num_workers=workers
+        )
+        for k, _ in enumerate(loader):
+            if k == stop:
+                break
+        later = [b.tolist() for b in loader]
+        outcomes.append((torch.rand(2, generator=generator).tolist(), later))
+    assert outcomes[1] == outcomes[0]

@@ -71,7 +71,7 @@ class Collated(NamedTuple):
     batches answered it 15 ms or more late.
 
     Attributes:
-        batch: ``collate_fn``'s result (``None`` when every item failed, or it raised).
+        batch: ``collate_fn``'s result (``None`` also when every item failed, or it raised).
         failed: The items whose ``dataset[i]`` raised, left out of the batch.
         size: How many items the batch had before the failed ones were left out.
         error: ``collate_fn``'s exception, if it raised (``None`` when it cannot be pickled:
@@ -213,8 +213,13 @@ class BatchFetcher:
         finish: Callable[[tuple[int, list[Any], Any]], Any] | None = None,
         least: int = 1,
         start: int | None = None,
+        batched: bool = False,
     ) -> None:
         self._finish = finish
+        # As PyTorch's fetcher: a dataset with __getitems__ gets a batch's indices in one call
+        # (each batch one job, several batches at once), where batches are asked for.
+        many = getattr(dataset, "__getitems__", None) if batched else None
+        self._many: Callable[[list[Any]], list[Any]] | None = many or None
         self._least = least  # the fewest calls at once it lowers to (Auto.low)
         self._start = start  # calls at once to begin with (Auto.start; None: by the cores)
         self._dataset = dataset
@@ -261,8 +266,30 @@ class BatchFetcher:
                 index, type(error).__name__, str(error), traceback.format_exc(), error, self._origin
             )
 
+    def _get_many(self, indices: list[Any], items: list[Any], start: int, stop: int) -> None:
+        # dataset.__getitems__ for the batch's items from ``start`` to ``stop``; where it
+        # raises, each of them fails with its exception.
+        assert self._many is not None
+        asked = indices[start:stop]
+        try:
+            got = list(self._many(asked))
+            if len(got) != len(asked):
+                raise ValueError(
+                    f"dataset.__getitems__ returned {len(got)} items for {len(asked)} indices; "
+                    "it must return one item per index, in order"
+                )
+        except Exception as error:
+            text = traceback.format_exc()
+            got = [
+                FailedItem(i, type(error).__name__, str(error), text, error, self._origin)
+                for i in asked
+            ]
+        items[start:stop] = got
+
     def _split(self, count: int) -> int:
         """How many jobs a batch of ``count`` items becomes."""
+        if self._many is not None:
+            return 1
         most = min(count, self._concurrency)
         mean = self._item_seconds
         if mean is None:
@@ -503,7 +530,7 @@ class BatchFetcher:
         before = thread_times()
         if before is None:
             return 0  # cannot tell waiting from computing: the pool decides
-        step = 1 if not self._first_fetched else len(indices)
+        step = 1 if not self._first_fetched and self._many is None else len(indices)
         k = 0
         while k < len(indices):
             self._run_items(indices, items, k, k + step)
@@ -571,7 +598,10 @@ class BatchFetcher:
         current = fetching(self._seed)
         try:
             first = start
-            if self._seed is None or (self._first_fetched and not asked()):
+            if self._many is not None:
+                self._get_many(indices, items, start, stop)
+                first = stop
+            elif self._seed is None or (self._first_fetched and not asked()):
                 # Untracked: a call to get_item_info returns None and turns tracking on,
                 # for the next item on.
                 while first < stop:

@@ -138,7 +138,9 @@ class DataLoader(Generic[T]):
         max_failures: How many failing ``dataset[i]`` calls to skip (logged, counted; the
             batch comes out smaller) before iteration raises :class:`~feedline.PipelineFailure`:
             an int, a float fraction of items, or ``None`` for no limit. Default 0: the first
-            failure raises, naming the index.
+            failure raises, naming the index, and the loop may go on to the next batch.
+        snapshot_every_n_steps: torchdata ``StatefulDataLoader``'s argument, accepted so
+            that it can be swapped in; :meth:`state_dict` is exact after every batch anyway.
 
     Example::
 
@@ -171,6 +173,7 @@ class DataLoader(Generic[T]):
         in_order: bool = True,
         fetch_concurrency: int | str | Auto | None = "auto",
         max_failures: int | float | None = 0,
+        snapshot_every_n_steps: int | None = 1,
     ) -> None:
         torch = _torch()
         if pin_memory_device:
@@ -178,11 +181,8 @@ class DataLoader(Generic[T]):
                 "pin_memory_device is deprecated in PyTorch and not supported: batches are "
                 "pinned for the current CUDA device; move them with batch.to(device)"
             )
-        if hasattr(multiprocessing_context, "get_start_method"):  # a context object
-            multiprocessing_context = multiprocessing_context.get_start_method()
-        if multiprocessing_context == "fork":
-            multiprocessing_context = None  # fork when it is safe: see mp_context below
-        # PyTorch's own constructor validates the arguments and builds the samplers.
+        # PyTorch's own constructor validates the arguments (the context among them: only
+        # with workers) and builds the samplers.
         self._torch_loader = torch.utils.data.DataLoader(
             dataset,
             batch_size,
@@ -215,19 +215,10 @@ class DataLoader(Generic[T]):
                 "max_failures must be an int >= 0 (a count), a float in [0, 1) (a fraction of "
                 f"items) or None (no limit), got {max_failures!r}"
             )
-        if prefetch_factor is not None and (
-            isinstance(prefetch_factor, bool)
-            or not isinstance(prefetch_factor, int)
-            or prefetch_factor < 1
-        ):
-            raise ConfigurationError(
-                f"prefetch_factor must be an int >= 1, got {prefetch_factor!r}"
-            )
+        _check_count("prefetch_factor", prefetch_factor)
+        _check_count("snapshot_every_n_steps", snapshot_every_n_steps)
         self.prefetch_factor = prefetch_factor or 2
         self.max_failures = max_failures
-        # None: fork when no other thread runs as an epoch starts (as PyTorch forks on
-        # Linux, and a dataset holding a lambda works), else the fork server.
-        self.mp_context: str | None = multiprocessing_context
         self._workers: WorkerSet | None = None
         self._last_stats: PipelineStats | None = None
         self._settled: int | None = None  # the batches in flight the last epoch's tuner left
@@ -278,6 +269,18 @@ class DataLoader(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._torch_loader)
+
+    @property
+    def mp_context(self) -> str | None:
+        """How worker processes start: ``"spawn"``, ``"forkserver"``, or ``None`` (fork).
+
+        From ``multiprocessing_context``. ``None`` (the default, or ``"fork"``): fork when no
+        other thread runs as an epoch starts (as PyTorch forks on Linux, and a dataset holding
+        a lambda works), else the fork server.
+        """
+        context = self._torch_loader.multiprocessing_context
+        method = None if context is None else context.get_start_method()
+        return None if method == "fork" else method
 
     @property
     def fetch_concurrency(self) -> int | str | Auto:
@@ -450,9 +453,9 @@ class _Finisher:
             raised = collated.error or RuntimeError(collated.message.strip().splitlines()[-1])
             add_note(raised, "Original traceback:\n" + collated.message)
             return _Abort(raised, number, dataset_state)
-        if collated.batch is None:
+        if collated.size and len(collated.failed) == collated.size:  # every item failed
             return number, _SKIP, dataset_state
-        return number, collated.batch, dataset_state
+        return number, collated.batch, dataset_state  # None, too, if collate_fn returned it
 
 
 def _cpu_wanted() -> float:
@@ -486,12 +489,18 @@ class _LoaderIter(Generic[T]):
         # A strong reference: ``for batch in DataLoader(...)`` drops the loader at once, and
         # its worker processes must live until the epoch ends.
         self._loader: DataLoader[T] | None = loader
+        self._length = tl.__len__  # not the loader: a closed iterator holds none
         self._timeout = tl.timeout or None
         self._closed = False
         self._superseded = False
         self._lock = threading.Lock()
         # The sampler's own state after each batch drawn, until that batch is handed out.
         self._sampler_states: dict[int, Any] = {}
+        # The random generators the sampler draws from (generator=), and their states after
+        # each batch drawn: an epoch left part-way puts them back where PyTorch's iterator,
+        # which draws no batch ahead, would have left them.
+        self._generators = _sampler_generators(tl)
+        self._drawn: dict[int, list[Any]] = {}
         slots = max(1, int(tl.num_workers))
         dataset_state = None if state is None else state["dataset_state"]
         if is_stateful(tl.dataset):
@@ -597,11 +606,20 @@ class _LoaderIter(Generic[T]):
         # source and the fetch stage to ``builder`` and returns None.
         tl = loader._torch_loader
         auto = tl._auto_collation
-        batches = (b if auto else [b] for b in sampler_iter)
+        # A batch sampler may yield tensors or arrays of indices (``randperm(n).split(b)``):
+        # a list of their elements, as PyTorch's fetcher takes them one by one.
+        batches = ((b if type(b) is list else list(b)) if auto else [b] for b in sampler_iter)
         # A function, not a method: the pipeline holds its source, and must not hold this
         # iterator (dropping the iterator stops the pipeline).
         tasks = _numbered(
-            batches, skip, replay, sampler, frozenset(self.position.ahead), self._sampler_states
+            batches,
+            skip,
+            replay,
+            sampler,
+            frozenset(self.position.ahead),
+            self._sampler_states,
+            self._generators,
+            self._drawn,
         )
         if tl.num_workers > 0:
             loader._worker_set().start(base_seed, count=1)  # before the sampler's first draw
@@ -618,6 +636,7 @@ class _LoaderIter(Generic[T]):
             seed=base_seed,
             least=loader._fetch.least,
             start=loader._fetch.start,
+            batched=bool(auto),
         )
         # Told when the consumer holds the first batch: only then do the other batches
         # start, so that their threads take no CPU from the first batch's collation and
@@ -675,6 +694,10 @@ class _LoaderIter(Generic[T]):
 
     def __iter__(self) -> _LoaderIter[T]:
         return self
+
+    def __len__(self) -> int:
+        """Batches in the epoch, as ``len(loader)`` (PyTorch's iterator has it too)."""
+        return int(self._length())
 
     def __next__(self) -> T:
         while True:
@@ -766,10 +789,22 @@ class _LoaderIter(Generic[T]):
         while True:
             if number in states:
                 position.sampler_state = states.pop(number)
+            self._drawn.pop(number - 1, None)
             position.yielded = number = number + 1
             if number not in position.ahead:
                 return
             position.ahead.remove(number)
+
+    def _rewind(self, tl: Any) -> None:
+        # The epoch was left part-way, its source stopped: put the sampler's generators
+        # back to their state after the batches PyTorch's iterator would have drawn by now
+        # (those handed out; with workers, prefetch_factor per worker more), so that the
+        # next epoch shuffles as it would have. Draws this one made ahead are undone.
+        ahead = tl.prefetch_factor * tl.num_workers if tl.num_workers > 0 else 0
+        states = self._drawn.get(self.position.yielded - 1 + ahead)
+        if states is not None:
+            for generator, state in zip(self._generators, states, strict=True):
+                generator.set_state(state)
 
     def stats(self) -> PipelineStats | None:
         """The epoch's pipeline statistics (``None`` for batches straight from workers)."""
@@ -797,6 +832,8 @@ class _LoaderIter(Generic[T]):
             self._pipeline, self._fetcher, self._pin_pool, self._tasks, self._finish.tally
         )
         self._finalizer.detach()
+        if not self.position.finished and loader is not None:
+            self._rewind(loader._torch_loader)
         if loader is not None and isinstance(self._pipeline, Pipeline) and not sys.is_finalizing():
             # (Not at interpreter exit, where an iterator still alive is closed by __del__
             # and the statistics' imports fail.)
@@ -900,17 +937,39 @@ def _numbered(
     sampler: Any,
     ahead: frozenset[int],
     states: dict[int, Any],
+    generators: list[Any],
+    drawn: dict[int, list[Any]],
 ) -> Iterator[Task]:
     """Number the sampler's batches from ``skip``, past the ``replay`` already handed out.
 
     A stateful sampler's state is read after each batch is drawn, in the source's thread, and
-    kept in ``states`` until the batch is handed out.
+    kept in ``states`` until the batch is handed out; so are the ``generators``' states, in
+    ``drawn``.
     """
     for n, b in zip(itertools.count(skip), itertools.islice(batches, replay, None)):
         if sampler is not None:
             states[n] = copy.deepcopy(sampler.state_dict())  # it may change what it gave
+        if generators:
+            drawn[n] = [g.get_state() for g in generators]
         if n not in ahead:
             yield n, b
+
+
+def _check_count(name: str, value: Any) -> None:
+    """Raise unless ``value`` is ``None`` or an int >= 1."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _sampler_generators(tl: Any) -> list[Any]:
+    """The torch generators the loader's samplers draw from: ``generator=``, the sampler's."""
+    found: list[Any] = []
+    for owner in (tl, tl.sampler, getattr(tl.batch_sampler, "sampler", None)):
+        generator = getattr(owner, "generator", None)
+        usable = generator is not None and hasattr(generator, "get_state")
+        if usable and all(generator is not g for g in found):
+            found.append(generator)
+    return found
 
 
 def _seed_chain(loader: DataLoader[Any], state: dict[str, Any] | None) -> tuple[int, int] | None:

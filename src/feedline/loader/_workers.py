@@ -135,6 +135,7 @@ class _WorkerIterable:
             # each would queue N times as many calls as there are cores.
             cores=max(1, (os.cpu_count() or 1) // self._num_workers),
             finish=collate_in_worker(shm_collate_for(self._collate_fn), self._auto, origin),
+            batched=self._auto,
         )
         try:
             # Batches one after another on this thread, as a PyTorch worker fetches them (a
