@@ -184,3 +184,48 @@ def test_assigning_a_fixed_argument_after_construction_raises_like_pytorch() -> 
     loader = DataLoader(list(range(8)), batch_size=2)
     loader.collate_fn = lambda items: sum(items)
     assert list(loader) == [1, 5, 9, 13]  # a setting PyTorch lets change between epochs
+
+
+def test_resuming_leaves_the_saved_state_as_it_was() -> None:
+    # A sampler or dataset may keep the dict its load_state_dict() is given; the resumed
+    # epoch must not change the caller's checkpoint through it.
+    loader = DataLoader(ResumableStream(20), batch_size=3)
+    for step, _ in enumerate(loader):
+        if step == 1:
+            break
+    state = loader.state_dict()
+    saved = json.dumps(state)
+
+    class Keeping(ResumableStream):
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            self.kept = state
+            super().load_state_dict(state)
+
+    resumed = DataLoader(Keeping(20), batch_size=3)
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    assert resumed.state_dict()["dataset_state"] == [{"position": 6}]  # nothing handed out
+    assert _values([next(it)]) == [[6, 7, 8]]
+    del it
+    assert json.dumps(state) == saved
+
+
+def test_a_state_taken_after_the_stream_raised_starts_the_next_epoch() -> None:
+    class Raising(torch.utils.data.IterableDataset[int]):
+        def __iter__(self) -> Any:
+            yield from range(5)
+            raise OSError("the stream broke")
+
+    loader = DataLoader(Raising(), batch_size=2)
+    it = iter(loader)
+    assert _values([next(it), next(it)]) == [[0, 1], [2, 3]]
+    with pytest.raises(OSError, match="the stream broke"):
+        next(it)
+    with pytest.raises(StopIteration):
+        next(it)  # as PyTorch's iterator: the stream is done
+    state = loader.state_dict()
+    assert state["finished"]
+    resumed = DataLoader(Raising(), batch_size=2)
+    resumed.load_state_dict(state)
+    again = iter(resumed)
+    assert _values([next(again)]) == [[0, 1]]

@@ -748,3 +748,11 @@ def test_the_iterator_has_a_length_and_the_context_is_checked_as_in_pytorch() ->
         assert loader.multiprocessing_context.get_start_method() == "spawn"
     assert DataLoader(list(range(4)), num_workers=1, multiprocessing_context="spawn").mp_context
     assert DataLoader(list(range(4)), snapshot_every_n_steps=5).state_dict()["version"]
+
+
+def test_a_subset_of_a_dataset_without_getitems_still_fetches_its_items_at_once() -> None:
+    # PyTorch's Subset defines a __getitems__ that only loops over [i]: not taken.
+    dataset = Slow(64, 0.01)
+    batches = list(DataLoader(torch.utils.data.Subset(dataset, range(64)), batch_size=16))
+    assert [int(b[0]) for b in batches] == [0, 16, 32, 48]
+    assert dataset.peak > 4

@@ -229,3 +229,19 @@ def test_a_loop_left_early_leaves_the_generator_where_pytorch_leaves_it(
         later = [b.tolist() for b in loader]
         outcomes.append((torch.rand(2, generator=generator).tolist(), later))
     assert outcomes[1] == outcomes[0]
+
+
+def test_draws_the_program_made_after_the_loop_are_not_undone() -> None:
+    # The iterator is kept past the loop and the program draws from the generator: those
+    # draws stand when the iterator is dropped later.
+    outcomes = []
+    for cls in (TorchLoader, DataLoader):
+        generator = torch.Generator().manual_seed(0)
+        sampler = RandomSampler(range(50), replacement=True, generator=generator)
+        it = iter(cls(list(range(50)), batch_size=1, sampler=sampler))
+        next(it)
+        first = torch.rand(3, generator=generator).tolist()
+        del it
+        outcomes.append((first, torch.rand(3, generator=generator).tolist()))
+    assert outcomes[1] == outcomes[0]
+    assert outcomes[1][0] != outcomes[1][1]

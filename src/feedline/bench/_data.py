@@ -64,7 +64,7 @@ def _scan(directory: str) -> tuple[Path, ...]:
     return tuple(found)
 
 
-GENERATED = re.compile(r"(jpeg-\w+|random-\d+|npz|shards)-v\d+")
+GENERATED = re.compile(r"(jpeg-\w+|random-\d+|npz|shards)-v\d+|spdl-ffmpeg")
 """The folders the benchmarks generate their data in, under the cache root."""
 
 

@@ -87,6 +87,24 @@ class Collated(NamedTuple):
     message: str = ""
 
 
+def batch_getter(dataset: Any) -> Callable[[list[Any]], Any] | None:
+    """``dataset.__getitems__`` where it is the dataset's own (or a ``Subset``'s of one).
+
+    PyTorch's ``Subset`` and ``StackDataset`` define one that only loops over ``[i]`` when
+    the datasets they wrap have none: taking it would fetch a batch's items one after
+    another instead of at once.
+    """
+    method = getattr(type(dataset), "__getitems__", None)
+    if method is None:
+        return None
+    if getattr(method, "__module__", "").startswith("torch.utils.data"):
+        inner = getattr(dataset, "dataset", None)  # a Subset's
+        if inner is None or batch_getter(inner) is None:
+            return None
+    getter: Callable[[list[Any]], Any] = dataset.__getitems__
+    return getter
+
+
 def collate_in_worker(
     collate_fn: Callable[[Any], Any], auto: bool, origin: str
 ) -> Callable[[tuple[int, list[Any], Any]], tuple[int, Collated, Any]]:
@@ -216,10 +234,9 @@ class BatchFetcher:
         batched: bool = False,
     ) -> None:
         self._finish = finish
-        # As PyTorch's fetcher: a dataset with __getitems__ gets a batch's indices in one call
-        # (each batch one job, several batches at once), where batches are asked for.
-        many = getattr(dataset, "__getitems__", None) if batched else None
-        self._many: Callable[[list[Any]], list[Any]] | None = many or None
+        # As PyTorch's fetcher: a dataset with __getitems__ of its own gets a batch's indices
+        # in one call (each batch one job, several batches at once), where batches are asked.
+        self._many = batch_getter(dataset) if batched else None
         self._least = least  # the fewest calls at once it lowers to (Auto.low)
         self._start = start  # calls at once to begin with (Auto.start; None: by the cores)
         self._dataset = dataset
@@ -267,24 +284,26 @@ class BatchFetcher:
             )
 
     def _get_many(self, indices: list[Any], items: list[Any], start: int, stop: int) -> None:
-        # dataset.__getitems__ for the batch's items from ``start`` to ``stop``; where it
-        # raises, each of them fails with its exception.
+        # dataset.__getitems__ for the batch's items from ``start`` to ``stop``: where it
+        # raises, each of them fails with its exception (as PyTorch, whose batch raises it);
+        # where it does not return one item per index (a batch in columns, say), they are
+        # fetched one by one instead.
         assert self._many is not None
         asked = indices[start:stop]
         try:
-            got = list(self._many(asked))
-            if len(got) != len(asked):
-                raise ValueError(
-                    f"dataset.__getitems__ returned {len(got)} items for {len(asked)} indices; "
-                    "it must return one item per index, in order"
-                )
+            got = self._many(asked)
         except Exception as error:
             text = traceback.format_exc()
-            got = [
+            items[start:stop] = [
                 FailedItem(i, type(error).__name__, str(error), text, error, self._origin)
                 for i in asked
             ]
-        items[start:stop] = got
+            return
+        if isinstance(got, list | tuple) and len(got) == len(asked):
+            items[start:stop] = got
+            return
+        for k in range(start, stop):
+            items[k] = self._get(indices[k])
 
     def _split(self, count: int) -> int:
         """How many jobs a batch of ``count`` items becomes."""

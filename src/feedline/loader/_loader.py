@@ -21,6 +21,7 @@ import copy
 import functools
 import itertools
 import logging
+import os
 import sys
 import threading
 import time
@@ -37,6 +38,7 @@ from feedline.pipeline import Auto, Pipeline, PipelineBuilder, PipelineStats
 from ._concurrency import FetchConcurrency
 from ._fetch import BatchFetcher, Collated, FailureTally, Task
 from ._pool import thread_times
+from ._rewind import GeneratorRewind, sampler_generators
 from ._seeds import RngWatch
 from ._state import Position, check_state, decode_rng, derived_seed, is_stateful
 from ._workers import StreamMark, WorkerSet
@@ -74,14 +76,20 @@ class _Abort:
     budget (``number`` None) ends the epoch.
     """
 
-    __slots__ = ("dataset_state", "error", "number")
+    __slots__ = ("dataset_state", "error", "last", "number")
 
     def __init__(
-        self, error: BaseException, number: int | None = None, dataset_state: Any = None
+        self,
+        error: BaseException,
+        number: int | None = None,
+        dataset_state: Any = None,
+        *,
+        last: bool = False,
     ) -> None:
         self.error = error
         self.number = number
         self.dataset_state = dataset_state
+        self.last = last  # the dataset's stream raised: nothing comes after it this epoch
 
 
 def _pin(torch: Any, data: Any) -> Any:
@@ -233,7 +241,7 @@ class DataLoader(Generic[T]):
                 stacklevel=2,
             )
         holder: list[WorkerSet | None] = [None]
-        self._finalizer = weakref.finalize(self, DataLoader._close_workers, holder)
+        self._finalizer = weakref.finalize(self, DataLoader._close_workers, holder, os.getpid())
 
     def __getattr__(self, name: str) -> Any:
         # dataset, batch_size, sampler, batch_sampler, collate_fn, generator, ... as PyTorch's.
@@ -350,7 +358,7 @@ class DataLoader(Generic[T]):
             )
             self._finalizer.detach()
             holder: list[WorkerSet | None] = [self._workers]
-            self._finalizer = weakref.finalize(self, DataLoader._close_workers, holder)
+            self._finalizer = weakref.finalize(self, DataLoader._close_workers, holder, os.getpid())
         return self._workers
 
     def _epoch_ended(self) -> None:
@@ -367,7 +375,9 @@ class DataLoader(Generic[T]):
             self._workers = None
 
     @staticmethod
-    def _close_workers(holder: list[WorkerSet | None]) -> None:
+    def _close_workers(holder: list[WorkerSet | None], owner: int) -> None:
+        if os.getpid() != owner:
+            return  # a forked child's copy of the loader: the workers are not its own
         for workers in holder:
             if workers is not None:
                 workers.close()
@@ -499,8 +509,7 @@ class _LoaderIter(Generic[T]):
         # The random generators the sampler draws from (generator=), and their states after
         # each batch drawn: an epoch left part-way puts them back where PyTorch's iterator,
         # which draws no batch ahead, would have left them.
-        self._generators = _sampler_generators(tl)
-        self._drawn: dict[int, list[Any]] = {}
+        self._rewinder = GeneratorRewind(sampler_generators(tl))
         slots = max(1, int(tl.num_workers))
         dataset_state = None if state is None else state["dataset_state"]
         if is_stateful(tl.dataset):
@@ -508,11 +517,12 @@ class _LoaderIter(Generic[T]):
                 list(dataset_state) if dataset_state is not None else [None] * slots
             )
             if tl.num_workers == 0 and dataset_state is not None and dataset_state[0] is not None:
-                tl.dataset.load_state_dict(dataset_state[0])
+                tl.dataset.load_state_dict(copy.deepcopy(dataset_state[0]))  # it may keep it
         sampler = _stateful_sampler(tl)
         sampler_state = None if state is None else state["sampler_state"]
         if sampler is not None and sampler_state is not None:
-            sampler.load_state_dict(sampler_state)  # it resumes itself: nothing to skip
+            # It resumes itself (nothing to skip), from a copy it may keep and change.
+            sampler.load_state_dict(copy.deepcopy(sampler_state))
             position.sampler_state = sampler_state
         # The same draws, in the same order, as PyTorch's iterator: sampler, then base seed.
         sampler_iter = iter(tl._index_sampler)
@@ -618,8 +628,7 @@ class _LoaderIter(Generic[T]):
             sampler,
             frozenset(self.position.ahead),
             self._sampler_states,
-            self._generators,
-            self._drawn,
+            self._rewinder,
         )
         if tl.num_workers > 0:
             loader._worker_set().start(base_seed, count=1)  # before the sampler's first draw
@@ -686,7 +695,7 @@ class _LoaderIter(Generic[T]):
             except Exception as error:
                 # Raised in turn, after the batches read before it, and the epoch ends there
                 # (PyTorch's iterator: the dataset's iterator is done after it raised).
-                yield max(n, skip), _Abort(error), None
+                yield max(n, skip), _Abort(error, last=True), None
 
         # Fixed: the dataset is read a few batches ahead of collation (4, or what prefetching
         # asks if more), not the 64 batches a default queue after a cheap source grows to.
@@ -738,15 +747,22 @@ class _LoaderIter(Generic[T]):
                 raise
             if isinstance(item, _Abort):
                 if item.number is None:  # the failure budget is spent: the epoch ends
+                    # (After the stream's own error, it is over: a state taken now starts
+                    # the next epoch, as after PyTorch's StopIteration that follows it.)
+                    self.position.finished = item.last
                     self.close()
                 else:  # this batch raises; the next call goes on with the next one
                     self._count(item.number, item.dataset_state)
                 error = item.error
-                # The traceback keeps this frame: without its reference, an iterator that a
-                # loop left with the error is collected (its threads stopped) as usual, even
-                # while the error is kept (pytest.raises, a logged exception).
+                # The traceback keeps this frame: without its references (the iterator, and
+                # the error itself, a cycle), an iterator that a loop left with the error is
+                # collected, its threads stopped, as usual, even while the error is kept
+                # (pytest.raises, a logged exception).
                 del self, item
-                raise error
+                try:
+                    raise error
+                finally:
+                    del error
             number, batch, dataset_state = item
             self._count(number, dataset_state)
             if batch is _SKIP:
@@ -789,7 +805,7 @@ class _LoaderIter(Generic[T]):
         while True:
             if number in states:
                 position.sampler_state = states.pop(number)
-            self._drawn.pop(number - 1, None)
+            self._rewinder.handed_out(number)
             position.yielded = number = number + 1
             if number not in position.ahead:
                 return
@@ -801,10 +817,8 @@ class _LoaderIter(Generic[T]):
         # (those handed out; with workers, prefetch_factor per worker more), so that the
         # next epoch shuffles as it would have. Draws this one made ahead are undone.
         ahead = tl.prefetch_factor * tl.num_workers if tl.num_workers > 0 else 0
-        states = self._drawn.get(self.position.yielded - 1 + ahead)
-        if states is not None:
-            for generator, state in zip(self._generators, states, strict=True):
-                generator.set_state(state)
+        position = self.position
+        self._rewinder.rewind(position.yielded + len(position.ahead) - 1 + ahead)
 
     def stats(self) -> PipelineStats | None:
         """The epoch's pipeline statistics (``None`` for batches straight from workers)."""
@@ -937,20 +951,20 @@ def _numbered(
     sampler: Any,
     ahead: frozenset[int],
     states: dict[int, Any],
-    generators: list[Any],
-    drawn: dict[int, list[Any]],
+    rewinder: GeneratorRewind,
 ) -> Iterator[Task]:
     """Number the sampler's batches from ``skip``, past the ``replay`` already handed out.
 
     A stateful sampler's state is read after each batch is drawn, in the source's thread, and
-    kept in ``states`` until the batch is handed out; so are the ``generators``' states, in
-    ``drawn``.
+    kept in ``states`` until the batch is handed out; so are the generators' (``rewinder``).
     """
+    if rewinder and replay == 0:
+        rewinder.drawn(skip - 1)  # before the first batch is drawn
     for n, b in zip(itertools.count(skip), itertools.islice(batches, replay, None)):
         if sampler is not None:
             states[n] = copy.deepcopy(sampler.state_dict())  # it may change what it gave
-        if generators:
-            drawn[n] = [g.get_state() for g in generators]
+        if rewinder:
+            rewinder.drawn(n)
         if n not in ahead:
             yield n, b
 
@@ -959,17 +973,6 @@ def _check_count(name: str, value: Any) -> None:
     """Raise unless ``value`` is ``None`` or an int >= 1."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
-
-
-def _sampler_generators(tl: Any) -> list[Any]:
-    """The torch generators the loader's samplers draw from: ``generator=``, the sampler's."""
-    found: list[Any] = []
-    for owner in (tl, tl.sampler, getattr(tl.batch_sampler, "sampler", None)):
-        generator = getattr(owner, "generator", None)
-        usable = generator is not None and hasattr(generator, "get_state")
-        if usable and all(generator is not g for g in found):
-            found.append(generator)
-    return found
 
 
 def _seed_chain(loader: DataLoader[Any], state: dict[str, Any] | None) -> tuple[int, int] | None:

@@ -12,6 +12,7 @@ the dataset's and sampler's own ``state_dict()`` return), so it can be written a
 from __future__ import annotations
 
 import base64
+import copy
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,7 +135,9 @@ def check_state(state: Any, own_generator: bool) -> dict[str, Any]:
             + ("with" if state["own_generator"] else "without")
             + " a generator=; resume with the same kind of loader"
         )
-    out = dict(state)
+    # A copy: the sampler's and dataset's load_state_dict() may keep what they are given,
+    # and the epoch must not change the caller's checkpoint as it goes.
+    out = copy.deepcopy(dict(state))
     out.setdefault("finished", False)
     out.setdefault("sampler_state", None)
     out.setdefault("dataset_state", None)

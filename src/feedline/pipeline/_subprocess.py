@@ -21,6 +21,7 @@ import contextlib
 import functools
 import gc
 import multiprocessing as mp
+import os
 import pickle
 import queue
 import signal
@@ -160,6 +161,7 @@ class _Child:
         # Two threads may close at once (the consumer, and a reader that found the child
         # dead); re-entrant, so that a close interrupted and called again goes on.
         self.lock = threading.RLock()
+        self.owner = os.getpid()  # a forked copy (a worker of another loader) owns no child
 
     def ask_to_leave(self) -> None:
         """Ask the child to end its epoch after its current item, then exit."""
@@ -173,6 +175,8 @@ class _Child:
                 self.cmd_q.put("close")
 
     def close(self, grace: float = _CLOSE_GRACE) -> None:
+        if os.getpid() != self.owner:
+            return
         with self.lock:
             self._close(grace)
 
