@@ -27,9 +27,7 @@ def no_thread_leak() -> Iterator[None]:
     while True:
         leaked = {t for t in _live_threads() - before if not t.name.startswith("QueueFeederThread")}
         leaked = {t for t in leaked if "pydevd" not in t.name}
-        # multiprocessing's resource sharer: one daemon thread per process, started when
-        # PyTorch first sends a tensor's file descriptor to a worker, and kept for good.
-        leaked = {t for t in leaked if not t.name.endswith("(_serve)")}
+
         if not leaked or time.monotonic() > deadline:
             break
         time.sleep(0.01)
