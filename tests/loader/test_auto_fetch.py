@@ -290,7 +290,7 @@ def test_batches_in_flight_never_go_below_prefetch_factor() -> None:
 def test_a_batch_samplers_size_bounds_the_batches_in_flight() -> None:
     from torch.utils.data import BatchSampler, SequentialSampler
 
-    from feedline.loader._loader import _batch_items
+    from feedline.loader._epoch import _batch_items
 
     sampler = BatchSampler(SequentialSampler(range(64)), 16, drop_last=False)
     assert _batch_items(TorchLoader(list(range(64)), batch_sampler=sampler)) == 16

@@ -244,7 +244,7 @@ class BatchFetcher:
         self._seed = seed
         # In a worker process (nothing else draws there): draws from the global generators
         # while the first batch is fetched on several threads are not reproducible; warn
-        # once. In the training process, the consumer watches instead (see _LoaderIter).
+        # once. In the training process, the consumer watches instead (see EpochIterator).
         self._watch = RngWatch() if concurrency > 1 and origin else None
         self._snapshot = snapshot
         self._wait_for_delivery = wait_for_delivery
