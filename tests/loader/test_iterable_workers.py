@@ -88,6 +88,7 @@ def test_the_streams_exception_is_raised_as_it_is_and_no_worker_is_left() -> Non
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_loop_that_catches_the_streams_exception_gets_what_pytorch_gives(workers: int) -> None:
     # A worker whose iterator raised is done; the other workers' batches still come.
+    shm = _segments()
     outcomes = []
     for cls in (TorchLoader, DataLoader):
         it = iter(cls(ShardedStream(30, fail_at=9), batch_size=2, num_workers=workers))
@@ -105,6 +106,8 @@ def test_a_loop_that_catches_the_streams_exception_gets_what_pytorch_gives(worke
     assert outcomes[1] == outcomes[0]
     assert "KeyError: item 9" in outcomes[1]
     no_children_left()
+    assert _zombies() == []
+    assert _segments() - shm == set()
 
 
 @pytest.mark.parametrize("stop_after", [1, 4, 7])

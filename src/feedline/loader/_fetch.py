@@ -279,9 +279,10 @@ class BatchFetcher:
         try:
             return self._dataset[index]
         except Exception as error:
-            return FailedItem(
-                index, type(error).__name__, str(error), traceback.format_exc(), error, self._origin
-            )
+            return self._failed(index, error, traceback.format_exc())
+
+    def _failed(self, index: Any, error: Exception, text: str) -> FailedItem:
+        return FailedItem(index, type(error).__name__, str(error), text, error, self._origin)
 
     def _get_many(self, indices: list[Any], items: list[Any], start: int, stop: int) -> None:
         # dataset.__getitems__ for the batch's items from ``start`` to ``stop``: where it
@@ -294,10 +295,7 @@ class BatchFetcher:
             got = self._many(asked)
         except Exception as error:
             text = traceback.format_exc()
-            items[start:stop] = [
-                FailedItem(i, type(error).__name__, str(error), text, error, self._origin)
-                for i in asked
-            ]
+            items[start:stop] = [self._failed(i, error, text) for i in asked]
             return
         if isinstance(got, list | tuple) and len(got) == len(asked):
             items[start:stop] = got
@@ -668,17 +666,16 @@ class FailureTally:
         self.failures = 0
         self.items = 0
         self._throttle = LogThrottle()
-        self._last_held = ""
 
     def flush(self) -> None:
         """Log, in one line, the failures the rate limit held back since its last message."""
-        held = self._throttle.take_held()
+        held, last = self._throttle.take_held()
         if held:
             _log.warning(
                 "%d more failed item(s) skipped, not logged one by one; the last: %s "
                 "[%d failure(s) in all]",
                 held,
-                self._last_held,
+                last,
                 self.failures,
             )
 
@@ -704,10 +701,10 @@ class FailureTally:
             if failed.origin:
                 add_note(error, "Original traceback:\n" + failed.traceback)
             raise error
-        more = self._throttle.admit()
-        if more is None:
-            self._last_held = f"dataset[{failed.index!r}]: {failed.error_type}: {failed.message}"
-        else:
+        more = self._throttle.admit(
+            f"dataset[{failed.index!r}]: {failed.error_type}: {failed.message}"
+        )
+        if more is not None:
             _log.warning(
                 "dataset[%r] failed and was skipped: %s: %s [%d failure(s) so far]%s%s",
                 failed.index,

@@ -125,7 +125,7 @@ class LogThrottle:
     Not locked: callers that log from several threads hold their own lock around it.
     """
 
-    __slots__ = ("_burst", "_held", "_interval", "_last", "_sent")
+    __slots__ = ("_burst", "_held", "_interval", "_last", "_last_held", "_sent")
 
     def __init__(self, interval: float = 1.0, burst: int = 5) -> None:
         self._interval = interval
@@ -133,9 +133,10 @@ class LogThrottle:
         self._last: float | None = None
         self._held = 0
         self._sent = 0
+        self._last_held = ""
 
-    def admit(self) -> str | None:
-        """Whether to log now: ``None`` to stay quiet (the message is counted).
+    def admit(self, what: str = "") -> str | None:
+        """Whether to log now: ``None`` to stay quiet (the message, ``what``, is counted).
 
         Otherwise, a suffix to append that says how many were held back since the last one.
         """
@@ -143,15 +144,19 @@ class LogThrottle:
         early = self._sent < self._burst and not self._held
         if not early and self._last is not None and now - self._last < self._interval:
             self._held += 1
+            self._last_held = what
             return None
         held, self._held, self._last = self._held, 0, now
         self._sent += 1
         return f" ({held} more since the last message)" if held else ""
 
-    def take_held(self) -> int:
-        """How many messages were held back since the last one logged; counts them as told."""
+    def take_held(self) -> tuple[int, str]:
+        """How many messages were held back since the last one logged, and the last of them.
+
+        Counts them as told.
+        """
         held, self._held = self._held, 0
-        return held
+        return held, self._last_held
 
 
 class StageBase:
@@ -165,7 +170,6 @@ class StageBase:
         self.counters = StageCounters(name, kind, concurrency)
         self._budget = budget
         self._throttle = LogThrottle()
-        self._last_held = ""  # the last failure the throttle held back, for flush_failures
 
     def cheap(self) -> bool:
         """Whether the op's smoothed time is below :data:`INLINE_BELOW` (a thread wake-up)."""
@@ -188,9 +192,7 @@ class StageBase:
             c.last_error = error
             c.last_sample = sample
             failures, items = c.failures, c.items_in
-            more = self._throttle.admit()
-            if more is None:
-                self._last_held = f"sample {sample}{where}: {type(error).__name__}: {error}"
+            more = self._throttle.admit(f"sample {sample}{where}: {type(error).__name__}: {error}")
         if more is not None:
             _log.warning(
                 "stage %r failed on sample %s%s: %s: %s [%d failure(s) so far]%s",
@@ -218,13 +220,13 @@ class StageBase:
     def flush_failures(self) -> None:
         """Log, in one line, the failures the throttle held back since its last message."""
         with self.counters.lock:
-            held, failures = self._throttle.take_held(), self.counters.failures
+            (held, last), failures = self._throttle.take_held(), self.counters.failures
         if held:
             _log.warning(
                 "stage %r: %d more failed sample(s) not logged one by one; the last: %s "
                 "[%d failure(s) in all]",
                 self.name,
                 held,
-                self._last_held,
+                last,
                 failures,
             )
