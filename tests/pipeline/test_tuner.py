@@ -814,3 +814,24 @@ def test_a_cheap_next_stage_does_not_send_a_read_past_what_the_server_serves() -
     )
     stats, _ = run_for(pipeline, 3.0)
     assert 8 <= stats["read"].concurrency < 32, stats.tuning
+
+
+def test_a_queue_between_two_tuned_stages_keeps_room_for_the_larger() -> None:
+    # 64 reads feed 2 decodes: a trial of the decode at 4, put back at 2, must leave the
+    # queue between them at 64 (it went down to 2, and the reads waited on it).
+    from feedline.pipeline._growth import Growth
+    from feedline.pipeline._queue import Channel
+    from feedline.pipeline._tuner import Knob, Tuner
+    from feedline.pipeline._tuning import Tuning
+
+    stages = [_Stage(1), _Stage(4), _Stage(2)]
+    channels = [Channel(f"{i}->", 4, Growth(4, 1024, 1 << 30) if i < 2 else None) for i in range(3)]
+    read, decode = Knob(stages[1], 1, 1, 128), Knob(stages[2], 2, 1, 8)
+    tuner = Tuner([read, decode], channels, Tuning(cpu_budget=2), stages)
+    tuner._set(read, 64)
+    assert channels[0].capacity == channels[1].capacity == 64
+    tuner._set(decode, 4)
+    tuner._set(decode, 2)
+    assert channels[1].capacity == 64
+    tuner._set(read, 8)  # and the read lowered: the queue shrinks to what it needs
+    assert channels[1].capacity == 8
