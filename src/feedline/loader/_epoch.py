@@ -436,6 +436,9 @@ class EpochIterator(Generic[T]):
         # time since the last one its thread computed, or was ready to but queued for a core
         # (the fetch threads' pushing it off its core must not hide that it computes; see
         # BatchFetcher.consumer_took).
+        # From one ask to the next: a batch that was ready took microseconds to get, and one
+        # waited for says so itself. (One read of the thread's times per batch: each hands
+        # the GIL to the fetch threads, see thread_times.)
         now = time.perf_counter()
         left, left_cpu = self._left
         computing = None
@@ -443,7 +446,7 @@ class EpochIterator(Generic[T]):
             computing = (asked_cpu - left_cpu) / (asked - left)
         assert self._fetcher is not None
         self._fetcher.consumer_took(now - asked > _WAITED, computing)
-        self._left = (now, _cpu_wanted())
+        self._left = (asked, asked_cpu)
 
     def _count(self, number: int, dataset_state: tuple[int, Any] | StreamMark | None) -> None:
         position = self.position
