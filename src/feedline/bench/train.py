@@ -316,7 +316,8 @@ def run(options: BenchOptions) -> ScenarioResult:
     import torch
 
     quick, progress = options.quick, options.progress
-    repeats = 1 if quick else 3
+    # 5 rounds: a shared host's speed drifts by 10 % and more between runs of a few seconds.
+    repeats = 1 if quick else 5
     steps, warm = (10, 3) if quick else (50, 10)
     length = steps * BATCH
     jpegs = [
