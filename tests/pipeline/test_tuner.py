@@ -818,7 +818,7 @@ def test_a_cheap_next_stage_does_not_send_a_read_past_what_the_server_serves() -
 
 def test_a_queue_between_two_tuned_stages_keeps_room_for_the_larger() -> None:
     # 64 reads feed 2 decodes: a trial of the decode at 4, put back at 2, must leave the
-    # queue between them at 64 (it went down to 2, and the reads waited on it).
+    # queue between them at 64 (it went down to the build's size, and the reads waited).
     from feedline.pipeline._growth import Growth
     from feedline.pipeline._queue import Channel
     from feedline.pipeline._tuner import Knob, Tuner
@@ -835,3 +835,46 @@ def test_a_queue_between_two_tuned_stages_keeps_room_for_the_larger() -> None:
     assert channels[1].capacity == 64
     tuner._set(read, 8)  # and the read lowered: the queue shrinks to what it needs
     assert channels[1].capacity == 8
+
+
+def test_the_next_epoch_builds_the_queue_after_a_tuned_stage_for_its_calls() -> None:
+    # Reads tuned up from 4 in one epoch start the next at that concurrency; the queue after
+    # them must hold a result per call then, as the build sizes it (it was built at the
+    # first epoch's size, and the reads waited on it).
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(10**9))
+        .pipe(limited_server(16, 0.02), concurrency="auto", name="read")
+        .pipe(lambda i: i, concurrency=1, name="check")
+        .add_sink()
+        .build()
+    )
+    first, _ = run_for(pipeline, 2.0)
+    settled = first["read"].concurrency
+    assert settled >= 12, first  # raised from 4, past the queue's first size of 8
+    for _ in pipeline:  # the next epoch, at its first item
+        stats = pipeline.stats()
+        assert stats["read"].queue.capacity >= stats["read"].concurrency >= settled, stats
+        break
+    pipeline.stop()
+
+
+def test_a_stage_halved_for_the_memory_budget_frees_the_queue_before_it() -> None:
+    # 64 reads of 1 MB items feed 8 decodes of 2 MB results, 100 MB allowed: halving the
+    # decode must shrink the queue between them too (sized for the reads, it kept their 64
+    # items, and the decode was halved down to one call for nothing).
+    from feedline.pipeline._growth import Growth
+    from feedline.pipeline._queue import Channel
+    from feedline.pipeline._tuner import Knob, Tuner
+    from feedline.pipeline._tuning import Tuning
+
+    stages = [_Stage(1), _Stage(4), _Stage(8)]
+    channels = [Channel(f"{i}->", 4, Growth(4, 1024, 1 << 40) if i < 2 else None) for i in range(3)]
+    read, decode = Knob(stages[1], 1, 1, 128), Knob(stages[2], 2, 1, 8)
+    tuner = Tuner([read, decode], channels, Tuning(cpu_budget=2, memory_budget=100 << 20), stages)
+    tuner._set(read, 64)
+    tuner._sizes[1].nbytes, tuner._sizes[2].nbytes = 1 << 20, 2 << 20
+    tuner._keep_within(100 << 20)
+    assert tuner._held_bytes() <= 100 << 20
+    assert (read.concurrency, decode.concurrency) == (64, 4), tuner.decisions
+    assert channels[1].capacity == 4

@@ -276,8 +276,8 @@ def run(options: BenchOptions) -> ScenarioResult:
         cache_dir(options.data_dir), quick, repeats, ORACLE, TUNED, progress, notes
     )
     notes += [
-        f"{repeats} alternating rounds per case ({cases[4].rounds or repeats} for read + "
-        "decode and the GIL-holding op, whose rates swing most)",
+        f"{repeats} alternating rounds per case ({cases[0].rounds or repeats} for read + "
+        f"decode, {cases[4].rounds or repeats} for the GIL-holding op: their rates swing most)",
         "items/s: steady rates, the tuned pipeline's from half-way through its run of "
         f"{tuned_s:g} s (it starts cold each round), the oracle's from a third of "
         f"{tuned_s / 2:g} s; ratios to the oracle, per round",

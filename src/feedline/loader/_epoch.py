@@ -200,7 +200,8 @@ class EpochIterator(Generic[T]):
             FailureTally(loader.max_failures), tl.collate_fn, bool(tl._auto_collation)
         )
         self._fetcher: BatchFetcher | None = None
-        # When the consumer took its last batch, and its thread's CPU time then.
+        # When the consumer asked for its last batch (None: not yet, or it waited for that
+        # one), and its thread's CPU time then.
         self._left: tuple[float | None, float] = (None, 0.0)
         self._tasks: _Releasable | None = None
         self._first_pending: BatchFetcher | None = None
@@ -435,18 +436,20 @@ class EpochIterator(Generic[T]):
         # Tell the fetcher whether the consumer waited for this batch, and how much of its
         # time since the last one its thread computed, or was ready to but queued for a core
         # (the fetch threads' pushing it off its core must not hide that it computes; see
-        # BatchFetcher.consumer_took).
-        # From one ask to the next: a batch that was ready took microseconds to get, and one
-        # waited for says so itself. (One read of the thread's times per batch: each hands
-        # the GIL to the fetch threads, see thread_times.)
+        # BatchFetcher.consumer_took). Measured from one ask to the next, with one read of
+        # the thread's times per batch (each read hands the GIL to the fetch threads, see
+        # thread_times): getting a batch that was ready takes microseconds of that time. A
+        # wait would count in the next batch's share (and the collation this thread may do
+        # while it waits, see Run.pull), so the batch after one is not judged.
         now = time.perf_counter()
         left, left_cpu = self._left
         computing = None
         if left is not None and asked > left:
             computing = (asked_cpu - left_cpu) / (asked - left)
         assert self._fetcher is not None
-        self._fetcher.consumer_took(now - asked > _WAITED, computing)
-        self._left = (asked, asked_cpu)
+        waited = now - asked > _WAITED
+        self._fetcher.consumer_took(waited, computing)
+        self._left = (None, 0.0) if waited else (asked, asked_cpu)
 
     def _count(self, number: int, dataset_state: tuple[int, Any] | StreamMark | None) -> None:
         position = self.position

@@ -197,12 +197,17 @@ class Pipeline(Generic[T]):
         return last.tuner.settled() if last is not None and last.tuner is not None else {}
 
     def _carried(self, config: PipelineConfig) -> PipelineConfig:
-        # Tuned stages start where the last epoch's tuner left them, not from scratch.
+        # Tuned stages start where the last epoch's tuner left them, not from scratch, and a
+        # default-sized queue after one holds a result per call, as the build sizes it.
         settled = self.settled_concurrency()
         if not settled:
             return config
         stages = tuple(
-            dataclasses.replace(s, concurrency=settled[s.name])
+            dataclasses.replace(
+                s,
+                concurrency=settled[s.name],
+                buffer_size=max(s.buffer_size, settled[s.name]) if s.grows else s.buffer_size,
+            )
             if isinstance(s, PipeConfig) and s.tune is not None and s.name in settled
             else s
             for s in config.stages

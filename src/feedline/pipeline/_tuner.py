@@ -700,10 +700,10 @@ class Tuner:
         for knob in sorted(self.knobs, key=self._in_flight_bytes, reverse=True):
             while self._held_bytes() > budget and knob.concurrency > knob.low:
                 c = knob.concurrency
-                self._set(knob, max(knob.low, c // 2))
+                self._set(knob, max(knob.low, c // 2), alone=True)
                 self._note(f"{knob.name}: {c} -> {knob.concurrency} for the memory budget")
 
-    def _set(self, knob: Knob, concurrency: int) -> None:
+    def _set(self, knob: Knob, concurrency: int, alone: bool = False) -> None:
         # Change the stage's concurrency, and size its default-sized queues as the build does
         # for a stage of that concurrency: the one before it holds enough to feed each slot,
         # the one after it enough for each slot's result (a stage that keeps input order
@@ -716,10 +716,13 @@ class Tuner:
             growth = channel.growth
             if channel is self._sink or growth is None:
                 continue
-            # For the larger of its two ends: a decode of 2 calls put back after a trial
-            # must not shrink the queue its 64 reads fill (measured: read blocked 15 % of
-            # the time on a queue of 8, the output 4 % below the same fixed settings).
-            size = min(max(concurrency, self._neighbour(index, knob)), growth.grow_to)
+            # For the larger of the stages at its two ends, tuned or not (as the build sizes
+            # it): a decode of 2 calls put back after a trial must not shrink the queue its
+            # 64 reads fill (measured: read blocked 15 % of the time on a queue of 8, the
+            # output 4 % below the same fixed settings). For the memory budget (``alone``),
+            # by this stage alone: halving it must free the bytes its queues hold.
+            other = 0 if alone else self._neighbour(index, knob)
+            size = min(max(concurrency, other), growth.grow_to)
             budget = self._tuning.memory_budget
             each = self._bytes(index)
             if budget is not None and each > 0:
