@@ -860,9 +860,9 @@ def test_the_next_epoch_builds_the_queue_after_a_tuned_stage_for_its_calls() -> 
 
 
 def test_a_stage_halved_for_the_memory_budget_frees_the_queue_before_it() -> None:
-    # 64 reads of 1 MB items feed 8 decodes of 2 MB results, 100 MB allowed: halving the
-    # decode must shrink the queue between them too (sized for the reads, it kept their 64
-    # items, and the decode was halved down to one call for nothing).
+    # 64 reads of 100 KiB feed 8 decodes of 4 MiB results, 40 MiB allowed: halving the
+    # decode to 4 fits, with the queue between them at its first size (sized for the reads
+    # instead, it took 6 MiB back, and the decode was halved once more).
     from feedline.pipeline._growth import Growth
     from feedline.pipeline._queue import Channel
     from feedline.pipeline._tuner import Knob, Tuner
@@ -871,10 +871,10 @@ def test_a_stage_halved_for_the_memory_budget_frees_the_queue_before_it() -> Non
     stages = [_Stage(1), _Stage(4), _Stage(8)]
     channels = [Channel(f"{i}->", 4, Growth(4, 1024, 1 << 40) if i < 2 else None) for i in range(3)]
     read, decode = Knob(stages[1], 1, 1, 128), Knob(stages[2], 2, 1, 8)
-    tuner = Tuner([read, decode], channels, Tuning(cpu_budget=2, memory_budget=100 << 20), stages)
+    tuner = Tuner([read, decode], channels, Tuning(cpu_budget=2, memory_budget=40 << 20), stages)
     tuner._set(read, 64)
-    tuner._sizes[1].nbytes, tuner._sizes[2].nbytes = 1 << 20, 2 << 20
-    tuner._keep_within(100 << 20)
-    assert tuner._held_bytes() <= 100 << 20
+    tuner._sizes[1].nbytes, tuner._sizes[2].nbytes = 100 << 10, 4 << 20
+    tuner._keep_within(40 << 20)
+    assert tuner._held_bytes() <= 40 << 20
     assert (read.concurrency, decode.concurrency) == (64, 4), tuner.decisions
     assert channels[1].capacity == 4
