@@ -878,3 +878,16 @@ def test_a_stage_halved_for_the_memory_budget_frees_the_queue_before_it() -> Non
     assert tuner._held_bytes() <= 40 << 20
     assert (read.concurrency, decode.concurrency) == (64, 4), tuner.decisions
     assert channels[1].capacity == 4
+
+
+@pytest.mark.parametrize(("cores", "kept"), [(0.3, True), (1.5, False)])
+def test_a_raise_of_calls_that_wait_is_kept_for_a_small_gain(cores: float, kept: bool) -> None:
+    # Two calls of 10 ms in flight on 0.3 cores wait more than they compute: doubling them
+    # for 6 % more is kept. The same calls on 1.5 busy cores compute: a doubling must bring
+    # a quarter more.
+    w = _Windows(concurrency=2)
+    w.window(0.3, rate=1000, cores=cores, task=0.01)
+    assert w.concurrency == 4, w.decisions
+    w.window(0.3, rate=1060, cores=cores, task=0.01)
+    assert ("2 -> 4 kept" in w.decisions) is kept, w.decisions
+    assert (w.concurrency >= 4) is kept, w.decisions  # kept, it may go on up
