@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -165,12 +166,16 @@ def _rate(points: Timeline, start: float) -> float:
 
 
 def _reached(points: Timeline, target: float, after: float) -> float:
-    """Seconds after ``after`` until the rate over two ticks first reaches ``target``."""
+    """Seconds after ``after`` until the rate over two ticks first reaches ``target``.
+
+    Infinite if it never did: a median over runs then counts such a run as the slowest
+    (a NaN would sort anywhere).
+    """
     later = [(t, r) for t, r, _ in points if t > after]
     for (_, r1), (t2, r2) in itertools.pairwise(later):
         if (r1 + r2) / 2 >= target:
             return t2 - after
-    return float("nan")
+    return math.inf
 
 
 def _grid(case: _Case, seconds: float, progress: Callable[[str], None]) -> dict[str, Any]:
@@ -324,8 +329,8 @@ def _compare(
     by_name = {m.contender: m for m in found}
     target = 0.9 * by_name[ORACLE].items_per_s
     reached = [_reached(points, target, 0.0) for points in timelines]
-    finite = [r for r in reached if r == r]
-    by_name[TUNED].extra["to_90_s"] = statistics.median(finite) if finite else float("nan")
+    to_90 = statistics.median(reached) if reached else math.inf
+    by_name[TUNED].extra["to_90_s"] = to_90 if math.isfinite(to_90) else float("nan")
     by_name[TUNED].extra["tuner_cpu_percent"] = 100 * statistics.median(cpu) / tuned_s
     return found, timelines[0]
 
@@ -371,16 +376,18 @@ def _latency_change(
                 ends.append(points[-1][2].get("read") if points else "-")
     finally:
         server.set_delay("lognormal:0.02:0.8:0.005:0.1")
-    back = statistics.median(backs) if backs else float("nan")
+    back = statistics.median(backs) if backs else math.inf
     after = statistics.median(afters) if afters else 0.0
+    each = ", ".join(f"{b:.2f} s" if math.isfinite(b) else "not back" for b in backs)
     notes.append(
         f"{name}: the oracle at 100 ms ({_describe(best)}) {oracle:,.0f} items/s; tuned: back "
         f"at 90 % of it {back:.2f} s after the change (median of {len(backs)} cold runs: "
-        f"{', '.join(f'{b:.2f}' for b in backs)} s), {after:,.0f} items/s from 2 s after, read "
-        f"concurrency at the end {', '.join(str(e) for e in ends)}"
+        f"{each}; a run not back within {tuned_s / 2 + 4:g} s counts as the slowest), "
+        f"{after:,.0f} items/s from 2 s after, read concurrency at the end "
+        f"{', '.join(str(e) for e in ends)}"
     )
     m = Measurement(name, TUNED, after, afters, after / oracle if oracle else None)
-    m.extra["recovery_s"] = back
+    m.extra["recovery_s"] = back if math.isfinite(back) else float("nan")
     return [m]
 
 
