@@ -891,3 +891,22 @@ def test_a_raise_of_calls_that_wait_is_kept_for_a_small_gain(cores: float, kept:
     w.window(0.3, rate=1060, cores=cores, task=0.01)
     assert ("2 -> 4 kept" in w.decisions) is kept, w.decisions
     assert (w.concurrency >= 4) is kept, w.decisions  # kept, it may go on up
+
+
+def test_a_ceiling_from_before_calls_slowed_goes_with_the_next_raise_kept() -> None:
+    # Reads of 10 ms settle at 16 (32 did not pay); then the store slows to 100 ms. The
+    # first window after a put-back does not judge conditions (its calls include the
+    # trial's), so the read goes halfway to its old ceiling, 24, and that raise pays: the
+    # ceiling, found at 10 ms, must go with it (it held the read at 24 for 30 s, a tenth of
+    # the rate it could have).
+    w = _Windows(concurrency=16)
+    w.knob.high = 256
+    w.window(0.3, rate=1000, cores=0.3, task=0.01)
+    assert w.concurrency == 32, w.decisions
+    w.window(0.3, rate=1010, cores=0.3, task=0.01)  # did not pay: put back, ceiling 32
+    assert (w.concurrency, w.knob.ceiling) == (16, 32), w.decisions
+    w.window(0.3, rate=160, cores=0.05, task=0.1)  # the store slowed down
+    for _ in range(6):
+        rate = w.concurrency / 0.1
+        w.window(0.3, rate=rate, cores=0.05, task=0.1)
+    assert w.concurrency > 32, w.decisions

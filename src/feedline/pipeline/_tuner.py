@@ -447,7 +447,9 @@ class Tuner:
                 and (task <= 0 or capacity >= trial.demand * KEEP_LOWER)  # task 0: none ended
             )
             if as_fast or self._output_ended():
-                knob.ceiling_task = task  # at the concurrency kept
+                # At the concurrency kept; not compared with the ceiling's conditions: calls
+                # of an op that holds the GIL are half as long at half the calls.
+                knob.ceiling_task = task
                 if trial.recheck:  # the raise did not pay after all
                     knob.ceiling, knob.ceiling_at = trial.before, time.perf_counter()
                 self._note(
@@ -470,7 +472,7 @@ class Tuner:
         if (rate >= trial.rate * need and capacity >= trial.capacity * need) or (
             self._output_ended()
         ):
-            knob.ceiling_task = task  # at the concurrency kept
+            self._kept_at(knob, task)
             self._note(
                 f"{knob.name}: {trial.before} -> {trial.after} kept "
                 f"({trial.rate:,.0f} -> {rate:,.0f} items/s)"
@@ -480,7 +482,7 @@ class Tuner:
         if other is not None and capacity >= trial.capacity * need:
             # The stage can do more, and another tuned stage now limits the output (two
             # stages at the same rate: neither raise alone pays). Kept; that one goes next.
-            knob.ceiling_task = task
+            self._kept_at(knob, task)
             self._note(
                 f"{knob.name}: {trial.before} -> {trial.after} kept, {other.name} limits now "
                 f"({trial.rate:,.0f} -> {rate:,.0f} items/s)"
@@ -515,6 +517,19 @@ class Tuner:
             self._set(knob, trial.before)
             knob.settle_window = self._windows + 1
         return True
+
+    @staticmethod
+    def _kept_at(knob: Knob, task: float) -> None:
+        # A raise was kept, the stage's calls taking ``task`` at its concurrency now: the
+        # conditions its ceiling and floor hold for from here on. Ones found where calls
+        # took over twice or under half as long go (measured: reads whose store slowed from
+        # 10 to 100 ms went halfway to a ceiling found at 10 ms, in the window after a
+        # put-back, which does not judge conditions; kept, that raise made the ceiling look
+        # current, and it held the reads at a tenth of the rate for 30 s).
+        old = knob.ceiling_task
+        if old > 0 and task > 0 and (task > CHANGED * old or task < old / CHANGED):
+            knob.ceiling = knob.floor = None
+        knob.ceiling_task = task
 
     @staticmethod
     def _fewer_cannot_keep_up(trial: _Trial, task: float, lower: int) -> bool:
