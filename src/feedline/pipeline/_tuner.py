@@ -526,8 +526,7 @@ class Tuner:
         # 10 to 100 ms went halfway to a ceiling found at 10 ms, in the window after a
         # put-back, which does not judge conditions; kept, that raise made the ceiling look
         # current, and it held the reads at a tenth of the rate for 30 s).
-        old = knob.ceiling_task
-        if old > 0 and task > 0 and (task > CHANGED * old or task < old / CHANGED):
+        if _changed(knob.ceiling_task, task):
             knob.ceiling = knob.floor = None
         knob.ceiling_task = task
 
@@ -671,12 +670,7 @@ class Tuner:
         # 4, ended calls twice as long as at 4 in that window; read as changed conditions,
         # the ceiling went and 32 was tried again, every second).
         old = knob.ceiling_task
-        changed = (
-            window != knob.settle_window
-            and old > 0
-            and task > 0
-            and (task > CHANGED * old or task < old / CHANGED)
-        )
+        changed = window != knob.settle_window and _changed(old, task)
         if changed:
             knob.floor = None
             # Calls that take F times longer need F times as many in flight for the same
@@ -805,6 +799,11 @@ def _calls_rate(i: int, mark: _Mark, now: _Mark) -> float:
     """Calls of knob ``i`` ended per second between two marks."""
     dt = now.t - mark.t
     return (now.calls[i] - mark.calls[i]) / dt if dt > 0 else 0.0
+
+
+def _changed(old: float, task: float) -> bool:
+    """Whether a stage's mean call time went from ``old`` to ``task`` by :data:`CHANGED`."""
+    return old > 0 and task > 0 and (task > CHANGED * old or task < old / CHANGED)
 
 
 def _cores_busy(mark: _Mark, now: _Mark) -> float:
