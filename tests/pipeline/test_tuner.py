@@ -912,3 +912,22 @@ def test_a_ceiling_from_before_calls_slowed_goes_with_the_next_raise_kept() -> N
         rate = w.concurrency / 0.1
         w.window(0.3, rate=rate, cores=0.05, task=0.1)
     assert w.concurrency > 32, w.decisions
+
+
+def test_a_ceiling_dropped_for_calls_ten_times_longer_sends_the_next_raise_ten_times_up() -> None:
+    # As above; once the raise to 24 is kept and the old ceiling dropped, the calls take ten
+    # times as long as where it was found: the next raise goes to ten times as many calls in
+    # flight (Little's law), not to twice as many.
+    w = _Windows(concurrency=16)
+    w.knob.high = 256
+    w.window(0.3, rate=1000, cores=0.3, task=0.01)
+    w.window(0.3, rate=1010, cores=0.3, task=0.01)  # 32 did not pay: back to 16
+    w.window(0.3, rate=160, cores=0.05, task=0.1)  # the store slowed down: 16 -> 24
+    assert w.concurrency == 24, w.decisions
+    w.window(0.3, rate=240, cores=0.05, task=0.1)  # kept; the ceiling goes
+    assert w.knob.ceiling is None, w.decisions
+    for _ in range(2):
+        if w.concurrency > 24:
+            break
+        w.window(0.3, rate=w.concurrency / 0.1, cores=0.05, task=0.1)
+    assert w.concurrency >= 160, w.decisions

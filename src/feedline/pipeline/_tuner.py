@@ -525,9 +525,13 @@ class Tuner:
         # took over twice or under half as long go (measured: reads whose store slowed from
         # 10 to 100 ms went halfway to a ceiling found at 10 ms, in the window after a
         # put-back, which does not judge conditions; kept, that raise made the ceiling look
-        # current, and it held the reads at a tenth of the rate for 30 s).
-        if _changed(knob.ceiling_task, task):
+        # current, and it held the reads at a tenth of the rate for 30 s). As in
+        # :meth:`_expire`, calls F times longer need F times as many in flight: the next
+        # raise goes there at once (doubling from 24 reads took 2 to 4 s to get back).
+        old = knob.ceiling_task
+        if _changed(old, task):
             knob.ceiling = knob.floor = None
+            knob.jump = task / old if task > old else 1.0
         knob.ceiling_task = task
 
     @staticmethod
