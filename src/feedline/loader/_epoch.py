@@ -385,7 +385,10 @@ class EpochIterator(Generic[T]):
             try:
                 if watch is not None:
                     watch.start()
-                asked, asked_cpu = time.perf_counter(), _cpu_wanted()
+                # (The thread's times are for the fetch threads' hold; worker processes
+                # have none here: a read of /proc per batch that they would not use.)
+                asked = time.perf_counter()
+                asked_cpu = _cpu_wanted() if self._fetcher is not None else 0.0
                 item = self._pipeline.get_item(timeout=self._timeout)
                 if self._fetcher is not None:
                     self._took(asked, asked_cpu)
