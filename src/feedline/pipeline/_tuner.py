@@ -107,6 +107,10 @@ factor means conditions changed: its ceiling and floor no longer hold."""
 CEILING_TTL = 30.0
 """Seconds a raise that did not pay keeps the stage below it."""
 
+JUMP_WINDOWS = 3
+"""Windows for which a stage whose calls became longer may jump to the concurrency that
+keeps its rate (Little's law) at its next raise; later, conditions may have changed again."""
+
 FEED_MARGIN = 1.25
 """A stage that feeds a waiting tuned stage is raised at once to this many times the calls in
 flight that stage's capacity needs (see ``Tuner._to_feed``)."""
@@ -200,6 +204,7 @@ class Knob:
         "high",
         "index",
         "jump",
+        "jump_until",
         "low",
         "settle_window",
         "stage",
@@ -218,7 +223,10 @@ class Knob:
         self.ceiling_task = 0.0
         self.floor: int | None = None  # a lower concurrency that was slower
         self.floor_at = 0.0
-        self.jump = 1.0  # how much longer its calls became when conditions last changed
+        # The concurrency its next raise may go to at once, its calls having become longer
+        # (0: none), and the last window that holds (see JUMP_WINDOWS).
+        self.jump = 0
+        self.jump_until = -1
         self.trim = 0  # windows in a row with few slots used
         # The window after a trial was put back: its calls include the trial's last ones,
         # longer or shorter than calls at this concurrency (see Tuner._expire).
@@ -403,8 +411,9 @@ class Tuner:
         c = knob.concurrency
         if knob.ceiling is None:
             fed = self._to_feed(knob, mark, now)
-            target = min(knob.high, max(2 * c, math.ceil(c * knob.jump), fed))
-            knob.jump = 1.0
+            jump = knob.jump if self._windows <= knob.jump_until else 0
+            target = min(knob.high, max(2 * c, jump, fed))
+            knob.jump = 0
         else:
             target = min(knob.high, (c + knob.ceiling) // 2)  # halfway to what did not pay
         budget = self._tuning.memory_budget
@@ -472,7 +481,7 @@ class Tuner:
         if (rate >= trial.rate * need and capacity >= trial.capacity * need) or (
             self._output_ended()
         ):
-            self._kept_at(knob, task)
+            self._kept_at(knob, task, trial, self._windows)
             self._note(
                 f"{knob.name}: {trial.before} -> {trial.after} kept "
                 f"({trial.rate:,.0f} -> {rate:,.0f} items/s)"
@@ -482,7 +491,7 @@ class Tuner:
         if other is not None and capacity >= trial.capacity * need:
             # The stage can do more, and another tuned stage now limits the output (two
             # stages at the same rate: neither raise alone pays). Kept; that one goes next.
-            self._kept_at(knob, task)
+            self._kept_at(knob, task, trial, self._windows)
             self._note(
                 f"{knob.name}: {trial.before} -> {trial.after} kept, {other.name} limits now "
                 f"({trial.rate:,.0f} -> {rate:,.0f} items/s)"
@@ -519,19 +528,24 @@ class Tuner:
         return True
 
     @staticmethod
-    def _kept_at(knob: Knob, task: float) -> None:
+    def _kept_at(knob: Knob, task: float, trial: _Trial, window: int) -> None:
         # A raise was kept, the stage's calls taking ``task`` at its concurrency now: the
         # conditions its ceiling and floor hold for from here on. Ones found where calls
-        # took over twice or under half as long go (measured: reads whose store slowed from
-        # 10 to 100 ms went halfway to a ceiling found at 10 ms, in the window after a
-        # put-back, which does not judge conditions; kept, that raise made the ceiling look
-        # current, and it held the reads at a tenth of the rate for 30 s). As in
-        # :meth:`_expire`, calls F times longer need F times as many in flight: the next
-        # raise goes there at once (doubling from 24 reads took 2 to 4 s to get back).
+        # took over twice or under half as long, before the raise as after it, go
+        # (measured: reads whose store slowed from 10 to 100 ms went halfway to a ceiling
+        # found at 10 ms, in the window after a put-back, which does not judge conditions;
+        # kept, that raise made the ceiling look current, and it held the reads at a tenth
+        # of the rate for 30 s). Before the raise too: calls that the raise itself made
+        # longer (the GIL, busy cores, a server at its limit) are no change of conditions.
         old = knob.ceiling_task
-        if _changed(old, task):
+        if _changed(old, task) and _changed(old, trial.task) and (task > old) == (trial.task > old):
             knob.ceiling = knob.floor = None
-            knob.jump = task / old if task > old else 1.0
+            if trial.task > old:
+                # As in _expire: F times longer calls need F times as many in flight for the
+                # rate the stage had, at the concurrency it had (doubling from 24 reads took
+                # 2 to 4 s to get back).
+                knob.jump = round(trial.before * trial.task / old)
+                knob.jump_until = window + JUMP_WINDOWS
         knob.ceiling_task = task
 
     @staticmethod
@@ -679,7 +693,8 @@ class Tuner:
             knob.floor = None
             # Calls that take F times longer need F times as many in flight for the same
             # rate (Little's law): the next raise goes there at once.
-            knob.jump = task / old if task > old else 1.0
+            knob.jump = round(knob.concurrency * task / old) if task > old else 0
+            knob.jump_until = window + JUMP_WINDOWS
             knob.ceiling_task = task
         if changed or now - knob.ceiling_at > CEILING_TTL:
             knob.ceiling = None
