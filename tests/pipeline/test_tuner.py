@@ -963,3 +963,35 @@ def test_a_jump_not_taken_soon_lapses() -> None:
         if w.concurrency > c:
             break
     assert c < w.concurrency <= 2 * c, w.decisions
+
+
+def test_a_ceiling_stays_when_only_the_raise_made_the_calls_longer() -> None:
+    # A ceiling of 32 found at 10 ms; in the window after a put-back the stage at 4 goes
+    # halfway to it, 18, and its calls take three times as long there (a server at its
+    # limit) while the output still grows: no change of conditions, the ceiling stays and
+    # the next raise goes halfway to it again.
+    w = _Windows(concurrency=4)
+    w.knob.high = 4096
+    w.knob.ceiling, w.knob.ceiling_task = 32, 0.01
+    w.knob.ceiling_at = time.perf_counter()
+    w.knob.settle_window = w.tuner._windows + 1
+    w.window(0.3, rate=400, cores=0.05, task=0.01)  # 4 -> 18
+    assert w.concurrency == 18, w.decisions
+    w.window(0.3, rate=440, cores=0.05, task=0.03)  # kept: 600 calls/s against 400
+    assert "4 -> 18 kept" in w.decisions, w.decisions
+    assert w.knob.ceiling == 32, w.decisions
+    assert w.concurrency <= 25, w.decisions
+
+
+def test_a_raise_after_a_window_that_ended_no_call_still_drops_a_stale_ceiling() -> None:
+    # Calls of seconds: the window before the raise ended none, so the time after the raise
+    # alone says that conditions changed.
+    w = _Windows(concurrency=16)
+    w.knob.high = 4096
+    w.window(0.3, rate=1000, cores=0.3, task=0.01)
+    w.window(0.3, rate=1010, cores=0.3, task=0.01)  # 32 did not pay: back to 16
+    w.window(0.3, rate=160, cores=0.05, task=0)  # the store slowed down: no call ended
+    assert w.concurrency == 24, w.decisions
+    w.window(0.3, rate=240, cores=0.05, task=0.1)  # kept
+    assert "16 -> 24 kept" in w.decisions, w.decisions
+    assert w.knob.ceiling is None, w.decisions

@@ -21,9 +21,12 @@ for some items to come out) does one of these:
   is tried back at once: the start-up held that window's rate down. A ceiling holds until
   the stage's mean call time, at the concurrency it was kept at, changes by :data:`CHANGED`
   (a slower server, larger items: what did not pay may pay now), or :data:`CEILING_TTL`
-  passes; a floor too. Calls that became F times longer make the
-  next raise go to F times the concurrency at once (Little's law: the same rate needs F
-  times as many calls in flight).
+  passes; a floor too. A raise kept where the calls take that much longer or shorter, before
+  the raise as after it, drops them as well (the window after a put-back, whose calls
+  include the trial's last ones, does not judge conditions; the raise that follows it
+  does). Calls that became F times longer make the next raise, within
+  :data:`JUMP_WINDOWS`, go to F times the concurrency the stage had at once (Little's law:
+  the same rate needs F times as many calls in flight).
 * **Raise the bottleneck.** Unless the consumer is the slower side (the sink is full most of
   the window) or the process already uses its CPU budget (:data:`BUSY_CPU` of it), the
   tuned stage whose slots were busiest (at least :data:`BUSY` of the time, not held up by a
@@ -538,7 +541,9 @@ class Tuner:
         # of the rate for 30 s). Before the raise too: calls that the raise itself made
         # longer (the GIL, busy cores, a server at its limit) are no change of conditions.
         old = knob.ceiling_task
-        if _changed(old, task) and _changed(old, trial.task) and (task > old) == (trial.task > old):
+        # (No call ended before the raise, calls of seconds: the time after it alone.)
+        before = trial.task if trial.task > 0 else task
+        if _changed(old, task) and _changed(old, before) and (task > old) == (before > old):
             knob.ceiling = knob.floor = None
             if trial.task > old:
                 # As in _expire: F times longer calls need F times as many in flight for the
