@@ -245,6 +245,16 @@ class Knob:
         """The stage's concurrency now."""
         return int(self.stage.counters.concurrency)
 
+    def jump_to(self, concurrency: int, window: int) -> None:
+        """Let a raise within :data:`JUMP_WINDOWS` of ``window`` go to ``concurrency``."""
+        self.jump, self.jump_until = concurrency, window + JUMP_WINDOWS
+
+    def take_jump(self, window: int) -> int:
+        """The concurrency a raise in ``window`` may jump to (0: none); it is used once."""
+        jump = self.jump if window <= self.jump_until else 0
+        self.jump = 0
+        return jump
+
 
 @dataclass
 class _Mark:
@@ -414,9 +424,7 @@ class Tuner:
         c = knob.concurrency
         if knob.ceiling is None:
             fed = self._to_feed(knob, mark, now)
-            jump = knob.jump if self._windows <= knob.jump_until else 0
-            target = min(knob.high, max(2 * c, jump, fed))
-            knob.jump = 0
+            target = min(knob.high, max(2 * c, knob.take_jump(self._windows), fed))
         else:
             target = min(knob.high, (c + knob.ceiling) // 2)  # halfway to what did not pay
         budget = self._tuning.memory_budget
@@ -549,8 +557,7 @@ class Tuner:
                 # As in _expire: F times longer calls need F times as many in flight for the
                 # rate the stage had, at the concurrency it had (doubling from 24 reads took
                 # 2 to 4 s to get back).
-                knob.jump = round(trial.before * trial.task / old)
-                knob.jump_until = window + JUMP_WINDOWS
+                knob.jump_to(round(trial.before * trial.task / old), window)
         knob.ceiling_task = task
 
     @staticmethod
@@ -698,8 +705,7 @@ class Tuner:
             knob.floor = None
             # Calls that take F times longer need F times as many in flight for the same
             # rate (Little's law): the next raise goes there at once.
-            knob.jump = round(knob.concurrency * task / old) if task > old else 0
-            knob.jump_until = window + JUMP_WINDOWS
+            knob.jump_to(round(knob.concurrency * task / old) if task > old else 0, window)
             knob.ceiling_task = task
         if changed or now - knob.ceiling_at > CEILING_TTL:
             knob.ceiling = None
