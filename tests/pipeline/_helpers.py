@@ -310,3 +310,24 @@ def call_sys_exit(x: int) -> int:
     import sys
 
     sys.exit(x)
+
+
+def full_arrays(n: int) -> list[np.ndarray]:
+    """``n`` arrays of 400 KB (they cross through shared memory), array ``i`` full of ``i``."""
+    return [np.full(100_000, i, dtype=np.float32) for i in range(n)]
+
+
+def own_segments() -> set[str]:
+    """The shared-memory segments of this process's children, by the prefix they are given."""
+    prefix = f"psm_fl{os.getpid()}_"  # SegmentNames.new_prefix, made in the parent
+    return {f for f in os.listdir("/dev/shm") if f.startswith(prefix)}
+
+
+def wait_until(condition: Any, within: float = 10.0) -> bool:
+    """Whether ``condition()`` turns true within ``within`` seconds (polled)."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

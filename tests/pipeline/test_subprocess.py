@@ -63,6 +63,22 @@ def test_early_break_then_next_epoch() -> None:
         assert list(it) == list(range(100))
 
 
+def test_a_child_asked_to_leave_is_replaced_by_the_next_epoch() -> None:
+    # The child leaves after ask_to_leave(): the next epoch starts a new one, and neither
+    # reports the one that left as dead (exit code 0, "a crash") nor yields nothing.
+    with iterate_in_subprocess(functools.partial(_helpers.make_slow, 10, 0.001)) as it:
+        assert list(it) == list(range(10))
+        first = it._child.process
+        pid = first.pid
+        it.ask_to_leave()
+        first.join(10)
+        assert first.exitcode == 0
+        assert list(it) == list(range(10))
+        assert it.pid != pid
+    no_children_left()
+    assert zombies() == []
+
+
 def test_error_in_child_pipeline_is_raised() -> None:
     with (
         run_pipeline_in_subprocess(_helpers.failing_builder(10)) as it,

@@ -149,8 +149,10 @@ class _Abandoned(Exception):
 class _Child:
     """The process and queues behind a SubprocessIterable (what its finalizer may touch).
 
-    Closing is re-entrant: an interrupt in the middle leaves the process recorded, and the next
-    call (or the finalizer) finishes the job.
+    Closing is re-entrant: each of its steps may be taken again, and the process stays
+    recorded, with ``closing`` set, until the last one is done. An interrupt in the middle
+    (a second Ctrl-C) leaves it so; the next call, the next epoch or the finalizer finishes
+    the job.
     """
 
     def __init__(self) -> None:
@@ -162,6 +164,14 @@ class _Child:
         # dead); re-entrant, so that a close interrupted and called again goes on.
         self.lock = threading.RLock()
         self.owner = os.getpid()  # a forked copy (a worker of another loader) owns no child
+        # The child serves no further epoch: a close is under way, or an interrupt cut one
+        # short, or the child was asked to leave. Set before anything is done to the child,
+        # so that a reader who sees it gone knows it was ended, not that it died.
+        self.closing = False
+        # An epoch was asked of the child and its end ("end" or "error") not read: its items
+        # may still come, and the next epoch would take them for its own. A clean-up that an
+        # interrupt cut short leaves it set.
+        self.epoch_open = False
 
     def ask_to_leave(self) -> None:
         """Ask the child to end its epoch after its current item, then exit."""
@@ -169,6 +179,7 @@ class _Child:
         if process is None or getattr(process, "_popen", None) is None:
             return
         if process.exitcode is None:
+            self.closing = True
             if self.stop is not None:
                 self.stop.set()
             with contextlib.suppress(OSError, ValueError):
@@ -178,9 +189,15 @@ class _Child:
         if os.getpid() != self.owner:
             return
         with self.lock:
+            if self.process is not None:
+                self.closing = True
             self._close(grace)
 
     def _close(self, grace: float) -> None:
+        # Every step may run again (after an interrupt): the joins, Queue.close and the
+        # removal of what is left are idempotent. The process is forgotten last (its pid
+        # and exit code stay readable until then; what Process.close frees, a collection
+        # frees too).
         process = self.process
         if process is None:
             return
@@ -194,11 +211,13 @@ class _Child:
             if process.exitcode is None:
                 process.kill()
                 process.join()
-        self.process = None
         if self.cmd_q is not None:
             close_queue(self.cmd_q)  # the reader is gone: never wait to flush to it
         # What the child made and nobody mapped: items in flight or in the queue.
         remove_prefixed(self.shm_prefix)
+        self.epoch_open = False
+        self.process = None
+        self.closing = False
         with contextlib.suppress(ValueError):
             process.close()
 
@@ -240,7 +259,10 @@ class SubprocessIterable(Generic[T]):
     item and drains what was in flight, so that the next epoch reuses the child. An exception
     in the consumer (``KeyboardInterrupt``) ends the child at once instead, and the next epoch
     starts a new one: the exception reaches the caller without waiting for the child's item.
-    Nothing the child made (shared-memory segments) outlives it.
+    Nothing the child made (shared-memory segments) outlives it. A clean-up that a second
+    Ctrl-C cuts short is finished by the next :meth:`close` or the next epoch, which then
+    starts a new child: that epoch yields every item, never the ones (or the end) the
+    interrupted epoch's child was still sending.
     """
 
     def __init__(
@@ -293,6 +315,8 @@ class SubprocessIterable(Generic[T]):
 
     def _launch(self, method: str | None = None, begin: bool = False) -> None:
         # Start the child without waiting for it: several children start at once.
+        if self._child.closing:
+            self.close()  # one that an interrupt cut short, or a child asked to leave
         if self._child.process is not None:
             return
         ctx = self._ctx if method is None else mp.get_context(method)
@@ -303,6 +327,7 @@ class SubprocessIterable(Generic[T]):
         child.shm_prefix = SegmentNames.new_prefix()
         self._ready = False
         self._requested = begin
+        child.epoch_open = begin
         process = ctx.Process(  # type: ignore[attr-defined]
             target=_child_main,
             args=(
@@ -421,9 +446,11 @@ class SubprocessIterable(Generic[T]):
             )
         self._iterating = True
         try:
+            self._end_unsettled()
             self._launch()
             if not self._requested:
                 self._child.stop.clear()
+                self._child.epoch_open = True
                 self._child.cmd_q.put("epoch")  # read by the child once it is ready
             self._requested = False
         except BaseException:
@@ -434,6 +461,13 @@ class SubprocessIterable(Generic[T]):
         epoch = self._epoch(stopping, settle)
         next(epoch)  # into its try block: closing it now, unstarted, still cleans up
         return epoch
+
+    def _end_unsettled(self) -> None:
+        # An epoch whose clean-up an interrupt cut short (a second Ctrl-C) may have left its
+        # child sending that epoch's items, or its "end", which this epoch would take for
+        # its own (and end with no item): that child is ended, and a new one serves.
+        if self._child.epoch_open and not self._requested:
+            self.close()
 
     def _epoch(self, stopping: Callable[[], bool] | None, settle: bool) -> Iterator[T]:
         finished = False
@@ -448,9 +482,11 @@ class SubprocessIterable(Generic[T]):
                     yield unpack(message[1])
                 elif kind == "end":
                     finished = True
+                    self._child.epoch_open = False
                     return
                 else:
                     finished = True
+                    self._child.epoch_open = False
                     self._raise(message, "in the child process")
         except _Abandoned:
             if not settle:
@@ -476,9 +512,11 @@ class SubprocessIterable(Generic[T]):
         if self._iterating:
             raise RuntimeError("this subprocess iterable is being iterated; finish that loop first")
         try:
+            self._end_unsettled()
             self._launch()
             if not self._requested:
                 self._child.stop.clear()
+                self._child.epoch_open = True
                 self._child.cmd_q.put("epoch")
                 self._requested = True
         except BaseException:
@@ -536,6 +574,7 @@ class SubprocessIterable(Generic[T]):
                 if message[0] == "item":
                     release(message[1])  # never mapped: its segments are just removed
                 else:
+                    self._child.epoch_open = False
                     return True
         except (TimeoutError, SubprocessFailure):
             return False
@@ -551,8 +590,8 @@ class SubprocessIterable(Generic[T]):
         and safe to call again after an interrupt; iterating again later starts a new child.
         Shared-memory segments the child made and nobody mapped are removed.
         """
-        self._child.close(grace)  # the finalizer stays armed for whichever child runs last
         self._ready = False
+        self._child.close(grace)  # the finalizer stays armed for whichever child runs last
 
     def __enter__(self) -> SubprocessIterable[T]:
         return self
