@@ -331,3 +331,16 @@ def wait_until(condition: Any, within: float = 10.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+class Gated:
+    """Yields 0 at once, then 1 and 2 once the file ``path`` exists (within a minute)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __iter__(self) -> Iterator[int]:
+        yield 0
+        wait_until(lambda: os.path.exists(self.path), within=60.0)
+        yield 1
+        yield 2

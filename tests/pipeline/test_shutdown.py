@@ -304,3 +304,40 @@ def test_a_close_interrupted_part_way_is_finished_by_the_next(
     it.close()
     epoch.close()
     _assert_nothing_left(threads, segments)
+
+
+@pytest.mark.parametrize("when", ["waiting", "between"])
+def test_close_from_another_thread_ends_the_loop_quietly(
+    when: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As Pipeline.stop() from another thread: the loop ends, with no error, whether the
+    # close lands while the consumer waits for the child's next item (the child is stuck on
+    # it: the close ends it) or between two items. Not "SubprocessDied ... (pid None)".
+    threads, segments = _threads(), _helpers.own_segments()
+    gate = str(tmp_path / "gate")
+    it = iterate_in_subprocess(functools.partial(_helpers.Gated, gate))
+    closer = threading.Thread(target=it.close, name="closer")
+    got = []
+    if when == "waiting":
+        receive = _subprocess.SubprocessIterable._receive
+        calls: list[int] = []
+
+        def close_meanwhile(self: Any, *args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 3:  # "ready", item 0, then the wait for item 1
+                closer.start()
+            return receive(self, *args, **kwargs)
+
+        monkeypatch.setattr(_subprocess.SubprocessIterable, "_receive", close_meanwhile)
+    for item in it:
+        got.append(item)
+        if when == "between":
+            closer.start()
+            closer.join()
+    closer.join()
+    assert got == [0]
+    monkeypatch.undo()
+    open(gate, "w").close()
+    assert list(it) == [0, 1, 2]  # a new child serves the next epoch
+    it.close()
+    _assert_nothing_left(threads, segments)

@@ -146,6 +146,10 @@ class _Abandoned(Exception):
     """The consumer's pipeline stopped while this epoch waited for the child."""
 
 
+class _Closed(_Abandoned):
+    """close() ended (or is ending) the child of this epoch: the epoch ends, as if stopped."""
+
+
 class _Child:
     """The process and queues behind a SubprocessIterable (what its finalizer may touch).
 
@@ -263,6 +267,12 @@ class SubprocessIterable(Generic[T]):
     Ctrl-C cuts short is finished by the next :meth:`close` or the next epoch, which then
     starts a new child: that epoch yields every item, never the ones (or the end) the
     interrupted epoch's child was still sending.
+
+    Closing from another thread: :meth:`close` (or :meth:`ask_to_leave`) while an epoch is
+    being iterated ends that iteration as the end of the epoch does, without an error, as
+    :meth:`Pipeline.stop() <feedline.Pipeline.stop>` from another thread ends a pipeline's
+    loop; the items still on their way are dropped. An error is raised only for a child
+    that died by itself (:class:`~feedline.SubprocessDied`) or failed.
     """
 
     def __init__(
@@ -363,6 +373,9 @@ class SubprocessIterable(Generic[T]):
     ) -> tuple[Any, ...]:
         start = time.monotonic()
         while True:
+            if self._closed():
+                # What is still queued refers to segments the close removed.
+                raise _Closed
             waited = time.monotonic() - start
             try:
                 message: Any = self._data_q.get(
@@ -378,14 +391,20 @@ class SubprocessIterable(Generic[T]):
                 if process is not None and not isinstance(error, queue.Empty):
                     process.join(1.0)  # the pipe broke: the child is gone or going
                 if process is None or process.exitcode is not None:
-                    pid = None if process is None else process.pid
-                    code = None if process is None else process.exitcode
+                    # Looked at after the exit was seen: close() marks the child first.
+                    if process is None or self._closed():
+                        raise _Closed from None  # ended by close(), not dead
+                    pid, code = process.pid, process.exitcode
                     self._child.close()
                     raise self._died(pid, code) from None
                 if timeout is not None and time.monotonic() - start >= timeout:
                     raise TimeoutError(f"no item from {self._name} within {timeout} s") from None
 
-    def _died(self, pid: int | None, code: int | None) -> SubprocessDied:
+    def _closed(self) -> bool:
+        # close() (from another thread) or ask_to_leave() ended, or is ending, the child.
+        return self._child.closing or self._child.process is None
+
+    def _died(self, pid: int, code: int | None) -> SubprocessDied:
         error = SubprocessDied("", pid, code)
         how = (
             f"was killed by {error.signal}"
@@ -438,7 +457,8 @@ class SubprocessIterable(Generic[T]):
         iterator then ends without error. A pipeline whose source this is passes its own
         stop, so stopping that pipeline (Ctrl-C, ``break``) does not wait for the child.
         With ``settle=False`` the iterator leaves the child as it is and raises
-        ``_Abandoned`` instead: its owner settles several children together.
+        ``_Abandoned`` instead: its owner settles several children together (it raises that,
+        too, when :meth:`close` ended the child meanwhile).
         """
         if self._iterating:
             raise RuntimeError(
@@ -479,7 +499,13 @@ class SubprocessIterable(Generic[T]):
                 message = self._receive(self._timeout, stopping)
                 kind = message[0]
                 if kind == "item":
-                    yield unpack(message[1])
+                    try:
+                        value = unpack(message[1])
+                    except FileNotFoundError:
+                        if self._closed():  # taken as a close removed its segments
+                            raise _Closed from None
+                        raise
+                    yield value
                 elif kind == "end":
                     finished = True
                     self._child.epoch_open = False
@@ -488,6 +514,11 @@ class SubprocessIterable(Generic[T]):
                     finished = True
                     self._child.epoch_open = False
                     self._raise(message, "in the child process")
+        except _Closed:
+            finished = True  # whoever closed it ends the child: nothing to settle
+            if not settle:
+                raise  # an _Abandoned: the owner ends its epoch
+            return
         except _Abandoned:
             if not settle:
                 self._settled = True  # the owner settles this child
@@ -576,7 +607,7 @@ class SubprocessIterable(Generic[T]):
                 else:
                     self._child.epoch_open = False
                     return True
-        except (TimeoutError, SubprocessFailure):
+        except (TimeoutError, SubprocessFailure, _Closed):
             return False
 
     def ask_to_leave(self) -> None:
@@ -588,7 +619,9 @@ class SubprocessIterable(Generic[T]):
 
         The child gets ``grace`` seconds to leave by itself, then is terminated. Idempotent
         and safe to call again after an interrupt; iterating again later starts a new child.
-        Shared-memory segments the child made and nobody mapped are removed.
+        Shared-memory segments the child made and nobody mapped are removed. Called from
+        another thread mid-epoch, the loop iterating this ends quietly (``StopIteration``),
+        as after :meth:`Pipeline.stop() <feedline.Pipeline.stop>`: it is not a failure.
         """
         self._ready = False
         self._child.close(grace)  # the finalizer stays armed for whichever child runs last
