@@ -344,3 +344,28 @@ class Gated:
         wait_until(lambda: os.path.exists(self.path), within=60.0)
         yield 1
         yield 2
+
+
+def where_it_ran(x: int) -> tuple[int, int, int, str]:
+    """``x * x`` with where it was computed: pid, parent pid, thread name."""
+    return x * x, os.getpid(), os.getppid(), threading.current_thread().name
+
+
+def live_threads() -> set[threading.Thread]:
+    """The threads alive now, once closed queues' feeder threads have left."""
+    from feedline.pipeline._queues import await_closed_queues
+
+    await_closed_queues(5.0)
+    return {t for t in threading.enumerate() if t.is_alive()}
+
+
+def assert_nothing_left(threads: set[threading.Thread], segments: set[str]) -> None:
+    """No thread beyond ``threads``, child process, zombie or segment beyond ``segments``."""
+    import multiprocessing
+
+    from .._system import zombies
+
+    assert multiprocessing.active_children() == []
+    assert zombies() == []
+    assert own_segments() == segments
+    assert sorted(t.name for t in live_threads() - threads) == []

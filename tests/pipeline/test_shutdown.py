@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import os
 import threading
 import time
@@ -15,7 +14,6 @@ import pytest
 
 from feedline import PipelineBuilder, iterate_in_subprocess, run_pipeline_in_subprocess
 from feedline.pipeline import _executors, _subprocess
-from feedline.pipeline._queues import await_closed_queues
 
 from . import _helpers
 
@@ -213,20 +211,6 @@ def test_ctrl_c_to_the_process_group_leaves_no_segment_and_no_process() -> None:
     assert _segments() - before == set()
 
 
-def _threads() -> set[threading.Thread]:
-    await_closed_queues(5.0)  # the command queues' feeders, closed with their child
-    return {t for t in threading.enumerate() if t.is_alive()}
-
-
-def _assert_nothing_left(threads: set[threading.Thread], segments: set[str]) -> None:
-    # What a closed subprocess iterable may not leave: a thread, a child (running or a
-    # zombie), a segment of its children's.
-    assert multiprocessing.active_children() == []
-    assert _zombies() == []
-    assert _helpers.own_segments() == segments
-    assert sorted(t.name for t in _threads() - threads) == []
-
-
 def _interrupting(original: Callable[..., Any], after: bool) -> Callable[..., Any]:
     # ``original``, except that its first call raises KeyboardInterrupt (a second Ctrl-C),
     # after doing its work if ``after``, before doing any otherwise.
@@ -252,7 +236,7 @@ def test_an_epoch_after_a_second_ctrl_c_during_clean_up_is_complete(
     # shared memory on their way; the second while that clean-up runs: before it began
     # (settle), once the child was asked to leave (ask_to_leave, then the wait for it), or
     # while the child's segments are removed (remove_prefixed).
-    threads, segments = _threads(), _helpers.own_segments()
+    threads, segments = _helpers.live_threads(), _helpers.own_segments()
     it = iterate_in_subprocess(functools.partial(_helpers.full_arrays, 30))
     receive = _subprocess.SubprocessIterable._receive
     calls: list[int] = []
@@ -284,13 +268,13 @@ def test_an_epoch_after_a_second_ctrl_c_during_clean_up_is_complete(
     assert [int(a[0]) for a in it] == list(range(30))
     assert [int(a[0]) for a in it] == list(range(30))
     it.close()
-    _assert_nothing_left(threads, segments)
+    _helpers.assert_nothing_left(threads, segments)
 
 
 def test_a_close_interrupted_part_way_is_finished_by_the_next(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    threads, segments = _threads(), _helpers.own_segments()
+    threads, segments = _helpers.live_threads(), _helpers.own_segments()
     it = iterate_in_subprocess(functools.partial(_helpers.full_arrays, 30))
     epoch = iter(it)
     next(epoch)
@@ -303,7 +287,7 @@ def test_a_close_interrupted_part_way_is_finished_by_the_next(
     assert _helpers.own_segments() - segments  # the interrupted close left them
     it.close()
     epoch.close()
-    _assert_nothing_left(threads, segments)
+    _helpers.assert_nothing_left(threads, segments)
 
 
 @pytest.mark.parametrize("when", ["waiting", "between"])
@@ -313,7 +297,7 @@ def test_close_from_another_thread_ends_the_loop_quietly(
     # As Pipeline.stop() from another thread: the loop ends, with no error, whether the
     # close lands while the consumer waits for the child's next item (the child is stuck on
     # it: the close ends it) or between two items. Not "SubprocessDied ... (pid None)".
-    threads, segments = _threads(), _helpers.own_segments()
+    threads, segments = _helpers.live_threads(), _helpers.own_segments()
     gate = str(tmp_path / "gate")
     it = iterate_in_subprocess(functools.partial(_helpers.Gated, gate))
     closer = threading.Thread(target=it.close, name="closer")
@@ -340,4 +324,4 @@ def test_close_from_another_thread_ends_the_loop_quietly(
     open(gate, "w").close()
     assert list(it) == [0, 1, 2]  # a new child serves the next epoch
     it.close()
-    _assert_nothing_left(threads, segments)
+    _helpers.assert_nothing_left(threads, segments)

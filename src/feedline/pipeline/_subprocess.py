@@ -29,6 +29,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Generic, TypeVar
 
@@ -44,7 +45,9 @@ from feedline.errors import (
 
 from ._builder import PipelineBuilder
 from ._lifetime import die_with_parent
+from ._pipeline import Pipeline
 from ._queues import close_queue, write_first
+from ._recipes import made_again, with_recipes
 from ._shm import (
     SHM_AVAILABLE,
     SegmentNames,
@@ -121,6 +124,23 @@ def _child_main(
     # cores busy with the other workers' starts), before this child's first item.
     if not write_first(data_q, ("ready",)):
         data_q.put(("ready",))
+    try:
+        _serve(iterable, cmd_q, data_q, stop, shm_min, names, begin)
+    finally:
+        if isinstance(iterable, _ChildPipeline):
+            iterable.close()  # its executors are this process's to shut down
+
+
+def _serve(
+    iterable: Iterable[Any],
+    cmd_q: Any,
+    data_q: Any,
+    stop: Any,
+    shm_min: float,
+    names: SegmentNames,
+    begin: bool,
+) -> None:
+    # One pass over the iterable per "epoch" command, until another command comes.
     while True:
         command = "epoch" if begin else cmd_q.get()  # begin: the first pass is asked already
         begin = False
@@ -688,8 +708,34 @@ def iterate_in_subprocess(
     )
 
 
+class _ChildPipeline:
+    """The pipeline a child built, with the executors it made for its stages (it owns them)."""
+
+    def __init__(self, pipeline: Pipeline[Any], executors: list[Executor]) -> None:
+        self._pipeline = pipeline
+        self._executors = executors
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._pipeline)
+
+    def close(self) -> None:
+        """Stop the pipeline and shut its executors down (the child is leaving)."""
+        self._pipeline.stop()
+        for executor in self._executors:
+            executor.shutdown(wait=True, cancel_futures=True)
+
+
 def _build(builder: PipelineBuilder[Any], options: dict[str, Any]) -> Iterable[Any]:
-    return builder.build(**options)
+    # In the child. It may start processes (process pools, process regions), as the main
+    # process may: its parent still ends it as a daemon, and those processes end with it.
+    mp.current_process().daemon = False
+    builder, executors = made_again(builder)
+    try:
+        return _ChildPipeline(builder.build(**options), executors)
+    except BaseException:
+        for executor in executors:
+            executor.shutdown(wait=False, cancel_futures=True)
+        raise
 
 
 def run_pipeline_in_subprocess(
@@ -715,6 +761,18 @@ def run_pipeline_in_subprocess(
     one epoch each time the result is iterated. The
     other arguments are those of :func:`iterate_in_subprocess`. The result is iterable, so it
     can be the source of another pipeline (for example one that moves batches to the GPU).
+
+    A stage's own ``executor=`` does not cross to the child (it holds threads, locks,
+    worker processes): a ``ThreadPoolExecutor`` or ``ProcessPoolExecutor`` is made again
+    there, of the same kind with the same ``max_workers``, initializer and start method; the
+    child owns it and shuts it down when it leaves, and the one given here runs nothing.
+    The child may start processes (process pools, ``pipe_in_processes`` regions); they end
+    with it.
+
+    Raises:
+        ConfigurationError: On invalid arguments; or a stage's executor of another kind that
+            does not pickle (or an initializer that does not), naming the stage.
+
     """
     options: dict[str, Any] = {
         "num_threads": num_threads,
@@ -726,7 +784,7 @@ def run_pipeline_in_subprocess(
     }
     builder.build(**options)  # validate here, where the error is easy to read
     return iterate_in_subprocess(
-        functools.partial(_build, builder, options),
+        functools.partial(_build, with_recipes(builder), options),
         buffer_size=buffer_size,
         timeout=timeout,
         mp_context=mp_context,
