@@ -243,12 +243,19 @@ def test_a_cache_for_part_of_the_share_reads_the_rest_each_epoch() -> None:
 
 
 def test_a_failed_read_raises_its_own_exception_or_is_left_out_within_the_budget() -> None:
-    strict = run_ranks(2, _ranks.failing_reads, count=24, batch_size=3, max_failures=0)
+    strict = run_ranks(
+        2, _ranks.failing_reads, parent_store=True, count=24, batch_size=3, max_failures=0
+    )
     # The rank that read sample 7 raises its KeyError (after the step's exchange, so that
-    # its peer is not left waiting); the peer then finds it gone.
+    # its peer is not left waiting); the peer then finds it gone, and says why it went.
     errors = sorted(r["error"] for r in strict)
     assert errors in (["KeyError", "KeyError"], ["ExchangeTimeout", "KeyError"]), strict
     assert any("sample 7" in r["notes"] for r in strict if r["error"] == "KeyError")
+    for r in strict:
+        if r["error"] == "ExchangeTimeout":
+            assert "failed first: rank 0 raised KeyError: 'no sample 7'" in r["message"] or (
+                "failed first: rank 1 raised KeyError: 'no sample 7'" in r["message"]
+            ), r
     lenient = run_ranks(2, _ranks.failing_reads, count=24, batch_size=3, max_failures=1)
     assert all(r["error"] is None for r in lenient)
     trained = sorted(x for r in lenient for b in r["batches"] for x in b)

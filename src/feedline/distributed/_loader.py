@@ -33,6 +33,7 @@ from feedline.pipeline import Pipeline, PipelineBuilder
 from feedline.source import ObjectCache
 
 from ._exchange import Exchange, ExchangeError, Received
+from ._failures import FirstFailure
 from ._placement import holders, mix64, second_copies
 from ._plan import RankPlan, plan_for
 from ._sequence import GlobalSequence
@@ -330,7 +331,10 @@ class DistributedLoader(Generic[T]):
         )
         self._fill_epoch: int | None = None  # the epoch whose reads also fill the replicas
         if self.world_size > 1:
-            self._agree(exchange_group)
+            token = self._agree(exchange_group)
+            self._exchange.first_failure = FirstFailure.of_default_group(
+                f"feedline/distributed/{token}/first-failure"
+            )
         self._stats = LoaderStats()
         self._unreadable: set[int] = set()  # samples whose read failed within the budget
         self._flights: dict[int, Future[Any]] = {}  # samples being read, by index
@@ -341,9 +345,12 @@ class DistributedLoader(Generic[T]):
         self._pool = ThreadPoolExecutor(read_concurrency, thread_name_prefix="feedline-read")
         self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False)
 
-    def _agree(self, group: Any) -> None:
+    def _agree(self, group: Any) -> str:
         # Ranks that plan with different settings would exchange the wrong samples, or wait
-        # for each other: compare them once, here.
+        # for each other: compare them once, here. Returns rank 0's token, this loader's
+        # name on every rank (its key in the store).
+        import uuid
+
         import torch.distributed as dist
 
         mine = {
@@ -357,8 +364,10 @@ class DistributedLoader(Generic[T]):
             "prefetch": self.prefetch,
         }
         everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=group)
+        dist.all_gather_object(everyone, {**mine, "token": uuid.uuid4().hex}, group=group)
+        token = str(everyone[0].pop("token"))
         for other, theirs in enumerate(everyone):
+            theirs.pop("token", None)
             differ = {k: (v, theirs.get(k)) for k, v in mine.items() if theirs.get(k) != v}
             if differ:
                 shown = ", ".join(f"{k} {a!r} here, {b!r} there" for k, (a, b) in differ.items())
@@ -366,6 +375,7 @@ class DistributedLoader(Generic[T]):
                     f"rank {self.rank}'s DistributedLoader differs from rank {other}'s: {shown}. "
                     "Every rank must build it over the same dataset with the same settings"
                 )
+        return token
 
     # -- the sequence --------------------------------------------------------------------------
 
@@ -440,11 +450,26 @@ class DistributedLoader(Generic[T]):
                 yield batch
         except GeneratorExit:
             raise  # a break, or the loop's own exception dropping the iterator: drain
-        except BaseException:
+        except BaseException as error:
             leaving_early = False  # the loader's error (the others fail too): no drain
+            self._record_failure(error)
             raise
         finally:
             exchanger.stop(drain=leaving_early)
+
+    def _record_failure(self, error: BaseException) -> None:
+        # This rank's own failure (a read, a damaged sample, Ctrl-C), before its connections
+        # close: the peers that find it gone name it. A failure of the exchange is recorded
+        # already (the first record stays).
+        if self.world_size > 1:
+            lines = str(error).strip().splitlines()
+            text = lines[0] if lines else ""
+            self._exchange.first_failure.record(
+                self.rank,
+                f"rank {self.rank} raised {type(error).__name__}"
+                + (f": {text}" if text else "")
+                + f" (epoch {self._epoch}, step {self._step})",
+            )
 
     def _gather(self, item: _Step) -> _Step:
         # The bytes of what this rank keeps and sends (its cache, else storage) and of what it
