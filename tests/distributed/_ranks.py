@@ -416,3 +416,21 @@ def failure_after_a_failure(
     if rank == 0:
         Path(marks, "rank0").touch()  # its loader's group is gone: rank 1 may go on
     return found
+
+
+def break_then_iterate_again(
+    rank: int, world: int, count: int, epoch: int, stop_after: int, again: bool, **options: Any
+) -> dict[str, Any]:
+    """Break out of ``epoch`` after ``stop_after`` steps, then iterate again, with
+    ``set_epoch(epoch)`` first if ``again``: both iterations' batches."""
+    loader = _loader(Samples(count), **options)
+    with loader:
+        loader.set_epoch(epoch)
+        first = []
+        for step, batch in enumerate(loader):
+            first.append(batch)
+            if step + 1 == stop_after:
+                break
+        if again:
+            loader.set_epoch(epoch)
+        return {"batches": [first, list(loader)]}

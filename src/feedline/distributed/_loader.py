@@ -342,6 +342,7 @@ class DistributedLoader(Generic[T]):
         self._epoch = 0
         self._step = 0  # steps of self._epoch handed out
         self._skip = 0  # samples of the epoch's order consumed before an elastic restart
+        self._resuming = False  # a state was loaded: the next iteration continues it
         self._pool = ThreadPoolExecutor(read_concurrency, thread_name_prefix="feedline-read")
         self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False)
 
@@ -382,12 +383,15 @@ class DistributedLoader(Generic[T]):
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch``'s order from the next iteration on (``DistributedSampler.set_epoch``).
 
-        Another epoch, or the current one once it is finished, starts from its first step;
-        the current one part-way (after :meth:`load_state_dict`) goes on where it was.
-        Without it, each iteration after a finished epoch takes the next epoch.
+        The next iteration starts ``epoch`` from its first step, as a ``DataLoader`` over
+        ``DistributedSampler`` does, also after a ``break`` in it; only a state loaded with
+        :meth:`load_state_dict` in ``epoch`` goes on where it was. Without it, an iteration
+        after a finished epoch takes the next epoch, and one after a ``break`` starts the
+        same epoch again.
         """
         if epoch != self._epoch or self._step >= self._epoch_sequence().steps:
             self._epoch, self._step, self._skip = epoch, 0, 0
+            self._resuming = False
 
     def _epoch_sequence(self) -> GlobalSequence:
         if not self._skip:
@@ -409,10 +413,11 @@ class DistributedLoader(Generic[T]):
     # -- iterating -----------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[T]:
+        self._epoch, self._step, self._skip = _iteration_start(
+            self._epoch, self._step, self._skip, self._epoch_sequence().steps, self._resuming
+        )
+        self._resuming = False
         sequence = self._epoch_sequence()
-        if self._step >= sequence.steps:  # the last epoch was finished: the next one
-            self._epoch, self._step, self._skip = self._epoch + 1, 0, 0
-            sequence = self._sequence
         epoch, first = self._epoch, self._step
         grid = sequence.grid(epoch)
         if self._fill_epoch is None:
@@ -666,6 +671,7 @@ class DistributedLoader(Generic[T]):
             self._skip, self._step = int(state.get("skip", 0)), int(state["step"])
         else:
             self._skip, self._step = int(state["consumed"]), 0
+        self._resuming = True
 
     # -- the rest ------------------------------------------------------------------------------
 
@@ -691,6 +697,21 @@ class DistributedLoader(Generic[T]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _iteration_start(
+    epoch: int, step: int, skip: int, steps: int, resuming: bool
+) -> tuple[int, int, int]:
+    # Where a new iteration starts, as (epoch, step, skip), from where the last one left
+    # (``step`` of an epoch of ``steps``). A finished epoch: the next one. A state just
+    # loaded: where it was. Else, a break or an exception in the loop: the epoch again
+    # from its start, as a DataLoader over DistributedSampler starts it (``state_dict()``
+    # still says where the break was, for a checkpoint).
+    if step >= steps:
+        return epoch + 1, 0, 0
+    if resuming:
+        return epoch, step, skip
+    return epoch, 0, 0
 
 
 def _tag(epoch: int, step: int) -> int:
