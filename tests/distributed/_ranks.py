@@ -229,14 +229,24 @@ def epochs_from_s3(
 def epochs_in_memory(
     rank: int, world: int, count: int, epochs: int, **options: Any
 ) -> dict[str, Any]:
-    """Every epoch's batches of this rank, for samples in memory."""
+    """Every epoch's batches of this rank, for samples in memory, and its storage reads (in
+    all, and per epoch) and second copies kept."""
     loader = _loader(Samples(count), **options)
     with loader:
-        batches = []
+        batches, reads = [], []
         for epoch in range(epochs):
             loader.set_epoch(epoch)
+            before = loader.stats().storage_reads
             batches.append([batch for batch in loader])
-        return {"batches": batches, "steps": len(loader), "reads": loader.stats().storage_reads}
+            reads.append(loader.stats().storage_reads - before)
+        stats = loader.stats()
+        return {
+            "batches": batches,
+            "steps": len(loader),
+            "reads": stats.storage_reads,
+            "epoch_reads": reads,
+            "copies": stats.copies_kept,
+        }
 
 
 def break_and_save(
@@ -245,14 +255,20 @@ def break_and_save(
     """Train ``stop_after`` steps of ``epoch``, break, and save this rank's state."""
     loader = _loader(Samples(count), **options)
     with loader:
-        loader.set_epoch(epoch)
-        seen = []
-        for step, batch in enumerate(loader):
-            seen.append(batch)
-            if step + 1 == stop_after:
-                break
+        seen = _break_after(loader, epoch, stop_after)
         Path(state_dir, f"rank{rank}.json").write_text(json.dumps(loader.state_dict()))
     return {"batches": seen}
+
+
+def _break_after(loader: Any, epoch: int, steps: int) -> list[Any]:
+    # The first ``steps`` batches of ``epoch``, then a break.
+    loader.set_epoch(epoch)
+    seen = []
+    for step, batch in enumerate(loader):
+        seen.append(batch)
+        if step + 1 == steps:
+            break
+    return seen
 
 
 def resume_and_finish(
@@ -425,12 +441,7 @@ def break_then_iterate_again(
     ``set_epoch(epoch)`` first if ``again``: both iterations' batches."""
     loader = _loader(Samples(count), **options)
     with loader:
-        loader.set_epoch(epoch)
-        first = []
-        for step, batch in enumerate(loader):
-            first.append(batch)
-            if step + 1 == stop_after:
-                break
+        first = _break_after(loader, epoch, stop_after)
         if again:
             loader.set_epoch(epoch)
         return {"batches": [first, list(loader)]}

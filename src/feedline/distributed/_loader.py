@@ -35,7 +35,7 @@ from feedline.source import ObjectCache
 from ._exchange import Exchange, ExchangeError, Received
 from ._failures import FirstFailure
 from ._placement import holders, mix64, second_copies
-from ._plan import RankPlan, plan_for
+from ._plan import RankPlan, plan_for, with_fills
 from ._sequence import GlobalSequence
 
 __all__ = ["DistributedLoader", "LoaderStats"]
@@ -422,14 +422,22 @@ class DistributedLoader(Generic[T]):
         grid = sequence.grid(epoch)
         if self._fill_epoch is None:
             self._fill_epoch = epoch
-        copies = self._second is not None and epoch == self._fill_epoch
+        filling = epoch == self._fill_epoch
+        copies = self._second is not None and filling
+        fills = _to_fill(sequence, epoch) if filling else None
+        spread_over = sequence.steps - first  # the fills, over this iteration's steps
 
         def steps() -> Iterator[_Step]:
             for k in range(first, sequence.steps):
                 rows = sequence.step(epoch, k, grid)
                 plan = plan_for(rows, self._holder, self.rank, self._second, copies=copies)
                 beta = plan.exchanged / rows.size if rows.size else 0.0
-                yield _Step(epoch, k, plan, beta, rows.ravel())
+                members = rows.ravel()
+                if fills is not None and fills.size:
+                    extra = fills[k - first :: spread_over]
+                    plan = with_fills(plan, extra, self._holder, self.rank, self._second)
+                    members = np.concatenate([members, extra])
+                yield _Step(epoch, k, plan, beta, members)
 
         reads: Pipeline[_Step] = (
             PipelineBuilder[_Step]()
@@ -482,6 +490,7 @@ class DistributedLoader(Generic[T]):
         # that no peer waits); the error, if over the budget, is raised after the exchange.
         plan = item.plan
         wanted = [plan.keep, plan.read, *(s for _, s in plan.sends), *(s for _, s in plan.copies)]
+        wanted.append(plan.fills)  # into the cache only (_get keeps what it holds)
         flat = np.concatenate(wanted).tolist()
         held = [True] * len(flat)
         held[len(plan.keep) : len(plan.keep) + len(plan.read)] = [False] * len(plan.read)
@@ -712,6 +721,15 @@ def _iteration_start(
     if resuming:
         return epoch, step, skip
     return epoch, 0, 0
+
+
+def _to_fill(sequence: GlobalSequence, epoch: int) -> np.ndarray:
+    # The samples the first epoch leaves out (drop_last), read into their holders' caches in
+    # it too: shuffled, the later epochs train on most of them, and would read them then.
+    # In order, the same ones are left out of every epoch: none.
+    if not sequence.shuffle:
+        return np.empty(0, dtype=np.int64)
+    return sequence.left_out(epoch)
 
 
 def _tag(epoch: int, step: int) -> int:
