@@ -21,6 +21,7 @@ from feedline import DataLoader  # noqa: E402
 from feedline.loader._seeds import RngWatch  # noqa: E402
 
 from ._datasets import Augmenting  # noqa: E402
+from ._procs import no_children_left  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -245,3 +246,27 @@ def test_draws_the_program_made_after_the_loop_are_not_undone() -> None:
         outcomes.append((first, torch.rand(3, generator=generator).tolist()))
     assert outcomes[1] == outcomes[0]
     assert outcomes[1][0] != outcomes[1][1]
+
+
+def test_global_draws_on_threads_in_workers_warn_in_the_parent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(RngWatch, "warned", False)
+    loader = DataLoader(Augmenting(48), batch_size=4, num_workers=2, fetch_concurrency=4)
+    with pytest.warns(RuntimeWarning, match="on several threads in each worker process"):
+        assert len(list(loader)) == 12
+    no_children_left()
+
+
+@pytest.mark.parametrize("kw", [{"fetch_concurrency": 1}, {"fetch_concurrency": 4}])
+def test_no_warning_from_workers_when_the_draws_are_reproducible(
+    monkeypatch: pytest.MonkeyPatch, kw: dict[str, Any]
+) -> None:
+    # One call at a time in each worker draws as PyTorch's workers do; seeded draws are the
+    # same at any concurrency.
+    monkeypatch.setattr(RngWatch, "warned", False)
+    seeded = kw["fetch_concurrency"] > 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        list(DataLoader(Augmenting(48, seeded=seeded), batch_size=4, num_workers=2, **kw))
+    no_children_left()

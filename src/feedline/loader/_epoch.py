@@ -15,6 +15,7 @@ import itertools
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,7 @@ from ._fetch import BatchFetcher, Collated, FailureTally, Task
 from ._ledgers import LoaderLedger, stream_batch_taken
 from ._pool import thread_times
 from ._rewind import GeneratorRewind, sampler_generators
-from ._seeds import RngWatch
+from ._seeds import RngWatch, next_only
 from ._state import Position, decode_rng, derived_seed, is_stateful
 from ._workers import StreamMark
 
@@ -123,6 +124,8 @@ class _Finisher:
             self.tally.account(collated.failed, collated.size)
         except Exception as error:
             return self._failed(error, number, dataset_state)
+        if collated.drew:
+            RngWatch.warn(stacklevel=5, where="on several threads in each worker process")
         if collated.message:  # collate_fn raised in the worker
             raised = collated.error or RuntimeError(collated.message.strip().splitlines()[-1])
             add_note(raised, "Original traceback:\n" + collated.message)
@@ -166,6 +169,9 @@ class EpochIterator(Generic[T]):
         self._loader: DataLoader[T] | None = loader
         self._length = tl.__len__  # not the loader: a closed iterator holds none
         self._timeout = tl.timeout or None
+        # len(loader) of an iterable dataset, if asked: more batches than that are warned
+        # of, as PyTorch's iterator does.
+        self._len_called = tl._IterableDataset_len_called if loader._iterable else None
         self._closed = False
         self._superseded = False
         self._lock = threading.Lock()
@@ -352,7 +358,7 @@ class EpochIterator(Generic[T]):
         def batches() -> Iterator[tuple[int, list[Any] | _Abort, Any]]:
             n = skip - replay
             try:
-                items = iter(dataset)
+                items = next_only(dataset)
                 for n in itertools.count(skip - replay):
                     chunk = list(itertools.islice(items, size))
                     if not chunk or (drop_last and len(chunk) < size):
@@ -440,7 +446,26 @@ class EpochIterator(Generic[T]):
             self._count(number, dataset_state, "skipped" if batch is _SKIP else "delivered")
             if batch is _SKIP:
                 continue
+            if self._len_called is not None and self.position.yielded > self._len_called:
+                self._warn_length()
             return batch  # type: ignore[no-any-return]
+
+    def _warn_length(self) -> None:
+        loader = self._loader
+        dataset = loader.dataset if loader is not None else "the dataset"
+        workers = loader._torch_loader.num_workers if loader is not None else 0
+        warnings.warn(
+            f"Length of IterableDataset {dataset} was reported to be {self._len_called} (when "
+            f"accessing len(dataloader)), but {self.position.yielded} batches have been "
+            "fetched"
+            + (
+                ": with worker processes, each worker must take its own share of the stream "
+                "(by torch.utils.data.get_worker_info())"
+                if workers
+                else ""
+            ),
+            stacklevel=3,
+        )
 
     def _took(self, asked: float, asked_cpu: float) -> None:
         # Tell the fetcher whether the consumer waited for this batch, and how much of its

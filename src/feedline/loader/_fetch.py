@@ -77,6 +77,8 @@ class Collated(NamedTuple):
         error: ``collate_fn``'s exception, if it raised (``None`` when it cannot be pickled:
             see ``message``).
         message: That exception as text, with the worker's traceback.
+        drew: The dataset drew from the global random generators while the worker fetched
+            several items at once (their draws then differ from run to run).
 
     """
 
@@ -85,6 +87,7 @@ class Collated(NamedTuple):
     size: int
     error: BaseException | None = None
     message: str = ""
+    drew: bool = False
 
 
 def batch_getter(dataset: Any) -> Callable[[list[Any]], Any] | None:

@@ -218,24 +218,52 @@ class RngWatch:
         """Remember the generators' states."""
         self._before = self._states()
 
-    def check(self, stacklevel: int = 2) -> None:
-        """Warn (once per process) if any generator drew since :meth:`start`."""
-        before, self._before = self._before, None
-        if before is None or RngWatch.warned:
-            return
-        after = self._states()
+    def drew(self) -> bool:
+        """Whether any generator drew since :meth:`start` (which it calls again)."""
+        before, self._before = self._before, self._states()
+        if before is None:
+            return False
+        after = self._before
         drew = before[0] != after[0] or before[1] != after[1]
         if before[2] is not None and after[2] is not None:
             drew = drew or not bool((before[2] == after[2]).all())
+        return bool(drew)
+
+    def check(self, stacklevel: int = 2) -> None:
+        """Warn (once per process) if any generator drew since :meth:`start`."""
+        if self._before is None or RngWatch.warned:
+            self._before = None
+            return
+        drew = self.drew()
+        self._before = None
         if drew:
+            RngWatch.warn(stacklevel + 1)
+
+    @staticmethod
+    def warn(stacklevel: int = 2, where: str = "on several threads") -> None:
+        """Warn (once per process) that the dataset draws from the global generators."""
+        if not RngWatch.warned:
             RngWatch.warned = True
             warnings.warn(
                 "the dataset draws from the global random generators (torch, random or NumPy; "
                 "torchvision's random transforms do) while feedline.DataLoader fetches items "
-                "on several threads, so the draws, and the augmentation, differ from run to "
+                f"{where}, so the draws, and the augmentation, differ from run to "
                 "run. For PyTorch's exact draws use fetch_concurrency=1; for a reproducible "
                 "seed per item, draw inside `with feedline.loader.seeded():` or from "
                 "feedline.loader.get_item_info().torch_generator()",
                 RuntimeWarning,
                 stacklevel=stacklevel,
             )
+
+
+_END = object()
+
+
+def next_only(iterable: Any) -> Iterator[Any]:
+    """``iter(iterable)``, then only ``next()`` on it: never ``iter()`` again.
+
+    ``itertools.islice`` and ``for`` call ``iter()`` on what they are given; a dataset whose
+    ``__iter__`` returns itself and starts its pass over would start over at every batch
+    (its first items for ever). PyTorch calls ``iter()`` once per pass, then ``next()``.
+    """
+    return iter(iter(iterable).__next__, _END)

@@ -39,7 +39,8 @@ from feedline.pipeline._subprocess import _CLOSE_GRACE, _DEFAULT_SHM_MIN, _POLL,
 from ._collate import shm_collate_for
 from ._concurrency import FetchConcurrency
 from ._deal import Dealer, TaskStream, read_start
-from ._fetch import BatchFetcher, Task, collate_in_worker, failed_in_worker
+from ._fetch import BatchFetcher, Collated, Task, collate_in_worker, failed_in_worker
+from ._seeds import RngWatch, next_only
 from ._state import is_stateful
 
 __all__ = ["StreamMark", "WorkerSet"]
@@ -167,7 +168,7 @@ class _WorkerIterable:
         finish = collate_in_worker(shm_collate_for(self._collate_fn), self._auto, origin)
         number = first - replay
         try:
-            items = iter(self._dataset)
+            items = next_only(self._dataset)
             while True:
                 chunk = list(itertools.islice(items, size))
                 if not chunk or (drop_last and len(chunk) < size):
@@ -182,7 +183,10 @@ class _WorkerIterable:
             yield max(number, first), failed_in_worker(error, f"the dataset in {origin}"), None
 
     def _pipeline(self, fetcher: BatchFetcher, tasks: TaskStream) -> Iterator[Any]:
-        # The batches after the first: fetched by a pipeline, several in flight.
+        # The batches after the first: fetched by a pipeline, several in flight. Nothing
+        # else in this process draws from the global generators meanwhile: a draw is the
+        # dataset's (or collate_fn's), made on several threads at once, which the parent
+        # warns of (the first batches are watched: the generators' states cost a few µs).
         pipeline = (
             PipelineBuilder[Task]()
             .add_source(tasks)
@@ -190,8 +194,16 @@ class _WorkerIterable:
             .add_sink(self._in_flight)
             .build(num_threads=2)
         )
+        watch = RngWatch()
+        watch.start()
+        watched = _WATCHED_BATCHES
         with pipeline.auto_stop():
-            yield from pipeline
+            for number, collated, state in pipeline:
+                if watched and isinstance(collated, Collated):
+                    watched -= 1
+                    if watch.drew():
+                        collated, watched = collated._replace(drew=True), 0
+                yield number, collated, state
 
     def _seed(self, base_seed: int) -> None:
         _seed_like_pytorch(base_seed, self._worker_id, self._num_workers, self._dataset)
@@ -311,6 +323,9 @@ def _not_picklable(
         "local functions), or use num_workers=0, whose threads need no pickling"
     )
 
+
+_WATCHED_BATCHES = 16
+"""Batches of a worker's pipeline after which it stops checking for global random draws."""
 
 _SETTLE_SECONDS = 1.0
 """How long persistent workers left mid-epoch get to finish their batch before they are ended

@@ -1,0 +1,101 @@
+"""Iterable datasets as PyTorch iterates them: one iter() per pass, and the length warning."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
+from torch.utils.data import IterableDataset  # noqa: E402
+
+from feedline import DataLoader  # noqa: E402
+from feedline.loader import _epoch, _workers  # noqa: E402
+
+from ._procs import no_children_left  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class _OwnIterator(IterableDataset[int]):
+    """Its own iterator: ``__iter__`` starts the pass over and returns ``self``."""
+
+    def __init__(self, n: int, length: int | None = None) -> None:
+        self.n, self.i, self.length = n, 0, length
+
+    def __iter__(self) -> _OwnIterator:
+        self.i = 0
+        return self
+
+    def __next__(self) -> int:
+        if self.i >= self.n:
+            raise StopIteration
+        self.i += 1
+        return self.i - 1
+
+    def __len__(self) -> int:
+        if self.length is None:
+            raise TypeError("no length")
+        return self.length
+
+
+def _batches(loader: Any, most: int = 50) -> list[list[int]]:
+    out = []
+    for batch in loader:
+        out.append(batch.tolist())
+        if len(out) == most:
+            break
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataset_that_is_its_own_iterator_gives_one_pass(workers: int) -> None:
+    expected = _batches(TorchLoader(_OwnIterator(10), batch_size=4, num_workers=workers))
+    assert len(expected) == 3 * max(1, workers)  # each worker iterates its whole copy
+    got = _batches(DataLoader(_OwnIterator(10), batch_size=4, num_workers=workers))
+    assert got == expected
+    no_children_left()
+
+
+def test_the_defect_put_back_is_caught_by_the_length_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    # iter() called again for each batch (islice does) starts the pass over: the first
+    # items for ever. A dataset with a length says so at once.
+    def again(dataset: Any) -> Any:
+        return iter(dataset)
+
+    monkeypatch.setattr(_epoch, "next_only", again)
+    monkeypatch.setattr(_workers, "next_only", again)
+    loader = DataLoader(_OwnIterator(10, length=3), batch_size=4)
+    assert len(loader) == 1  # PyTorch keeps the dataset's length, 3, to compare with
+    with pytest.warns(UserWarning, match=r"reported to be 3 .*but 4 batches have been fetched"):
+        got = _batches(loader, most=5)
+    assert got == [[0, 1, 2, 3]] * 5
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_more_batches_than_the_length_warn_as_in_pytorch(workers: int) -> None:
+    def run(cls: Any) -> list[str]:
+        loader = cls(_OwnIterator(12, length=2), batch_size=2, num_workers=workers)
+        assert len(loader) == 1
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            batches = list(loader)
+        assert len(batches) == 6 * max(1, workers)
+        return [str(w.message) for w in record if "Length of IterableDataset" in str(w.message)]
+
+    theirs, ours = run(TorchLoader), run(DataLoader)
+    assert len(ours) == len(theirs) > 0
+    assert "reported to be 2 " in ours[0]
+    assert "but 3 batches have been fetched" in ours[0]
+    if workers:
+        assert "each worker must take its own share" in ours[0]
+    no_children_left()
+
+
+def test_no_length_warning_unless_the_length_was_asked() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(list(DataLoader(_OwnIterator(12, length=6), batch_size=2))) == 6
