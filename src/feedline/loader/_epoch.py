@@ -262,6 +262,7 @@ class EpochIterator(Generic[T]):
                 )
             builder.add_sink(loader.in_flight)
             self._pipeline = builder.build(max_failures=0)
+            self._watch_pipeline(self._pipeline, loader, epoch is not None)
         self._finalizer = weakref.finalize(
             self,
             EpochIterator._shutdown,
@@ -373,6 +374,16 @@ class EpochIterator(Generic[T]):
         # Fixed: the dataset is read a few batches ahead of collation (4, or what prefetching
         # asks if more), not the 64 batches a default queue after a cheap source grows to.
         builder.add_source(batches(), buffer_size=max(4, in_flight))
+
+    @staticmethod
+    def _watch_pipeline(pipeline: Pipeline[Any], loader: DataLoader[T], workers: bool) -> None:
+        # The epoch's pipeline reports its stalls as the DataLoader's, with the workers'
+        # states where they fetch.
+        watch = pipeline.watch
+        watch.name, watch.after = "feedline.DataLoader", loader._stall_after
+        if workers:
+            own, theirs = watch.describe, loader._worker_set().watch.describe
+            watch.describe = lambda: [*(own() if own else []), *(theirs() if theirs else [])]
 
     def __iter__(self) -> EpochIterator[T]:
         return self

@@ -27,6 +27,7 @@ from typing import Any, Generic, TypeVar
 
 from feedline._extras import require_torch
 from feedline._ledger import ledger_check
+from feedline._watchdog import STALL_AFTER, check_after
 from feedline.errors import ConfigurationError
 from feedline.pipeline import Auto, PipelineStats
 
@@ -103,6 +104,13 @@ class DataLoader(Generic[T]):
             failure raises, naming the index, and the loop may go on to the next batch.
         snapshot_every_n_steps: torchdata ``StatefulDataLoader``'s argument, accepted so
             that it can be swapped in; :meth:`state_dict` is exact after every batch anyway.
+        report_stall_after: Seconds the loop may wait for a batch with nothing moving before
+            the stall is logged, once, as a WARNING on the ``feedline.watchdog`` logger: the
+            batches and ``dataset[i]`` calls in flight and where each busy thread stands
+            (its innermost frames, with the index), each worker process's state (a stopped
+            one is named; a running one writes its threads' stacks to its stderr), reads
+            waiting on a store. The loop goes on waiting (``timeout=`` raises instead).
+            ``None``: never report.
 
     Example::
 
@@ -136,6 +144,7 @@ class DataLoader(Generic[T]):
         fetch_concurrency: int | str | Auto | None = "auto",
         max_failures: int | float | None = 0,
         snapshot_every_n_steps: int | None = 1,
+        report_stall_after: float | None = STALL_AFTER,
     ) -> None:
         torch = _torch()
         if pin_memory_device:
@@ -177,6 +186,7 @@ class DataLoader(Generic[T]):
                 "max_failures must be an int >= 0 (a count), a float in [0, 1) (a fraction of "
                 f"items) or None (no limit), got {max_failures!r}"
             )
+        self._stall_after = check_after(report_stall_after)
         _check_count("prefetch_factor", prefetch_factor)
         _check_count("snapshot_every_n_steps", snapshot_every_n_steps)
         self.prefetch_factor = prefetch_factor or 2
@@ -322,6 +332,7 @@ class DataLoader(Generic[T]):
                 collate_fn=loader.collate_fn,
                 auto_collation=bool(loader._auto_collation),
                 stream=_stream_batches(self) if self._iterable else None,
+                report_stall_after=self._stall_after,
             )
             self._finalizer.detach()
             holder: list[WorkerSet | None] = [self._workers]

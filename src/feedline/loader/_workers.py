@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from feedline._watchdog import STALL_AFTER, StallWatch, describe_child
 from feedline.errors import ConfigurationError
 from feedline.pipeline import PipelineBuilder, SubprocessIterable
 from feedline.pipeline._forking import fork_hazards
@@ -378,6 +379,8 @@ class WorkerSet:
             PyTorch, so one batch rather than its items crosses to the parent.
         stream: For an iterable dataset, ``(batch size, drop_last)``: each worker batches
             its own iterator (:meth:`stream_epoch`).
+        report_stall_after: Seconds the consumer may wait on the workers with nothing coming
+            before the stall is reported (see :mod:`feedline._watchdog`).
 
     """
 
@@ -396,6 +399,7 @@ class WorkerSet:
         collate_fn: Callable[[Any], Any] | None = None,
         auto_collation: bool = True,
         stream: tuple[int, bool] | None = None,
+        report_stall_after: float | None = STALL_AFTER,
     ) -> None:
         # Imported here, before any worker forks, so that each worker does not import it anew
         # while seeding itself (15 ms per worker before its first item, measured on 2 cores).
@@ -442,6 +446,18 @@ class WorkerSet:
             )
             for wid, q in enumerate(self._shares)
         ]
+        # One watch for the consumer's waits on any worker: the report names them all.
+        children = self._workers
+        self.watch = StallWatch(
+            "feedline.DataLoader",
+            report_stall_after,
+            describe=lambda: [
+                describe_child(f"DataLoader worker {w}", child.pid)
+                for w, child in enumerate(children)
+            ],
+        )
+        for child in children:
+            child.watch = self.watch
 
     def start(self, base_seed: int | None = None, count: int | None = None) -> None:
         """Start the workers that do not run (the first ``count`` of them), without waiting.
@@ -665,6 +681,7 @@ class WorkerSet:
         for w, worker in enumerate(self._workers):
             if dealer.holds(w):
                 worker.wait_ready(stopping)
+        waited = None
         while True:
             dealer.top_up(send)
             busy = [w for w in range(len(self._workers)) if dealer.holds(w)]
@@ -674,6 +691,7 @@ class WorkerSet:
             ready = wait_for(list(handles), timeout=_POLL)
             if stopping is not None and stopping():
                 raise _Abandoned
+            waited = self._waited(waited, ready)
             for w in {handles[h] for h in ready}:
                 number, items, snapshot = next(iterators[w])  # raises if the worker died
                 dealer.handed_out(w)
@@ -688,6 +706,7 @@ class WorkerSet:
         # An iterable dataset's batches: worker after worker (in_order=False: as they come),
         # each left out once its iterator ends, as PyTorch takes them.
         ended = [False] * len(iterators)
+        waited = None
         number, turn = turns.start, turns.turn
         expected = list(turns.taken)  # each worker's next batch number
         while not all(ended):
@@ -703,6 +722,7 @@ class WorkerSet:
                 ready = sorted({handles[h] for h in wait_for(list(handles), timeout=_POLL)})
                 if stopping is not None and stopping():
                     raise _Abandoned
+                waited = self._waited(waited, ready)
             for w in ready:
                 turn = (w + 1) % len(iterators)
                 if ended[w]:
@@ -721,6 +741,15 @@ class WorkerSet:
                 state = None if snapshot is None else snapshot[1]
                 yield number, items, StreamMark(w, batch, state)
                 number += 1
+
+    def _waited(self, since: float | None, ready: list[Any]) -> float | None:
+        # Waiting on all the workers at once: when that wait began (None: something came),
+        # the stall watch ticked.
+        if ready:
+            return None
+        since = time.monotonic() if since is None else since
+        self.watch.tick(since)
+        return since
 
     def close(self) -> None:
         """Stop every worker process, all at once (about a second at most). Idempotent."""

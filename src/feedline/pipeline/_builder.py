@@ -10,6 +10,7 @@ from collections.abc import AsyncIterable, Callable, Iterable, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
+from feedline._watchdog import STALL_AFTER, check_after
 from feedline.errors import ConfigurationError
 
 from ._defs import (
@@ -509,6 +510,7 @@ class PipelineBuilder(Generic[T]):
         autotune: bool = False,
         memory_budget: int | None = None,
         cpu_budget: float | None = None,
+        report_stall_after: float | None = STALL_AFTER,
     ) -> Pipeline[T]:
         """Validate the definition and return a :class:`~feedline.Pipeline` (not yet running).
 
@@ -568,6 +570,12 @@ class PipelineBuilder(Generic[T]):
             cpu_budget: Cores the pipeline may keep busy, this process's other threads
                 included (default: the cores it may use): tuned stages are not raised while
                 the process uses that much. Only tuned stages are held to it.
+            report_stall_after: Seconds the consumer may wait for an item with no progress
+                anywhere before the stall is logged, once, as a WARNING on the
+                ``feedline.watchdog`` logger: each stage's calls in flight and queues, the
+                source items the busy threads work on and where each stands, reads waiting on
+                a store. The consumer goes on waiting (``get_item(timeout=...)`` raises).
+                ``None``: never report.
 
         Raises:
             ConfigurationError: If the definition cannot run, saying how to fix it.
@@ -578,11 +586,12 @@ class PipelineBuilder(Generic[T]):
         if not isinstance(autotune, bool):
             raise ConfigurationError(f"autotune must be True or False, got {autotune!r}")
         Tuning.check(memory_budget, cpu_budget)
+        stall = check_after(report_stall_after)
         defined = self._stages  # build() resolves tuned stages on a copy: the builder stays
         try:
             if autotune:
                 self._stages = [_autotuned(s) for s in defined]
-            return self._build(
+            pipeline = self._build(
                 num_threads,
                 max_failures,
                 report_stats_interval,
@@ -594,6 +603,8 @@ class PipelineBuilder(Generic[T]):
             )
         finally:
             self._stages = defined
+        pipeline.watch.after = stall
+        return pipeline
 
     def _build(
         self,

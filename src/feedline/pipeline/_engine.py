@@ -20,6 +20,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from feedline._watchdog import StallWatch
+
 from ._defs import (
     MAX_DEFAULT_SINK,
     QUEUE_GROW_BYTES,
@@ -481,6 +483,10 @@ class Run:
                 current.since(previous),
             )
             previous = current
+
+    def watch(self, watch: StallWatch) -> None:
+        """Have the consumer's waits tick ``watch`` (see :mod:`feedline._watchdog`)."""
+        self._sink.watch = watch
 
     def get(self, timeout: float | None) -> Any:
         """Next item for the consumer.

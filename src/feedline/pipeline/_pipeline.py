@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
+from feedline._watchdog import StallWatch
 from feedline.errors import ConfigurationError
 
 from ._defs import AggregateConfig, DisaggregateConfig, OpKind, PipeConfig, PipelineConfig
@@ -124,6 +125,14 @@ class Pipeline(Generic[T]):
         self._delivered: Checkpoint | None = None
         self._held: dict[int, collections.deque[Any]] = {}  # per epoch
         self._passes: _Passes | None = None  # the current run's source (reads held back)
+        # Reports a consumer that waits with nothing moving (see feedline._watchdog); a
+        # DataLoader names it and adds what it knows. No reference to this pipeline.
+        holder = self._holder
+        self.watch = StallWatch(
+            "a feedline pipeline's consumer",
+            describe=lambda: _in_flight(holder.run),
+            progress=lambda: _moved(holder.run),
+        )
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -137,6 +146,7 @@ class Pipeline(Generic[T]):
             if holder.run is not None:
                 return
             run = self._new_run()
+            run.watch(self.watch)
             holder.run = run
             self._last = run
         for hook, stage in holder.hooks:
@@ -615,3 +625,22 @@ def _wrap_source(source: Any, run: Run) -> Any:
     if callable(getattr(source, "iter_until", None)):
         return _UntilStopped(source, run)
     return source
+
+
+def _in_flight(run: Run | None) -> list[str]:
+    """For a stall report: each stage's calls in flight, counts and queue."""
+    if run is None:
+        return ["the pipeline is not running"]
+    lines = []
+    for s in run.stats().stages:
+        lines.append(
+            f"stage {s.name!r}: {s.in_flight} call(s) running, {s.items_in} in, "
+            f"{s.items_out} out, {s.failures} failed; the queue after it holds "
+            f"{s.queue.size} of {s.queue.capacity}"
+        )
+    return lines
+
+
+def _moved(run: Run | None) -> int:
+    """Items put in any queue of the run so far: grows while any stage gets work done."""
+    return 0 if run is None else sum(channel.puts for channel in run.channels)

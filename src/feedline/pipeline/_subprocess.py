@@ -33,6 +33,7 @@ from concurrent.futures import Executor
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Generic, TypeVar
 
+from feedline._watchdog import StallWatch, describe_child, dump_stacks_on_signal
 from feedline.errors import (
     ConfigurationError,
     PipelineFailure,
@@ -113,6 +114,7 @@ def _child_main(
     # item) and write to each object's header, copying the parent's pages into this process.
     gc.freeze()
     die_with_parent()
+    dump_stacks_on_signal()  # a stall report in the parent asks for them
     names = SegmentNames(shm_prefix)
     set_segment_names(names)  # shared_empty's segments, too, are this child's
     try:
@@ -320,6 +322,15 @@ class SubprocessIterable(Generic[T]):
         self._iterating = False
         self._requested = False  # the child was asked for its next pass ahead (request_epoch)
         self._settled = False  # the epoch in progress was ended from outside (settle)
+        # Reports a wait with nothing coming (see feedline._watchdog); an owner of several
+        # children (the DataLoader's workers) gives them one watch of its own.
+        child = self._child
+        self.watch = StallWatch(
+            f"the consumer of {name}",
+            describe=lambda: [
+                describe_child(name, None if child.process is None else child.process.pid)
+            ],
+        )
 
     @property
     def pid(self) -> int | None:
@@ -407,6 +418,7 @@ class SubprocessIterable(Generic[T]):
             except (queue.Empty, EOFError, OSError) as error:
                 if stopping is not None and stopping():
                     raise _Abandoned from None
+                self.watch.tick(start)
                 process = self._child.process
                 if process is not None and not isinstance(error, queue.Empty):
                     process.join(1.0)  # the pipe broke: the child is gone or going

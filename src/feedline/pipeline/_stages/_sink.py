@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from feedline._watchdog import TICK, StallWatch
+
 from .._queue import EMPTY, Channel
 
 __all__ = ["SinkReader"]
@@ -57,6 +59,7 @@ class SinkReader:
         self._waiting = False
         self._interrupted = False
         self._delay = 0.0  # smoothed wait for an item, measured to its arrival (the put)
+        self.watch: StallWatch | None = None  # ticked while a wait goes on
 
     def _wake(self) -> None:
         if self._waiting:
@@ -105,7 +108,8 @@ class SinkReader:
 
     def _wait(self, timeout: float | None) -> Any:
         channel = self._channel
-        deadline = None if timeout is None else time.monotonic() + timeout
+        wait_began = time.monotonic()
+        deadline = None if timeout is None else wait_began + timeout
         started = time.perf_counter()
         spin_until = started + _SPIN if self._spin and self._delay < _SPIN else 0.0
         while True:
@@ -134,13 +138,18 @@ class SinkReader:
                 self._waiting = False
                 continue
             self._before_sleep()
-            if deadline is None:
+            watch = self.watch
+            if deadline is None and watch is None:
                 woken = self._signal.acquire()
             else:
-                remaining = deadline - time.monotonic()
-                woken = remaining > 0 and self._signal.acquire(timeout=remaining)
+                # With a watch, a wake-up every TICK to tick it (the stall watchdog).
+                remaining = TICK if deadline is None else deadline - time.monotonic()
+                woken = remaining > 0 and self._signal.acquire(timeout=min(remaining, TICK))
             # Woken, timed out, or the lock held a spare release and returned at once: lower
             # the flag in every case, or every later put would release the lock for nothing.
             self._waiting = False
             if not woken and not len(channel) and not channel.closed:
-                raise TimeoutError(f"no item arrived from the pipeline within {timeout} s")
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"no item arrived from the pipeline within {timeout} s")
+                if watch is not None:
+                    watch.tick(wait_began)
