@@ -352,11 +352,8 @@ def where_it_ran(x: int) -> tuple[int, int, int, str]:
 
 
 def live_threads() -> set[threading.Thread]:
-    """The threads alive now, once closed queues' feeder threads have left."""
-    from feedline.pipeline._queues import await_closed_queues
-
-    await_closed_queues(5.0)
-    return {t for t in threading.enumerate() if t.is_alive()}
+    """The threads alive now, but queue feeder threads (a closed queue's leaves on its own)."""
+    return {t for t in threading.enumerate() if t.is_alive() and t.name != "QueueFeederThread"}
 
 
 def assert_nothing_left(threads: set[threading.Thread], segments: set[str]) -> None:
