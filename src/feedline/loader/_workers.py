@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from feedline._fork import obstore_started_in
 from feedline.errors import ConfigurationError
 from feedline.pipeline import PipelineBuilder, SubprocessIterable
 from feedline.pipeline._queues import await_closed_queues, close_queue, write_first
@@ -449,6 +450,8 @@ class WorkerSet:
         # Here, in the thread that asks for the epoch (the training thread, before the
         # epoch's pipeline starts any thread): with no other thread running, a fork is as
         # safe as PyTorch's and starts a worker in milliseconds; otherwise the fork server.
+        # obstore's runtime threads count, though Python does not see them: a process that
+        # read through a RemoteStore (listed its keys, say) forks children that cannot.
         if not self._auto or all(w.pid is not None for w in self._workers):
             return None
         await_closed_queues(_FEEDERS_SECONDS)  # the last epoch's: they leave at once
@@ -456,7 +459,11 @@ class WorkerSet:
 
     @staticmethod
     def _alone() -> bool:
-        return threading.active_count() == 1 and "fork" in mp.get_all_start_methods()
+        return (
+            threading.active_count() == 1
+            and obstore_started_in() is None
+            and "fork" in mp.get_all_start_methods()
+        )
 
     def _start_one(
         self, worker: Any, shares: _Shares, method: str | None, base_seed: int | None

@@ -11,6 +11,7 @@ that name the object and say what to change.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import threading
 import time
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from feedline._fork import PerProcess, note_obstore_request, obstore_started_in
 from feedline.errors import ConfigurationError, RemoteNotFoundError, RemoteReadError
 from feedline.loader.paths import PathList
 
@@ -131,6 +133,13 @@ class RemoteStore:
     with worker processes; what they return must pickle too: decode the bytes there, or
     return ``bytes(view)`` (a ``memoryview`` cannot be pickled).
 
+    Worker processes must not be forked from a process that has read through obstore: its
+    runtime's threads start with the first request, a forked child has none, and obstore
+    cannot run there (a read raises :class:`~feedline.ConfigurationError` at once, where it
+    would hang). Start them with ``"spawn"`` or ``"forkserver"`` (feedline's DataLoader
+    does, PyTorch's needs ``multiprocessing_context="forkserver"``). A store that was only
+    constructed forks fine; a forked copy rebuilds its locks, limits and counters.
+
     Args:
         url: Where the objects are: ``s3://bucket/prefix``, ``gs://...``, ``az://...``,
             ``https://host/prefix``, ``file:///path`` or ``memory:///``. Keys are relative
@@ -182,7 +191,8 @@ class RemoteStore:
 
     Raises:
         ConfigurationError: An argument is out of range, or obstore refused the URL or an
-            option (its message is included).
+            option (its message is included). From a read or a listing: this process was
+            forked from one that had made obstore requests.
         ImportError: obstore is not installed (``pip install 'feedline[remote]'``).
 
     """
@@ -254,11 +264,9 @@ class RemoteStore:
             "part_size": part_size,
             **options,
         }
+        if not isinstance(verify, bool):
+            raise ConfigurationError(f"RemoteStore(verify=...) must be a bool, got {verify!r}")
         self._ob = _obstore()
-        from obstore.store import from_url as _from_url
-
-        from_url: Any = _from_url  # its overloads, one per scheme, cannot see our **options
-
         options = dict(options)
         client: dict[str, Any] = {
             "read_timeout": timedelta(seconds=timeout),
@@ -279,27 +287,43 @@ class RemoteStore:
                 "base": 2,
             },
         }
+        self._open_with = {"client_options": client, "retry_config": retry, **options}
+        self.cache = cache
+        self._part_size = part_size if isinstance(part_size, int) else None
+        self._verifier = Verifier(url, verify)
+        self._max_in_flight = max_in_flight
+        store = self._open()  # a URL or an option obstore refuses raises here, not later
+        self._process = PerProcess()
+        self._start()
+        self._store: Any = store  # building one starts no thread: it serves this process
+
+    def _open(self) -> Any:
+        # A new obstore store (no request: its first request starts obstore's runtime).
+        from obstore.store import from_url as _from_url
+
+        from_url: Any = _from_url  # its overloads, one per scheme, cannot see our **options
         try:
-            self._store = from_url(url, client_options=client, retry_config=retry, **options)
+            return from_url(self.url, **self._open_with)
         except Exception as error:
             raise ConfigurationError(
-                f"obstore could not open {url!r}: {type(error).__name__}: "
+                f"obstore could not open {self.url!r}: {type(error).__name__}: "
                 f"{str(error)[:_MESSAGE_CHARS]}. Check the URL's scheme and the options "
                 "passed on to obstore.store.from_url"
             ) from error
-        if not isinstance(verify, bool):
-            raise ConfigurationError(f"RemoteStore(verify=...) must be a bool, got {verify!r}")
-        self.cache = cache
-        self._sizer = PartSizer() if part_size == "auto" else None
-        self._part_size = part_size if isinstance(part_size, int) else None
-        self._verifier = Verifier(url, verify)
+
+    def _start(self) -> None:
+        # The state of one process: built here, and again in each process that uses a copy
+        # of the store made by fork (see _here), whose locks and semaphores may have been
+        # held by the parent's threads. The obstore store too: it is built on the first
+        # request in a process (its connection pool is the parent's otherwise).
+        self._store = None
+        self._lock = threading.Lock()
+        self._sizer = PartSizer() if self._args["part_size"] == "auto" else None
         self._verified = 0
         self._mismatches = 0
         self._cache_hits = 0
-        self._max_in_flight = max_in_flight
-        self._lock = threading.Lock()
         self._loop_limits: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
-        self._thread_limit = threading.BoundedSemaphore(max_in_flight)
+        self._thread_limit = threading.BoundedSemaphore(self._max_in_flight)
         self._reads = 0
         self._bytes = 0
         self._failures = 0
@@ -309,6 +333,36 @@ class RemoteStore:
         # loop's thread), across threads for read_sync (under _lock).
         self._loop_flights: dict[tuple[asyncio.AbstractEventLoop, str], asyncio.Future[Any]] = {}
         self._thread_flights: dict[str, _Flight] = {}
+
+    def _here(self) -> None:
+        """Make the store ready to read in this process; raises where obstore cannot run.
+
+        One ``getpid`` per call: called once per read or listing, never per request.
+        """
+        pid = os.getpid()
+        started = obstore_started_in()
+        if started is not None and started != pid:
+            raise ConfigurationError(
+                f"{self!r} cannot read in process {pid}: this process was forked (directly "
+                f"or not) from process {started} after obstore's runtime started there, and "
+                "obstore cannot run in a forked copy of it (its requests would wait forever). "
+                "Start worker processes with the 'spawn' or 'forkserver' method "
+                "(multiprocessing_context='forkserver' for PyTorch's DataLoader; feedline's "
+                "DataLoader picks it itself), or use the store only inside the workers: "
+                "constructing one starts nothing, its first request starts the runtime"
+            )
+        self._process.check(self._start, pid)
+
+    def _client(self) -> Any:
+        # The obstore store, right before a request (this process's, built on its first).
+        note_obstore_request()
+        store = self._store
+        if store is None:
+            with self._lock:
+                if self._store is None:
+                    self._store = self._open()
+                store = self._store
+        return store
 
     def __repr__(self) -> str:
         return f"RemoteStore({self.url!r})"
@@ -333,9 +387,12 @@ class RemoteStore:
             RemoteNotFoundError: There is no such object (also a ``FileNotFoundError``).
             RemoteReadError: The read failed after the retries; names the key and the cause.
             ValueError: ``start`` or ``end`` is negative, or ``end`` is not past ``start``.
+            ConfigurationError: This process was forked from one that had made obstore
+                requests: obstore cannot run here (the message says what to do instead).
 
         """
         options = _range_options(start, end)
+        self._here()
         cache = self.cache if options is None else None
         if cache is not None:
             # Memory, and small files, here on the event loop: a hop to a thread and back
@@ -423,7 +480,7 @@ class RemoteStore:
             view = None
             try:
                 sent = time.perf_counter()
-                result = await self._ob.get_async(self._store, key, options=options)
+                result = await self._ob.get_async(self._client(), key, options=options)
                 headers = time.perf_counter()
                 view = memoryview(await result.bytes_async())
                 self._observe(sent, headers, view)
@@ -477,6 +534,7 @@ class RemoteStore:
         Same arguments, result and errors as :meth:`read`.
         """
         options = _range_options(start, end)
+        self._here()
         cache = self.cache if options is None else None
         if cache is not None:
             data = cache.get(key)
@@ -550,7 +608,7 @@ class RemoteStore:
             view = None
             try:
                 sent = time.perf_counter()
-                result = self._ob.get(self._store, key, options=options)
+                result = self._ob.get(self._client(), key, options=options)
                 headers = time.perf_counter()
                 view = memoryview(result.bytes())
                 self._observe(sent, headers, view)
@@ -624,6 +682,8 @@ class RemoteStore:
 
         Raises:
             RemoteReadError: The listing failed (names the store and the prefix).
+            ConfigurationError: This process was forked from one that had made obstore
+                requests (see :meth:`read`).
 
         Example::
 
@@ -633,9 +693,10 @@ class RemoteStore:
         """
         if not isinstance(suffix, str | tuple):
             raise TypeError(f"suffix must be a str or a tuple of str, got {suffix!r}")
+        self._here()
         found: list[str] = []
         try:
-            for page in self._ob.list(self._store, prefix or None, chunk_size=1000):
+            for page in self._ob.list(self._client(), prefix or None, chunk_size=1000):
                 found += (m["path"] for m in page if not suffix or m["path"].endswith(suffix))
         except Exception as error:
             raise self._failed(prefix, error, f"listing keys under {prefix!r}") from error
@@ -643,7 +704,11 @@ class RemoteStore:
         return PathList(found)
 
     def stats(self) -> RemoteStats:
-        """How many reads and bytes so far, how many failed, how many are under way."""
+        """How many reads and bytes so far, how many failed, how many are under way.
+
+        Counted per process: a copy of the store in a forked process counts from zero.
+        """
+        self._process.check(self._start)
         sizer = self._sizer
         with self._lock:
             return RemoteStats(
