@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,9 +20,10 @@ from datetime import timedelta
 from typing import Any
 
 from feedline._fork import PerProcess, note_obstore_request, obstore_started_in
-from feedline.errors import ConfigurationError, RemoteNotFoundError, RemoteReadError
+from feedline.errors import ConfigurationError, RemoteReadError
 from feedline.loader.paths import PathList
 
+from ._failures import MESSAGE_CHARS, bad_range, failure
 from ._parts import PartSizer
 from ._verify import Verifier
 from .cache import ObjectCache
@@ -35,8 +35,6 @@ _INLINE_FILE_BYTES = 256 << 10
 
 _PART_THREADS = 16
 """The most threads one ``read_sync`` uses for its parts at once."""
-
-_MESSAGE_CHARS = 300  # of the first line of the store's message (it may hold an XML body)
 
 
 @dataclass(frozen=True)
@@ -307,7 +305,7 @@ class RemoteStore:
         except Exception as error:
             raise ConfigurationError(
                 f"obstore could not open {self.url!r}: {type(error).__name__}: "
-                f"{str(error)[:_MESSAGE_CHARS]}. Check the URL's scheme and the options "
+                f"{str(error)[:MESSAGE_CHARS]}. Check the URL's scheme and the options "
                 "passed on to obstore.store.from_url"
             ) from error
 
@@ -485,7 +483,7 @@ class RemoteStore:
                 view = memoryview(await result.bytes_async())
                 self._observe(sent, headers, view)
             except Exception as error:
-                if not (first and _bad_range(error)):
+                if not (first and bad_range(error)):
                     raise self._failed(key, error) from error
             finally:  # also when cancelled (a pipeline that stops cancels its reads)
                 self._end(view)
@@ -613,7 +611,7 @@ class RemoteStore:
                 view = memoryview(result.bytes())
                 self._observe(sent, headers, view)
             except Exception as error:
-                if not (first and _bad_range(error)):
+                if not (first and bad_range(error)):
                     raise self._failed(key, error) from error
             finally:
                 self._end(view)
@@ -699,7 +697,7 @@ class RemoteStore:
             for page in self._ob.list(self._client(), prefix or None, chunk_size=1000):
                 found += (m["path"] for m in page if not suffix or m["path"].endswith(suffix))
         except Exception as error:
-            raise self._failed(prefix, error, f"listing keys under {prefix!r}") from error
+            raise self._failed(prefix, error, listing=True) from error
         found.sort()
         return PathList(found)
 
@@ -763,40 +761,10 @@ class RemoteStore:
                 self._reads += 1
                 self._bytes += view.nbytes
 
-    def _failed(self, key: str, error: Exception, doing: str = "") -> RemoteReadError:
-        # doing: what failed, for the message (default: reading the key)
+    def _failed(self, key: str, error: Exception, listing: bool = False) -> RemoteReadError:
         with self._lock:
             self._failures += 1
-        cause = _describe(error)
-        if isinstance(error, FileNotFoundError):
-            return RemoteNotFoundError(
-                self.url,
-                key,
-                f"no object {key!r} under {self.url} ({cause}). Check the key and the URL's "
-                "prefix: keys are relative to it",
-            )
-        ex = self._ob.exceptions
-        if isinstance(error, ex.PermissionDeniedError | ex.UnauthenticatedError):
-            advice = (
-                "The store refused the request (not retried): check the credentials "
-                "(options such as access_key_id, or the environment) and the bucket's policy"
-            )
-        elif (
-            _bad_range(error)
-            or isinstance(error, ex.InvalidPathError | ex.NotSupportedError)
-            or not isinstance(error, ex.BaseError)
-        ):
-            advice = "The request itself is wrong (not retried): check the key and the range"
-        elif self.url.startswith(("file:", "memory:")):
-            advice = "Local reads are not retried: check the file and its permissions"
-        else:
-            advice = (
-                f"Errors that can pass were retried up to {self.retries} time(s) within "
-                f"{self.retry_timeout:g} s; if the store is slow rather than down, raise "
-                "timeout=, retries= or retry_timeout="
-            )
-        doing = doing or f"reading {key!r}"
-        return RemoteReadError(self.url, key, f"{doing} from {self.url} failed ({cause}). {advice}")
+        return failure(self, key, error, self._ob.exceptions, listing)
 
 
 _ENDPOINT_KEYS = (
@@ -806,11 +774,6 @@ _ENDPOINT_KEYS = (
     "aws_endpoint_url",
     "aws_endpoint_url_s3",
 )
-
-
-_STATUS = re.compile(r"status code: (\d{3})([^:]*)(?::\s*(.*))?")
-_RETRIES = re.compile(r"after (\d+) retries")
-_XML_FIELD = re.compile(r"<(Code|Message)>([^<]*)</\1>")
 
 
 class _Parts:
@@ -848,52 +811,6 @@ class _Parts:
                 f"{view.nbytes} bytes (the object changed, or the store ignored the range)",
             )
         self.buffer[start:end] = view
-
-
-def _shorten(text: str, limit: int) -> str:
-    """``text`` cut to about ``limit`` characters at a word boundary, marked when cut."""
-    text = " ".join(text.split())
-    if len(text) <= limit:
-        return text
-    cut = text[:limit].rsplit(" ", 1)[0]
-    return cut.rstrip(",;:") + " ..."
-
-
-def _describe(error: Exception) -> str:
-    """One line on why a request failed: the HTTP status, the retries, the server's words.
-
-    obstore's message is a first line that repeats the request, then a multi-line debug
-    dump; a cloud store's error body is XML. This keeps the status (``HTTP 503 Service
-    Unavailable``), how many retries were spent, and the body's code and message (or the
-    first words of a plain body). The full text stays available as the ``__cause__`` of the
-    error we raise.
-    """
-    text = str(error)
-    head = text.split("\n", 1)[0]
-    found = _STATUS.search(head)
-    if found is None:
-        cause = f"{type(error).__name__}: {_shorten(head, _MESSAGE_CHARS)}"
-    else:
-        code, reason, body = found.group(1), found.group(2).strip(), found.group(3) or ""
-        cause = f"HTTP {code}" + (f" {reason}" if reason else "")
-        if body.lstrip().startswith("<"):  # XML, which may go on past the first line
-            fields = dict(_XML_FIELD.findall(text))
-            body = ": ".join(v for v in (fields.get("Code"), fields.get("Message")) if v)
-        if body.strip():
-            cause += f": {_shorten(body, 160)}"
-    retries = _RETRIES.search(head)
-    if retries is not None and retries.group(1) != "0":
-        count = int(retries.group(1))
-        cause += f", after {count} {'retry' if count == 1 else 'retries'}"
-    if "TimedOut" in text or "kind: Timeout" in text:
-        cause += " [timed out]"
-    return cause
-
-
-def _bad_range(error: Exception) -> bool:
-    """Whether the store refused the byte range (past the end of the object, say)."""
-    head = str(error).split("\n", 1)[0].lower()
-    return "range" in head and any(w in head for w in ("invalid", "416", "not satisfiable"))
 
 
 def _plain_http(url: str, options: dict[str, Any]) -> bool:
