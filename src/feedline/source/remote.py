@@ -50,7 +50,7 @@ class RemoteStats:
         joined: Whole-object reads that found the same key already being read and waited
             for that read's result (its bytes, or its error) instead of sending another
             request (not in ``reads`` nor ``failures``).
-        verified: Bodies whose checksum (the ETag's MD5) was computed and matched.
+        verified: Bodies whose MD5 was computed and matched the ETag.
         mismatches: Bodies that failed a check (length or checksum) and were thrown away;
             each was read again, up to ``retries`` times.
         part_size: Bytes per range request of a whole-object ``read`` now (``None``: one
@@ -158,11 +158,11 @@ class RemoteStore:
             (with random jitter), up to ``max_backoff``.
         max_backoff: The longest wait between two attempts (at least ``backoff``).
         verify: Check each whole object's bytes before they are returned or cached: the
-            length against the size the response declares, and on ``s3://`` stores the MD5
-            against a single-part object's ETag (see ``_verify.py``). A body that fails is
-            read again (up to ``retries`` times), then the read raises
+            length against the size the response declares, and on ``s3://`` and HTTP(S)
+            stores the MD5 against an ETag that is one (see ``_verify.py``). A body that
+            fails is read again (up to ``retries`` times), then the read raises
             :class:`~feedline.RemoteReadError`. ``False`` turns the checks off (objects
-            encrypted with SSE-KMS or SSE-C have ETags that are not MD5s).
+            encrypted with SSE-KMS or SSE-C have ETags that look like MD5s and are not).
         cache: Keep what whole-object reads return, and answer later reads of the same key
             from it (:class:`~feedline.source.ObjectCache`: memory and local disk within
             byte budgets). Reads of a byte range bypass it. With or without a cache, a
@@ -659,8 +659,9 @@ class RemoteStore:
             key,
             f"reading {key!r} from {self.url} returned damaged bytes {attempt + 1} time(s) "
             f"({problem}); nothing was returned or cached. A proxy or the network corrupts "
-            "bodies, or, if the object is encrypted with SSE-KMS or SSE-C (its ETag is not an "
-            "MD5), read it with RemoteStore(..., verify=False)",
+            "bodies, or the ETag is not the MD5 it looks like (an S3 object encrypted with "
+            "SSE-KMS or SSE-C, or an HTTP server's own kind of ETag): then read it with "
+            "RemoteStore(..., verify=False)",
         )
 
     def keys(self, prefix: str = "", *, suffix: str | tuple[str, ...] = ()) -> PathList:
