@@ -561,6 +561,10 @@ def test_bad_arguments_say_what_to_pass() -> None:
         RemoteStore("memory:///", retries=-1)
     with pytest.raises(ConfigurationError, match="obstore could not open"):
         RemoteStore("nosuch://x")
+    with pytest.raises(ConfigurationError, match="'nosuch' is not valid for store 'S3'") as info:
+        RemoteStore("s3://bucket/x", nosuch=1)
+    assert "\n" not in str(info.value)  # obstore's debug dump stays in the __cause__
+    assert "Debug source" in str(info.value.__cause__)
 
 
 def test_missing_obstore_says_which_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,7 +29,7 @@ from feedline.errors import RemoteNotFoundError, RemoteReadError
 
 __all__ = ["bad_range", "describe", "failure"]
 
-MESSAGE_CHARS = 300  # of the first line of the store's message (it may hold an XML body)
+_MESSAGE_CHARS = 300  # of the first line of the store's message (it may hold an XML body)
 
 _STATUS = re.compile(r"status code: (\d{3})([^:]*)(?::\s*(.*))?")
 _RETRIES = re.compile(r"after (\d+) retries")
@@ -63,7 +63,7 @@ def describe(error: Exception) -> str:
     elif connect is not None:
         cause = f"no connection: {connect}"
     else:
-        cause = f"{type(error).__name__}: {_shorten(head, MESSAGE_CHARS)}"
+        cause = f"{type(error).__name__}: {_shorten(head, _MESSAGE_CHARS)}"
     retries = _RETRIES.search(head)
     if retries is not None and retries.group(1) != "0":
         count = int(retries.group(1))

@@ -23,7 +23,7 @@ from feedline._fork import PerProcess, note_obstore_request, obstore_started_in
 from feedline.errors import ConfigurationError, RemoteReadError
 from feedline.loader.paths import PathList
 
-from ._failures import MESSAGE_CHARS, bad_range, failure
+from ._failures import bad_range, describe, failure
 from ._parts import PartSizer
 from ._verify import Verifier
 from .cache import ObjectCache
@@ -304,9 +304,8 @@ class RemoteStore:
             return from_url(self.url, **self._open_with)
         except Exception as error:
             raise ConfigurationError(
-                f"obstore could not open {self.url!r}: {type(error).__name__}: "
-                f"{str(error)[:MESSAGE_CHARS]}. Check the URL's scheme and the options "
-                "passed on to obstore.store.from_url"
+                f"obstore could not open {self.url!r} ({describe(error)}). Check the URL's "
+                "scheme and the options passed on to obstore.store.from_url"
             ) from error
 
     def _start(self) -> None:
