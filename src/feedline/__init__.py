@@ -10,6 +10,7 @@ import typing as _typing
 from .errors import (
     ConfigurationError,
     FeedlineError,
+    LedgerError,
     PipelineFailure,
     RemoteNotFoundError,
     RemoteReadError,
@@ -39,6 +40,7 @@ __all__ = [
     "ConfigurationError",
     "DataLoader",
     "FeedlineError",
+    "LedgerError",
     "Mixture",
     "PathList",
     "Pipeline",

@@ -7,6 +7,7 @@ Every error feedline raises on its own account derives from :class:`FeedlineErro
     ├── PipelineFailure                        a running pipeline gave up
     │   └── SubprocessFailure                  ... in a child process
     │       └── SubprocessDied (also RuntimeError) ... because the child process died
+    ├── LedgerError (also RuntimeError)        an epoch delivered a sample twice, or never
     └── RemoteReadError (also OSError)         a read from object storage failed
         └── RemoteNotFoundError                ... because the object does not exist
                                                (also FileNotFoundError)
@@ -25,6 +26,7 @@ import errno
 __all__ = [
     "ConfigurationError",
     "FeedlineError",
+    "LedgerError",
     "PipelineFailure",
     "RemoteNotFoundError",
     "RemoteReadError",
@@ -151,6 +153,24 @@ class SubprocessDied(SubprocessFailure, RuntimeError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (str(self), self.pid, self.exitcode))
+
+
+class LedgerError(FeedlineError, RuntimeError):
+    """An epoch handed out a sample (or batch) twice, or passed over one it never handed out.
+
+    Raised by the epoch ledger (see ``feedline/_ledger.py``) at the end of an epoch, or when a
+    saved state is loaded whose position does not match what was handed out. It means a bug
+    in the bookkeeping of a resume (feedline's, or a dataset's or sampler's own state), never
+    a problem with the data.
+
+    Attributes:
+        repeated: How many deliveries repeated one made already.
+
+    """
+
+    def __init__(self, message: str, *, repeated: int = 0) -> None:
+        super().__init__(message)
+        self.repeated = repeated
 
 
 class RemoteReadError(FeedlineError, OSError):

@@ -78,7 +78,14 @@ def _free_port() -> int:
 
 
 def _child(
-    rank: int, world: int, port: int, scenario: str, args: dict[str, Any], out: Any, hang: float
+    rank: int,
+    world: int,
+    port: int,
+    scenario: str,
+    args: dict[str, Any],
+    out: Any,
+    hang: float,
+    parent_store: bool,
 ) -> None:
     import datetime
     import faulthandler
@@ -88,13 +95,20 @@ def _child(
     import torch.distributed as dist
 
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=60),
-        )
+        timeout = datetime.timedelta(seconds=60)
+        if parent_store:  # the parent's store, as torchrun's agent hosts it
+            store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+            dist.init_process_group(
+                "gloo", store=store, rank=rank, world_size=world, timeout=timeout
+            )
+        else:  # rank 0 hosts the store
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world,
+                timeout=timeout,
+            )
         result = globals()[scenario](rank, world, **args)
         out.put((rank, "ok", json.dumps(result)))
     except BaseException as error:  # reported to the test, which raises it
@@ -110,21 +124,39 @@ def run_ranks(
     scenario: Callable[..., Any],
     timeout: float = 120.0,
     may_die: bool = False,
+    parent_store: bool = False,
     **args: Any,
 ) -> list[Any]:
     """Run ``scenario`` on ``world`` ranks; returns the results (rank order) or raises.
 
     A rank that exits without a result raises, unless ``may_die``: its result is then None.
+    The group's store is rank 0's (``init_method="tcp://..."``), or with ``parent_store``
+    this process's, as torchrun's agent hosts it: it outlives every rank.
     """
+    import datetime
     import time
 
+    import torch.distributed as dist
+
+    store = None
+    if parent_store:
+        store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        port = store.port
+    else:
+        port = _free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    hang = max(1.0, timeout - 3)
     procs = [
         ctx.Process(
             target=_child,
-            args=(r, world, port, scenario.__name__, args, out, max(1.0, timeout - 3)),
+            args=(r, world, port, scenario.__name__, args, out, hang, parent_store),
         )
         for r in range(world)
     ]
@@ -149,6 +181,7 @@ def run_ranks(
                 p.join()
         out.close()
         out.join_thread()
+        del store  # its server stops once the ranks are gone
     problems = [f"rank {r}: {text}" for r, (status, text) in results.items() if status != "ok"]
     missing = [r for r in range(world) if r not in results]
     if missing and not may_die:
@@ -196,14 +229,24 @@ def epochs_from_s3(
 def epochs_in_memory(
     rank: int, world: int, count: int, epochs: int, **options: Any
 ) -> dict[str, Any]:
-    """Every epoch's batches of this rank, for samples in memory."""
+    """Every epoch's batches of this rank, for samples in memory, and its storage reads (in
+    all, and per epoch) and second copies kept."""
     loader = _loader(Samples(count), **options)
     with loader:
-        batches = []
+        batches, reads = [], []
         for epoch in range(epochs):
             loader.set_epoch(epoch)
+            before = loader.stats().storage_reads
             batches.append([batch for batch in loader])
-        return {"batches": batches, "steps": len(loader), "reads": loader.stats().storage_reads}
+            reads.append(loader.stats().storage_reads - before)
+        stats = loader.stats()
+        return {
+            "batches": batches,
+            "steps": len(loader),
+            "reads": stats.storage_reads,
+            "epoch_reads": reads,
+            "copies": stats.copies_kept,
+        }
 
 
 def break_and_save(
@@ -212,14 +255,20 @@ def break_and_save(
     """Train ``stop_after`` steps of ``epoch``, break, and save this rank's state."""
     loader = _loader(Samples(count), **options)
     with loader:
-        loader.set_epoch(epoch)
-        seen = []
-        for step, batch in enumerate(loader):
-            seen.append(batch)
-            if step + 1 == stop_after:
-                break
+        seen = _break_after(loader, epoch, stop_after)
         Path(state_dir, f"rank{rank}.json").write_text(json.dumps(loader.state_dict()))
     return {"batches": seen}
+
+
+def _break_after(loader: Any, epoch: int, steps: int) -> list[Any]:
+    # The first ``steps`` batches of ``epoch``, then a break.
+    loader.set_epoch(epoch)
+    seen = []
+    for step, batch in enumerate(loader):
+        seen.append(batch)
+        if step + 1 == steps:
+            break
+    return seen
 
 
 def resume_and_finish(
@@ -260,7 +309,8 @@ def failing_reads(rank: int, world: int, count: int, **options: Any) -> dict[str
             batches = [batch for batch in loader]
     except Exception as error:
         notes = "\n".join(getattr(error, "__notes__", []))
-        return {"error": type(error).__name__, "notes": notes, "batches": batches}
+        found = {"error": type(error).__name__, "message": str(error), "notes": notes}
+        return {**found, "batches": batches}
     return {"error": None, "batches": batches}
 
 
@@ -349,3 +399,49 @@ def exchange_costs(
             found.append([cost.L_b, cost.R_b, cost.sample_bytes, cost.world])
     dist.barrier()  # rank 0 holds the group's store: it leaves after the others
     return found if found else None
+
+
+def failure_after_a_failure(
+    rank: int, world: int, count: int, marks: str, **options: Any
+) -> dict[str, Any]:
+    """Rank 2 dies after epoch 0; rank 0 finds it gone at the first step of epoch 1 and
+    leaves; only then does rank 1 start epoch 1, whose first step is with rank 0 alone."""
+    import time
+
+    import torch.distributed as dist
+
+    loader = _loader(Samples(count), **options)
+    found: dict[str, Any] = {"error": None}
+    with loader:
+        for _ in loader:  # every rank's epoch 0, and its exchanges, are complete
+            pass
+        dist.barrier()
+        if rank == 2:
+            os._exit(0)
+        if rank == 1:
+            deadline = time.monotonic() + 60
+            while not Path(marks, "rank0").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        time.sleep(1.0)  # the closed connections are seen
+        loader.set_epoch(1)
+        try:
+            for _ in loader:
+                pass
+        except Exception as error:
+            found = {"error": type(error).__name__, "message": str(error)}
+    if rank == 0:
+        Path(marks, "rank0").touch()  # its loader's group is gone: rank 1 may go on
+    return found
+
+
+def break_then_iterate_again(
+    rank: int, world: int, count: int, epoch: int, stop_after: int, again: bool, **options: Any
+) -> dict[str, Any]:
+    """Break out of ``epoch`` after ``stop_after`` steps, then iterate again, with
+    ``set_epoch(epoch)`` first if ``again``: both iterations' batches."""
+    loader = _loader(Samples(count), **options)
+    with loader:
+        first = _break_after(loader, epoch, stop_after)
+        if again:
+            loader.set_epoch(epoch)
+        return {"batches": [first, list(loader)]}

@@ -54,23 +54,61 @@ def test_a_sample_of_another_step_raises_though_its_bytes_are_intact() -> None:
         _check_members(step, {1: _roundtrip(header, payload)})
 
 
+def _refused(*_args: object, **_kwargs: object) -> None:
+    raise RuntimeError(
+        "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242. This is "
+        "typically caused by a remote worker crashing.\nmore lines of gloo's own"
+    )
+
+
 def test_a_send_or_receive_that_a_dead_peer_refuses_raises_exchange_timeout() -> None:
     # gloo refuses to start a transfer on a connection the peer closed, before any wait;
     # that must read like a broken wait: which rank, what, which step, and what to look at.
     from feedline.distributed import ExchangeTimeout
     from feedline.distributed._exchange import Exchange
 
-    def refused(*_args: object, **_kwargs: object) -> None:
-        raise RuntimeError(
-            "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242\n"
-            "more lines of gloo's own"
-        )
-
-    exchange = Exchange(group=None, rank=0, timeout=5.0)
+    exchange = Exchange(group=None, rank=0, timeout=5.0)  # no store: nothing is known
     with pytest.raises(ExchangeTimeout) as caught:
-        exchange._post(refused, None, 2, 14, "the send of 3 sample(s) to rank 2", "epoch 1, step 7")
+        what = "the send of 3 sample(s) to rank 2"
+        exchange._post(_refused, None, 2, 14, what, "epoch 1, step 7")
     message = str(caught.value)
     assert "rank 0: the send of 3 sample(s) to rank 2 failed (epoch 1, step 7)" in message
-    assert "Connection closed by peer" in message
-    assert "probably died" in message
+    assert "Connection closed by peer [127.0.0.1]:4242. Rank 2 has gone" in message
+    assert "which rank failed first is not known here" in message
+    assert "crashing" not in message  # gloo's guess, which may be wrong
     assert "more lines" not in message
+
+
+def test_a_broken_connection_names_the_first_failure_recorded_by_any_rank() -> None:
+    # What every rank of a group would do with its store: the first record stays, and a rank
+    # that finds a peer gone names that record, not the peer, unless the peer is in it.
+    import torch.distributed as dist
+
+    from feedline.distributed import ExchangeTimeout
+    from feedline.distributed._exchange import Exchange
+    from feedline.distributed._failures import FirstFailure
+
+    store = dist.HashStore()
+    ranks = [Exchange(None, r, 5.0, FirstFailure(store, "loader-a")) for r in range(3)]
+    with pytest.raises(ExchangeTimeout, match="Rank 2 failed first: rank 2's connection closed"):
+        ranks[0]._post(_refused, None, 2, 2, "the send of 1 sample(s) to rank 2", "epoch 0, step 1")
+    with pytest.raises(ExchangeTimeout) as caught:
+        ranks[1]._post(_refused, None, 0, 4, "the header of 2 sample(s) from rank 0", "e 0, s 2")
+    assert (
+        "Rank 0 stopped after rank 2 failed first: rank 2's connection closed (epoch 0, step 1, "
+        "seen by rank 0)" in str(caught.value)
+    )
+    # Another loader's record is its own.
+    other = Exchange(None, 1, 5.0, FirstFailure(store, "loader-b"))
+    with pytest.raises(ExchangeTimeout, match="Rank 0 failed first: rank 0's connection closed"):
+        other._post(_refused, None, 0, 4, "the header of 2 sample(s) from rank 0", "e 0, s 2")
+
+
+def test_a_store_that_cannot_be_reached_leaves_the_first_failure_unknown() -> None:
+    from feedline.distributed._failures import FirstFailure
+
+    class Gone:
+        def compare_set(self, *_args: object) -> bytes:
+            raise RuntimeError("Connection was likely closed. Did the remote server shutdown?")
+
+    assert FirstFailure(Gone(), "k").record(1, "rank 1 raised KeyError") is None

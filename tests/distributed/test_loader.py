@@ -132,14 +132,40 @@ def test_sizes_not_divisible_give_equal_steps_and_the_regular_batches(
         seed=3,
     )
     assert len({r["steps"] for r in results}) == 1
-    # Each sample is read once, by its holder, even where padding repeats it in a step; the
-    # second epoch comes from the caches. (drop_last leaves some out of an epoch's order.)
-    reads = sum(r["reads"] for r in results)
-    assert reads <= count if drop_last else reads == count
+    # Each sample is read once, by its holder, even where padding repeats it in a step, or
+    # drop_last leaves it out of the first epoch; the second epoch comes from the caches.
+    # (With drop_last, an epoch of 0 steps reads nothing.)
+    assert sum(r["reads"] for r in results) == (count if results[0]["steps"] else 0)
     for epoch in range(2):
         assert global_steps(results, epoch) == regular(
             count, world, batch, epoch, drop_last=drop_last, seed=3
         )
+
+
+@pytest.mark.parametrize(("shuffle", "replicas"), [(True, 1.0), (True, 2.0), (False, 1.0)])
+def test_drop_last_reads_storage_in_the_first_epoch_only(shuffle: bool, replicas: float) -> None:
+    # 45 samples, 3 ranks of 4: each epoch trains on 36 and leaves 9 out. Shuffled, the 9 are
+    # others each epoch, so the first epoch reads them too (into their holders' caches, and
+    # their second holders' with replicas); in order, the same 9 are never trained on.
+    count, world, batch = 45, 3, 4
+    results = run_ranks(
+        world,
+        _ranks.epochs_in_memory,
+        count=count,
+        epochs=3,
+        batch_size=batch,
+        drop_last=True,
+        shuffle=shuffle,
+        replicas=replicas,
+        seed=7,
+    )
+    for epoch in range(3):
+        assert global_steps(results, epoch) == regular(
+            count, world, batch, epoch, drop_last=True, shuffle=shuffle, seed=7
+        )
+    reads = [sum(r["epoch_reads"][e] for r in results) for e in range(3)]
+    assert reads == ([count, 0, 0] if shuffle else [36, 0, 0])
+    assert sum(r["copies"] for r in results) == (count if replicas == 2.0 else 0)
 
 
 def test_break_then_resume_with_the_same_world_continues_exactly(tmp_path: Path) -> None:
@@ -243,12 +269,19 @@ def test_a_cache_for_part_of_the_share_reads_the_rest_each_epoch() -> None:
 
 
 def test_a_failed_read_raises_its_own_exception_or_is_left_out_within_the_budget() -> None:
-    strict = run_ranks(2, _ranks.failing_reads, count=24, batch_size=3, max_failures=0)
+    strict = run_ranks(
+        2, _ranks.failing_reads, parent_store=True, count=24, batch_size=3, max_failures=0
+    )
     # The rank that read sample 7 raises its KeyError (after the step's exchange, so that
-    # its peer is not left waiting); the peer then finds it gone.
+    # its peer is not left waiting); the peer then finds it gone, and says why it went.
     errors = sorted(r["error"] for r in strict)
     assert errors in (["KeyError", "KeyError"], ["ExchangeTimeout", "KeyError"]), strict
     assert any("sample 7" in r["notes"] for r in strict if r["error"] == "KeyError")
+    for r in strict:
+        if r["error"] == "ExchangeTimeout":
+            assert "failed first: rank 0 raised KeyError: 'no sample 7'" in r["message"] or (
+                "failed first: rank 1 raised KeyError: 'no sample 7'" in r["message"]
+            ), r
     lenient = run_ranks(2, _ranks.failing_reads, count=24, batch_size=3, max_failures=1)
     assert all(r["error"] is None for r in lenient)
     trained = sorted(x for r in lenient for b in r["batches"] for x in b)

@@ -317,3 +317,54 @@ def test_replicas_change_who_trains_and_the_copies_fill_every_second_holder(
     replicated = [i for i in regular.ravel().tolist() if second[i] >= 0]
     assert copied == Counter(replicated)
     assert plan_for(regular, placed[0], 0, second).copies == []  # only when asked
+
+
+@pytest.mark.parametrize(("drop_last", "skip"), [(True, 0), (True, 37), (False, 0)])
+def test_what_drop_last_leaves_out_is_the_rest_of_the_epochs_order(
+    drop_last: bool, skip: int
+) -> None:
+    pytest.importorskip("torch")
+    size, world, local = 103, 4, 8
+    sequence = GlobalSequence(size, world, local, seed=7, drop_last=drop_last, skip=skip)
+    for epoch in (0, 3):
+        trained = sequence.grid(epoch)[: sequence.steps * local].ravel().tolist()
+        left = sequence.left_out(epoch).tolist()
+        if drop_last:  # together, every sample not skipped, once
+            assert not set(trained) & set(left)
+            assert len(set(trained + left)) == len(trained) + len(left) == size - skip
+        else:
+            assert left == []
+
+
+def test_fills_are_read_by_their_holders_and_copied_to_their_second_holders() -> None:
+    from feedline.distributed import plan_for
+    from feedline.distributed._placement import second_copies
+    from feedline.distributed._plan import with_fills
+
+    size, world, local = 600, 4, 8
+    placed = holders(size, world, seed=2, replicas=2)
+    placed[0, ::13] = -1  # kept by nobody: not read to fill a cache
+    second = second_copies(placed, 2, 0.5)
+    regular = GlobalSequence(size, world, local, seed=2).step(0, 1)
+    extra = np.setdiff1d(np.arange(size), regular.ravel())[::5]
+    for spare in (None, second):
+        plans = [
+            with_fills(
+                plan_for(regular, placed[0], r, spare, copies=spare is not None),
+                extra,
+                placed[0],
+                r,
+                spare,
+            )
+            for r in range(world)
+        ]
+        filled = Counter(x for p in plans for x in p.fills.tolist())
+        assert filled == Counter(i for i in extra.tolist() if placed[0, i] >= 0)
+        for src, plan in enumerate(plans):
+            assert all(placed[0, i] == src for i in plan.fills)
+            sent = Counter({dst: len(s) for dst, s in plan.copies})
+            for dst, count in sent.items():
+                assert (src, count) in plans[dst].copies_in  # both sides count alike
+        copied = [x for p in plans for _, s in p.copies for x in s.tolist() if x in set(extra)]
+        expected = [] if spare is None else [i for i in extra.tolist() if second[i] >= 0]
+        assert sorted(copied) == sorted(expected)

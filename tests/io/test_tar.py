@@ -138,3 +138,69 @@ def test_fields_are_lower_case_and_a_field_twice_raises_as_in_webdataset() -> No
     assert set(next(samples)) == {"__key__", "__url__", "jpg", "cls"}
     with pytest.raises(ValueError, match=r"w\.tar: the sample 'a/002' has 'jpg' twice"):
         next(samples)
+
+
+def _reheader(data: bytes, edit: dict[int, bytes], signed: bool = False) -> bytes:
+    # The first header with ``edit`` applied and its checksum made again (as signed chars
+    # with ``signed``, as old tars wrote it).
+    header = bytearray(data[:512])
+    for where, raw in edit.items():
+        header[where : where + len(raw)] = raw
+    header[148:156] = b" " * 8
+    total = sum(b - 256 if signed and b > 127 else b for b in header)
+    header[148:156] = f"{total:06o}\0 ".encode()
+    return bytes(header) + data[512:]
+
+
+@pytest.mark.parametrize("size", [b"-0000001000", b"-1000", b"-0"])
+def test_a_negative_size_raises_instead_of_walking_back(size: bytes) -> None:
+    data = _archive(tarfile.USTAR_FORMAT, count=2)
+    damaged = _reheader(data, {124: size})
+    with pytest.raises(ValueError, match=r"neg\.tar: .*offset 0 .*negative size"):
+        list(tar_members(damaged, shard="neg.tar"))
+    with pytest.raises(ValueError, match="negative size"):
+        list(tar_samples(damaged, shard="neg.tar"))
+
+
+def test_a_size_with_a_plus_sign_is_read_as_tarfile_reads_it() -> None:
+    data = _archive(tarfile.USTAR_FORMAT, count=2)
+    size = int(data[124:136].rstrip(b"\0 "), 8)
+    signed = _reheader(data, {124: f"+{size:010o}".encode()})
+    assert [(m.name, bytes(m.data)) for m in tar_members(signed)] == _tarfile_members(signed)
+
+
+def test_an_old_signed_checksum_with_a_utf8_name_is_read() -> None:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        info = tarfile.TarInfo("train/ünïcødé.txt")
+        info.size = 5
+        tar.addfile(info, io.BytesIO(b"hello"))
+    data = _reheader(buf.getvalue(), {}, signed=True)
+    unsigned = sum(data[:148]) + sum(data[156:512]) + 8 * 0x20
+    assert int(data[148:154], 8) != unsigned  # the header really is summed signed
+    assert _tarfile_members(data) == [("train/ünïcødé.txt", b"hello")]
+    assert [(m.name, bytes(m.data)) for m in tar_members(data)] == _tarfile_members(data)
+
+
+def test_any_bytes_end_the_walk() -> None:
+    # Whatever the headers say, each step moves forward: the walk ends (or raises) within as
+    # many steps as the archive has blocks.
+    import random
+
+    rng = random.Random(5)
+    data = _archive(tarfile.PAX_FORMAT, count=3, long_names=True)
+    for _ in range(300):
+        damaged = bytearray(data)
+        for _ in range(rng.randrange(1, 6)):
+            damaged[rng.randrange(len(damaged))] = rng.randrange(256)
+        for where in range(0, len(damaged), 512):  # every header's checksum made good
+            block = damaged[where : where + 512]
+            if any(block):
+                damaged[where : where + 512] = _reheader(bytes(block), {})[:512]
+        steps = 0
+        try:
+            for _ in tar_members(bytes(damaged)):
+                steps += 1
+                assert steps <= len(damaged) // 512
+        except ValueError:
+            pass

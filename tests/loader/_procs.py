@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import multiprocessing
-import threading
 import time
 
 import pytest
+
+from feedline.pipeline._forking import fork_hazards
 
 
 def no_children_left() -> None:
@@ -18,9 +19,12 @@ def no_children_left() -> None:
 
 
 def alone() -> None:
-    """Wait for threads an earlier test left ending (queue feeders); skip if some stay."""
+    """Wait for threads an earlier test left ending; skip if some that forbid a fork stay.
+
+    (A native runtime an earlier test started, obstore's, stays for the process.)
+    """
     deadline = time.monotonic() + 5
-    while threading.active_count() > 1 and time.monotonic() < deadline:
+    while fork_hazards() and time.monotonic() < deadline:
         time.sleep(0.05)
-    if threading.active_count() > 1:
-        pytest.skip(f"other threads run: {[t.name for t in threading.enumerate()]}")
+    if fork_hazards():
+        pytest.skip(f"a fork is unsafe beside: {fork_hazards()}")

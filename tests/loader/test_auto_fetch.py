@@ -104,10 +104,14 @@ def test_stats_show_the_tuned_fetch_stage_and_the_next_epoch_starts_where_it_end
     del second
 
 
-def test_stats_are_none_for_batches_straight_from_workers() -> None:
+def test_stats_have_no_stages_for_batches_straight_from_workers() -> None:
     loader = DataLoader(Nested(8), batch_size=2, num_workers=1)
     list(loader)
-    assert loader.stats() is None
+    stats = loader.stats()
+    assert stats is not None
+    assert stats.stages == ()
+    assert stats.ledger is not None
+    assert (stats.ledger.planned, stats.ledger.delivered, stats.ledger.missing) == (4, 4, 0)
     loader.close()
 
 

@@ -310,3 +310,62 @@ def call_sys_exit(x: int) -> int:
     import sys
 
     sys.exit(x)
+
+
+def full_arrays(n: int) -> list[np.ndarray]:
+    """``n`` arrays of 400 KB (they cross through shared memory), array ``i`` full of ``i``."""
+    return [np.full(100_000, i, dtype=np.float32) for i in range(n)]
+
+
+def own_segments() -> set[str]:
+    """The shared-memory segments of this process's children, by the prefix they are given."""
+    prefix = f"psm_fl{os.getpid()}_"  # SegmentNames.new_prefix, made in the parent
+    return {f for f in os.listdir("/dev/shm") if f.startswith(prefix)}
+
+
+def wait_until(condition: Any, within: float = 10.0) -> bool:
+    """Whether ``condition()`` turns true within ``within`` seconds (polled)."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+class Gated:
+    """Yields 0 at once, then 1 and 2 once the file ``path`` exists (within a minute)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __iter__(self) -> Iterator[int]:
+        yield 0
+        wait_until(lambda: os.path.exists(self.path), within=60.0)
+        yield 1
+        yield 2
+
+
+def where_it_ran(x: int) -> tuple[int, int, int, str]:
+    """``x * x`` with where it was computed: pid, parent pid, thread name."""
+    return x * x, os.getpid(), os.getppid(), threading.current_thread().name
+
+
+def live_threads() -> set[threading.Thread]:
+    """The threads alive now, once closed queues' feeder threads have left."""
+    from feedline.pipeline._queues import await_closed_queues
+
+    await_closed_queues(5.0)
+    return {t for t in threading.enumerate() if t.is_alive()}
+
+
+def assert_nothing_left(threads: set[threading.Thread], segments: set[str]) -> None:
+    """No thread beyond ``threads``, child process, zombie or segment beyond ``segments``."""
+    import multiprocessing
+
+    from .._system import zombies
+
+    assert multiprocessing.active_children() == []
+    assert zombies() == []
+    assert own_segments() == segments
+    assert sorted(t.name for t in live_threads() - threads) == []

@@ -6,6 +6,7 @@ import functools
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -208,3 +209,119 @@ def test_ctrl_c_to_the_process_group_leaves_no_segment_and_no_process() -> None:
             time.sleep(0.05)
         assert not os.path.exists(f"/proc/{child}")
     assert _segments() - before == set()
+
+
+def _interrupting(original: Callable[..., Any], after: bool) -> Callable[..., Any]:
+    # ``original``, except that its first call raises KeyboardInterrupt (a second Ctrl-C),
+    # after doing its work if ``after``, before doing any otherwise.
+    fired: list[bool] = []
+
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        if fired:
+            return original(*args, **kwargs)
+        fired.append(True)
+        if after:
+            original(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    hook.fired = fired  # type: ignore[attr-defined]
+    return hook
+
+
+@pytest.mark.parametrize("where", ["settle", "leave", "segments"])
+def test_an_epoch_after_a_second_ctrl_c_during_clean_up_is_complete(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first Ctrl-C lands while the consumer waits for its fourth item, with arrays in
+    # shared memory on their way; the second while that clean-up runs: before it began
+    # (settle), once the child was asked to leave (ask_to_leave, then the wait for it), or
+    # while the child's segments are removed (remove_prefixed).
+    threads, segments = _helpers.live_threads(), _helpers.own_segments()
+    it = iterate_in_subprocess(functools.partial(_helpers.full_arrays, 30))
+    receive = _subprocess.SubprocessIterable._receive
+    calls: list[int] = []
+
+    def first_ctrl_c(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 5:  # "ready", then three items
+            assert _helpers.wait_until(lambda: _helpers.own_segments() - segments)
+            raise KeyboardInterrupt
+        return receive(self, *args, **kwargs)
+
+    monkeypatch.setattr(_subprocess.SubprocessIterable, "_receive", first_ctrl_c)
+    if where == "settle":
+        second = _interrupting(_subprocess.SubprocessIterable.settle, after=False)
+        monkeypatch.setattr(_subprocess.SubprocessIterable, "settle", second)
+    elif where == "leave":
+        second = _interrupting(_subprocess._Child.ask_to_leave, after=True)
+        monkeypatch.setattr(_subprocess._Child, "ask_to_leave", second)
+    else:
+        second = _interrupting(_subprocess.remove_prefixed, after=False)
+        monkeypatch.setattr(_subprocess, "remove_prefixed", second)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in it:
+            pass
+    assert second.fired, "the second interrupt did not come from the clean-up"  # type: ignore[attr-defined]
+    monkeypatch.undo()
+    # The next epoch finishes what the clean-up left and is whole (it yielded nothing, or
+    # the interrupted epoch's items, or left that child's segments behind).
+    assert [int(a[0]) for a in it] == list(range(30))
+    assert [int(a[0]) for a in it] == list(range(30))
+    it.close()
+    _helpers.assert_nothing_left(threads, segments)
+
+
+def test_a_close_interrupted_part_way_is_finished_by_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    threads, segments = _helpers.live_threads(), _helpers.own_segments()
+    it = iterate_in_subprocess(functools.partial(_helpers.full_arrays, 30))
+    epoch = iter(it)
+    next(epoch)
+    assert _helpers.wait_until(lambda: _helpers.own_segments() - segments)  # arrays waiting
+    second = _interrupting(_subprocess.remove_prefixed, after=False)
+    monkeypatch.setattr(_subprocess, "remove_prefixed", second)
+    with pytest.raises(KeyboardInterrupt):
+        it.close()
+    monkeypatch.undo()
+    assert _helpers.own_segments() - segments  # the interrupted close left them
+    it.close()
+    epoch.close()
+    _helpers.assert_nothing_left(threads, segments)
+
+
+@pytest.mark.parametrize("when", ["waiting", "between"])
+def test_close_from_another_thread_ends_the_loop_quietly(
+    when: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As Pipeline.stop() from another thread: the loop ends, with no error, whether the
+    # close lands while the consumer waits for the child's next item (the child is stuck on
+    # it: the close ends it) or between two items. Not "SubprocessDied ... (pid None)".
+    threads, segments = _helpers.live_threads(), _helpers.own_segments()
+    gate = str(tmp_path / "gate")
+    it = iterate_in_subprocess(functools.partial(_helpers.Gated, gate))
+    closer = threading.Thread(target=it.close, name="closer")
+    got = []
+    if when == "waiting":
+        receive = _subprocess.SubprocessIterable._receive
+        calls: list[int] = []
+
+        def close_meanwhile(self: Any, *args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 3:  # "ready", item 0, then the wait for item 1
+                closer.start()
+            return receive(self, *args, **kwargs)
+
+        monkeypatch.setattr(_subprocess.SubprocessIterable, "_receive", close_meanwhile)
+    for item in it:
+        got.append(item)
+        if when == "between":
+            closer.start()
+            closer.join()
+    closer.join()
+    assert got == [0]
+    monkeypatch.undo()
+    open(gate, "w").close()
+    assert list(it) == [0, 1, 2]  # a new child serves the next epoch
+    it.close()
+    _helpers.assert_nothing_left(threads, segments)

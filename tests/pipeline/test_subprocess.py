@@ -2,8 +2,11 @@ from __future__ import annotations
 
 import functools
 import mmap
+import multiprocessing
 import os
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -61,6 +64,22 @@ def test_early_break_then_next_epoch() -> None:
             if i == 3:
                 break
         assert list(it) == list(range(100))
+
+
+def test_a_child_asked_to_leave_is_replaced_by_the_next_epoch() -> None:
+    # The child leaves after ask_to_leave(): the next epoch starts a new one, and neither
+    # reports the one that left as dead (exit code 0, "a crash") nor yields nothing.
+    with iterate_in_subprocess(functools.partial(_helpers.make_slow, 10, 0.001)) as it:
+        assert list(it) == list(range(10))
+        first = it._child.process
+        pid = first.pid
+        it.ask_to_leave()
+        first.join(10)
+        assert first.exitcode == 0
+        assert list(it) == list(range(10))
+        assert it.pid != pid
+    no_children_left()
+    assert zombies() == []
 
 
 def test_error_in_child_pipeline_is_raised() -> None:
@@ -204,3 +223,115 @@ def test_a_pipeline_in_a_subprocess_is_tuned_there() -> None:
 def test_a_subprocess_pipelines_budget_is_checked_in_the_parent() -> None:
     with pytest.raises(ConfigurationError, match="memory_budget"):
         run_pipeline_in_subprocess(_helpers.waiting_builder(10), memory_budget=10)
+
+
+def _started_by(parent: int) -> int:
+    # Which process started workers whose parent is ``parent``: ``parent``, or the process
+    # that started it where it is a fork server.
+    with open(f"/proc/{parent}/stat") as f:
+        grandparent = int(f.read().rsplit(")", 1)[1].split()[1])
+    return parent if grandparent == os.getpid() else grandparent
+
+
+def _left_by_itself(it: object) -> int | None:
+    # Asks the child to leave and waits for it: its exit code (0: it shut down what it owned
+    # by itself, not terminated by close()).
+    process = it._child.process  # type: ignore[attr-defined]
+    it.ask_to_leave()  # type: ignore[attr-defined]
+    process.join(30)
+    return process.exitcode  # type: ignore[no-any-return]
+
+
+def test_a_stage_with_its_own_thread_pool_runs_in_one_made_in_the_child() -> None:
+    threads, segments = _helpers.live_threads(), _helpers.own_segments()
+    pool = ThreadPoolExecutor(2, thread_name_prefix="own-pool")
+    builder = (
+        PipelineBuilder()
+        .add_source(range(40))
+        .pipe(_helpers.where_it_ran, concurrency=2, executor=pool)
+        .add_sink(4)
+    )
+    it = run_pipeline_in_subprocess(builder, num_threads=2)
+    for _ in range(2):
+        got = list(it)
+        assert sorted(r[0] for r in got) == [i * i for i in range(40)]
+        assert {r[1] for r in got} == {it.pid}  # in the child
+        names = {r[3] for r in got}  # in a pool of the same kind and size
+        assert 1 <= len(names) <= 2
+        assert all(name.startswith("own-pool") for name in names), names
+    assert _left_by_itself(it) == 0
+    it.close()
+    assert not pool._threads  # type: ignore[attr-defined]  # this process's pool ran nothing
+    pool.shutdown()
+    _helpers.assert_nothing_left(threads, segments)
+
+
+def test_a_stage_with_its_own_process_pool_runs_in_one_made_in_the_child() -> None:
+    threads, segments = _helpers.live_threads(), _helpers.own_segments()
+    pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("forkserver"))
+    builder = (
+        PipelineBuilder()
+        .add_source(range(20))
+        .pipe(_helpers.where_it_ran, concurrency=2, executor=pool)
+        .add_sink(4)
+    )
+    it = run_pipeline_in_subprocess(builder, num_threads=2, timeout=60)
+    got = list(it)
+    assert sorted(r[0] for r in got) == [i * i for i in range(20)]
+    workers = {r[1] for r in got}
+    assert {_started_by(r[2]) for r in got} == {it.pid}  # the child's own workers
+    assert 1 <= len(workers) <= 2
+    assert sorted(r[0] for r in it) == [i * i for i in range(20)]
+    assert _left_by_itself(it) == 0
+    it.close()
+    for pid in workers:
+        assert _helpers.process_exits(pid, within=10), "a worker outlived the child"
+    assert not pool._processes  # type: ignore[attr-defined]  # this process's pool ran nothing
+    pool.shutdown()
+    _helpers.assert_nothing_left(threads, segments)
+
+
+def test_a_process_region_runs_in_a_subprocess_pipeline() -> None:
+    # The child may start processes: its region's workers are its own and end with it.
+    threads, segments = _helpers.live_threads(), _helpers.own_segments()
+    builder = (
+        PipelineBuilder()
+        .add_source(range(20))
+        .pipe_in_processes(_helpers.where_it_ran, processes=2)
+        .add_sink(4)
+    )
+    with run_pipeline_in_subprocess(builder, num_threads=2, timeout=60) as it:
+        got = list(it)
+        assert sorted(r[0] for r in got) == [i * i for i in range(20)]
+        assert {_started_by(r[2]) for r in got} == {it.pid}
+        workers = {r[1] for r in got}
+    for pid in workers:
+        assert _helpers.process_exits(pid, within=10), "a worker outlived the child"
+    _helpers.assert_nothing_left(threads, segments)
+
+
+class _OwnPool(ThreadPoolExecutor):
+    """An executor of a kind the child cannot make again (and that does not pickle)."""
+
+
+def _initializer() -> None:
+    pass
+
+
+def test_an_executor_that_cannot_be_sent_is_refused_naming_the_stage_and_its_type() -> None:
+    pool = _OwnPool(1)
+    builder = PipelineBuilder().add_source(range(3)).pipe(_helpers.square, executor=pool)
+    with pytest.raises(
+        ConfigurationError,
+        match=r"stage 'square': its executor, a .*_OwnPool, cannot be sent .*"
+        r"ThreadPoolExecutor or a ProcessPoolExecutor",
+    ):
+        run_pipeline_in_subprocess(builder)
+    lock = threading.Lock()
+    local = ThreadPoolExecutor(1, initializer=_initializer, initargs=(lock,))
+    builder = PipelineBuilder().add_source(range(3)).pipe(_helpers.square, executor=local)
+    with pytest.raises(ConfigurationError, match=r"stage 'square': the initializer of its Thre"):
+        run_pipeline_in_subprocess(builder)
+    assert multiprocessing.active_children() == []
+    pool.shutdown()
+    local.shutdown()

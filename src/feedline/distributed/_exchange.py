@@ -8,11 +8,14 @@ not match its header raises :class:`ExchangeError`, naming the source rank and t
 
 Messages are tagged by iteration and step, so that a message of one step never matches
 another's. A peer that never answers is reported after ``timeout`` seconds (one that died, at
-once: its connection closes), never waited on for good.
+once: its connection closes), never waited on for good. A peer's closed connection does not
+say whether that peer failed or stopped after another's failure: the error names the first
+failure of the run, recorded in the store (:mod:`._failures`).
 """
 
 from __future__ import annotations
 
+import re
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -21,6 +24,8 @@ from typing import Any
 import numpy as np
 
 from feedline.errors import FeedlineError
+
+from ._failures import FirstFailure, blame
 
 __all__ = ["Exchange", "ExchangeError", "ExchangeTimeout", "Received"]
 
@@ -39,7 +44,8 @@ class ExchangeError(FeedlineError, ValueError):
 class ExchangeTimeout(FeedlineError, RuntimeError):
     """Another rank sent nothing within the timeout, or its connection broke.
 
-    That rank died, hangs, or stopped iterating.
+    That rank died, hangs, or stopped iterating, or it stopped after another rank failed: the
+    message names the rank that failed first, where the ranks' store can tell.
     """
 
 
@@ -50,13 +56,19 @@ class Exchange:
         group: The process group the samples travel in (gloo: bytes in CPU memory).
         rank: This rank.
         timeout: Seconds to wait for a peer before :class:`ExchangeTimeout`.
+        first_failure: Where the first failure among the ranks is recorded and read;
+            ``None``: nowhere (a broken connection's error then says that which rank failed
+            first is not known).
 
     """
 
-    def __init__(self, group: Any, rank: int, timeout: float) -> None:
+    def __init__(
+        self, group: Any, rank: int, timeout: float, first_failure: FirstFailure | None = None
+    ) -> None:
         self._group = group
         self.rank = rank
         self.timeout = timeout
+        self.first_failure = first_failure or FirstFailure(None, "")
         self.sent_samples = 0
         self.sent_bytes = 0
         self.received_samples = 0
@@ -82,25 +94,26 @@ class Exchange:
         import torch
         import torch.distributed as dist
 
-        sending: list[tuple[Any, str]] = []
+        sending: list[tuple[Any, str, int]] = []
         outgoing = []  # kept alive until the sends complete
         for dst, indices, samples in sends:
             header, payload = _pack(tag, indices, samples)
             outgoing += [header, payload]
             what = f"the send of {len(indices)} sample(s) to rank {dst}"
             work = self._post(dist.isend, header, dst, 2 * tag, what, where)
-            sending.append((work, what))
+            sending.append((work, what, dst))
             if payload.numel():
                 work = self._post(dist.isend, payload, dst, 2 * tag + 1, what, where)
-                sending.append((work, what))
+                sending.append((work, what, dst))
             self.sent_samples += len(indices)
             self.sent_bytes += int(payload.numel())
         headers = {}
-        heading: list[tuple[Any, str]] = []
+        heading: list[tuple[Any, str, int]] = []
         for src, count in receives:
             headers[src] = torch.empty(2 + 3 * count, dtype=torch.int64)
             what = f"the header of {count} sample(s) from rank {src}"
-            heading.append((self._post(dist.irecv, headers[src], src, 2 * tag, what, where), what))
+            work = self._post(dist.irecv, headers[src], src, 2 * tag, what, where)
+            heading.append((work, what, src))
         deadline = time.monotonic() + self.timeout  # for the whole step
         self._wait(heading, where, deadline)  # the payloads' sizes are in the headers
         payloads = {}
@@ -111,7 +124,7 @@ class Exchange:
             if payloads[src].numel():
                 what = f"{count} sample(s) from rank {src}"
                 work = self._post(dist.irecv, payloads[src], src, 2 * tag + 1, what, where)
-                receiving.append((work, what))
+                receiving.append((work, what, src))
         self._wait(receiving + sending, where, deadline)
         received: Received = {}
         for src, count in receives:
@@ -128,38 +141,56 @@ class Exchange:
         try:
             return post(tensor, peer, group=self._group, tag=tag)
         except RuntimeError as error:
-            raise self._failed(what, where, error, timed_out=False) from error
+            raise self._failed(what, where, error, peer, timed_out=False) from error
 
-    def _wait(self, pending: list[tuple[Any, str]], where: str, deadline: float) -> None:
+    def _wait(self, pending: list[tuple[Any, str, int]], where: str, deadline: float) -> None:
         # gloo's waits cannot be resumed once they time out (the pair is closed), so each
         # wait is given what is left of the step's timeout.
         import datetime
 
-        for work, what in pending:
+        for work, what, peer in pending:
             left = max(0.001, deadline - time.monotonic())
             try:
                 work.wait(datetime.timedelta(seconds=left))
             except RuntimeError as error:
                 timed_out = "Timed out" in str(error) or time.monotonic() >= deadline
-                raise self._failed(what, where, error, timed_out) from error
+                raise self._failed(what, where, error, peer, timed_out) from error
 
     def _failed(
-        self, what: str, where: str, error: RuntimeError, timed_out: bool
+        self, what: str, where: str, error: RuntimeError, peer: int, timed_out: bool
     ) -> ExchangeTimeout:
-        cause = (
-            f"it sent nothing within {self.timeout:g} s: that rank hangs or stopped "
-            "iterating. Every rank must iterate the loader alike (the same epochs, and the "
-            "same steps before a break); raise timeout= if storage reads are this slow"
-            if timed_out
-            else f"{_first_line(error)}. That rank probably died; its own log says why"
-        )
+        # Recorded before this rank stops, so that a rank that then finds this one gone
+        # names the failure this one reacted to.
+        if timed_out:
+            first = self.first_failure.record(
+                self.rank, f"rank {self.rank} waited {self.timeout:g} s for rank {peer} ({where})"
+            )
+            cause = (
+                f"it sent nothing within {self.timeout:g} s: that rank hangs or stopped "
+                "iterating. Every rank must iterate the loader alike (the same epochs, and the "
+                "same steps before a break); raise timeout= if storage reads are this slow"
+            )
+            if first is not None and first.rank != self.rank:
+                cause += f". Rank {first.rank} failed first: {first.account}"
+        else:
+            first = self.first_failure.record(
+                peer,
+                f"rank {peer}'s connection closed ({where}, seen by rank {self.rank}): it died, "
+                "or stopped on an error of its own",
+            )
+            cause = f"{_first_line(error)}. {blame(peer, first)}"
         return ExchangeTimeout(f"rank {self.rank}: {what} failed ({where}): {cause}")
 
 
 def _first_line(error: BaseException) -> str:
-    # gloo's messages run on over several lines (and an emoji): the first says what broke.
+    # gloo's messages run on over several lines (and an emoji), after the place in its
+    # source: the first sentence says what broke. (The next guesses that the peer crashed,
+    # which is what this module's own message answers.)
     text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    if not text:
+        return type(error).__name__
+    line = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0])
+    return line.split(". ", 1)[0].rstrip(".") or type(error).__name__
 
 
 def _pack(tag: int, indices: np.ndarray, samples: list[Any]) -> tuple[Any, Any]:

@@ -33,8 +33,9 @@ from feedline.pipeline import Pipeline, PipelineBuilder
 from feedline.source import ObjectCache
 
 from ._exchange import Exchange, ExchangeError, Received
+from ._failures import FirstFailure
 from ._placement import holders, mix64, second_copies
-from ._plan import RankPlan, plan_for
+from ._plan import RankPlan, plan_for, with_fills
 from ._sequence import GlobalSequence
 
 __all__ = ["DistributedLoader", "LoaderStats"]
@@ -330,7 +331,10 @@ class DistributedLoader(Generic[T]):
         )
         self._fill_epoch: int | None = None  # the epoch whose reads also fill the replicas
         if self.world_size > 1:
-            self._agree(exchange_group)
+            token = self._agree(exchange_group)
+            self._exchange.first_failure = FirstFailure.of_default_group(
+                f"feedline/distributed/{token}/first-failure"
+            )
         self._stats = LoaderStats()
         self._unreadable: set[int] = set()  # samples whose read failed within the budget
         self._flights: dict[int, Future[Any]] = {}  # samples being read, by index
@@ -338,12 +342,16 @@ class DistributedLoader(Generic[T]):
         self._epoch = 0
         self._step = 0  # steps of self._epoch handed out
         self._skip = 0  # samples of the epoch's order consumed before an elastic restart
+        self._resuming = False  # a state was loaded: the next iteration continues it
         self._pool = ThreadPoolExecutor(read_concurrency, thread_name_prefix="feedline-read")
         self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False)
 
-    def _agree(self, group: Any) -> None:
+    def _agree(self, group: Any) -> str:
         # Ranks that plan with different settings would exchange the wrong samples, or wait
-        # for each other: compare them once, here.
+        # for each other: compare them once, here. Returns rank 0's token, this loader's
+        # name on every rank (its key in the store).
+        import uuid
+
         import torch.distributed as dist
 
         mine = {
@@ -357,8 +365,10 @@ class DistributedLoader(Generic[T]):
             "prefetch": self.prefetch,
         }
         everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=group)
+        dist.all_gather_object(everyone, {**mine, "token": uuid.uuid4().hex}, group=group)
+        token = str(everyone[0].pop("token"))
         for other, theirs in enumerate(everyone):
+            theirs.pop("token", None)
             differ = {k: (v, theirs.get(k)) for k, v in mine.items() if theirs.get(k) != v}
             if differ:
                 shown = ", ".join(f"{k} {a!r} here, {b!r} there" for k, (a, b) in differ.items())
@@ -366,18 +376,22 @@ class DistributedLoader(Generic[T]):
                     f"rank {self.rank}'s DistributedLoader differs from rank {other}'s: {shown}. "
                     "Every rank must build it over the same dataset with the same settings"
                 )
+        return token
 
     # -- the sequence --------------------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch``'s order from the next iteration on (``DistributedSampler.set_epoch``).
 
-        Another epoch, or the current one once it is finished, starts from its first step;
-        the current one part-way (after :meth:`load_state_dict`) goes on where it was.
-        Without it, each iteration after a finished epoch takes the next epoch.
+        The next iteration starts ``epoch`` from its first step, as a ``DataLoader`` over
+        ``DistributedSampler`` does, also after a ``break`` in it; only a state loaded with
+        :meth:`load_state_dict` in ``epoch`` goes on where it was. Without it, an iteration
+        after a finished epoch takes the next epoch, and one after a ``break`` starts the
+        same epoch again.
         """
         if epoch != self._epoch or self._step >= self._epoch_sequence().steps:
             self._epoch, self._step, self._skip = epoch, 0, 0
+            self._resuming = False
 
     def _epoch_sequence(self) -> GlobalSequence:
         if not self._skip:
@@ -399,22 +413,31 @@ class DistributedLoader(Generic[T]):
     # -- iterating -----------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[T]:
+        self._epoch, self._step, self._skip = _iteration_start(
+            self._epoch, self._step, self._skip, self._epoch_sequence().steps, self._resuming
+        )
+        self._resuming = False
         sequence = self._epoch_sequence()
-        if self._step >= sequence.steps:  # the last epoch was finished: the next one
-            self._epoch, self._step, self._skip = self._epoch + 1, 0, 0
-            sequence = self._sequence
         epoch, first = self._epoch, self._step
         grid = sequence.grid(epoch)
         if self._fill_epoch is None:
             self._fill_epoch = epoch
-        copies = self._second is not None and epoch == self._fill_epoch
+        filling = epoch == self._fill_epoch
+        copies = self._second is not None and filling
+        fills = _to_fill(sequence, epoch) if filling else None
+        spread_over = sequence.steps - first  # the fills, over this iteration's steps
 
         def steps() -> Iterator[_Step]:
             for k in range(first, sequence.steps):
                 rows = sequence.step(epoch, k, grid)
                 plan = plan_for(rows, self._holder, self.rank, self._second, copies=copies)
                 beta = plan.exchanged / rows.size if rows.size else 0.0
-                yield _Step(epoch, k, plan, beta, rows.ravel())
+                members = rows.ravel()
+                if fills is not None and fills.size:
+                    extra = fills[k - first :: spread_over]
+                    plan = with_fills(plan, extra, self._holder, self.rank, self._second)
+                    members = np.concatenate([members, extra])
+                yield _Step(epoch, k, plan, beta, members)
 
         reads: Pipeline[_Step] = (
             PipelineBuilder[_Step]()
@@ -440,11 +463,26 @@ class DistributedLoader(Generic[T]):
                 yield batch
         except GeneratorExit:
             raise  # a break, or the loop's own exception dropping the iterator: drain
-        except BaseException:
+        except BaseException as error:
             leaving_early = False  # the loader's error (the others fail too): no drain
+            self._record_failure(error)
             raise
         finally:
             exchanger.stop(drain=leaving_early)
+
+    def _record_failure(self, error: BaseException) -> None:
+        # This rank's own failure (a read, a damaged sample, Ctrl-C), before its connections
+        # close: the peers that find it gone name it. A failure of the exchange is recorded
+        # already (the first record stays).
+        if self.world_size > 1:
+            lines = str(error).strip().splitlines()
+            text = lines[0] if lines else ""
+            self._exchange.first_failure.record(
+                self.rank,
+                f"rank {self.rank} raised {type(error).__name__}"
+                + (f": {text}" if text else "")
+                + f" (epoch {self._epoch}, step {self._step})",
+            )
 
     def _gather(self, item: _Step) -> _Step:
         # The bytes of what this rank keeps and sends (its cache, else storage) and of what it
@@ -452,6 +490,7 @@ class DistributedLoader(Generic[T]):
         # that no peer waits); the error, if over the budget, is raised after the exchange.
         plan = item.plan
         wanted = [plan.keep, plan.read, *(s for _, s in plan.sends), *(s for _, s in plan.copies)]
+        wanted.append(plan.fills)  # into the cache only (_get keeps what it holds)
         flat = np.concatenate(wanted).tolist()
         held = [True] * len(flat)
         held[len(plan.keep) : len(plan.keep) + len(plan.read)] = [False] * len(plan.read)
@@ -641,6 +680,7 @@ class DistributedLoader(Generic[T]):
             self._skip, self._step = int(state.get("skip", 0)), int(state["step"])
         else:
             self._skip, self._step = int(state["consumed"]), 0
+        self._resuming = True
 
     # -- the rest ------------------------------------------------------------------------------
 
@@ -666,6 +706,30 @@ class DistributedLoader(Generic[T]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _iteration_start(
+    epoch: int, step: int, skip: int, steps: int, resuming: bool
+) -> tuple[int, int, int]:
+    # Where a new iteration starts, as (epoch, step, skip), from where the last one left
+    # (``step`` of an epoch of ``steps``). A finished epoch: the next one. A state just
+    # loaded: where it was. Else, a break or an exception in the loop: the epoch again
+    # from its start, as a DataLoader over DistributedSampler starts it (``state_dict()``
+    # still says where the break was, for a checkpoint).
+    if step >= steps:
+        return epoch + 1, 0, 0
+    if resuming:
+        return epoch, step, skip
+    return epoch, 0, 0
+
+
+def _to_fill(sequence: GlobalSequence, epoch: int) -> np.ndarray:
+    # The samples the first epoch leaves out (drop_last), read into their holders' caches in
+    # it too: shuffled, the later epochs train on most of them, and would read them then.
+    # In order, the same ones are left out of every epoch: none.
+    if not sequence.shuffle:
+        return np.empty(0, dtype=np.int64)
+    return sequence.left_out(epoch)
 
 
 def _tag(epoch: int, step: int) -> int:

@@ -11,12 +11,14 @@ Where samples have a second holder (spare cache for replicas), :func:`~._replica
 first picks which holder of each such sample takes it, so that as few as possible travel.
 A rank's plan can also list the copies that fill the second holders' caches: each sample
 goes from the holder that takes it to its other holder (the loader sends them in its first
-epoch, when the samples are read from storage anyway).
+epoch, when the samples are read from storage anyway). :func:`with_fills` adds samples no
+step trains on (what ``drop_last`` leaves out of that epoch), for the caches only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import collections
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -24,7 +26,7 @@ import numpy as np
 from ._balance import balance
 from ._replicas import spread
 
-__all__ = ["RankPlan", "StepPlan", "plan_for", "plan_step"]
+__all__ = ["RankPlan", "StepPlan", "plan_for", "plan_step", "with_fills"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ class RankPlan:
         copies: ``(destination, samples)``: samples it takes whose other holder is the
             destination, to keep there (asked for with ``copies=True``; else empty).
         copies_in: ``(source, count)``: how many such copies each other rank sends it.
+        fills: Samples no step of the epoch trains on that it reads into its cache (see
+            :func:`with_fills`; else empty).
 
     """
 
@@ -83,6 +87,7 @@ class RankPlan:
     exchanged: int = 0
     copies: list[tuple[int, np.ndarray]] = field(default_factory=list)
     copies_in: list[tuple[int, int]] = field(default_factory=list)
+    fills: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
 
 
 @dataclass(frozen=True)
@@ -217,3 +222,35 @@ def plan_step(step: np.ndarray, holder: np.ndarray, second: np.ndarray | None = 
         sends.append((src, dst, flat[order[cursor[src] : cursor[src] + count]]))
         cursor[src] += count
     return StepPlan(keep=keep, read=read, sends=sends, size=flat.size)
+
+
+def with_fills(
+    plan: RankPlan,
+    samples: np.ndarray,
+    holder: np.ndarray,
+    rank: int,
+    second: np.ndarray | None = None,
+) -> RankPlan:
+    """``plan`` with ``samples``, which no step trains on, read into their holders' caches.
+
+    Each holder reads its own of them (``fills``) and, with replicas, sends each a copy to
+    its second holder in the step's message, as the first epoch does for the samples it
+    trains on; every rank computes the same from ``samples`` (the same on every rank).
+    """
+    owner = np.take(holder, samples)
+    fills = samples[owner == rank]
+    if second is None:
+        return replace(plan, fills=fills)
+    other = np.take(second, samples)
+    out = (owner == rank) & (other >= 0)
+    copies = {dst: [indices] for dst, indices in plan.copies}
+    for dst in np.unique(other[out]).tolist():
+        copies.setdefault(dst, []).append(samples[out & (other == dst)])
+    incoming = collections.Counter(dict(plan.copies_in))
+    incoming.update(owner[(other == rank) & (owner >= 0)].tolist())
+    return replace(
+        plan,
+        fills=fills,
+        copies=[(dst, np.concatenate(parts)) for dst, parts in sorted(copies.items())],
+        copies_in=sorted(incoming.items()),
+    )

@@ -78,8 +78,8 @@ class GlobalSequence:
             return self.per_rank // self.local_batch
         return math.ceil(self.per_rank / self.local_batch)
 
-    def order(self, epoch: int) -> np.ndarray:
-        """The epoch's padded (or cut) order of sample indices, as DistributedSampler's."""
+    def _drawn(self, epoch: int) -> np.ndarray:
+        # The epoch's order of the samples not skipped, before padding or cutting.
         if self.shuffle:
             torch = require_torch("DistributedSampler's shuffled order")
             generator = torch.Generator()
@@ -88,7 +88,21 @@ class GlobalSequence:
             base: np.ndarray = drawn.numpy().astype(np.int64)
         else:
             base = np.arange(self.size, dtype=np.int64)
-        base = base[self.skip :]
+        return base[self.skip :]
+
+    def left_out(self, epoch: int) -> np.ndarray:
+        """The samples of the epoch's order that none of its steps has (with ``drop_last``).
+
+        The tail that fills no whole world (the sampler's cut) or no whole local batch (the
+        loader's); without ``drop_last``, none: the order is padded.
+        """
+        if not self.drop_last:
+            return np.empty(0, dtype=np.int64)
+        return self._drawn(epoch)[self.steps * self.local_batch * self.world :]
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The epoch's padded (or cut) order of sample indices, as DistributedSampler's."""
+        base = self._drawn(epoch)
         total = self.per_rank * self.world
         if total <= base.size:
             return base[:total]

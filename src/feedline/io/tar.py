@@ -11,8 +11,9 @@ groups consecutive files by key, as WebDataset does.
 It reads ustar, GNU (long names, base-256 sizes) and pax (``path`` and ``size`` records)
 archives, as ``tarfile`` writes them. Links, directories and devices are skipped. Whatever
 does not add up raises :class:`ValueError` naming the shard and the byte offset: a header
-whose checksum fails, a size field that is not a number, a member that runs past the end, an
-archive that ends without its end-of-archive block (a truncated download looks like that).
+whose checksum fails, a size field that is not a number (or is negative), a member that runs
+past the end, an archive that ends without its end-of-archive block (a truncated download
+looks like that). Each header moves the walk forward, so any input ends it.
 A member's bytes carry no checksum in the format, so damage inside them cannot be seen here.
 """
 
@@ -158,12 +159,23 @@ def _check_sum(block: bytes, shard: str, offset: int) -> None:
         ) from None
     unsigned = _byte_sum(block) - sum(block[148:156]) + 8 * 0x20
     if stored != unsigned:
-        signed = unsigned - 2 * sum(b for b in block if b > 127)  # old tars summed signed
+        # Old tars summed the bytes as signed chars: each byte over 127 counts 256 less (the
+        # checksum field itself counts as spaces, which are below).
+        high = _high_count(block) - _high_count(block[148:156])
+        signed = unsigned - 256 * high
         if stored != signed:
             raise ValueError(
                 f"{shard}: the header at offset {offset} fails its checksum (stored {stored}, "
                 f"computed {unsigned}): the archive is damaged"
             )
+
+
+_HIGH = bytes(range(128, 256))
+
+
+def _high_count(raw: bytes) -> int:
+    # How many of the bytes are over 127.
+    return len(raw) - len(raw.translate(None, _HIGH))
 
 
 def _byte_sum(block: bytes) -> int:
@@ -189,12 +201,18 @@ def _number(field: bytes, shard: str, offset: int) -> int:
         return value
     digits = field.rstrip(b"\0 ").lstrip(b" ")
     try:
-        return int(digits or b"0", 8)
+        value = int(digits or b"0", 8)
     except ValueError:
         raise ValueError(
             f"{shard}: the header at offset {offset} has a size that is not a number "
             f"({field!r}): the archive is damaged"
         ) from None
+    if value < 0:  # int() takes a sign: the walk would go back to an earlier header, for ever
+        raise ValueError(
+            f"{shard}: the header at offset {offset} has a negative size ({field!r}): the "
+            "archive is damaged"
+        )
+    return value
 
 
 def _name(block: bytes) -> str:

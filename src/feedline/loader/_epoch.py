@@ -21,10 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from feedline._extras import require_torch
+from feedline._ledger import ledger_check
 from feedline.errors import ConfigurationError, add_note
 from feedline.pipeline import Pipeline, PipelineBuilder, PipelineStats
 
 from ._fetch import BatchFetcher, Collated, FailureTally, Task
+from ._ledgers import LoaderLedger, stream_batch_taken
 from ._pool import thread_times
 from ._rewind import GeneratorRewind, sampler_generators
 from ._seeds import RngWatch
@@ -158,6 +160,7 @@ class EpochIterator(Generic[T]):
         # The loader keeps the position, so that its state_dict() describes this epoch even
         # after this iterator is dropped.
         self.position = loader._position = position
+        position.ledger = _ledger(loader, state)
         # A strong reference: ``for batch in DataLoader(...)`` drops the loader at once, and
         # its worker processes must live until the epoch ends.
         self._loader: DataLoader[T] | None = loader
@@ -292,6 +295,7 @@ class EpochIterator(Generic[T]):
             frozenset(self.position.ahead),
             self._sampler_states,
             self._rewinder,
+            self.position.ledger,
         )
         if tl.num_workers > 0:
             loader._worker_set().start(base_seed, count=1)  # before the sampler's first draw
@@ -402,6 +406,9 @@ class EpochIterator(Generic[T]):
             except EOFError:
                 self.position.finished = True
                 self.close()
+                ledger = self.position.ledger
+                if ledger is not None:
+                    ledger.check(self.position, end=True)  # LedgerError in StopIteration's place
                 raise StopIteration from None
             except TimeoutError:
                 self.close()
@@ -418,7 +425,7 @@ class EpochIterator(Generic[T]):
                     self.position.finished = item.last
                     self.close()
                 else:  # this batch raises; the next call goes on with the next one
-                    self._count(item.number, item.dataset_state)
+                    self._count(item.number, item.dataset_state, "raised")
                 error = item.error
                 # The traceback keeps this frame: without its references (the iterator, and
                 # the error itself, a cycle), an iterator that a loop left with the error is
@@ -430,7 +437,7 @@ class EpochIterator(Generic[T]):
                 finally:
                     del error
             number, batch, dataset_state = item
-            self._count(number, dataset_state)
+            self._count(number, dataset_state, "skipped" if batch is _SKIP else "delivered")
             if batch is _SKIP:
                 continue
             return batch  # type: ignore[no-any-return]
@@ -454,16 +461,28 @@ class EpochIterator(Generic[T]):
         self._fetcher.consumer_took(waited, computing)
         self._left = (None, 0.0) if waited else (asked, asked_cpu)
 
-    def _count(self, number: int, dataset_state: tuple[int, Any] | StreamMark | None) -> None:
+    def _count(
+        self, number: int, dataset_state: tuple[int, Any] | StreamMark | None, outcome: str
+    ) -> None:
+        # ``outcome``: the batch was "delivered", all its items were "skipped" within the
+        # failure budget, or it "raised" in their place.
         position = self.position
+        ledger = position.ledger
         slot: tuple[int, Any] | None
         if isinstance(dataset_state, StreamMark):  # an iterable dataset's worker batch
             worker, batch, state = dataset_state
-            if position.worker_batches is not None:
+            if position.worker_batches is not None and stream_batch_taken(outcome):
                 position.worker_batches[worker] = batch + 1
                 position.worker_turn = (worker + 1) % len(position.worker_batches)
+            if ledger is not None and outcome == "delivered":
+                ledger.deliver(batch, worker)
             slot = None if state is None else (worker, state)
         else:
+            if ledger is not None:
+                if outcome == "delivered":
+                    ledger.deliver(number)
+                else:
+                    ledger.fail(number)
             slot = dataset_state
         if slot is not None and position.dataset_states is not None:
             position.dataset_states[slot[0]] = slot[1]
@@ -623,21 +642,27 @@ def _numbered(
     ahead: frozenset[int],
     states: dict[int, Any],
     rewinder: GeneratorRewind,
+    ledger: LoaderLedger | None,
 ) -> Iterator[Task]:
     """Number the sampler's batches from ``skip``, past the ``replay`` already handed out.
 
     A stateful sampler's state is read after each batch is drawn, in the source's thread, and
     kept in ``states`` until the batch is handed out; so are the generators' (``rewinder``).
+    Once the sampler is drawn to its end, ``ledger`` learns how many batches the epoch has.
     """
     if rewinder and replay == 0:
         rewinder.drawn(skip - 1)  # before the first batch is drawn
+    drawn = skip
     for n, b in zip(itertools.count(skip), itertools.islice(batches, replay, None)):
         if sampler is not None:
             states[n] = copy.deepcopy(sampler.state_dict())  # it may change what it gave
         if rewinder:
             rewinder.drawn(n)
+        drawn = n + 1
         if n not in ahead:
             yield n, b
+    if ledger is not None:
+        ledger.plan(drawn)
 
 
 def _seed_chain(loader: DataLoader[Any], state: dict[str, Any] | None) -> tuple[int, int] | None:
@@ -695,3 +720,17 @@ def _check_stream_workers(state: dict[str, Any], workers: int) -> None:
             "so its position only holds with as many; resume with the same num_workers (or "
             "from the start of the next epoch)"
         )
+
+
+def _ledger(loader: DataLoader[Any], state: dict[str, Any] | None) -> LoaderLedger | None:
+    """The epoch's ledger: anew, or the saved epoch's (none where a saved state has none)."""
+    if not ledger_check():
+        return None
+    tl = loader._torch_loader
+    workers = tl.num_workers if loader._iterable and tl.num_workers > 0 else None
+    if state is None or state["finished"]:
+        return LoaderLedger(workers)
+    saved = state.get("ledger")
+    if not isinstance(saved, list) or len(saved) != (workers or 1):
+        return None  # saved without one (or by another loader: iter() says so)
+    return LoaderLedger(workers, saved)

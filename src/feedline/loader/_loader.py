@@ -17,6 +17,7 @@ the epoch, and the epochs after it, are what an uninterrupted run yields.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import warnings
@@ -25,11 +26,13 @@ from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 from feedline._extras import require_torch
+from feedline._ledger import ledger_check
 from feedline.errors import ConfigurationError
 from feedline.pipeline import Auto, PipelineStats
 
 from ._concurrency import FetchConcurrency
 from ._epoch import EpochIterator
+from ._ledgers import LoaderLedger
 from ._state import Position, check_state
 from ._workers import WorkerSet
 
@@ -263,14 +266,27 @@ class DataLoader(Generic[T]):
 
         Each stage's concurrency and timings, the bottleneck, and the tuner's decisions: the
         ``fetch`` stage's concurrency is the batches fetched at once (tuned under
-        ``fetch_concurrency="auto"``), ``collate_fn`` the collation. ``None`` before the first
-        epoch, and when the batches come straight from worker processes (``num_workers > 0``
-        without ``pin_memory``), where no pipeline runs in this process.
+        ``fetch_concurrency="auto"``), ``collate_fn`` the collation. ``ledger`` counts the
+        epoch's batches planned, handed out, failed, handed out twice and never (see the
+        loader README). ``None`` before the first epoch. When the batches come straight from
+        worker processes (``num_workers > 0`` without ``pin_memory``), no pipeline runs in
+        this process: no stages, and the ledger alone.
         """
         current = self._current() if self._current is not None else None
-        if current is not None and not current._closed:
-            return current.stats()
-        return self._last_stats
+        running = current is not None and not current._closed
+        stats = current.stats() if running and current is not None else self._last_stats
+        position = self._position
+        ledger = None if position is None or position.ledger is None else position.ledger.stats()
+        if stats is None:
+            if ledger is None:
+                return None
+            stats = PipelineStats(
+                elapsed=0.0,
+                stages=(),
+                bottleneck="workers",
+                reason="the batches come straight from the worker processes",
+            )
+        return dataclasses.replace(stats, ledger=ledger)
 
     @property
     def in_flight(self) -> int:
@@ -363,8 +379,32 @@ class DataLoader(Generic[T]):
         return generator.get_state() if generator is not None else _torch().get_rng_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`: the next ``iter()`` continues where it stood."""
-        self._pending = check_state(state, self._torch_loader.generator is not None)
+        """Resume from :meth:`state_dict`: the next ``iter()`` continues where it stood.
+
+        Raises:
+            ValueError: ``state`` is not a state this loader saved.
+            LedgerError: The state's position does not match the batches its epoch handed
+                out (its ledger): resuming from it would repeat or lose batches.
+
+        """
+        checked = check_state(state, self._torch_loader.generator is not None)
+        tl = self._torch_loader
+        streams = tl.num_workers if self._iterable and tl.num_workers > 0 else None
+        saved = checked["ledger"]
+        if (
+            isinstance(saved, list)
+            and len(saved) == (streams or 1)  # else iter() says the worker counts differ
+            and not checked["finished"]
+            and ledger_check()
+        ):
+            position = Position(
+                None,
+                yielded=int(checked["batches_yielded"]),
+                ahead=set(checked["yielded_ahead"]),
+                worker_batches=checked["worker_batches"],
+            )
+            LoaderLedger(streams, saved).check(position, end=False)
+        self._pending = checked
 
 
 def _check_count(name: str, value: Any) -> None:

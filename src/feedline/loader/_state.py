@@ -71,6 +71,7 @@ class Position:
             draws it once per persistent iterator), so that they shuffle as PyTorch's do.
         worker_batches: An iterable dataset with workers: per worker, its batches handed
             out; ``worker_turn``, the worker whose batch comes next.
+        ledger: The epoch's :class:`~._ledgers.LoaderLedger` (``None``: not checked).
 
     """
 
@@ -83,6 +84,7 @@ class Position:
     seed_chain: tuple[int, int] | None = None
     worker_batches: list[int] | None = None
     worker_turn: int = 0
+    ledger: Any = None
 
     def to_state(self, own_generator: bool, rng_now: Any) -> dict[str, Any]:
         """The ``state_dict()`` of a loader at this position.
@@ -119,6 +121,7 @@ class Position:
             "persistent_seed": None if chain is None else list(chain),
             "worker_batches": None if streams is None else list(streams),
             "worker_turn": turn,
+            "ledger": None if self.finished or self.ledger is None else self.ledger.state_dict(),
         }
 
 
@@ -144,6 +147,7 @@ def check_state(state: Any, own_generator: bool) -> dict[str, Any]:
     out.setdefault("persistent_seed", None)
     out.setdefault("worker_batches", None)
     out.setdefault("worker_turn", 0)
+    out.setdefault("ledger", None)
     return out
 
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 import multiprocessing as mp
 import os
 import pickle
 import random
-import threading
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait as wait_for
@@ -30,10 +30,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from feedline._fork import obstore_started_in
 from feedline.errors import ConfigurationError
 from feedline.pipeline import PipelineBuilder, SubprocessIterable
-from feedline.pipeline._queues import await_closed_queues, close_queue, write_first
+from feedline.pipeline._forking import fork_hazards
+from feedline.pipeline._queues import close_queue, write_first
 from feedline.pipeline._subprocess import _CLOSE_GRACE, _DEFAULT_SHM_MIN, _POLL, _Abandoned
 
 from ._collate import shm_collate_for
@@ -43,6 +43,8 @@ from ._fetch import BatchFetcher, Task, collate_in_worker, failed_in_worker
 from ._state import is_stateful
 
 __all__ = ["StreamMark", "WorkerSet"]
+
+_log = logging.getLogger("feedline.loader")
 
 
 class StreamMark(NamedTuple):
@@ -285,13 +287,17 @@ def _identity(items: Any) -> Any:
     return items
 
 
-def _not_picklable(dataset: Any, init: Any, error: BaseException) -> ConfigurationError:
-    """Say which part of the dataset (or worker_init_fn) cannot be sent to a worker."""
+def _not_picklable(
+    dataset: Any, parts: dict[str, Any], error: BaseException, why: str
+) -> ConfigurationError:
+    """Say which part of the dataset (or which other argument) cannot be sent to a worker."""
     culprit = "the dataset"
-    try:
-        pickle.dumps(init)
-    except Exception:
-        culprit = "worker_init_fn"
+    for name, value in parts.items():
+        try:
+            pickle.dumps(value)
+        except Exception:
+            culprit = name
+            break
     else:
         for name, value in getattr(dataset, "__dict__", {}).items():
             try:
@@ -301,14 +307,10 @@ def _not_picklable(dataset: Any, init: Any, error: BaseException) -> Configurati
                 break
     return ConfigurationError(
         f"{culprit} cannot be sent to the worker processes: {error}. Worker processes start "
-        "with forkserver or spawn, which pickle it: define functions at module level (not "
-        "lambdas or local functions), or use num_workers=0, whose threads need no pickling"
+        f"with {why}, which pickles it: define functions at module level (not lambdas or "
+        "local functions), or use num_workers=0, whose threads need no pickling"
     )
 
-
-_FEEDERS_SECONDS = 0.5
-"""How long starting workers waits for the feeder threads of the queues closed with the last
-workers (they leave within a millisecond or so) before it judges whether it may fork."""
 
 _SETTLE_SECONDS = 1.0
 """How long persistent workers left mid-epoch get to finish their batch before they are ended
@@ -349,8 +351,9 @@ class WorkerSet:
         worker_init_fn: Called with the worker id in each worker, once, before its first
             epoch and after the seeding (as in PyTorch).
         mp_context: Start method (``"spawn"`` or ``"forkserver"``), or ``None``: ``"fork"``
-            when the process runs no other thread as an epoch starts (what PyTorch does,
-            without its risk), else ``"forkserver"``.
+            where no thread of the process makes it unsafe as an epoch starts (what PyTorch
+            does, without its risk: see :mod:`feedline.pipeline._forking`), else
+            ``"forkserver"``.
         timeout: Seconds to wait for a batch (None: no limit).
         persistent: The workers serve several epochs: an epoch left early lets each finish
             its current batch and keeps it, instead of ending it at once.
@@ -390,7 +393,9 @@ class WorkerSet:
         self._in_order = in_order
         self._dataset = dataset
         self._init = worker_init_fn
+        self._collate = collate_fn
         self._auto = mp_context is None
+        self._told = False  # why the workers do not fork was logged
         method = mp_context or "forkserver"
         self._ctx = mp.get_context(method)
         if mp_context == "forkserver":
@@ -448,29 +453,32 @@ class WorkerSet:
 
     def _start_method(self) -> str | None:
         # Here, in the thread that asks for the epoch (the training thread, before the
-        # epoch's pipeline starts any thread): with no other thread running, a fork is as
-        # safe as PyTorch's and starts a worker in milliseconds; otherwise the fork server.
-        # obstore's runtime threads count, though Python does not see them: a process that
-        # read through a RemoteStore (listed its keys, say) forks children that cannot.
+        # epoch's pipeline starts any thread): where a fork is as safe as PyTorch's, it
+        # starts a worker in milliseconds; otherwise the fork server.
         if not self._auto or all(w.pid is not None for w in self._workers):
             return None
-        await_closed_queues(_FEEDERS_SECONDS)  # the last epoch's: they leave at once
-        return "fork" if self._alone() else "forkserver"
+        return "fork" if self._may_fork() else "forkserver"
 
-    @staticmethod
-    def _alone() -> bool:
-        return (
-            threading.active_count() == 1
-            and obstore_started_in() is None
-            and "fork" in mp.get_all_start_methods()
-        )
+    def _may_fork(self) -> bool:
+        if "fork" not in mp.get_all_start_methods():
+            return False
+        hazards = fork_hazards()
+        if hazards and not self._told:
+            self._told = True
+            _log.info(
+                "DataLoader workers start with the fork server (slower to start than a fork, "
+                "and the dataset must pickle): this process runs %s, which a forked worker "
+                "would inherit half-alive",
+                ", ".join(sorted(set(hazards))),
+            )
+        return not hazards
 
     def _start_one(
         self, worker: Any, shares: _Shares, method: str | None, base_seed: int | None
     ) -> None:
         if worker.pid is not None:
             return
-        if method == "fork" and not self._alone():
+        if method == "fork" and not self._may_fork():
             method = "forkserver"  # a thread started since: forking is no longer safe
         if method == "forkserver":
             _preload_forkserver()
@@ -482,7 +490,12 @@ class WorkerSet:
         except (pickle.PicklingError, AttributeError, TypeError) as error:
             if "pickle" not in str(error):
                 raise
-            raise _not_picklable(self._dataset, self._init, error) from error
+            why = method or self._ctx.get_start_method()
+            hazards = sorted(set(fork_hazards())) if self._auto else []
+            if hazards:
+                why += f" (not a fork: this process runs {', '.join(hazards)})"
+            parts = {"worker_init_fn": self._init, "collate_fn": self._collate}
+            raise _not_picklable(self._dataset, parts, error, why) from error
         finally:
             shares.seed = None
 

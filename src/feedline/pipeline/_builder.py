@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import pickle
@@ -480,6 +481,19 @@ class PipelineBuilder(Generic[T]):
         self._has_sink = True
         self._sink_size = buffer_size
         return self
+
+    def _with_executors(self, swap: Callable[[str, Executor], Executor]) -> PipelineBuilder[T]:
+        # A copy whose stages run in swap(stage name, executor) instead of their executors
+        # (those sent to a child process as recipes, and made again there: see _recipes).
+        clone = copy.copy(self)
+        clone._names = set(self._names)
+        clone._stages = [
+            dataclasses.replace(s, executor=swap(s.name, s.executor))
+            if isinstance(s, PipeConfig) and s.executor is not None
+            else s
+            for s in self._stages
+        ]
+        return clone
 
     # -- build --------------------------------------------------------------------------------
 

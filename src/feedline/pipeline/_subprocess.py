@@ -29,6 +29,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Generic, TypeVar
 
@@ -44,7 +45,9 @@ from feedline.errors import (
 
 from ._builder import PipelineBuilder
 from ._lifetime import die_with_parent
+from ._pipeline import Pipeline
 from ._queues import close_queue, write_first
+from ._recipes import made_again, with_recipes
 from ._shm import (
     SHM_AVAILABLE,
     SegmentNames,
@@ -121,6 +124,23 @@ def _child_main(
     # cores busy with the other workers' starts), before this child's first item.
     if not write_first(data_q, ("ready",)):
         data_q.put(("ready",))
+    try:
+        _serve(iterable, cmd_q, data_q, stop, shm_min, names, begin)
+    finally:
+        if isinstance(iterable, _ChildPipeline):
+            iterable.close()  # its executors are this process's to shut down
+
+
+def _serve(
+    iterable: Iterable[Any],
+    cmd_q: Any,
+    data_q: Any,
+    stop: Any,
+    shm_min: float,
+    names: SegmentNames,
+    begin: bool,
+) -> None:
+    # One pass over the iterable per "epoch" command, until another command comes.
     while True:
         command = "epoch" if begin else cmd_q.get()  # begin: the first pass is asked already
         begin = False
@@ -146,11 +166,17 @@ class _Abandoned(Exception):
     """The consumer's pipeline stopped while this epoch waited for the child."""
 
 
+class _Closed(_Abandoned):
+    """close() ended (or is ending) the child of this epoch: the epoch ends, as if stopped."""
+
+
 class _Child:
     """The process and queues behind a SubprocessIterable (what its finalizer may touch).
 
-    Closing is re-entrant: an interrupt in the middle leaves the process recorded, and the next
-    call (or the finalizer) finishes the job.
+    Closing is re-entrant: each of its steps may be taken again, and the process stays
+    recorded, with ``closing`` set, until the last one is done. An interrupt in the middle
+    (a second Ctrl-C) leaves it so; the next call, the next epoch or the finalizer finishes
+    the job.
     """
 
     def __init__(self) -> None:
@@ -162,6 +188,14 @@ class _Child:
         # dead); re-entrant, so that a close interrupted and called again goes on.
         self.lock = threading.RLock()
         self.owner = os.getpid()  # a forked copy (a worker of another loader) owns no child
+        # The child serves no further epoch: a close is under way, or an interrupt cut one
+        # short, or the child was asked to leave. Set before anything is done to the child,
+        # so that a reader who sees it gone knows it was ended, not that it died.
+        self.closing = False
+        # An epoch was asked of the child and its end ("end" or "error") not read: its items
+        # may still come, and the next epoch would take them for its own. A clean-up that an
+        # interrupt cut short leaves it set.
+        self.epoch_open = False
 
     def ask_to_leave(self) -> None:
         """Ask the child to end its epoch after its current item, then exit."""
@@ -169,6 +203,7 @@ class _Child:
         if process is None or getattr(process, "_popen", None) is None:
             return
         if process.exitcode is None:
+            self.closing = True
             if self.stop is not None:
                 self.stop.set()
             with contextlib.suppress(OSError, ValueError):
@@ -178,9 +213,15 @@ class _Child:
         if os.getpid() != self.owner:
             return
         with self.lock:
+            if self.process is not None:
+                self.closing = True
             self._close(grace)
 
     def _close(self, grace: float) -> None:
+        # Every step may run again (after an interrupt): the joins, Queue.close and the
+        # removal of what is left are idempotent. The process is forgotten last (its pid
+        # and exit code stay readable until then; what Process.close frees, a collection
+        # frees too).
         process = self.process
         if process is None:
             return
@@ -194,11 +235,13 @@ class _Child:
             if process.exitcode is None:
                 process.kill()
                 process.join()
-        self.process = None
         if self.cmd_q is not None:
             close_queue(self.cmd_q)  # the reader is gone: never wait to flush to it
         # What the child made and nobody mapped: items in flight or in the queue.
         remove_prefixed(self.shm_prefix)
+        self.epoch_open = False
+        self.process = None
+        self.closing = False
         with contextlib.suppress(ValueError):
             process.close()
 
@@ -240,7 +283,16 @@ class SubprocessIterable(Generic[T]):
     item and drains what was in flight, so that the next epoch reuses the child. An exception
     in the consumer (``KeyboardInterrupt``) ends the child at once instead, and the next epoch
     starts a new one: the exception reaches the caller without waiting for the child's item.
-    Nothing the child made (shared-memory segments) outlives it.
+    Nothing the child made (shared-memory segments) outlives it. A clean-up that a second
+    Ctrl-C cuts short is finished by the next :meth:`close` or the next epoch, which then
+    starts a new child: that epoch yields every item, never the ones (or the end) the
+    interrupted epoch's child was still sending.
+
+    Closing from another thread: :meth:`close` (or :meth:`ask_to_leave`) while an epoch is
+    being iterated ends that iteration as the end of the epoch does, without an error, as
+    :meth:`Pipeline.stop() <feedline.Pipeline.stop>` from another thread ends a pipeline's
+    loop; the items still on their way are dropped. An error is raised only for a child
+    that died by itself (:class:`~feedline.SubprocessDied`) or failed.
     """
 
     def __init__(
@@ -293,6 +345,8 @@ class SubprocessIterable(Generic[T]):
 
     def _launch(self, method: str | None = None, begin: bool = False) -> None:
         # Start the child without waiting for it: several children start at once.
+        if self._child.closing:
+            self.close()  # one that an interrupt cut short, or a child asked to leave
         if self._child.process is not None:
             return
         ctx = self._ctx if method is None else mp.get_context(method)
@@ -303,6 +357,7 @@ class SubprocessIterable(Generic[T]):
         child.shm_prefix = SegmentNames.new_prefix()
         self._ready = False
         self._requested = begin
+        child.epoch_open = begin
         process = ctx.Process(  # type: ignore[attr-defined]
             target=_child_main,
             args=(
@@ -338,6 +393,9 @@ class SubprocessIterable(Generic[T]):
     ) -> tuple[Any, ...]:
         start = time.monotonic()
         while True:
+            if self._closed():
+                # What is still queued refers to segments the close removed.
+                raise _Closed
             waited = time.monotonic() - start
             try:
                 message: Any = self._data_q.get(
@@ -353,14 +411,20 @@ class SubprocessIterable(Generic[T]):
                 if process is not None and not isinstance(error, queue.Empty):
                     process.join(1.0)  # the pipe broke: the child is gone or going
                 if process is None or process.exitcode is not None:
-                    pid = None if process is None else process.pid
-                    code = None if process is None else process.exitcode
+                    # Looked at after the exit was seen: close() marks the child first.
+                    if process is None or self._closed():
+                        raise _Closed from None  # ended by close(), not dead
+                    pid, code = process.pid, process.exitcode
                     self._child.close()
                     raise self._died(pid, code) from None
                 if timeout is not None and time.monotonic() - start >= timeout:
                     raise TimeoutError(f"no item from {self._name} within {timeout} s") from None
 
-    def _died(self, pid: int | None, code: int | None) -> SubprocessDied:
+    def _closed(self) -> bool:
+        # close() (from another thread) or ask_to_leave() ended, or is ending, the child.
+        return self._child.closing or self._child.process is None
+
+    def _died(self, pid: int, code: int | None) -> SubprocessDied:
         error = SubprocessDied("", pid, code)
         how = (
             f"was killed by {error.signal}"
@@ -413,7 +477,8 @@ class SubprocessIterable(Generic[T]):
         iterator then ends without error. A pipeline whose source this is passes its own
         stop, so stopping that pipeline (Ctrl-C, ``break``) does not wait for the child.
         With ``settle=False`` the iterator leaves the child as it is and raises
-        ``_Abandoned`` instead: its owner settles several children together.
+        ``_Abandoned`` instead: its owner settles several children together (it raises that,
+        too, when :meth:`close` ended the child meanwhile).
         """
         if self._iterating:
             raise RuntimeError(
@@ -421,9 +486,11 @@ class SubprocessIterable(Generic[T]):
             )
         self._iterating = True
         try:
+            self._end_unsettled()
             self._launch()
             if not self._requested:
                 self._child.stop.clear()
+                self._child.epoch_open = True
                 self._child.cmd_q.put("epoch")  # read by the child once it is ready
             self._requested = False
         except BaseException:
@@ -435,6 +502,13 @@ class SubprocessIterable(Generic[T]):
         next(epoch)  # into its try block: closing it now, unstarted, still cleans up
         return epoch
 
+    def _end_unsettled(self) -> None:
+        # An epoch whose clean-up an interrupt cut short (a second Ctrl-C) may have left its
+        # child sending that epoch's items, or its "end", which this epoch would take for
+        # its own (and end with no item): that child is ended, and a new one serves.
+        if self._child.epoch_open and not self._requested:
+            self.close()
+
     def _epoch(self, stopping: Callable[[], bool] | None, settle: bool) -> Iterator[T]:
         finished = False
         graceful = False  # left by the consumer (break, a stop): the child may be kept
@@ -445,13 +519,26 @@ class SubprocessIterable(Generic[T]):
                 message = self._receive(self._timeout, stopping)
                 kind = message[0]
                 if kind == "item":
-                    yield unpack(message[1])
+                    try:
+                        value = unpack(message[1])
+                    except FileNotFoundError:
+                        if self._closed():  # taken as a close removed its segments
+                            raise _Closed from None
+                        raise
+                    yield value
                 elif kind == "end":
                     finished = True
+                    self._child.epoch_open = False
                     return
                 else:
                     finished = True
+                    self._child.epoch_open = False
                     self._raise(message, "in the child process")
+        except _Closed:
+            finished = True  # whoever closed it ends the child: nothing to settle
+            if not settle:
+                raise  # an _Abandoned: the owner ends its epoch
+            return
         except _Abandoned:
             if not settle:
                 self._settled = True  # the owner settles this child
@@ -476,9 +563,11 @@ class SubprocessIterable(Generic[T]):
         if self._iterating:
             raise RuntimeError("this subprocess iterable is being iterated; finish that loop first")
         try:
+            self._end_unsettled()
             self._launch()
             if not self._requested:
                 self._child.stop.clear()
+                self._child.epoch_open = True
                 self._child.cmd_q.put("epoch")
                 self._requested = True
         except BaseException:
@@ -536,8 +625,9 @@ class SubprocessIterable(Generic[T]):
                 if message[0] == "item":
                     release(message[1])  # never mapped: its segments are just removed
                 else:
+                    self._child.epoch_open = False
                     return True
-        except (TimeoutError, SubprocessFailure):
+        except (TimeoutError, SubprocessFailure, _Closed):
             return False
 
     def ask_to_leave(self) -> None:
@@ -549,10 +639,12 @@ class SubprocessIterable(Generic[T]):
 
         The child gets ``grace`` seconds to leave by itself, then is terminated. Idempotent
         and safe to call again after an interrupt; iterating again later starts a new child.
-        Shared-memory segments the child made and nobody mapped are removed.
+        Shared-memory segments the child made and nobody mapped are removed. Called from
+        another thread mid-epoch, the loop iterating this ends quietly (``StopIteration``),
+        as after :meth:`Pipeline.stop() <feedline.Pipeline.stop>`: it is not a failure.
         """
-        self._child.close(grace)  # the finalizer stays armed for whichever child runs last
         self._ready = False
+        self._child.close(grace)  # the finalizer stays armed for whichever child runs last
 
     def __enter__(self) -> SubprocessIterable[T]:
         return self
@@ -616,8 +708,34 @@ def iterate_in_subprocess(
     )
 
 
+class _ChildPipeline:
+    """The pipeline a child built, with the executors it made for its stages (it owns them)."""
+
+    def __init__(self, pipeline: Pipeline[Any], executors: list[Executor]) -> None:
+        self._pipeline = pipeline
+        self._executors = executors
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._pipeline)
+
+    def close(self) -> None:
+        """Stop the pipeline and shut its executors down (the child is leaving)."""
+        self._pipeline.stop()
+        for executor in self._executors:
+            executor.shutdown(wait=True, cancel_futures=True)
+
+
 def _build(builder: PipelineBuilder[Any], options: dict[str, Any]) -> Iterable[Any]:
-    return builder.build(**options)
+    # In the child. It may start processes (process pools, process regions), as the main
+    # process may: its parent still ends it as a daemon, and those processes end with it.
+    mp.current_process().daemon = False
+    builder, executors = made_again(builder)
+    try:
+        return _ChildPipeline(builder.build(**options), executors)
+    except BaseException:
+        for executor in executors:
+            executor.shutdown(wait=False, cancel_futures=True)
+        raise
 
 
 def run_pipeline_in_subprocess(
@@ -643,6 +761,18 @@ def run_pipeline_in_subprocess(
     one epoch each time the result is iterated. The
     other arguments are those of :func:`iterate_in_subprocess`. The result is iterable, so it
     can be the source of another pipeline (for example one that moves batches to the GPU).
+
+    A stage's own ``executor=`` does not cross to the child (it holds threads, locks,
+    worker processes): a ``ThreadPoolExecutor`` or ``ProcessPoolExecutor`` is made again
+    there, of the same kind with the same ``max_workers``, initializer and start method; the
+    child owns it and shuts it down when it leaves, and the one given here runs nothing.
+    The child may start processes (process pools, ``pipe_in_processes`` regions); they end
+    with it.
+
+    Raises:
+        ConfigurationError: On invalid arguments; or a stage's executor of another kind that
+            does not pickle (or an initializer that does not), naming the stage.
+
     """
     options: dict[str, Any] = {
         "num_threads": num_threads,
@@ -654,7 +784,7 @@ def run_pipeline_in_subprocess(
     }
     builder.build(**options)  # validate here, where the error is easy to read
     return iterate_in_subprocess(
-        functools.partial(_build, builder, options),
+        functools.partial(_build, with_recipes(builder), options),
         buffer_size=buffer_size,
         timeout=timeout,
         mp_context=mp_context,

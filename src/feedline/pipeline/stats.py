@@ -18,6 +18,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from feedline._ledger import LedgerStats
+
 from ._queue import ChannelStats, window_share
 
 __all__ = ["PipelineStats", "StageStats"]
@@ -247,6 +249,9 @@ class PipelineStats:
         tuning: The tuner's last decisions (``build(autotune=True)``, ``concurrency="auto"``),
             oldest first, each with the seconds into the run it was taken.
         tuner_cpu: CPU seconds the tuner has used in this run (0 without one).
+        ledger: What the epoch's ledger holds (resumable pipelines, DataLoaders): items
+            planned, delivered, failed, delivered twice and never (see ``_ledger.py``);
+            ``None`` where no ledger is kept.
 
     """
 
@@ -256,6 +261,7 @@ class PipelineStats:
     reason: str
     tuning: tuple[str, ...] = ()
     tuner_cpu: float = 0.0
+    ledger: LedgerStats | None = None
 
     def since(self, earlier: PipelineStats) -> PipelineStats:
         """What happened between ``earlier`` and this snapshot, and the bottleneck then.
@@ -286,6 +292,7 @@ class PipelineStats:
             reason=reason,
             tuning=self.tuning,
             tuner_cpu=self.tuner_cpu - earlier.tuner_cpu,
+            ledger=self.ledger,
         )
 
     def __getitem__(self, name: str) -> StageStats:

@@ -1,0 +1,39 @@
+"""When a rank fails, the others raise at once, and name the rank that failed first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from . import _ranks
+from ._ranks import run_ranks
+
+pytestmark = [pytest.mark.timeout(300)]
+
+
+def test_a_rank_that_stopped_after_another_failed_is_not_blamed(tmp_path: Path) -> None:
+    # Rank 2 dies; rank 0 finds it gone and leaves; rank 1 then finds rank 0 gone. Rank 0 is
+    # the peer rank 1 sees fail, but rank 2 failed first: rank 1 must say so.
+    results = run_ranks(
+        3,
+        _ranks.failure_after_a_failure,
+        may_die=True,
+        parent_store=True,  # as under torchrun: the store outlives the ranks that leave
+        # Epoch 1's first step: rank 0 sends to rank 2 first, rank 1 trades with rank 0 only.
+        count=36,
+        batch_size=3,
+        seed=4,
+        timeout=60.0,
+        marks=str(tmp_path),
+    )
+    assert results[2] is None  # it died
+    first, then = results[0], results[1]
+    assert first["error"] == then["error"] == "ExchangeTimeout", results
+    assert "to rank 2 failed (epoch 1, step 0)" in first["message"]
+    assert "Rank 2 failed first: rank 2's connection closed" in first["message"]
+    assert " rank 0 failed (epoch 1, step 0)" in then["message"]  # what broke: rank 0's
+    assert "Rank 0 stopped after rank 2 failed first" in then["message"], then
+    assert "probably died" not in then["message"]

@@ -1,0 +1,90 @@
+"""The epoch ledger on its own: repeats, losses, resumes, and its saved form."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from feedline import LedgerError
+from feedline._ledger import Ledger
+
+
+def test_an_epoch_delivered_once_passes_and_counts() -> None:
+    ledger = Ledger("epoch 0")
+    ledger.deliver_range(0, 100)
+    ledger.deliver(100)
+    ledger.fail(101)
+    ledger.plan(102)
+    ledger.check_end()
+    stats = ledger.stats()
+    assert (stats.planned, stats.delivered, stats.failed, stats.repeated, stats.missing) == (
+        102,
+        101,
+        1,
+        0,
+        0,
+    )
+
+
+@pytest.mark.parametrize(("start", "stop"), [(0, 5), (3, 61), (8, 64), (13, 200)])
+def test_a_range_delivered_twice_names_its_first_slot(start: int, stop: int) -> None:
+    ledger = Ledger("epoch 1", unit="batch", describe=lambda s: f"indices of {s}")
+    ledger.deliver_range(0, 300)
+    ledger.deliver_range(start, stop)
+    ledger.plan(300)
+    assert ledger.stats().repeated == stop - start
+    with pytest.raises(
+        LedgerError,
+        match=rf"{stop - start} batch\(s\) handed out twice "
+        rf"\(first: batch {start} \(indices of {start}\)\)",
+    ) as info:
+        ledger.check_end()
+    assert info.value.repeated == stop - start
+
+
+def test_a_slot_never_handed_out_is_named_with_the_count() -> None:
+    ledger = Ledger("epoch 2")
+    ledger.deliver_range(0, 40)
+    ledger.deliver_range(44, 90)
+    ledger.fail(40)
+    ledger.plan(90)
+    with pytest.raises(LedgerError, match=r"3 sample\(s\) never handed out .*first: sample 41"):
+        ledger.check_end()
+
+
+def test_a_failed_slot_delivered_later_is_a_retry_not_a_repeat() -> None:
+    ledger = Ledger("epoch 3")
+    ledger.fail(2)
+    ledger.deliver_range(0, 5)
+    ledger.plan(5)
+    ledger.check_end()
+    assert ledger.stats().failed == 0
+
+
+def test_resume_positions_are_checked_against_what_was_done() -> None:
+    ledger = Ledger("epoch 4", unit="batch")
+    ledger.deliver_range(0, 10)
+    ledger.deliver(12)
+    ledger.check_resume(10, [12])  # the right position
+    with pytest.raises(LedgerError, match=r"2 batch\(s\) passed over .*first: batch 10"):
+        ledger.check_resume(12, [12])  # passes over 10 and 11, never handed out
+    with pytest.raises(LedgerError, match=r"resumes at batch 8 .*3 batch\(s\).*first: batch 8"):
+        ledger.check_resume(8, [])  # 8, 9 and 12 would come twice
+
+
+def test_the_saved_form_is_plain_data_and_small() -> None:
+    ledger = Ledger("epoch 5")
+    ledger.deliver_range(0, 2_000_000)
+    ledger.deliver(2_000_000)
+    ledger.fail(2_000_005)
+    state = json.loads(json.dumps(ledger.state_dict()))
+    assert len(json.dumps(state)) < 200  # a run of set bits is kept as its length
+    again = Ledger("epoch 5")
+    again.load_state_dict(state)
+    assert again.stats() == ledger.stats()
+    assert again.delivered(1_999_999)
+    assert not again.delivered(2_000_001)
+    assert again.done(2_000_005)
+    with pytest.raises(ValueError, match="damaged ledger"):
+        again.load_state_dict({"delivered": "not base64!"})
