@@ -122,36 +122,9 @@ def _held_then_fork(spec: dict[str, Any]) -> dict[str, Any]:
             thread.join()
 
 
-class _Heads:
-    """``dataset[i]``: the MD5 of object ``keys[i]``, read with ``read_sync``."""
-
-    def __init__(self, store: Any, keys: list[str]) -> None:
-        self.store, self.keys = store, keys
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def __getitem__(self, i: int) -> str:
-        return digest(self.store.read_sync(self.keys[i]))
-
-
-def _read_then_loader(spec: dict[str, Any]) -> dict[str, Any]:
-    # A process that read through a store, with no other Python thread (obstore's threads
-    # are native ones), starts DataLoader workers that read through it.
-    from feedline import DataLoader, RemoteStore
-
-    store = RemoteStore(spec["url"], **spec["options"])
-    first = digest(store.read_sync(spec["keys"][0]))
-    alone = threading.active_count() == 1
-    loader = DataLoader(_Heads(store, spec["keys"]), batch_size=2, num_workers=1)
-    got = [md5 for batch in loader for md5 in batch]  # strings collate as lists
-    return {"first": first, "alone": alone, "ok": got}
-
-
 _SCENARIOS = {
     "construct": _construct_then_fork,
     "held": _held_then_fork,
-    "loader": _read_then_loader,
 }
 
 

@@ -125,17 +125,6 @@ def test_a_fork_rebuilds_the_locks_and_limits_the_parents_reads_held() -> None:
     assert outcome["ok"] == ["/slow-0", "/slow-1", "/slow-2"]  # 3 requests in flight at once
 
 
-@pytest.mark.timeout(240)  # a fresh interpreter imports torch and starts the fork server
-def test_the_dataloader_does_not_fork_a_process_that_read_through_obstore(s3: str) -> None:
-    pytest.importorskip("torch")
-    keys = [str(i) for i in range(6)]
-    outcome = _scenario(
-        "loader", seconds=200, url=f"s3://{BUCKET}/data", options=_options(s3), keys=keys
-    )
-    assert outcome["alone"]  # no other Python thread: only obstore's own said not to fork
-    assert outcome["ok"] == [digest(_body(i)) for i in range(6)]
-
-
 def test_a_cache_in_a_fork_whose_parent_held_its_lock(tmp_path: Path) -> None:
     cache = ObjectCache(1 << 20, directory=tmp_path)
     cache.put("a", b"kept on disk")
