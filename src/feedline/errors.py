@@ -44,7 +44,9 @@ class ConfigurationError(FeedlineError, ValueError):
     """A pipeline definition or an argument that cannot work.
 
     Raised before any thread starts (by the builder or at ``build()``), with a message that says
-    what was received and how to fix it.
+    what was received and how to fix it. Also raised by a ``RemoteStore`` read in a process
+    that cannot run obstore (forked after obstore's runtime started in its parent): the same
+    for every key, so it is no failed read to count and skip.
     """
 
 

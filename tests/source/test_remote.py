@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import pickle
+import socket
 import sys
 import threading
 import time
@@ -182,8 +183,69 @@ def test_a_listing_that_fails_names_the_store_and_the_prefix(s3: str) -> None:
     assert "\n" not in message
 
 
+def test_a_missing_bucket_is_named_as_such_in_one_line(s3: str) -> None:
+    store = RemoteStore("s3://no-such-bucket/x", endpoint=s3, **CREDENTIALS)
+    calls = {
+        "keys": store.keys,
+        "read_sync": lambda: store.read_sync("k"),
+        "read": lambda: asyncio.run(store.read("k")),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RemoteReadError) as info:
+            call()
+        message = str(info.value)
+        assert f"The bucket 'no-such-bucket' does not exist at {s3} (not retried)" in message
+        assert "HTTP 404 Not Found: NoSuchBucket: " in message  # the server's words
+        for wrong in ("raise timeout=", "Check the key", "Debug source", "\n"):
+            assert wrong not in message, (name, wrong)
+        assert "Debug source" in str(info.value.__cause__)  # obstore's whole text stays there
+        assert isinstance(info.value, FileNotFoundError) == (name != "keys")
+    assert store.stats().failures == 3
+
+
+def test_no_server_at_the_endpoint_says_to_check_the_endpoint() -> None:
+    with socket.socket() as bound:
+        bound.bind(("127.0.0.1", 0))  # bound, not listening: every connection is refused
+        endpoint = f"http://127.0.0.1:{bound.getsockname()[1]}"
+        store = _store(endpoint, retries=1, backoff=0.01)
+        for call in (store.keys, lambda: store.read_sync("1")):
+            with pytest.raises(RemoteReadError) as info:
+                call()
+            message = str(info.value)
+            assert "(no connection: tcp connect error: Connection refused, after 1 retry)" in (
+                message
+            )
+            assert f"Nothing accepted a connection at {endpoint}: check the endpoint" in message
+            assert "raise timeout=" not in message
+            assert "\n" not in message
+
+
+class _Refusing(Handler):
+    """An S3 endpoint that refuses every request's credentials, as AWS does a wrong key."""
+
+    def do_GET(self) -> None:
+        body = (
+            b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidAccessKeyId</Code>'
+            b"<Message>The AWS Access Key Id you provided does not exist in our records."
+            b"</Message></Error>"
+        )
+        self.reply(403, body, {"Content-Type": "application/xml"})
+
+
+def test_a_refused_credential_says_to_check_the_credentials() -> None:
+    with serving(_Refusing) as endpoint:
+        store = _store(endpoint, retries=2, backoff=0.01)
+        for call in (store.keys, lambda: store.read_sync("1")):  # a listing is no exception
+            with pytest.raises(RemoteReadError) as info:
+                call()
+            message = str(info.value)
+            assert "(HTTP 403 Forbidden: InvalidAccessKeyId: The AWS Access Key Id" in message
+            assert "The store refused the request (not retried): check the credentials" in (message)
+            assert "raise timeout=" not in message
+
+
 def test_error_descriptions_keep_status_retries_and_the_servers_words() -> None:
-    from feedline.source.remote import _describe
+    from feedline.source._failures import describe as _describe
 
     xml = (
         "Generic S3 error: Error performing GET http://x/b/k in 5ms, after 3 retries, "
@@ -499,6 +561,10 @@ def test_bad_arguments_say_what_to_pass() -> None:
         RemoteStore("memory:///", retries=-1)
     with pytest.raises(ConfigurationError, match="obstore could not open"):
         RemoteStore("nosuch://x")
+    with pytest.raises(ConfigurationError, match="'nosuch' is not valid for store 'S3'") as info:
+        RemoteStore("s3://bucket/x", nosuch=1)
+    assert "\n" not in str(info.value)  # obstore's debug dump stays in the __cause__
+    assert "Debug source" in str(info.value.__cause__)
 
 
 def test_missing_obstore_says_which_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

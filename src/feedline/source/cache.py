@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from feedline.errors import ConfigurationError
+from feedline.pipeline._forking import PerProcess
 
 __all__ = ["CacheStats", "ObjectCache"]
 
@@ -68,10 +69,11 @@ def _budget(name: str, value: int) -> int:
 class ObjectCache:
     """Objects by key, the most recently used kept in memory and on disk within byte budgets.
 
-    Thread-safe. An object larger than a tier's whole budget is not kept in that tier. Budgets
-    count the objects' bytes (not file headers or file-system blocks), and are per process:
-    each worker process holds its own memory tier. After a restart, files leave in the order
-    they were last written.
+    Thread-safe, and safe to use in a forked child: a copy made by fork starts as a pickled
+    copy does, with an empty memory tier and the directory's files. An object larger than a
+    tier's whole budget is not kept in that tier. Budgets count the objects' bytes (not file
+    headers or file-system blocks), and are per process: each worker process holds its own
+    memory tier. After a restart, files leave in the order they were last written.
 
     Args:
         memory_bytes: The most bytes kept in memory (0: none).
@@ -92,16 +94,24 @@ class ObjectCache:
     ) -> None:
         self._memory_budget = _budget("memory_bytes", memory_bytes)
         self._disk_budget = _budget("disk_bytes", disk_bytes)
+        # Resolved, so that a copy in a worker with another working directory finds it.
+        self.directory = None if directory is None else Path(directory).resolve()
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        self._process = PerProcess()
+        self._start()
+
+    def _start(self) -> None:
+        # This process's state. A copy made by fork rebuilds it on its first call (see
+        # PerProcess), as an unpickled copy has it: a thread of the parent may have held the
+        # lock at the fork, in the middle of changing the memory tier or the index.
         self._lock = threading.Lock()
         self._memory: OrderedDict[str, bytes] = OrderedDict()
         self._memory_bytes = 0
         self._disk: OrderedDict[str, int] = OrderedDict()  # file name -> size, oldest first
         self._disk_bytes = 0
         self._hits_memory = self._hits_disk = self._misses = self._evictions = 0
-        # Resolved, so that a copy in a worker with another working directory finds it.
-        self.directory = None if directory is None else Path(directory).resolve()
         if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
             with self._lock:
                 self._scan(self.directory)
 
@@ -119,6 +129,7 @@ class ObjectCache:
         Never touches the disk: for an event loop, which should leave large file reads to a
         thread (see :meth:`file_size`).
         """
+        self._process.check(self._start)
         with self._lock:
             return self._from_memory(key)
 
@@ -129,6 +140,7 @@ class ObjectCache:
         """
         if self.directory is None:
             return None
+        self._process.check(self._start)
         name = _name(key)
         with self._lock:
             size = self._disk.get(name)
@@ -141,6 +153,7 @@ class ObjectCache:
 
     def get(self, key: str) -> bytes | None:
         """The object cached under ``key`` (from memory, else from disk), or ``None``."""
+        self._process.check(self._start)
         with self._lock:
             data = self._from_memory(key)
         if data is not None:
@@ -157,6 +170,7 @@ class ObjectCache:
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Keep ``data`` under ``key`` (a copy; replaces what was there)."""
         blob = bytes(data)
+        self._process.check(self._start)
         with self._lock:
             self._remember(key, blob)
         if self.directory is not None:
@@ -167,7 +181,8 @@ class ObjectCache:
                     self._drop_file(_name(key))
 
     def stats(self) -> CacheStats:
-        """Hits, misses, bytes held and evictions so far."""
+        """Hits, misses, bytes held and evictions so far (in this process)."""
+        self._process.check(self._start)
         with self._lock:
             return CacheStats(
                 memory_hits=self._hits_memory,
@@ -208,7 +223,11 @@ class ObjectCache:
     def _scan(self, directory: Path) -> None:
         found = []
         now = time.time()
-        for entry in os.scandir(directory):
+        try:
+            entries = os.scandir(directory)
+        except OSError:  # vanished (a forked copy scans again): writes will be no-ops
+            return
+        for entry in entries:
             try:
                 if entry.name.startswith(_PARTIAL):
                     # Left by a process killed mid-write; a live writer renames within seconds.

@@ -11,7 +11,7 @@ that name the object and say what to change.
 from __future__ import annotations
 
 import asyncio
-import re
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from feedline.errors import ConfigurationError, RemoteNotFoundError, RemoteReadError
+from feedline.errors import ConfigurationError, RemoteReadError
 from feedline.loader.paths import PathList
+from feedline.pipeline._forking import PerProcess, note_obstore_request, obstore_started_in
 
+from ._failures import bad_range, describe, failure
 from ._parts import PartSizer
 from ._verify import Verifier
 from .cache import ObjectCache
@@ -33,8 +35,6 @@ _INLINE_FILE_BYTES = 256 << 10
 
 _PART_THREADS = 16
 """The most threads one ``read_sync`` uses for its parts at once."""
-
-_MESSAGE_CHARS = 300  # of the first line of the store's message (it may hold an XML body)
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class RemoteStats:
         joined: Whole-object reads that found the same key already being read and waited
             for that read's result (its bytes, or its error) instead of sending another
             request (not in ``reads`` nor ``failures``).
-        verified: Bodies whose checksum (the ETag's MD5) was computed and matched.
+        verified: Bodies whose MD5 was computed and matched the ETag.
         mismatches: Bodies that failed a check (length or checksum) and were thrown away;
             each was read again, up to ``retries`` times.
         part_size: Bytes per range request of a whole-object ``read`` now (``None``: one
@@ -131,6 +131,13 @@ class RemoteStore:
     with worker processes; what they return must pickle too: decode the bytes there, or
     return ``bytes(view)`` (a ``memoryview`` cannot be pickled).
 
+    Worker processes must not be forked from a process that has read through obstore: its
+    runtime's threads start with the first request, a forked child has none, and obstore
+    cannot run there (a read raises :class:`~feedline.ConfigurationError` at once, where it
+    would hang). Start them with ``"spawn"`` or ``"forkserver"`` (feedline's DataLoader
+    does, PyTorch's needs ``multiprocessing_context="forkserver"``). A store that was only
+    constructed forks fine; a forked copy rebuilds its locks, limits and counters.
+
     Args:
         url: Where the objects are: ``s3://bucket/prefix``, ``gs://...``, ``az://...``,
             ``https://host/prefix``, ``file:///path`` or ``memory:///``. Keys are relative
@@ -151,11 +158,11 @@ class RemoteStore:
             (with random jitter), up to ``max_backoff``.
         max_backoff: The longest wait between two attempts (at least ``backoff``).
         verify: Check each whole object's bytes before they are returned or cached: the
-            length against the size the response declares, and on ``s3://`` stores the MD5
-            against a single-part object's ETag (see ``_verify.py``). A body that fails is
-            read again (up to ``retries`` times), then the read raises
+            length against the size the response declares, and on ``s3://`` and HTTP(S)
+            stores the MD5 against an ETag that is one (see ``_verify.py``). A body that
+            fails is read again (up to ``retries`` times), then the read raises
             :class:`~feedline.RemoteReadError`. ``False`` turns the checks off (objects
-            encrypted with SSE-KMS or SSE-C have ETags that are not MD5s).
+            encrypted with SSE-KMS or SSE-C have ETags that look like MD5s and are not).
         cache: Keep what whole-object reads return, and answer later reads of the same key
             from it (:class:`~feedline.source.ObjectCache`: memory and local disk within
             byte budgets). Reads of a byte range bypass it. With or without a cache, a
@@ -182,7 +189,8 @@ class RemoteStore:
 
     Raises:
         ConfigurationError: An argument is out of range, or obstore refused the URL or an
-            option (its message is included).
+            option (its message is included). From a read or a listing: this process was
+            forked from one that had made obstore requests.
         ImportError: obstore is not installed (``pip install 'feedline[remote]'``).
 
     """
@@ -254,11 +262,9 @@ class RemoteStore:
             "part_size": part_size,
             **options,
         }
+        if not isinstance(verify, bool):
+            raise ConfigurationError(f"RemoteStore(verify=...) must be a bool, got {verify!r}")
         self._ob = _obstore()
-        from obstore.store import from_url as _from_url
-
-        from_url: Any = _from_url  # its overloads, one per scheme, cannot see our **options
-
         options = dict(options)
         client: dict[str, Any] = {
             "read_timeout": timedelta(seconds=timeout),
@@ -279,27 +285,42 @@ class RemoteStore:
                 "base": 2,
             },
         }
-        try:
-            self._store = from_url(url, client_options=client, retry_config=retry, **options)
-        except Exception as error:
-            raise ConfigurationError(
-                f"obstore could not open {url!r}: {type(error).__name__}: "
-                f"{str(error)[:_MESSAGE_CHARS]}. Check the URL's scheme and the options "
-                "passed on to obstore.store.from_url"
-            ) from error
-        if not isinstance(verify, bool):
-            raise ConfigurationError(f"RemoteStore(verify=...) must be a bool, got {verify!r}")
+        self._open_with = {"client_options": client, "retry_config": retry, **options}
         self.cache = cache
-        self._sizer = PartSizer() if part_size == "auto" else None
         self._part_size = part_size if isinstance(part_size, int) else None
         self._verifier = Verifier(url, verify)
+        self._max_in_flight = max_in_flight
+        store = self._open()  # a URL or an option obstore refuses raises here, not later
+        self._process = PerProcess()
+        self._start()
+        self._store: Any = store  # building one starts no thread: it serves this process
+
+    def _open(self) -> Any:
+        # A new obstore store (no request: its first request starts obstore's runtime).
+        from obstore.store import from_url as _from_url
+
+        from_url: Any = _from_url  # its overloads, one per scheme, cannot see our **options
+        try:
+            return from_url(self.url, **self._open_with)
+        except Exception as error:
+            raise ConfigurationError(
+                f"obstore could not open {self.url!r} ({describe(error)}). Check the URL's "
+                "scheme and the options passed on to obstore.store.from_url"
+            ) from error
+
+    def _start(self) -> None:
+        # The state of one process: built here, and again in each process that uses a copy
+        # of the store made by fork (see _here), whose locks and semaphores may have been
+        # held by the parent's threads. The obstore store too: it is built on the first
+        # request in a process (its connection pool is the parent's otherwise).
+        self._store = None
+        self._lock = threading.Lock()
+        self._sizer = PartSizer() if self._args["part_size"] == "auto" else None
         self._verified = 0
         self._mismatches = 0
         self._cache_hits = 0
-        self._max_in_flight = max_in_flight
-        self._lock = threading.Lock()
         self._loop_limits: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
-        self._thread_limit = threading.BoundedSemaphore(max_in_flight)
+        self._thread_limit = threading.BoundedSemaphore(self._max_in_flight)
         self._reads = 0
         self._bytes = 0
         self._failures = 0
@@ -309,6 +330,36 @@ class RemoteStore:
         # loop's thread), across threads for read_sync (under _lock).
         self._loop_flights: dict[tuple[asyncio.AbstractEventLoop, str], asyncio.Future[Any]] = {}
         self._thread_flights: dict[str, _Flight] = {}
+
+    def _here(self) -> None:
+        """Make the store ready to read in this process; raises where obstore cannot run.
+
+        One ``getpid`` per call: called once per read or listing, never per request.
+        """
+        pid = os.getpid()
+        started = obstore_started_in()
+        if started is not None and started != pid:
+            raise ConfigurationError(
+                f"{self!r} cannot read in process {pid}: this process was forked (directly "
+                f"or not) from process {started} after obstore's runtime started there, and "
+                "obstore cannot run in a forked copy of it (its requests would wait forever). "
+                "Start worker processes with the 'spawn' or 'forkserver' method "
+                "(multiprocessing_context='forkserver' for PyTorch's DataLoader; feedline's "
+                "DataLoader picks it itself), or use the store only inside the workers: "
+                "constructing one starts nothing, its first request starts the runtime"
+            )
+        self._process.check(self._start, pid)
+
+    def _client(self) -> Any:
+        # The obstore store, right before a request (this process's, built on its first).
+        note_obstore_request()
+        store = self._store
+        if store is None:
+            with self._lock:
+                if self._store is None:
+                    self._store = self._open()
+                store = self._store
+        return store
 
     def __repr__(self) -> str:
         return f"RemoteStore({self.url!r})"
@@ -333,9 +384,12 @@ class RemoteStore:
             RemoteNotFoundError: There is no such object (also a ``FileNotFoundError``).
             RemoteReadError: The read failed after the retries; names the key and the cause.
             ValueError: ``start`` or ``end`` is negative, or ``end`` is not past ``start``.
+            ConfigurationError: This process was forked from one that had made obstore
+                requests: obstore cannot run here (the message says what to do instead).
 
         """
         options = _range_options(start, end)
+        self._here()
         cache = self.cache if options is None else None
         if cache is not None:
             # Memory, and small files, here on the event loop: a hop to a thread and back
@@ -423,12 +477,12 @@ class RemoteStore:
             view = None
             try:
                 sent = time.perf_counter()
-                result = await self._ob.get_async(self._store, key, options=options)
+                result = await self._ob.get_async(self._client(), key, options=options)
                 headers = time.perf_counter()
                 view = memoryview(await result.bytes_async())
                 self._observe(sent, headers, view)
             except Exception as error:
-                if not (first and _bad_range(error)):
+                if not (first and bad_range(error)):
                     raise self._failed(key, error) from error
             finally:  # also when cancelled (a pipeline that stops cancels its reads)
                 self._end(view)
@@ -477,6 +531,7 @@ class RemoteStore:
         Same arguments, result and errors as :meth:`read`.
         """
         options = _range_options(start, end)
+        self._here()
         cache = self.cache if options is None else None
         if cache is not None:
             data = cache.get(key)
@@ -550,12 +605,12 @@ class RemoteStore:
             view = None
             try:
                 sent = time.perf_counter()
-                result = self._ob.get(self._store, key, options=options)
+                result = self._ob.get(self._client(), key, options=options)
                 headers = time.perf_counter()
                 view = memoryview(result.bytes())
                 self._observe(sent, headers, view)
             except Exception as error:
-                if not (first and _bad_range(error)):
+                if not (first and bad_range(error)):
                     raise self._failed(key, error) from error
             finally:
                 self._end(view)
@@ -603,8 +658,9 @@ class RemoteStore:
             key,
             f"reading {key!r} from {self.url} returned damaged bytes {attempt + 1} time(s) "
             f"({problem}); nothing was returned or cached. A proxy or the network corrupts "
-            "bodies, or, if the object is encrypted with SSE-KMS or SSE-C (its ETag is not an "
-            "MD5), read it with RemoteStore(..., verify=False)",
+            "bodies, or the ETag is not the MD5 it looks like (an S3 object encrypted with "
+            "SSE-KMS or SSE-C, or an HTTP server's own kind of ETag): then read it with "
+            "RemoteStore(..., verify=False)",
         )
 
     def keys(self, prefix: str = "", *, suffix: str | tuple[str, ...] = ()) -> PathList:
@@ -624,6 +680,8 @@ class RemoteStore:
 
         Raises:
             RemoteReadError: The listing failed (names the store and the prefix).
+            ConfigurationError: This process was forked from one that had made obstore
+                requests (see :meth:`read`).
 
         Example::
 
@@ -633,17 +691,22 @@ class RemoteStore:
         """
         if not isinstance(suffix, str | tuple):
             raise TypeError(f"suffix must be a str or a tuple of str, got {suffix!r}")
+        self._here()
         found: list[str] = []
         try:
-            for page in self._ob.list(self._store, prefix or None, chunk_size=1000):
+            for page in self._ob.list(self._client(), prefix or None, chunk_size=1000):
                 found += (m["path"] for m in page if not suffix or m["path"].endswith(suffix))
         except Exception as error:
-            raise self._failed(prefix, error, f"listing keys under {prefix!r}") from error
+            raise self._failed(prefix, error, listing=True) from error
         found.sort()
         return PathList(found)
 
     def stats(self) -> RemoteStats:
-        """How many reads and bytes so far, how many failed, how many are under way."""
+        """How many reads and bytes so far, how many failed, how many are under way.
+
+        Counted per process: a copy of the store in a forked process counts from zero.
+        """
+        self._process.check(self._start)
         sizer = self._sizer
         with self._lock:
             return RemoteStats(
@@ -698,40 +761,10 @@ class RemoteStore:
                 self._reads += 1
                 self._bytes += view.nbytes
 
-    def _failed(self, key: str, error: Exception, doing: str = "") -> RemoteReadError:
-        # doing: what failed, for the message (default: reading the key)
+    def _failed(self, key: str, error: Exception, listing: bool = False) -> RemoteReadError:
         with self._lock:
             self._failures += 1
-        cause = _describe(error)
-        if isinstance(error, FileNotFoundError):
-            return RemoteNotFoundError(
-                self.url,
-                key,
-                f"no object {key!r} under {self.url} ({cause}). Check the key and the URL's "
-                "prefix: keys are relative to it",
-            )
-        ex = self._ob.exceptions
-        if isinstance(error, ex.PermissionDeniedError | ex.UnauthenticatedError):
-            advice = (
-                "The store refused the request (not retried): check the credentials "
-                "(options such as access_key_id, or the environment) and the bucket's policy"
-            )
-        elif (
-            _bad_range(error)
-            or isinstance(error, ex.InvalidPathError | ex.NotSupportedError)
-            or not isinstance(error, ex.BaseError)
-        ):
-            advice = "The request itself is wrong (not retried): check the key and the range"
-        elif self.url.startswith(("file:", "memory:")):
-            advice = "Local reads are not retried: check the file and its permissions"
-        else:
-            advice = (
-                f"Errors that can pass were retried up to {self.retries} time(s) within "
-                f"{self.retry_timeout:g} s; if the store is slow rather than down, raise "
-                "timeout=, retries= or retry_timeout="
-            )
-        doing = doing or f"reading {key!r}"
-        return RemoteReadError(self.url, key, f"{doing} from {self.url} failed ({cause}). {advice}")
+        return failure(self, key, error, self._ob.exceptions, listing)
 
 
 _ENDPOINT_KEYS = (
@@ -741,11 +774,6 @@ _ENDPOINT_KEYS = (
     "aws_endpoint_url",
     "aws_endpoint_url_s3",
 )
-
-
-_STATUS = re.compile(r"status code: (\d{3})([^:]*)(?::\s*(.*))?")
-_RETRIES = re.compile(r"after (\d+) retries")
-_XML_FIELD = re.compile(r"<(Code|Message)>([^<]*)</\1>")
 
 
 class _Parts:
@@ -783,52 +811,6 @@ class _Parts:
                 f"{view.nbytes} bytes (the object changed, or the store ignored the range)",
             )
         self.buffer[start:end] = view
-
-
-def _shorten(text: str, limit: int) -> str:
-    """``text`` cut to about ``limit`` characters at a word boundary, marked when cut."""
-    text = " ".join(text.split())
-    if len(text) <= limit:
-        return text
-    cut = text[:limit].rsplit(" ", 1)[0]
-    return cut.rstrip(",;:") + " ..."
-
-
-def _describe(error: Exception) -> str:
-    """One line on why a request failed: the HTTP status, the retries, the server's words.
-
-    obstore's message is a first line that repeats the request, then a multi-line debug
-    dump; a cloud store's error body is XML. This keeps the status (``HTTP 503 Service
-    Unavailable``), how many retries were spent, and the body's code and message (or the
-    first words of a plain body). The full text stays available as the ``__cause__`` of the
-    error we raise.
-    """
-    text = str(error)
-    head = text.split("\n", 1)[0]
-    found = _STATUS.search(head)
-    if found is None:
-        cause = f"{type(error).__name__}: {_shorten(head, _MESSAGE_CHARS)}"
-    else:
-        code, reason, body = found.group(1), found.group(2).strip(), found.group(3) or ""
-        cause = f"HTTP {code}" + (f" {reason}" if reason else "")
-        if body.lstrip().startswith("<"):  # XML, which may go on past the first line
-            fields = dict(_XML_FIELD.findall(text))
-            body = ": ".join(v for v in (fields.get("Code"), fields.get("Message")) if v)
-        if body.strip():
-            cause += f": {_shorten(body, 160)}"
-    retries = _RETRIES.search(head)
-    if retries is not None and retries.group(1) != "0":
-        count = int(retries.group(1))
-        cause += f", after {count} {'retry' if count == 1 else 'retries'}"
-    if "TimedOut" in text or "kind: Timeout" in text:
-        cause += " [timed out]"
-    return cause
-
-
-def _bad_range(error: Exception) -> bool:
-    """Whether the store refused the byte range (past the end of the object, say)."""
-    head = str(error).split("\n", 1)[0].lower()
-    return "range" in head and any(w in head for w in ("invalid", "416", "not satisfiable"))
 
 
 def _plain_http(url: str, options: dict[str, Any]) -> bool:

@@ -1,0 +1,183 @@
+"""What a failed request to a store says: the cause in one line, and advice that fits it.
+
+obstore's message is a first line that repeats the request, then a multi-line debug dump;
+a cloud store's error body is XML. :func:`describe` keeps what a user needs: the HTTP status,
+the server's error code and words, or why no connection was made, and the retries spent.
+:func:`failure` adds what to change, by the kind of failure:
+
+* no such object: the key and the URL's prefix;
+* no such bucket (S3's ``NoSuchBucket``, Azure's ``ContainerNotFound``, or a listing
+  answered 404, since a missing prefix lists nothing): the bucket's name and the endpoint;
+* credentials refused (401, 403): the credentials and the bucket's policy;
+* no connection (refused, a name that does not resolve): the endpoint, and whether the
+  server runs;
+* a wrong request (a range past the end, a bad path): the key and the range;
+* a local file: the file and its permissions;
+* the rest (5xx, timeouts, dropped connections), the errors obstore retries: the timeouts
+  and retries to raise if the store is slow rather than down.
+
+The full original text stays available as the ``__cause__`` of the error raised.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+from urllib.parse import urlsplit
+
+from feedline.errors import RemoteNotFoundError, RemoteReadError
+
+__all__ = ["bad_range", "describe", "failure"]
+
+_MESSAGE_CHARS = 300  # of the first line of the store's message (it may hold an XML body)
+
+_STATUS = re.compile(r"status code: (\d{3})([^:]*)(?::\s*(.*))?")
+_RETRIES = re.compile(r"after (\d+) retries")
+_XML_FIELD = re.compile(r"<(Code|Message)>([^<]*)</\1>")
+_REQUEST = re.compile(r"Error performing [A-Z]+ (\w+://[^/\s?]+)")
+_CONNECT = re.compile(r'ConnectError\(\s*"([^"]*)"')
+_REASON = re.compile(r'(?:message|error): "([^"]*)"')
+_NO_BUCKET = ("NoSuchBucket", "ContainerNotFound")  # S3 and S3-compatible; Azure
+_BUCKET_SCHEMES = ("s3://", "s3a://", "gs://", "az://", "azure://", "abfs://", "abfss://")
+
+
+def describe(error: Exception) -> str:
+    """One line on why a request failed: the HTTP status, the retries, the server's words.
+
+    The status (``HTTP 503 Service Unavailable``) and the body's code and message (or the
+    first words of a plain body); or, where no connection was made, why (``tcp connect
+    error: Connection refused``); then how many retries were spent.
+    """
+    text = str(error)
+    head = text.split("\n", 1)[0]
+    found = _STATUS.search(head)
+    connect = _connect_failure(text)
+    if found is not None:
+        code, reason, body = found.group(1), found.group(2).strip(), found.group(3) or ""
+        cause = f"HTTP {code}" + (f" {reason}" if reason else "")
+        if body.lstrip().startswith("<"):  # XML, which may go on past the first line
+            fields = dict(_XML_FIELD.findall(text))
+            body = ": ".join(v for v in (fields.get("Code"), fields.get("Message")) if v)
+        if body.strip():
+            cause += f": {_shorten(body, 160)}"
+    elif connect is not None:
+        cause = f"no connection: {connect}"
+    else:
+        cause = f"{type(error).__name__}: {_shorten(head, _MESSAGE_CHARS)}"
+    retries = _RETRIES.search(head)
+    if retries is not None and retries.group(1) != "0":
+        count = int(retries.group(1))
+        cause += f", after {count} {'retry' if count == 1 else 'retries'}"
+    if "TimedOut" in text or "kind: Timeout" in text:
+        cause += " [timed out]"
+    return cause
+
+
+def failure(
+    store: Any, key: str, error: Exception, exceptions: Any, listing: bool = False
+) -> RemoteReadError:
+    """The error to raise for ``error``, a failed read of ``key`` (or a listing under it).
+
+    Args:
+        store: The :class:`RemoteStore` (its ``url``, ``retries`` and ``retry_timeout``).
+        key: The key read, or the prefix listed.
+        error: What obstore raised.
+        exceptions: ``obstore.exceptions``.
+        listing: Whether the request listed keys under ``key``.
+
+    """
+    url = store.url
+    cause = describe(error)
+    text = str(error)
+    status = _status(text)
+    where = _origin(text) or "the store's endpoint"
+    no_bucket = any(f"<Code>{code}</Code>" in text for code in _NO_BUCKET) or (
+        # A missing prefix lists nothing: a listing answered 404 has no bucket to list.
+        listing and status == 404 and url.lower().startswith(_BUCKET_SCHEMES)
+    )
+    if no_bucket:
+        advice = (
+            f"The bucket {_bucket(url)!r} does not exist at {where} (not retried): check the "
+            "bucket's name in the URL, and the endpoint= and region= options"
+        )
+    elif isinstance(error, FileNotFoundError):
+        return RemoteNotFoundError(
+            url,
+            key,
+            f"no object {key!r} under {url} ({cause}). Check the key and the URL's prefix: "
+            "keys are relative to it",
+        )
+    elif isinstance(error, exceptions.PermissionDeniedError | exceptions.UnauthenticatedError) or (
+        status in (401, 403)
+    ):
+        advice = (
+            "The store refused the request (not retried): check the credentials (options "
+            "such as access_key_id, or the environment) and the bucket's policy"
+        )
+    elif "kind: Connect" in text:
+        advice = (
+            f"Nothing accepted a connection at {where}: check the endpoint (endpoint=, or "
+            "the URL's host and port) and that the server is running and reachable from here"
+        )
+    elif (
+        bad_range(error)
+        or isinstance(error, exceptions.InvalidPathError | exceptions.NotSupportedError)
+        or not isinstance(error, exceptions.BaseError)
+    ):
+        advice = "The request itself is wrong (not retried): check the key and the range"
+    elif url.startswith(("file:", "memory:")):
+        advice = "Local reads are not retried: check the file and its permissions"
+    else:
+        advice = (
+            f"Errors that can pass were retried up to {store.retries} time(s) within "
+            f"{store.retry_timeout:g} s; if the store is slow rather than down, raise "
+            "timeout=, retries= or retry_timeout="
+        )
+    doing = f"listing keys under {key!r}" if listing else f"reading {key!r}"
+    message = f"{doing} from {url} failed ({cause}). {advice}"
+    if isinstance(error, FileNotFoundError):  # no bucket: nor any object in it
+        return RemoteNotFoundError(url, key, message)
+    return RemoteReadError(url, key, message)
+
+
+def bad_range(error: Exception) -> bool:
+    """Whether the store refused the byte range (past the end of the object, say)."""
+    head = str(error).split("\n", 1)[0].lower()
+    return "range" in head and any(w in head for w in ("invalid", "416", "not satisfiable"))
+
+
+def _status(text: str) -> int | None:
+    found = _STATUS.search(text.split("\n", 1)[0])
+    return None if found is None else int(found.group(1))
+
+
+def _origin(text: str) -> str | None:
+    # Where the request went (scheme, host, port), from obstore's first line.
+    found = _REQUEST.search(text.split("\n", 1)[0])
+    return None if found is None else found.group(1)
+
+
+def _bucket(url: str) -> str:
+    parts = urlsplit(url)
+    return parts.netloc or parts.path.strip("/").split("/", 1)[0]
+
+
+def _connect_failure(text: str) -> str | None:
+    # Why no connection was made ("tcp connect error: Connection refused", "dns error: ..."),
+    # from the debug dump; None if a connection was made.
+    if "kind: Connect" not in text:
+        return None
+    found = _CONNECT.search(text)
+    if found is None:
+        return "could not connect"
+    reason = _REASON.search(text, found.end())
+    return found.group(1) + (f": {reason.group(1)}" if reason else "")
+
+
+def _shorten(text: str, limit: int) -> str:
+    """``text`` cut to about ``limit`` characters at a word boundary, marked when cut."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    cut = text[:limit].rsplit(" ", 1)[0]
+    return cut.rstrip(",;:") + " ..."
