@@ -88,3 +88,19 @@ def test_the_saved_form_is_plain_data_and_small() -> None:
     assert again.done(2_000_005)
     with pytest.raises(ValueError, match="damaged ledger"):
         again.load_state_dict({"delivered": "not base64!"})
+
+
+@pytest.mark.parametrize(
+    "slots",
+    [[], [0], list(range(13)), list(range(64)), [*range(20), 21], [3, 5], [*range(16), 15]],
+)
+def test_the_saved_form_keeps_the_bits_in_order_or_not(slots: list[int]) -> None:
+    # In order (the first ``count`` slots) the bits are packed without a scan; any other
+    # pattern by one; both read back the same.
+    ledger = Ledger("epoch 6")
+    for slot in slots:
+        ledger.deliver(slot)
+    again = Ledger("epoch 6")
+    again.load_state_dict(json.loads(json.dumps(ledger.state_dict())))
+    assert [s for s in range(80) if again.delivered(s)] == sorted(set(slots))
+    assert again.stats() == ledger.stats()

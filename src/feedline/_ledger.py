@@ -271,7 +271,7 @@ class Ledger:
     def state_dict(self) -> dict[str, Any]:
         """The ledger as plain data (its bits compressed and base64-encoded)."""
         return {
-            "delivered": _pack(self._delivered),
+            "delivered": _pack(self._delivered, self.delivered_count),
             "failed": _pack(self._failed),
             "count": self.delivered_count,
             "repeated": self._repeated,
@@ -294,14 +294,28 @@ class Ledger:
             ) from error
 
 
-def _pack(bits: bytearray) -> str:
+def _pack(bits: bytearray, count: int | None = None) -> str:
     # "<run>*<byte>:<the rest, compressed>": the bits start with a long run of one byte
     # (all set where an epoch went in order; none where nothing failed), kept as its length.
-    data = bytes(bits.rstrip(b"\0"))
+    # ``count``: the bits set, where known. A dataset's state_dict() may save its ledger
+    # after every batch, and bytes.lstrip() and rstrip() take 10-17 ns a byte (1.4 ms for
+    # a million samples' bits): bits that are the first ``count`` ones, or none, are found
+    # by comparing whole buffers instead (memcmp, ~30 us for a million).
+    data = bytes(bits)  # one copy: the writer may change ``bits`` meanwhile
+    whole, part = divmod(count or 0, 8)
+    top = b"\xff" * whole + (bytes(((1 << part) - 1,)) if part else b"")
+    if data.startswith(top) and data.endswith(bytes(len(data) - len(top))):
+        if whole:
+            return _packed(whole, 0xFF, top[whole:])
+        return _packed(len(top), top[0] if top else 0, b"")
+    data = data.rstrip(b"\0")
     lead = data[:1] or b"\0"
     rest = data.lstrip(lead)
-    run = len(data) - len(rest)
-    return f"{run}*{lead.hex()}:" + base64.b64encode(zlib.compress(rest)).decode("ascii")
+    return _packed(len(data) - len(rest), lead[0], rest)
+
+
+def _packed(run: int, lead: int, rest: bytes) -> str:
+    return f"{run}*{lead:02x}:" + base64.b64encode(zlib.compress(rest)).decode("ascii")
 
 
 def _unpack(text: str) -> bytearray:

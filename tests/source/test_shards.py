@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
+import json
+import pickle
 import tarfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +18,13 @@ import pytest
 pytest.importorskip("obstore")
 torch = pytest.importorskip("torch")
 
-from feedline import DataLoader, RemoteStore  # noqa: E402
+from feedline import DataLoader, LedgerError, RemoteStore  # noqa: E402
+from feedline._ledger import Ledger  # noqa: E402
 from feedline.source import TarShards  # noqa: E402
+from feedline.source import shards as shards_module  # noqa: E402
 
+from .._system import zombies  # noqa: E402
+from ..loader._procs import no_children_left  # noqa: E402
 from ._s3 import CREDENTIALS, moto_bucket  # noqa: E402
 
 SHARDS, PER_SHARD = 6, 7
@@ -135,21 +143,267 @@ def test_unshuffled_samples_cross_from_dataloader_workers_as_bytes(folder: Path)
     assert all(isinstance(s["jpg"], bytes) for s in samples)
 
 
+def _take(shards: TarShards, stop: int, *, how: str = "break") -> list[str]:
+    # The first ``stop`` samples' keys; the loop leaves with a break, or with an error raised
+    # in its body on the last one (it was handed out all the same).
+    got: list[str] = []
+    try:
+        for sample in shards:
+            got.append(sample["__key__"])
+            if len(got) == stop:
+                if how == "raise":
+                    raise KeyError("the training step failed")
+                break
+    except KeyError:
+        pass
+    return got
+
+
+def _saved(shards: TarShards) -> dict[str, Any]:
+    # Its state as a checkpoint holds it: through JSON.
+    return dict(json.loads(json.dumps(shards.state_dict())))
+
+
+def _exactly_once(stats: Any, samples: int) -> None:
+    assert stats is not None
+    assert (stats.planned, stats.delivered, stats.repeated, stats.missing) == (
+        samples,
+        samples,
+        0,
+        0,
+    )
+
+
+@pytest.mark.parametrize("how", ["break", "raise"])
 @pytest.mark.parametrize("stop", [1, 9, 30])
-def test_break_then_resume_hands_out_the_rest(folder: Path, stop: int) -> None:
+def test_break_then_resume_hands_out_the_rest(folder: Path, stop: int, how: str) -> None:
     whole = _keys(TarShards(folder, KEYS, shuffle=8, seed=4))
     shards = TarShards(folder, KEYS, shuffle=8, seed=4)
-    first = []
-    for sample in shards:
-        first.append(sample["__key__"])
-        if len(first) == stop:
-            break
-    state = shards.state_dict()
-    assert state == {"epoch": 0, "yielded": stop}
+    first = _take(shards, stop, how=how)
+    state = _saved(shards)
+    assert (state["epoch"], state["yielded"]) == (0, stop)
+    assert len(json.dumps(state["ledger"])) < 200
     resumed = TarShards(folder, KEYS, shuffle=8, seed=4)
     resumed.load_state_dict(state)
     assert first + _keys(resumed) == whole
+    _exactly_once(resumed.ledger_stats(), len(EVERY))
     assert _shard_threads() == []  # the break closed the readers
+
+
+class _FailsOnce:
+    """A store whose first read of ``key`` fails, as through a proxy that drops a connection
+    (what a RemoteStore raises once its retries are spent)."""
+
+    def __init__(self, store: Any, key: str) -> None:
+        self.store, self.key, self.failed = store, key, 0
+
+    def read_sync(self, key: str) -> Any:
+        if key == self.key and not self.failed:
+            self.failed += 1
+            raise OSError(f"{key}: connection dropped by the proxy")
+        return self.store.read_sync(key)
+
+
+@contextlib.contextmanager
+def _store(backing: str, folder: Path) -> Iterator[Any]:
+    if backing == "folder":
+        yield RemoteStore(folder.as_uri())
+        return
+    objects = {f"shards/{key}": (folder / key).read_bytes() for key in KEYS}
+    with moto_bucket("feedline-shards", objects) as (endpoint, _):
+        yield RemoteStore("s3://feedline-shards/shards", endpoint=endpoint, **CREDENTIALS)
+
+
+OPTIONS: dict[str, Any] = {"shuffle": 8, "seed": 4}
+HANDED_OUT = 30  # before the first run stops: in the fifth of the six shards
+
+
+def _error_while_passing_over(
+    folder: Path, store: Any
+) -> tuple[list[str], dict[str, Any], TarShards]:
+    # Epoch 1: 30 samples handed out, then a resume whose read of the third shard it reads
+    # (while it passes over those 30) fails once. Returns the first 30, their state, and
+    # the resumed TarShards after its error.
+    first = TarShards(folder, KEYS, **OPTIONS)
+    first.set_epoch(1)
+    got = _take(first, HANDED_OUT)
+    state = _saved(first)
+    flaky = _FailsOnce(store, first.my_shards()[2])
+    resumed = TarShards(flaky, KEYS, **OPTIONS)
+    resumed.load_state_dict(state)
+    with pytest.raises(OSError, match="connection dropped"):
+        next(iter(resumed))
+    assert flaky.failed == 1
+    return got, state, resumed
+
+
+@pytest.mark.parametrize("backing", ["folder", "s3"])
+def test_a_read_error_while_a_resume_passes_over_leaves_its_position(
+    folder: Path, backing: str
+) -> None:
+    whole = TarShards(folder, KEYS, **OPTIONS)
+    whole.set_epoch(1)
+    uninterrupted = _keys(whole)
+    with _store(backing, folder) as store:
+        got, state, resumed = _error_while_passing_over(folder, store)
+        assert _saved(resumed) == state  # 30 handed out, as before the error (it said 6)
+        resumed.load_state_dict(_saved(resumed))  # and again, the store answering now
+        rest = _keys(resumed)
+    assert got + rest == uninterrupted  # each sample once, in the uninterrupted order
+    _exactly_once(resumed.ledger_stats(), len(EVERY))
+    assert _shard_threads() == []
+
+
+def test_the_ledger_refuses_a_position_that_went_back_on_a_read_error(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The defect, put back: while passing over what was handed out, the position counts up
+    # from 0, so the read error leaves a state that says 6 where 30 were handed out.
+    monkeypatch.setattr(
+        shards_module, "_position_while_skipping", lambda handed_out, passed: passed
+    )
+    got, _, resumed = _error_while_passing_over(folder, RemoteStore(folder.as_uri()))
+    state = _saved(resumed)
+    went_back = 2 * PER_SHARD - OPTIONS["shuffle"]  # two shards read, the buffer full
+    assert state["yielded"] == went_back
+    repeated = HANDED_OUT - went_back
+    refused = (
+        rf"TarShards epoch 1: the saved position resumes at sample {went_back} but "
+        rf"{repeated} sample\(s\) it does not pass over were handed out already "
+        rf"\(first: sample {went_back}\)"
+    )
+    for shards in (resumed, TarShards(folder, KEYS, **OPTIONS)):
+        with pytest.raises(LedgerError, match=refused):
+            shards.load_state_dict(state)
+    # Unchecked (a state without its ledger loads as an older one), it repeats them.
+    again = TarShards(folder, KEYS, **OPTIONS)
+    again.load_state_dict({"epoch": 1, "yielded": went_back})
+    counts = collections.Counter(got + _keys(again))
+    assert sum(n - 1 for n in counts.values()) == repeated
+    assert again.ledger_stats() is None  # not checked
+
+
+def test_a_position_moved_by_hand_is_refused_and_a_damaged_state_named(folder: Path) -> None:
+    shards = TarShards(folder, KEYS, **OPTIONS)
+    _take(shards, 10)
+    state = _saved(shards)
+    for moved, pattern in (
+        (12, r"2 sample\(s\) passed over by the saved position but never handed out"),
+        (7, r"resumes at sample 7 but 3 sample\(s\) .* handed out already \(first: sample 7\)"),
+    ):
+        with pytest.raises(LedgerError, match=pattern):
+            TarShards(folder, KEYS, **OPTIONS).load_state_dict(dict(state, yielded=moved))
+    with pytest.raises(ValueError, match="damaged ledger"):
+        TarShards(folder, KEYS).load_state_dict(dict(state, ledger={"delivered": "x"}))
+    with pytest.raises(ValueError, match=r"'yielded' must be an int >= 0, got None"):
+        TarShards(folder, KEYS).load_state_dict({"epoch": 0})
+
+
+def test_an_iterations_end_checks_its_position_against_the_ledger(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A position that runs ahead of what was handed out while a resume passes over it: the
+    # iteration's end says so in StopIteration's place.
+    shards = TarShards(folder, KEYS)
+    _take(shards, 10)
+    shards.load_state_dict(shards.state_dict())
+    monkeypatch.setattr(
+        shards_module, "_position_while_skipping", lambda handed_out, _: handed_out + 1
+    )
+    with pytest.raises(LedgerError, match=r"1 sample\(s\) passed over .*first: sample 42"):
+        list(shards)
+
+
+def test_iter_again_without_a_loaded_state_is_a_new_pass(folder: Path) -> None:
+    whole = _keys(TarShards(folder, KEYS, **OPTIONS))
+    shards = TarShards(folder, KEYS, **OPTIONS)
+    assert _take(shards, 9) == whole[:9]
+    assert shards.state_dict()["yielded"] == 9
+    it = iter(shards)  # a new pass: from the epoch's first sample, its own ledger
+    assert shards.state_dict() == {"epoch": 0, "yielded": 0, "ledger": _saved(shards)["ledger"]}
+    assert _keys(it) == whole
+    _exactly_once(shards.ledger_stats(), len(EVERY))
+    # A loaded state is taken by one iteration only; the next one is a new pass.
+    shards.load_state_dict(_saved(shards))  # after its end
+    assert _keys(shards) == []
+    assert _keys(shards) == whole
+
+
+def test_set_epoch_or_a_loaded_state_detaches_a_running_iteration(folder: Path) -> None:
+    shards = TarShards(folder, KEYS, **OPTIONS)
+    it = iter(shards)
+    old = [next(it)["__key__"] for _ in range(5)]
+    shards.set_epoch(1)
+    assert shards.state_dict() == {"epoch": 1, "yielded": 0, "ledger": None}
+    old += _keys(it)  # the running one goes on in epoch 0's order, counted apart
+    assert old == _keys(TarShards(folder, KEYS, **OPTIONS))
+    assert shards.state_dict() == {"epoch": 1, "yielded": 0, "ledger": None}
+    assert shards.ledger_stats() is None
+    it = iter(shards)
+    next(it)
+    shards.load_state_dict({"epoch": 1, "yielded": 0, "ledger": None})
+    next(it)
+    assert shards.state_dict()["yielded"] == 0
+    it.close()
+
+
+def _key_list(samples: list[dict[str, Any]]) -> list[str]:
+    return [str(s["__key__"]) for s in samples]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataloader_resumes_each_workers_shards_with_its_ledger(
+    folder: Path, workers: int
+) -> None:
+    def loader() -> DataLoader[Any]:
+        shards = TarShards(folder, KEYS, **OPTIONS)
+        shards.set_epoch(1)
+        return DataLoader(shards, batch_size=3, num_workers=workers, collate_fn=_key_list)
+
+    whole = [k for batch in loader() for k in batch]
+    assert sorted(whole) == EVERY
+    first, got = loader(), []
+    for batch in first:
+        got += batch
+        if len(got) == 15:
+            break
+    state = json.loads(json.dumps(first.state_dict()))
+    first.close()
+    saved = state["dataset_state"]
+    assert len(saved) == max(1, workers)
+    assert all(len(pickle.dumps(part)) < 300 for part in saved)  # sent with every batch
+    for part in saved:  # each worker's ledger holds what its own stream handed out
+        ledger = Ledger("saved")
+        ledger.load_state_dict(part["ledger"])
+        assert ledger.stats().delivered == part["yielded"]
+    assert sum(part["yielded"] for part in saved) == len(got)
+    resumed = loader()
+    resumed.load_state_dict(state)
+    rest = [k for batch in resumed for k in batch]
+    resumed.close()
+    assert got + rest == whole  # each sample once, in the uninterrupted order
+    no_children_left()
+    assert zombies() == []
+
+
+def test_a_dataloader_worker_refuses_its_moved_position(folder: Path) -> None:
+    shards = TarShards(folder, KEYS, **OPTIONS)
+    loader = DataLoader(shards, batch_size=3, num_workers=2, collate_fn=_key_list)
+    for k, _ in enumerate(loader):
+        if k == 3:
+            break
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    state["dataset_state"][1]["yielded"] += 3  # worker 1 would lose a batch
+    resumed = DataLoader(
+        TarShards(folder, KEYS, **OPTIONS), batch_size=3, num_workers=2, collate_fn=_key_list
+    )
+    resumed.load_state_dict(state)
+    with pytest.raises(LedgerError, match=r"DataLoader worker 1 of 2.*3 sample\(s\) passed over"):
+        list(resumed)
+    resumed.close()
+    no_children_left()
+    assert zombies() == []
 
 
 def test_a_damaged_shard_raises_naming_it(folder: Path, tmp_path: Path) -> None:

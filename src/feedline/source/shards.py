@@ -8,6 +8,10 @@ the ranks of a distributed job (``shards[rank::world]``) and then between the Da
 worker processes of a rank (by ``torch.utils.data.get_worker_info()``), and the samples are
 shuffled in a buffer. Everything in that order is a function of the seed and the epoch, so a
 resumed epoch passes over the samples already handed out and goes on with the next one.
+
+Each iteration keeps an epoch ledger (:class:`~feedline._ledger.Ledger`) of the samples it
+handed out, numbered by their place in this rank's (and worker's) stream: it is saved with the
+position, checked against it when a state is loaded, and checked at the iteration's end.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from feedline._ledger import Ledger, LedgerStats, ledger_check
 from feedline.errors import ConfigurationError
 from feedline.io.tar import tar_samples
 
@@ -41,9 +46,26 @@ class TarShards(_Base):  # type: ignore[type-arg]
     Iterating it in a ``DataLoader`` with worker processes splits each rank's shards between
     the workers. Call :meth:`set_epoch` before each epoch's ``iter()``; with persistent
     workers it does not reach their copies, so every epoch would repeat the first one's
-    order (as with PyTorch). :meth:`state_dict` says how far an iteration went; after
-    :meth:`load_state_dict`, the next iteration goes on from there (it reads the shards
-    again up to that point, but hands out nothing twice).
+    order (as with PyTorch).
+
+    Resuming: :meth:`state_dict` is the epoch, the samples of it the current (or last)
+    iteration handed out, and that iteration's ledger. After :meth:`load_state_dict`, the
+    next ``iter()`` goes on from there: it reads the shards again up to that point and hands
+    out nothing twice. Otherwise each ``iter()`` is a new pass over the epoch from its first
+    sample, as a list's is (a DataLoader starts each epoch so); to go on after a ``break``
+    or an error, load the state first: ``shards.load_state_dict(shards.state_dict())``.
+    A sample counts as handed out once the iterator returned it, also if the loop that took
+    it raised. The position never goes back within an iteration: while a resumed one passes
+    over what was handed out, the state still says all of it was (an error while it reads
+    those shards leaves the state as it was loaded). :meth:`set_epoch` to another epoch, or
+    :meth:`load_state_dict`, during an iteration detaches it: the state describes the new
+    epoch (or the loaded state) from then on, not that iteration.
+
+    The ledger records each sample handed out by its place in the stream; a state whose
+    position does not match it (resuming from it would repeat or lose samples) is refused
+    with :class:`~feedline.LedgerError`, and so is an iteration that ran to its end without
+    handing out each sample once. :meth:`ledger_stats` shows it. In a DataLoader's worker
+    processes, each worker's copy keeps its own, saved with the loader's state.
 
     Args:
         store: A :class:`~feedline.RemoteStore` (shards are read whole with ``read_sync``,
@@ -77,22 +99,55 @@ class TarShards(_Base):  # type: ignore[type-arg]
         self.shuffle, self.seed, self.read_ahead = shuffle, seed, read_ahead
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.epoch = 0
-        self._yielded = 0  # samples of self.epoch handed out by the last iteration
-        self._skip = 0  # handed out before a resume: passed over by the next iteration
+        self._pass = _Pass()  # the current (or last) iteration of self.epoch, or a loaded state
 
     def set_epoch(self, epoch: int) -> None:
-        """Shuffle for ``epoch`` from the next iteration on."""
+        """Shuffle for ``epoch`` from the next iteration on (from its first sample)."""
         if epoch != self.epoch:
-            self.epoch, self._yielded, self._skip = epoch, 0, 0
+            self.epoch, self._pass = epoch, _Pass()
 
-    def state_dict(self) -> dict[str, int]:
-        """The epoch and the samples of it handed out (in this process)."""
-        return {"epoch": self.epoch, "yielded": self._yielded}
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch, the samples of it handed out (in this process), and the ledger.
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Go on from ``state`` at the next iteration."""
-        self.epoch, self._yielded = int(state["epoch"]), int(state["yielded"])
-        self._skip = self._yielded
+        Plain data (it pickles and goes into JSON); the ledger is about a hundred bytes, as
+        samples are handed out in the order it numbers them.
+        """
+        here = self._pass
+        ledger = None if here.ledger is None else here.ledger.state_dict()
+        return {"epoch": self.epoch, "yielded": here.yielded, "ledger": ledger}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from ``state`` (from :meth:`state_dict`) at the next iteration.
+
+        A state saved without a ledger (an older feedline) loads unchecked, and the
+        iteration that goes on from it keeps none.
+
+        Raises:
+            ValueError: ``state`` is not a state :meth:`state_dict` returned.
+            LedgerError: The state's position does not match the samples its ledger says
+                were handed out: resuming from it would repeat or lose them.
+
+        """
+        epoch, yielded = _count(state, "epoch"), _count(state, "yielded")
+        saved = state.get("ledger")
+        ledger = None
+        if saved is not None and ledger_check():
+            ledger = Ledger(self._ledger_name(epoch))
+            ledger.load_state_dict(saved)
+            ledger.check_resume(yielded)
+        self.epoch, self._pass = epoch, _Pass(yielded, ledger, resume=True)
+
+    def ledger_stats(self) -> LedgerStats | None:
+        """The current (or last) iteration's ledger: samples handed out, repeated, missing.
+
+        ``planned`` (the samples of this process's stream) and ``missing`` are known once
+        the iteration ran to its end. ``None`` where there is none: no iteration (nor
+        loaded state) yet, one resumed from a state saved without a ledger, or
+        ``FEEDLINE_LEDGER=0``. In a DataLoader with worker processes, the workers' copies
+        keep theirs (in the loader's ``state_dict()["dataset_state"]``), not this one.
+        """
+        ledger = self._pass.ledger
+        return None if ledger is None else ledger.stats()
 
     def my_shards(self) -> list[str]:
         """The shards this rank (and worker process) reads this epoch, in order."""
@@ -104,14 +159,52 @@ class TarShards(_Base):  # type: ignore[type-arg]
         return keys if worker is None else keys[worker[0] :: worker[1]]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        skip, self._skip = self._skip, 0
-        self._yielded = 0
-        for sample in self._shuffled(self._samples(self.my_shards())):
-            if self._yielded < skip:
-                self._yielded += 1
+        # A new pass, unless a loaded state waits: it takes the position from here (not at
+        # the first next()), so that what comes later (set_epoch, load_state_dict) detaches
+        # it rather than changing the epoch it walks.
+        loaded = self._pass
+        if loaded.resume:
+            skip, ledger = loaded.yielded, loaded.ledger
+            if ledger is None and skip == 0:
+                ledger = self._new_ledger()
+        else:
+            skip, ledger = 0, self._new_ledger()
+        here = self._pass = _Pass(skip, ledger)
+        return self._hand_out(here, skip, self.my_shards(), self.epoch)
+
+    def _hand_out(
+        self, here: _Pass, skip: int, keys: list[str], epoch: int
+    ) -> Iterator[dict[str, Any]]:
+        # The stream's samples, numbered by their place in it (the ledger's slots), past the
+        # first ``skip`` (handed out before a resume). ``here.yielded`` is the position, a
+        # count of its own, which the ledger checks.
+        ledger = here.ledger
+        total = 0
+        for slot, sample in enumerate(self._shuffled(self._samples(keys), epoch)):
+            total = slot + 1
+            if slot < skip:
+                here.yielded = _position_while_skipping(skip, total)
                 continue
-            self._yielded += 1
+            here.yielded += 1
+            if ledger is not None:
+                ledger.deliver(slot)
             yield sample
+        if ledger is not None:  # ran to its end (not after a break or an error)
+            ledger.plan(total)
+            ledger.check_resume(here.yielded)
+            ledger.check_end()
+
+    def _new_ledger(self) -> Ledger | None:
+        return Ledger(self._ledger_name(self.epoch)) if ledger_check() else None
+
+    def _ledger_name(self, epoch: int) -> str:
+        where = []
+        if self.world_size > 1:
+            where.append(f"rank {self.rank} of {self.world_size}")
+        worker = _worker()
+        if worker is not None:
+            where.append(f"DataLoader worker {worker[0]} of {worker[1]}")
+        return f"TarShards epoch {epoch}" + (f" ({', '.join(where)})" if where else "")
 
     def _samples(self, keys: list[str]) -> Iterator[dict[str, Any]]:
         # Each shard's samples in order, the next shards read meanwhile.
@@ -142,7 +235,7 @@ class TarShards(_Base):  # type: ignore[type-arg]
                 future.cancel()
             pool.shutdown(wait=True)
 
-    def _shuffled(self, samples: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    def _shuffled(self, samples: Iterator[dict[str, Any]], epoch: int) -> Iterator[dict[str, Any]]:
         # A buffer of ``shuffle`` samples: each new one takes the place of a random one,
         # which is handed out (as WebDataset's shuffle), then the rest in a random order.
         worker = _worker()
@@ -153,7 +246,7 @@ class TarShards(_Base):  # type: ignore[type-arg]
                 yield from samples
             return
         number = 0 if worker is None else worker[0]
-        rng = random.Random(f"{self.seed}:{self.epoch}:{self.rank}:{number}")
+        rng = random.Random(f"{self.seed}:{epoch}:{self.rank}:{number}")
         buffer: list[dict[str, Any]] = []
         for sample in samples:
             owned = _owned(sample)
@@ -171,6 +264,42 @@ class TarShards(_Base):  # type: ignore[type-arg]
             f"TarShards({len(self.shards)} shards, shuffle={self.shuffle}, "
             f"rank {self.rank} of {self.world_size})"
         )
+
+
+class _Pass:
+    """One iteration over an epoch, or a loaded state that the next one goes on from.
+
+    ``yielded``: the samples handed out (those before its resume included); ``ledger``:
+    ``None`` where not checked; ``resume``: a loaded state, not taken by an iteration yet.
+    """
+
+    __slots__ = ("ledger", "resume", "yielded")
+
+    def __init__(self, yielded: int = 0, ledger: Ledger | None = None, resume: bool = False):
+        self.yielded, self.ledger, self.resume = yielded, ledger, resume
+
+
+def _position_while_skipping(handed_out: int, passed: int) -> int:
+    """The position while a resumed iteration passes over the samples handed out before it.
+
+    All ``handed_out`` of them, whether it has passed over them yet (``passed``) or not.
+
+    (It was ``passed``, counted up from 0: a read error while passing over them left a state
+    that said fewer had been handed out, and a resume from it repeated the rest. The tests
+    put that back to see the ledger refuse it.)
+    """
+    return handed_out
+
+
+def _count(state: Any, name: str) -> int:
+    # A non-negative int of a saved state, or a ValueError that says what to pass.
+    value = state.get(name) if isinstance(state, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"not a TarShards state: {name!r} must be an int >= 0, got {value!r} (pass the "
+            "dict that TarShards.state_dict() returned)"
+        )
+    return value
 
 
 def _owned(sample: dict[str, Any]) -> dict[str, Any]:
