@@ -174,10 +174,10 @@ class StallWatch:
 
 # -- where threads stand --------------------------------------------------------------------
 
-_NOT_USER = tuple(
+_OWN = f"{os.sep}feedline{os.sep}"
+_WAITS = tuple(
     f"{os.sep}{part}"
     for part in (
-        f"feedline{os.sep}",
         "threading.py",
         "queue.py",
         "selectors.py",
@@ -188,38 +188,44 @@ _NOT_USER = tuple(
 )
 
 
+def _waits(filename: str) -> bool:
+    # The standard library's ways of waiting for work: a thread there is idle.
+    return any(part in filename for part in _WAITS)
+
+
 def _user_frame(filename: str) -> bool:
     # Neither feedline's own code nor the standard library's waits.
-    return not any(part in filename for part in _NOT_USER)
+    return _OWN not in filename and not _waits(filename)
 
 
 def busy_threads() -> list[str]:
-    """The threads of this process that are in user code, each with its innermost frames.
+    """The threads of this process at work, each with where it stands.
 
-    A thread whose stack holds only the standard library's waits and feedline's own engine is
-    idle and left out; so is the calling thread (the consumer). The source item a stage's op
-    works on is named where the stack shows it.
+    A thread is at work unless it waits in the standard library for work (a pool's idle
+    thread); the calling thread (the consumer) is left out. Each is shown by its innermost
+    frame and its innermost frames of user code, with the source item a stage's op works
+    on, where the stack shows it.
     """
     me = threading.get_ident()
     names = {t.ident: t.name for t in threading.enumerate()}
     out: list[str] = []
     for ident, frame in sys._current_frames().items():
-        if ident == me:
+        if ident == me or frame is None:
             continue
         mine: list[str] = []
         source = ""
         walk: Any = frame
         while walk is not None:
             code = walk.f_code
-            if _user_frame(code.co_filename):
-                if len(mine) < _FRAMES:
-                    mine.append(f"{code.co_filename}:{walk.f_lineno} in {code.co_name}{_arg(walk)}")
+            if walk is frame or (_user_frame(code.co_filename) and len(mine) <= _FRAMES):
+                mine.append(f"{code.co_filename}:{walk.f_lineno} in {code.co_name}{_arg(walk)}")
             elif not source and code.co_name == "__call__" and "item" in code.co_varnames:
                 source = _source_of(walk.f_locals.get("item"))
             walk = walk.f_back
-        if mine:
-            where = f" (on {source})" if source else ""
-            out.append(f"thread {names.get(ident, ident)!r}{where}: " + " <- ".join(mine))
+        if _waits(frame.f_code.co_filename) and len(mine) == 1:
+            continue  # waits for work, and no user code under it
+        where = f" (on {source})" if source else ""
+        out.append(f"thread {names.get(ident, ident)!r}{where}: " + " <- ".join(mine))
     return out
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from feedline._watchdog import register
 from feedline.errors import ConfigurationError, RemoteReadError
 from feedline.loader.paths import PathList
 from feedline.pipeline._forking import PerProcess, note_obstore_request, obstore_started_in
@@ -294,6 +295,7 @@ class RemoteStore:
         self._process = PerProcess()
         self._start()
         self._store: Any = store  # building one starts no thread: it serves this process
+        register(self)  # its requests in flight appear in stall reports
 
     def _open(self) -> Any:
         # A new obstore store (no request: its first request starts obstore's runtime).
@@ -326,6 +328,8 @@ class RemoteStore:
         self._failures = 0
         self._in_flight = 0
         self._joined = 0
+        self._ticket = 0  # numbers the requests in flight, kept with their key and start
+        self._requests: dict[int, tuple[str, float]] = {}
         # Whole-object reads under way, by key: per event loop for read (touched only on that
         # loop's thread), across threads for read_sync (under _lock).
         self._loop_flights: dict[tuple[asyncio.AbstractEventLoop, str], asyncio.Future[Any]] = {}
@@ -473,7 +477,7 @@ class RemoteStore:
         # One request: the body and the object's metadata. ``first``: the first part of a
         # whole-object read, which an empty object refuses (no byte 0): then read it whole.
         async with self._loop_limit():
-            self._begin()
+            ticket = self._begin(key)
             view = None
             try:
                 sent = time.perf_counter()
@@ -485,7 +489,7 @@ class RemoteStore:
                 if not (first and bad_range(error)):
                     raise self._failed(key, error) from error
             finally:  # also when cancelled (a pipeline that stops cancels its reads)
-                self._end(view)
+                self._end(ticket, view)
         if view is None:
             return await self._get(key, None)
         return view, result.meta
@@ -601,7 +605,7 @@ class RemoteStore:
     def _get_sync(self, key: str, options: Any, first: bool = False) -> tuple[memoryview, Any]:
         # One request from this thread (see _get).
         with self._thread_limit:
-            self._begin()
+            ticket = self._begin(key)
             view = None
             try:
                 sent = time.perf_counter()
@@ -613,7 +617,7 @@ class RemoteStore:
                 if not (first and bad_range(error)):
                     raise self._failed(key, error) from error
             finally:
-                self._end(view)
+                self._end(ticket, view)
         if view is None:
             return self._get_sync(key, None)
         return view, result.meta
@@ -750,16 +754,35 @@ class RemoteStore:
         with self._lock:
             self._joined += 1
 
-    def _begin(self) -> None:
+    def _begin(self, key: str) -> int:
+        # A request goes out: counted, and its key and start kept for a stall report.
         with self._lock:
             self._in_flight += 1
+            self._ticket += 1
+            self._requests[self._ticket] = (key, time.monotonic())
+            return self._ticket
 
-    def _end(self, view: memoryview | None) -> None:
+    def _end(self, ticket: int, view: memoryview | None) -> None:
         with self._lock:
             self._in_flight -= 1
+            self._requests.pop(ticket, None)
             if view is not None:
                 self._reads += 1
                 self._bytes += view.nbytes
+
+    def stall_report(self) -> list[str]:
+        """For the stall watchdog: the requests in flight in this process, the oldest first."""
+        self._process.check(self._start)  # a forked copy's are its parent's
+        with self._lock:
+            requests = sorted(self._requests.values(), key=lambda r: r[1])
+        if not requests:
+            return []
+        key, since = requests[0]
+        return [
+            f"{self!r}: {len(requests)} request(s) waiting on the store, the oldest for "
+            f"{time.monotonic() - since:.0f} s (key {key!r}; timeout={self._args['timeout']} s "
+            "applies to each request's silence, retries= to failed ones)"
+        ]
 
     def _failed(self, key: str, error: Exception, listing: bool = False) -> RemoteReadError:
         with self._lock:

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import collections
 import random
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from feedline._ledger import Ledger, LedgerStats, ledger_check
+from feedline._watchdog import STALL_AFTER, TICK, StallWatch, check_after
 from feedline.errors import ConfigurationError
 from feedline.io.tar import tar_samples
 
@@ -78,6 +81,9 @@ class TarShards(_Base):  # type: ignore[type-arg]
         rank, world_size: This rank's share of the shards: ``shards[rank::world_size]``.
             Default: from ``torch.distributed`` when it is initialised, else all of them.
         read_ahead: Shards read ahead of the one being walked.
+        report_stall_after: Seconds a shard's read may keep the iteration waiting before it
+            is reported, once, as a WARNING on the ``feedline.watchdog`` logger (the shard,
+            the store's requests in flight, where busy threads stand); ``None``: never.
 
     """
 
@@ -91,8 +97,10 @@ class TarShards(_Base):  # type: ignore[type-arg]
         rank: int | None = None,
         world_size: int | None = None,
         read_ahead: int = 2,
+        report_stall_after: float | None = STALL_AFTER,
     ) -> None:
         self.shards = StoredSamples(store, keys)
+        self.report_stall_after = check_after(report_stall_after)
         for name, value, least in (("shuffle", shuffle, 0), ("read_ahead", read_ahead, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigurationError(f"{name} must be an int >= {least}, got {value!r}")
@@ -226,7 +234,7 @@ class TarShards(_Base):  # type: ignore[type-arg]
             read_next()
             while pending:
                 key, future = pending.popleft()
-                data = future.result()
+                data = self._await(key, future)
                 while len(pending) <= self.read_ahead and read_next():
                     pass
                 yield from tar_samples(data, shard=key)
@@ -234,6 +242,19 @@ class TarShards(_Base):  # type: ignore[type-arg]
             for _, future in pending:
                 future.cancel()
             pool.shutdown(wait=True)
+
+    def _await(self, key: str, future: Future[Any]) -> Any:
+        # A shard's bytes; a read that takes report_stall_after seconds is reported once
+        # (with the store's requests in flight), and waited for.
+        if self.report_stall_after is None:
+            return future.result()
+        began = time.monotonic()
+        watch = StallWatch(f"{self!r}", self.report_stall_after, lambda: [f"reading shard {key!r}"])
+        while True:
+            try:
+                return future.result(timeout=TICK)
+            except FutureTimeout:
+                watch.tick(began)
 
     def _shuffled(self, samples: Iterator[dict[str, Any]], epoch: int) -> Iterator[dict[str, Any]]:
         # A buffer of ``shuffle`` samples: each new one takes the place of a random one,
