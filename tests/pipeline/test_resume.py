@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from feedline import ConfigurationError, PipelineBuilder
+from feedline import ConfigurationError, LedgerError, PipelineBuilder
 
 from ._helpers import fail_on_three, square
 
@@ -114,21 +114,26 @@ def test_completion_order_resume_loses_and_repeats_nothing(stop_after: int) -> N
     assert set(calls.count.values()) == {1}
 
 
+def _position(state: dict[str, Any]) -> dict[str, Any]:
+    # The state without its ledger (see test_the_ledger_* below).
+    return {k: v for k, v in state.items() if k != "ledger"}
+
+
 def test_state_between_epochs_starts_from_the_beginning() -> None:
     pipeline = PipelineBuilder().add_source(range(5)).pipe(square).build(resumable=True)
     fresh = {"version": 1, "done_below": 0, "done_ahead": []}
-    assert pipeline.state_dict() == fresh  # never run
+    assert _position(pipeline.state_dict()) == fresh  # never run
     assert list(pipeline) == [0, 1, 4, 9, 16]
-    assert pipeline.state_dict() == fresh  # the epoch ended
+    assert _position(pipeline.state_dict()) == fresh  # the epoch ended
     assert take(pipeline, 2) == [0, 1]
     mid = pipeline.state_dict()
-    assert mid == {"version": 1, "done_below": 2, "done_ahead": []}
+    assert _position(mid) == {"version": 1, "done_below": 2, "done_ahead": []}
     # Iterating again without loading a state starts a new epoch, as a DataLoader does.
     assert list(pipeline) == [0, 1, 4, 9, 16]
     pipeline.load_state_dict(mid)
     assert pipeline.state_dict() == mid  # loaded, not yet used
     assert list(pipeline) == [4, 9, 16]
-    assert pipeline.state_dict() == fresh
+    assert _position(pipeline.state_dict()) == fresh
 
 
 def test_failed_items_count_as_done_and_are_not_retried(caplog: pytest.LogCaptureFixture) -> None:
@@ -324,7 +329,7 @@ def test_the_item_that_stops_the_run_is_not_counted_as_done() -> None:
     assert got == list(range(len(got)))
     assert len(got) <= 3
     state = first.state_dict()
-    assert state == {"version": 1, "done_below": len(got), "done_ahead": []}
+    assert _position(state) == {"version": 1, "done_below": len(got), "done_ahead": []}
     broken.clear()  # fixed: the resumed run reads item 3 again
     second = build()
     second.load_state_dict(state)
@@ -392,3 +397,50 @@ def test_stop_does_not_wait_for_a_long_skip() -> None:
     pipeline.start()
     time.sleep(0.1)
     pipeline.stop()  # hangs (and the test times out) if the skip ignores the stop
+
+
+def test_the_ledger_counts_an_epoch_and_refuses_a_position_that_moved() -> None:
+    def flaky(x: int) -> int:
+        if x in (3, 7):
+            raise ValueError(f"no {x}")
+        return x
+
+    pipeline = (
+        PipelineBuilder().add_source(range(12)).pipe(flaky).build(resumable=True, max_failures=5)
+    )
+    assert take(pipeline, 4) == [0, 1, 2, 4]
+    state = json.loads(json.dumps(pipeline.state_dict()))
+    pipeline.stop()
+    stats = pipeline.stats().ledger
+    assert stats is not None
+    assert (stats.delivered, stats.failed) == (4, 1)
+    for moved, pattern in (
+        (7, r"2 source item\(s\) passed over by the saved position .*first: source item 5"),
+        (3, r"resumes at source item 3 but 2 source item\(s\) .*first: source item 3"),
+    ):
+        with pytest.raises(LedgerError, match=pattern):
+            pipeline.load_state_dict(dict(state, done_below=moved))
+    pipeline.load_state_dict(state)
+    assert list(pipeline) == [5, 6, 8, 9, 10, 11]  # the rest, 7 failing again
+
+
+def test_the_ledger_catches_an_item_delivered_twice_at_the_epochs_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A defect put in on purpose: the source passes on an item the saved state had done.
+    from feedline.pipeline import _resume
+
+    pipeline = PipelineBuilder().add_source(range(6)).build(resumable=True)
+    assert take(pipeline, 3) == [0, 1, 2]
+    state = pipeline.state_dict()
+    pipeline.stop()
+    real = _resume.Progress.skipper
+
+    def leaky(self: Any) -> Any:
+        done = real(self)
+        return lambda number: number != 1 and done(number)
+
+    monkeypatch.setattr(_resume.Progress, "skipper", leaky)
+    pipeline.load_state_dict(state)
+    with pytest.raises(LedgerError, match=r"1 source item\(s\) handed out twice .*source item 1"):
+        list(pipeline)

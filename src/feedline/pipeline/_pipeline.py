@@ -185,7 +185,7 @@ class Pipeline(Generic[T]):
 
             def failed(item: Any, stage: str) -> None:
                 if isinstance(item, Tagged):  # skipped: an uninterrupted run skips it too
-                    progress.mark(item.tag)
+                    progress.mark(item.tag, failed=True)
 
             on_failed = failed
         src = config.source
@@ -404,7 +404,8 @@ class Pipeline(Generic[T]):
         # from its beginning.
         if self._config.resumable and run.finished:
             with self._holder.lock:
-                self._progress = Progress()
+                done, self._progress = self._progress, Progress()
+            done.check_end()  # each source item delivered or failed, once (LedgerError)
 
     # -- resuming --------------------------------------------------------------------------------
 
@@ -502,7 +503,9 @@ class Pipeline(Generic[T]):
         run = self._last
         if run is None:
             raise RuntimeError("the pipeline has not run yet: start or iterate it first")
-        return run.stats()
+        stats = run.stats()
+        ledger = self._progress.ledger if self._config.resumable else None
+        return stats if ledger is None else dataclasses.replace(stats, ledger=ledger.stats())
 
     def __repr__(self) -> str:
         names = [self._config.source.name] + [s.name for s in self._config.stages]

@@ -27,6 +27,8 @@ import threading
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
+from feedline._ledger import Ledger, ledger_check
+
 __all__ = [
     "STATE_VERSION",
     "Account",
@@ -248,15 +250,38 @@ class Progress:
         self._lock = threading.Lock()
         self._below = below
         self._ahead: set[int] = set()  # numbers above ``below`` that are done too
+        # What was delivered and failed, apart from the watermark's bookkeeping, to check it
+        # (see feedline._ledger): kept under the same lock, no lock of its own.
+        self.ledger: Ledger | None = (
+            Ledger("a resumable pipeline's epoch", unit="source item") if ledger_check() else None
+        )
 
-    def mark(self, tag: int | tuple[int, ...]) -> None:
-        """Record that the item(s) numbered ``tag`` were delivered (or failed)."""
+    def mark(self, tag: int | tuple[int, ...], failed: bool = False) -> None:
+        """Record that the item(s) numbered ``tag`` were delivered (or ``failed``)."""
+        ledger = self.ledger
+        record = None if ledger is None else ledger.fail if failed else ledger.deliver
         with self._lock:
             if isinstance(tag, int):
                 self._mark(tag)
+                if record is not None:
+                    record(tag)
             else:
                 for number in tag:
                     self._mark(number)
+                    if record is not None:
+                        record(number)
+
+    def plan(self, count: int) -> None:
+        """The source's pass has ``count`` items in all (it was read to its end)."""
+        if self.ledger is not None:
+            self.ledger.plan(count)
+
+    def check_end(self) -> None:
+        """At the epoch's end: each source item delivered or failed, once (``LedgerError``)."""
+        if self.ledger is not None:
+            with self._lock:
+                self.ledger.check_resume(self._below, self._ahead)
+                self.ledger.check_end()
 
     def _mark(self, number: int) -> None:
         if number != self._below:
@@ -292,6 +317,7 @@ class Progress:
                 "version": STATE_VERSION,
                 "done_below": self._below,
                 "done_ahead": sorted(self._ahead),
+                "ledger": None if self.ledger is None else self.ledger.state_dict(),
             }
 
     @classmethod
@@ -320,8 +346,15 @@ class Progress:
                 f"a list of ints, got {below!r} and {sample_repr(ahead)}"
             )
         progress = cls(below)
+        ledger, progress.ledger = progress.ledger, None
         for number in ahead:
             progress.mark(number)  # numbers at or below the watermark move it on, or are done
+        saved = state.get("ledger")
+        if ledger is not None and saved is not None:
+            # The saved epoch's record: its watermark must pass over what it delivered.
+            ledger.load_state_dict(saved)
+            ledger.check_resume(below, ahead)
+            progress.ledger = ledger
         return progress
 
 
@@ -370,7 +403,9 @@ class _TaggedSource:
                 return
             done, stopping = self._progress.skipper(), self._stopping
             skipped = 0
+            count = 0
             for number, value in enumerate(iterator):
+                count = number + 1
                 if not done(number):
                     yield Tagged(number, value, value)
                     continue
@@ -379,6 +414,7 @@ class _TaggedSource:
                 skipped += 1
                 if skipped % _SKIP_CHECK == 0 and stopping():
                     return
+            self._progress.plan(count)
         finally:
             # Closing this wrapper (the run stops, or ends) closes the user's iterator, so
             # that a generator's ``finally`` runs as it does unwrapped.
@@ -413,6 +449,8 @@ class _TaggedAsyncSource:
                 elif number % _SKIP_CHECK == 0:
                     await asyncio.sleep(0)  # a stop cancels the source here if not sooner
                 number += 1
+            if self._progress is not None:
+                self._progress.plan(number)
         finally:
             aclose = getattr(iterator, "aclose", None)
             if aclose is not None:
