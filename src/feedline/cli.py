@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 import warnings
@@ -172,6 +173,8 @@ def _bench(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     results = []
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    if len(names) > 1 and args.may_restart:
+        return _bench_apart(args, names, out, started)
     with _Progress(names) as progress:
         options = BenchOptions(
             quick=args.quick,
@@ -203,6 +206,49 @@ def _bench(args: argparse.Namespace) -> int:
     for r in skipped:
         print(f"skipped {r.scenario}: {r.skipped}")
     return 0
+
+
+def _bench_apart(args: argparse.Namespace, names: list[str], out: Path, started: str) -> int:
+    """Run each scenario in a process of its own, then write the summary of them all.
+
+    What one scenario leaves in its process would change the next one's: a scenario that
+    reads through a RemoteStore leaves obstore's runtime threads, beside which feedline's
+    DataLoader starts its workers from the fork server rather than by a fork (see the loader
+    README), and freed memory stays with the process.
+    """
+    from feedline.bench._common import ScenarioResult
+    from feedline.bench._report import summary
+
+    command = " ".join(["feedline bench", *args.argv])
+    flags = ["--quick"] if args.quick else []
+    if args.data is not None:
+        flags += ["--data", str(args.data)]
+    out.mkdir(parents=True, exist_ok=True)
+    results: list[ScenarioResult] = []
+    charts: list[Path] = []
+    for i, name in enumerate(names):
+        print(f"feedline bench: scenario {i + 1}/{len(names)}: {name}", file=sys.stderr)
+        child = [sys.executable, "-m", "feedline", "bench", name, "--out", str(out), *flags]
+        code = subprocess.run(child, check=False).returncode
+        path = out / f"{name}.json"
+        if code != 0 or not path.exists():
+            print(f"feedline bench: {name} failed (exit code {code})", file=sys.stderr)
+            continue
+        result = ScenarioResult.load(path)
+        result.command = command  # what reproduces the whole run
+        result.machine["run_started"] = started  # which results came from one run
+        result.save(out)
+        results.append(result)
+        if (out / f"{name}.png").exists():
+            charts.append(out / f"{name}.png")
+    text = summary(results, command=command)
+    (out / "summary.md").write_text(text)
+    print(f"\n{text}")
+    print(f"results written to {out.resolve()}")
+    for r in results:
+        if r.skipped is not None:
+            print(f"skipped {r.scenario}: {r.skipped}")
+    return 0 if len(results) == len(names) else 1
 
 
 def _foreign_folder(folder: Path) -> bool:

@@ -79,6 +79,7 @@ def run(options: BenchOptions) -> ScenarioResult:
         ]
         found += alternate(case, contenders, repeats, "PyTorch workers=2", options.progress)
     costs.attach(found)
+    found += _after_a_store(options, repeats)
     notes = [
         jpeg_source(options.data_dir),
         f"{repeats} alternating run(s) per contender, medians. items/s here is first batches "
@@ -89,6 +90,13 @@ def run(options: BenchOptions) -> ScenarioResult:
         "CPU s per 1000 items: creating the loader, its first batch and shutting it down "
         "(worker processes included), over the 32 items of that batch; peak PSS / RSS: this "
         "process and its children when the first batch has arrived",
+        f"{AFTER_STORE}: each run a fresh process that lists and reads the pictures through a "
+        "RemoteStore (file://; obstore's runtime threads then run), then times a loader whose "
+        "dataset reads them through that store; PyTorch forkserver: "
+        "multiprocessing_context='forkserver' (with its default fork, its workers wait for "
+        "ever at their first read: not run); feedline workers=N: the default, which sees the "
+        "runtime's threads and starts its workers from the fork server. Baseline: PyTorch "
+        "forkserver workers=2",
     ]
     return make_result(
         "startup",
@@ -99,3 +107,92 @@ def run(options: BenchOptions) -> ScenarioResult:
         unit="first batches/s",
         headline=["feedline", "feedline workers=2", "feedline workers=4"],
     )
+
+
+AFTER_STORE = f"first batch of {BATCH} after a RemoteStore read"
+
+_AFTER_STORE_SCRIPT = """
+import sys, time
+import torch
+import feedline
+from feedline import RemoteStore
+from feedline.bench._loaders import DECODERS
+
+
+class Reads(torch.utils.data.Dataset):
+    def __init__(self, store, keys):
+        self.store, self.keys = store, keys
+
+    def __len__(self):
+        return len(self.keys)
+
+    def __getitem__(self, i):
+        return DECODERS["feedline"](bytes(self.store.read_sync(self.keys[i])))
+
+
+if __name__ == "__main__":
+    kind, workers, url = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    store = RemoteStore(url)
+    keys = sorted(str(k) for k in store.keys(suffix=".jpg"))
+    store.read_sync(keys[0])  # the training process used the store: its threads run
+    started = time.perf_counter()
+    if kind == "torch":
+        loader = torch.utils.data.DataLoader(
+            Reads(store, keys), batch_size=int(sys.argv[4]), num_workers=workers,
+            multiprocessing_context="forkserver", timeout=600,
+        )
+    else:
+        loader = feedline.DataLoader(Reads(store, keys), batch_size=int(sys.argv[4]),
+                                     num_workers=workers)
+    next(iter(loader))
+    print(time.perf_counter() - started, flush=True)
+"""
+
+
+def _after_a_store(options: BenchOptions, repeats: int) -> list[Any]:
+    # The first batch with workers in a process that used a RemoteStore, each run a process
+    # of its own (the fork server starts cold in each, as in a new training job).
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    try:
+        import obstore  # noqa: F401
+    except ImportError:
+        return []
+    files = jpeg_files(BATCH, "imagenet", options.data_dir, options.progress, options.steps)
+    folder = files[0].parent
+    with tempfile.TemporaryDirectory(prefix="feedline-startup-") as tmp:
+        script = Path(tmp) / "first_batch.py"
+        script.write_text(_AFTER_STORE_SCRIPT)
+
+        def fresh(kind: str, workers: int) -> tuple[int, float]:
+            out = subprocess.run(
+                [sys.executable, str(script), kind, str(workers), f"file://{folder}", str(BATCH)],
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=True,
+                cwd=tmp,
+            )
+            return 1, float(out.stdout.strip().splitlines()[-1])
+
+        contenders = [
+            Contender(name, functools.partial(fresh, kind, workers))
+            for name, kind, workers in (
+                ("PyTorch forkserver workers=2", "torch", 2),
+                ("PyTorch forkserver workers=4", "torch", 4),
+                ("feedline workers=2", "feedline", 2),
+                ("feedline workers=4", "feedline", 4),
+            )
+        ]
+        found = alternate(
+            AFTER_STORE, contenders, repeats, "PyTorch forkserver workers=2", options.progress
+        )
+    for m in found:
+        # The fresh process's imports are no loader's CPU: the time alone is compared.
+        m.extra.pop("cpu_s_per_1000", None)
+        if m.items_per_s:
+            m.extra["first_batch_ms"] = 1000 / m.items_per_s
+    return found
