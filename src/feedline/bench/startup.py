@@ -112,11 +112,11 @@ def run(options: BenchOptions) -> ScenarioResult:
 AFTER_STORE = f"first batch of {BATCH} after a RemoteStore read"
 
 _AFTER_STORE_SCRIPT = """
-import sys, time
+import json, sys
 import torch
 import feedline
 from feedline import RemoteStore
-from feedline.bench._loaders import DECODERS
+from feedline.bench._loaders import DECODERS, LoaderCosts
 
 
 class Reads(torch.utils.data.Dataset):
@@ -135,23 +135,25 @@ if __name__ == "__main__":
     store = RemoteStore(url)
     keys = sorted(str(k) for k in store.keys(suffix=".jpg"))
     store.read_sync(keys[0])  # the training process used the store: its threads run
-    started = time.perf_counter()
     if kind == "torch":
-        loader = torch.utils.data.DataLoader(
+        make = lambda: torch.utils.data.DataLoader(
             Reads(store, keys), batch_size=int(sys.argv[4]), num_workers=workers,
             multiprocessing_context="forkserver", timeout=600,
         )
     else:
-        loader = feedline.DataLoader(Reads(store, keys), batch_size=int(sys.argv[4]),
-                                     num_workers=workers)
-    next(iter(loader))
-    print(time.perf_counter() - started, flush=True)
+        make = lambda: feedline.DataLoader(Reads(store, keys), batch_size=int(sys.argv[4]),
+                                           num_workers=workers)
+    costs = LoaderCosts(periodic=False)
+    costs.time("case", "contender", make, max_batches=1)
+    print(json.dumps({k: v[0] for k, v in costs._runs["case", "contender"].items()}), flush=True)
 """
 
 
 def _after_a_store(options: BenchOptions, repeats: int) -> list[Any]:
     # The first batch with workers in a process that used a RemoteStore, each run a process
     # of its own (the fork server starts cold in each, as in a new training job).
+    import json
+    import statistics
     import subprocess
     import sys
     import tempfile
@@ -167,7 +169,9 @@ def _after_a_store(options: BenchOptions, repeats: int) -> list[Any]:
         script = Path(tmp) / "first_batch.py"
         script.write_text(_AFTER_STORE_SCRIPT)
 
-        def fresh(kind: str, workers: int) -> tuple[int, float]:
+        costs: dict[str, list[dict[str, float]]] = {}
+
+        def fresh(name: str, kind: str, workers: int) -> tuple[int, float]:
             out = subprocess.run(
                 [sys.executable, str(script), kind, str(workers), f"file://{folder}", str(BATCH)],
                 capture_output=True,
@@ -176,10 +180,12 @@ def _after_a_store(options: BenchOptions, repeats: int) -> list[Any]:
                 check=True,
                 cwd=tmp,
             )
-            return 1, float(out.stdout.strip().splitlines()[-1])
+            measured = json.loads(out.stdout.strip().splitlines()[-1])
+            costs.setdefault(name, []).append(measured)
+            return 1, measured["first_batch_ms"] / 1000
 
         contenders = [
-            Contender(name, functools.partial(fresh, kind, workers))
+            Contender(name, functools.partial(fresh, name, kind, workers))
             for name, kind, workers in (
                 ("PyTorch forkserver workers=2", "torch", 2),
                 ("PyTorch forkserver workers=4", "torch", 4),
@@ -190,9 +196,8 @@ def _after_a_store(options: BenchOptions, repeats: int) -> list[Any]:
         found = alternate(
             AFTER_STORE, contenders, repeats, "PyTorch forkserver workers=2", options.progress
         )
-    for m in found:
-        # The fresh process's imports are no loader's CPU: the time alone is compared.
-        m.extra.pop("cpu_s_per_1000", None)
-        if m.items_per_s:
-            m.extra["first_batch_ms"] = 1000 / m.items_per_s
+    for m in found:  # each run's costs, measured in its process as the other cases' are
+        runs = costs.get(m.contender, [])
+        for key in runs[0] if runs else ():
+            m.extra[key] = statistics.median(run[key] for run in runs)
     return found
