@@ -2,7 +2,8 @@
 
 (a) Overhead: items/s through three no-op stages (sync, then async) at concurrency 1 and 8,
     with a sink of 3 (SPDL's default) on both sides, then with feedline's default sink (which
-    grows), and what ``build(resumable=True)`` costs on top; and the latency of handing one
+    grows), and what ``build(resumable=True)`` costs on top, with and without its epoch
+    ledger (``FEEDLINE_LEDGER=0``); and the latency of handing one
     item through an idle pipeline to the consumer. With a 3-item sink and a consumer that
     does nothing, the consumer's thread and the pipeline's take turns every few items, each
     turn a thread wake-up; the growing sink shows what the stages themselves cost.
@@ -19,11 +20,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from unittest import mock
 
 from feedline import PipelineBuilder
 
@@ -118,9 +121,17 @@ def _overhead(n: int, repeats: int, sink: int, progress: Any) -> list[Measuremen
             ) -> tuple[int, float]:
                 return _drain(_feedline_pipeline(range(n), op, 3, conc, threads, sink, True))
 
+            # And of the epoch ledger a resumable pipeline keeps (FEEDLINE_LEDGER=0: none).
+            def no_ledger(
+                op: Any = op, conc: int = conc, threads: int = threads
+            ) -> tuple[int, float]:
+                with mock.patch.dict(os.environ, {"FEEDLINE_LEDGER": "0"}):
+                    return resumable(op, conc, threads)
+
             contenders = [
                 Contender("feedline, add_sink(3)", ours),
                 Contender("feedline, add_sink(3), resumable", resumable),
+                Contender("feedline, add_sink(3), resumable, no ledger", no_ledger),
                 # What a user gets without add_sink: a sink that grows while it, rather than
                 # the stages, is what keeps the consumer waiting.
                 Contender("feedline", functools.partial(ours, size=None)),

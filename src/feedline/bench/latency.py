@@ -18,8 +18,10 @@ import contextlib
 import functools
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from unittest import mock
 
 import numpy as np
 
@@ -50,6 +52,7 @@ BATCH = 32
 FETCH_CONCURRENCY = 128
 TUNED = f"feedline, fetch_concurrency={FETCH_CONCURRENCY}"
 FIXED = "feedline, fetch_concurrency=64"
+NO_LEDGER = "feedline, no ledger"
 # GETs in flight in the pipeline's read stage, per core: twice what one core's decode rate
 # (about 400/s here) times the wait (31 ms) needs, so that reads never hold the decoders back.
 READS_PER_CORE = 24
@@ -125,6 +128,8 @@ def _contenders(
         ("feedline workers=2", lambda: _feedline(dataset, workers=2)),
         ("feedline workers=4", lambda: _feedline(dataset, workers=4)),
         ("feedline", lambda: _feedline(big)),
+        # The epoch ledger's cost: the default with it turned off (FEEDLINE_LEDGER=0).
+        (NO_LEDGER, lambda: _LedgerOff(_feedline(big))),
         (TUNED, lambda: _feedline(big, tuned=True)),
         (FIXED, lambda: _feedline(big, fixed=True)),
         ("ThreadPoolExecutor", lambda: _PoolLoader(big)),
@@ -175,13 +180,35 @@ def _contenders(
 
 
 def _remote_store(url: str) -> Any:
-    """A :class:`feedline.RemoteStore` on the server, or ``None`` without obstore."""
+    """A :class:`feedline.RemoteStore` on the server, or ``None`` without obstore.
+
+    Read from once here, before any contender runs: obstore's runtime threads then run in
+    every round alike (beside them, feedline's DataLoader workers start from the fork server).
+    """
     try:
         from feedline import RemoteStore
 
-        return RemoteStore(url, retries=0)
+        store = RemoteStore(url, retries=0)
     except ImportError:
         return None
+    store.read_sync("0")
+    return store
+
+
+class _LedgerOff:
+    """A DataLoader iterated with the epoch ledger turned off (``FEEDLINE_LEDGER=0``)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        with mock.patch.dict(os.environ, {"FEEDLINE_LEDGER": "0"}):
+            iterator = iter(self.loader)  # the epoch's ledger is made (or not) here
+        yield from iterator
+
+    def close(self) -> None:
+        """Close the loader."""
+        self.loader.close()
 
 
 def _http_cpu_per_item(server: ServerProcess, dataset: Any) -> float:
@@ -253,7 +280,12 @@ def run(options: BenchOptions) -> ScenarioResult:
         f"64), beside the tuned default; {TUNED}: also prefetch_factor=4; num_workers=0; "
         "the server is another process (asyncio, keep-alive)",
         "feedline workers=N: DataLoader(batch_size=32, num_workers=N) over PyTorch's items, "
-        "for its first batch beside PyTorch's with as many workers",
+        "for its first batch beside PyTorch's with as many workers; the process has read "
+        "through a RemoteStore (for the pipeline's contender), so they start from the fork "
+        "server, as for any user of obstore (PyTorch's fork them: its dataset does not read "
+        "through obstore)",
+        f"{NO_LEDGER}: the default with the epoch ledger turned off (FEEDLINE_LEDGER=0): its "
+        "ratio to feedline is the ledger's cost",
         f"feedline pipeline: a read stage {READS_PER_CORE * cores} wide, then a decode stage "
         f"{cores} wide writing into pooled batch buffers (feedline.io.BufferPool); with "
         "RemoteStore, the reads are feedline.RemoteStore.read (obstore) awaited on the event "
