@@ -23,6 +23,7 @@ holds them compressed (a few hundred bytes where they are mostly set).
 from __future__ import annotations
 
 import base64
+import os
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -31,10 +32,6 @@ from typing import Any
 from feedline.errors import LedgerError
 
 __all__ = ["Ledger", "LedgerStats", "ledger_check"]
-
-
-def _zeros(count: int) -> bytes:
-    return bytes(count)
 
 
 @dataclass(frozen=True)
@@ -105,7 +102,7 @@ class Ledger:
         bits = self._delivered
         byte, bit = slot >> 3, 1 << (slot & 7)
         if byte >= len(bits):
-            bits.extend(_zeros(max(byte + 1 - len(bits), len(bits))))
+            bits.extend(bytes(max(byte + 1 - len(bits), len(bits))))
         value = bits[byte]
         if value & bit:
             self._repeat(slot)
@@ -125,7 +122,7 @@ class Ledger:
             self.deliver(slot)
         bits = self._delivered
         if tail // 8 > len(bits):
-            bits.extend(_zeros(max(tail // 8 - len(bits), len(bits))))
+            bits.extend(bytes(max(tail // 8 - len(bits), len(bits))))
         whole = bits[head // 8 : tail // 8]
         if whole.count(0) == len(whole):
             bits[head // 8 : tail // 8] = b"\xff" * len(whole)
@@ -141,7 +138,7 @@ class Ledger:
         bits = self._failed
         byte = slot >> 3
         if byte >= len(bits):
-            bits.extend(_zeros(max(byte + 1 - len(bits), len(bits))))
+            bits.extend(bytes(max(byte + 1 - len(bits), len(bits))))
         bits[byte] |= 1 << (slot & 7)
 
     def plan(self, planned: int) -> None:
@@ -326,10 +323,9 @@ def _unpack(text: str) -> bytearray:
     )
 
 
-def ledger_check(enabled: bool | None = None) -> bool:
-    """Whether the ledgers check (on unless ``FEEDLINE_LEDGER=0``, or ``enabled`` says)."""
-    if enabled is not None:
-        return enabled
-    import os
+def ledger_check() -> bool:
+    """Whether epochs keep a ledger: yes, unless the environment sets ``FEEDLINE_LEDGER=0``.
 
+    Read when each epoch starts, so that a benchmark can compare with and without it.
+    """
     return os.environ.get("FEEDLINE_LEDGER", "1") != "0"

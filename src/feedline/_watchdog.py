@@ -31,6 +31,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from feedline.errors import ConfigurationError
+
 __all__ = [
     "STALL_AFTER",
     "TICK",
@@ -72,8 +74,6 @@ def register(reporter: Reporter) -> None:
 
 def check_after(value: Any, name: str = "report_stall_after") -> float | None:
     """Validate a ``report_stall_after=`` argument: seconds > 0, or ``None`` (never)."""
-    from feedline.errors import ConfigurationError
-
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
