@@ -33,6 +33,12 @@ from feedline.errors import LedgerError
 __all__ = ["Ledger", "LedgerStats", "ledger_check"]
 
 
+_SUSPECTS = (
+    "a bug in feedline, or a dataset's or sampler's state_dict()/load_state_dict() that does "
+    "not restore its position"
+)
+
+
 def _zeros(count: int) -> bytes:
     return bytes(count)
 
@@ -67,6 +73,7 @@ class Ledger:
         unit: What a slot is, in messages (``"batch"``, ``"sample"``, ``"source item"``).
         describe: Says more about a slot in a message (its dataset indices, its key); it is
             called only when a message is written.
+        suspects: What a message says could be at fault.
 
     """
 
@@ -76,6 +83,7 @@ class Ledger:
         "_failed",
         "_first_repeated",
         "_repeated",
+        "_suspects",
         "delivered_count",
         "name",
         "planned",
@@ -87,10 +95,12 @@ class Ledger:
         name: str,
         unit: str = "sample",
         describe: Callable[[int], str] | None = None,
+        suspects: str = _SUSPECTS,
     ) -> None:
         self.name = name
         self.unit = unit
         self._describe = describe
+        self._suspects = suspects
         self._delivered = bytearray()
         self._failed = bytearray()
         self.delivered_count = 0
@@ -167,6 +177,15 @@ class Ledger:
         """Whether ``slot`` was handed out, or failed and was reported."""
         return self._has(self._delivered, slot) or self._has(self._failed, slot)
 
+    def done_bits(self) -> bytes:
+        """The slots handed out or failed, a bit each, as bytes.
+
+        Slot ``k`` is bit ``k % 8`` of byte ``k // 8``: ``numpy.unpackbits(...,
+        bitorder="little")`` reads it.
+        """
+        size = max(len(self._delivered), len(self._failed))
+        return self._done_int().to_bytes(size, "little")
+
     def _done_int(self) -> int:
         # Delivered or failed, as one int: bit ``k`` is slot ``k``.
         delivered = int.from_bytes(self._delivered, "little")
@@ -215,14 +234,23 @@ class Ledger:
             LedgerError: Naming the first slot repeated or missing, and how many.
 
         """
-        missing, first = (0, None) if self.planned is None else self._undone(self.planned)
-        self._raise(missing, first, "never handed out (nor reported as failed)")
+        parts = self.end_findings()
+        if parts:
+            self._fail("; ".join(parts))
 
-    def check_resume(self, below: int, ahead: Iterable[int] = ()) -> None:
+    def end_findings(self) -> list[str]:
+        """What :meth:`check_end` would raise about, a phrase each (none: the epoch is right)."""
+        missing, first = (0, None) if self.planned is None else self._undone(self.planned)
+        return self._findings(missing, first, "never handed out (nor reported as failed)")
+
+    def check_resume(
+        self, below: int, ahead: Iterable[int] = (), position: str = "the saved position"
+    ) -> None:
         """Check that a state resuming past the slots under ``below`` and ``ahead`` is right.
 
         A resumed epoch skips what its position says was handed out. A slot it skips that
         was never handed out is lost; a slot done that it does not skip comes twice.
+        ``position`` names the position in messages.
 
         Raises:
             LedgerError: Naming the first such slot, and how many.
@@ -238,15 +266,20 @@ class Ledger:
         if again:
             first = (again & -again).bit_length() - 1
             self._fail(
-                f"the saved position resumes at {self.unit} {below} but {again.bit_count()} "
+                f"{position} resumes at {self.unit} {below} but {again.bit_count()} "
                 f"{self.unit}(s) it does not pass over were handed out already (first: "
                 f"{self._name(first)}): the resumed epoch would repeat them"
             )
         missing = lost.bit_count()
         first_lost = (lost & -lost).bit_length() - 1 if lost else None
-        self._raise(missing, first_lost, "passed over by the saved position but never handed out")
+        self._raise(missing, first_lost, f"passed over by {position} but never handed out")
 
     def _raise(self, missing: int, first: int | None, why: str) -> None:
+        parts = self._findings(missing, first, why)
+        if parts:
+            self._fail("; ".join(parts))
+
+    def _findings(self, missing: int, first: int | None, why: str) -> list[str]:
         parts = []
         if self._repeated:
             parts.append(
@@ -255,14 +288,12 @@ class Ledger:
         if missing:
             assert first is not None
             parts.append(f"{missing} {self.unit}(s) {why} (first: {self._name(first)})")
-        if parts:
-            self._fail("; ".join(parts))
+        return parts
 
     def _fail(self, text: str) -> None:
         raise LedgerError(
             f"{self.name}: {text}. The epoch did not deliver each {self.unit} exactly once: "
-            "a bug in feedline, or a dataset's or sampler's state_dict()/load_state_dict() "
-            "that does not restore its position; please report it with this message",
+            f"{self._suspects}; please report it with this message",
             repeated=self._repeated,
         )
 

@@ -77,6 +77,10 @@ class RankPlan:
         copies_in: ``(source, count)``: how many such copies each other rank sends it.
         fills: Samples no step of the epoch trains on that it reads into its cache (see
             :func:`with_fills`; else empty).
+        positions: Where each sample it trains on stands in the step (``row * world +
+            column`` of the step's array), in the order of its batch: kept, read, then
+            received by source rank (asked for with ``positions=True``; else empty). A
+            padded step may hold a sample twice: its place says which of the two this is.
 
     """
 
@@ -88,6 +92,7 @@ class RankPlan:
     copies: list[tuple[int, np.ndarray]] = field(default_factory=list)
     copies_in: list[tuple[int, int]] = field(default_factory=list)
     fills: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    positions: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
 
 
 @dataclass(frozen=True)
@@ -150,16 +155,20 @@ def plan_for(
     second: np.ndarray | None = None,
     *,
     copies: bool = False,
+    positions: bool = False,
 ) -> RankPlan:
     """What ``rank`` does in a step (see :func:`plan_step`, which plans every rank alike).
 
-    With ``copies``, the plan also lists the copies that fill the second holders' caches.
+    With ``copies``, the plan also lists the copies that fill the second holders' caches;
+    with ``positions``, where each sample the rank trains on stands in the step.
     """
     shares = _shares(step, holder, second)
     mine = shares.flat[shares.owner == rank]  # what the rank holds, in step order
     kept = int(shares.keep_counts[rank])
     sends, receives, exchanged = [], [], 0
     cursor = kept
+    given = shares.keep_counts.copy()  # per source rank, where its next send starts
+    froms = []  # (source, start, count) of what the rank receives, in its holdings
     for src, dst, count in shares.transfers:
         exchanged += count
         if src == rank:
@@ -167,14 +176,34 @@ def plan_for(
             cursor += count
         elif dst == rank:
             receives.append((src, count))
+            froms.append((src, int(given[src]), count))
+        given[src] += count
+    start, stop = shares.read_starts[rank], shares.read_starts[rank + 1]
+    extra = _copies(shares, rank) if copies else {}
+    if positions:
+        extra["positions"] = _positions(shares, rank, kept, start, stop, froms)
     return RankPlan(
         keep=mine[:kept],
-        read=shares.missing[shares.read_starts[rank] : shares.read_starts[rank + 1]],
+        read=shares.missing[start:stop],
         sends=sends,
         receives=receives,
         exchanged=exchanged,
-        **(_copies(shares, rank) if copies else {}),
+        **extra,
     )
+
+
+def _positions(
+    shares: _Shares, rank: int, kept: int, start: int, stop: int, froms: list[tuple[int, int, int]]
+) -> np.ndarray:
+    # The places of the rank's batch in the step: every rank computes each holder's samples
+    # in step order, so the receiver knows which of a sender's samples are its own.
+    owner = shares.owner
+    parts = [np.flatnonzero(owner == rank)[:kept]]
+    if stop > start:
+        parts.append(np.flatnonzero(owner < 0)[start:stop])
+    for src, first, count in sorted(froms):
+        parts.append(np.flatnonzero(owner == src)[first : first + count])
+    return np.concatenate(parts).astype(np.int64, copy=False)
 
 
 def _copies(shares: _Shares, rank: int) -> dict[str, Any]:
