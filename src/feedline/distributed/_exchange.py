@@ -154,7 +154,14 @@ class Exchange:
             work = dist.all_reduce(tensor, group=self._group, async_op=True)
         except RuntimeError as error:
             raise self._failed(what, where, error, None, timed_out=False) from error
-        self._wait([(work, what, None)], where, time.monotonic() + self.timeout)
+        # It runs on the training loop's thread: poll in sleeps, which Ctrl-C interrupts (a
+        # wait inside gloo would hold it until the collective ends), then wait for its end.
+        deadline = time.monotonic() + self.timeout
+        pause = 0.0005
+        while not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
+        self._wait([(work, what, None)], where, deadline)
         return tensor.numpy()
 
     def _post(

@@ -155,16 +155,14 @@ class EpochLedger:
         """The loop took ``step``'s batch, whose samples ``out`` places."""
         self.steps.deliver(step)
         base = self.base(step)
-        deliver, fail = self.places.deliver, self.places.fail
-        positions = out.positions.tolist()
-        if out.present is None:
-            for position in positions:
-                if position >= 0:
-                    deliver(base + position)
+        places = out.positions + base
+        if out.present is None and not out.strays:  # as planned: every sample has its place
+            self.places.deliver_many(places.tolist())
         else:
-            for position, present in zip(positions, out.present.tolist(), strict=True):
-                if position >= 0:
-                    (deliver if present else fail)(base + position)
+            present = np.ones(places.size, bool) if out.present is None else out.present
+            for place, there in zip(places.tolist(), present.tolist(), strict=True):
+                if place >= base:  # else it stands nowhere in the step (a stray)
+                    (self.places.deliver if there else self.places.fail)(place)
         if out.strays:
             self.strays += len(out.strays)
             if self.first_stray is None:

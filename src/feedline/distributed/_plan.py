@@ -163,12 +163,11 @@ def plan_for(
     with ``positions``, where each sample the rank trains on stands in the step.
     """
     shares = _shares(step, holder, second)
-    mine = shares.flat[shares.owner == rank]  # what the rank holds, in step order
+    held = shares.owner == rank
+    mine = shares.flat[held]  # what the rank holds, in step order
     kept = int(shares.keep_counts[rank])
     sends, receives, exchanged = [], [], 0
     cursor = kept
-    given = shares.keep_counts.copy()  # per source rank, where its next send starts
-    froms = []  # (source, start, count) of what the rank receives, in its holdings
     for src, dst, count in shares.transfers:
         exchanged += count
         if src == rank:
@@ -176,12 +175,10 @@ def plan_for(
             cursor += count
         elif dst == rank:
             receives.append((src, count))
-            froms.append((src, int(given[src]), count))
-        given[src] += count
     start, stop = shares.read_starts[rank], shares.read_starts[rank + 1]
     extra = _copies(shares, rank) if copies else {}
     if positions:
-        extra["positions"] = _positions(shares, rank, kept, start, stop, froms)
+        extra["positions"] = _positions(shares, held, rank, kept, start, stop)
     return RankPlan(
         keep=mine[:kept],
         read=shares.missing[start:stop],
@@ -193,14 +190,21 @@ def plan_for(
 
 
 def _positions(
-    shares: _Shares, rank: int, kept: int, start: int, stop: int, froms: list[tuple[int, int, int]]
+    shares: _Shares, mine: np.ndarray, rank: int, kept: int, start: int, stop: int
 ) -> np.ndarray:
-    # The places of the rank's batch in the step: every rank computes each holder's samples
-    # in step order, so the receiver knows which of a sender's samples are its own.
+    # The places of the rank's batch in the step (``mine``: where it holds): every rank
+    # computes each holder's samples in step order, and each sender gives away those after
+    # the ones it keeps, in the order of the transfers, so the receiver knows their places.
     owner = shares.owner
-    parts = [np.flatnonzero(owner == rank)[:kept]]
+    parts = [np.flatnonzero(mine)[:kept]]
     if stop > start:
         parts.append(np.flatnonzero(owner < 0)[start:stop])
+    given = shares.keep_counts.tolist()  # per sender, where its next transfer starts
+    froms = []
+    for src, dst, count in shares.transfers:
+        if dst == rank:
+            froms.append((src, given[src], count))
+        given[src] += count
     for src, first, count in sorted(froms):
         parts.append(np.flatnonzero(owner == src)[first : first + count])
     return np.concatenate(parts).astype(np.int64, copy=False)
