@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -104,3 +105,28 @@ def test_the_saved_form_keeps_the_bits_in_order_or_not(slots: list[int]) -> None
     again.load_state_dict(json.loads(json.dumps(ledger.state_dict())))
     assert [s for s in range(80) if again.delivered(s)] == sorted(set(slots))
     assert again.stats() == ledger.stats()
+
+
+def test_many_slots_at_once_count_and_repeat_as_one_at_a_time() -> None:
+    one, many = Ledger("epoch 6"), Ledger("epoch 6")
+    slots = [3, 70, 4, 3, 1000, 70]
+    for slot in slots:
+        one.deliver(slot)
+    many.deliver_many(slots)
+    many.fail(5)
+    assert (many.stats().delivered, many.stats().repeated) == (4, 2)
+    assert many.stats() == dataclasses.replace(one.stats(), failed=1)
+    bits = int.from_bytes(many.done_bits(), "little")
+    assert [k for k in range(1001) if bits >> k & 1] == [3, 4, 5, 70, 1000]
+    assert many.end_findings() == ["2 sample(s) handed out twice (first: sample 3)"]
+
+
+def test_messages_name_the_position_and_the_suspects_asked_for() -> None:
+    ledger = Ledger("loader epoch 7", unit="step", suspects="a bug in the planner")
+    ledger.deliver_range(0, 2)
+    with pytest.raises(
+        LedgerError,
+        match=r"1 step\(s\) passed over by a new iteration but never handed out .*: a bug in "
+        r"the planner; please report it",
+    ):
+        ledger.check_resume(3, position="a new iteration")

@@ -34,6 +34,12 @@ from feedline.errors import LedgerError
 __all__ = ["Ledger", "LedgerStats", "ledger_check"]
 
 
+_SUSPECTS = (
+    "a bug in feedline, or a dataset's or sampler's state_dict()/load_state_dict() that does "
+    "not restore its position"
+)
+
+
 @dataclass(frozen=True)
 class LedgerStats:
     """What an epoch's ledger holds now.
@@ -64,6 +70,7 @@ class Ledger:
         unit: What a slot is, in messages (``"batch"``, ``"sample"``, ``"source item"``).
         describe: Says more about a slot in a message (its dataset indices, its key); it is
             called only when a message is written.
+        suspects: What a message says could be at fault.
 
     """
 
@@ -73,6 +80,7 @@ class Ledger:
         "_failed",
         "_first_repeated",
         "_repeated",
+        "_suspects",
         "delivered_count",
         "name",
         "planned",
@@ -84,10 +92,12 @@ class Ledger:
         name: str,
         unit: str = "sample",
         describe: Callable[[int], str] | None = None,
+        suspects: str = _SUSPECTS,
     ) -> None:
         self.name = name
         self.unit = unit
         self._describe = describe
+        self._suspects = suspects
         self._delivered = bytearray()
         self._failed = bytearray()
         self.delivered_count = 0
@@ -99,16 +109,26 @@ class Ledger:
 
     def deliver(self, slot: int) -> None:
         """Record that ``slot`` was handed out."""
+        self.deliver_many((slot,))
+
+    def deliver_many(self, slots: Iterable[int]) -> None:
+        """Record that each of ``slots`` was handed out.
+
+        One loop here takes about half the time of a call of :meth:`deliver` per slot.
+        """
         bits = self._delivered
-        byte, bit = slot >> 3, 1 << (slot & 7)
-        if byte >= len(bits):
-            bits.extend(bytes(max(byte + 1 - len(bits), len(bits))))
-        value = bits[byte]
-        if value & bit:
-            self._repeat(slot)
-            return
-        bits[byte] = value | bit
-        self.delivered_count += 1
+        count = 0
+        for slot in slots:
+            byte, bit = slot >> 3, 1 << (slot & 7)
+            if byte >= len(bits):
+                bits.extend(bytes(max(byte + 1 - len(bits), len(bits))))
+            value = bits[byte]
+            if value & bit:
+                self._repeat(slot)
+                continue
+            bits[byte] = value | bit
+            count += 1
+        self.delivered_count += count
 
     def deliver_range(self, start: int, stop: int) -> None:
         """Record that the slots ``start`` to ``stop - 1`` were handed out."""
@@ -164,6 +184,15 @@ class Ledger:
         """Whether ``slot`` was handed out, or failed and was reported."""
         return self._has(self._delivered, slot) or self._has(self._failed, slot)
 
+    def done_bits(self) -> bytes:
+        """The slots handed out or failed, a bit each, as bytes.
+
+        Slot ``k`` is bit ``k % 8`` of byte ``k // 8``: ``numpy.unpackbits(...,
+        bitorder="little")`` reads it.
+        """
+        size = max(len(self._delivered), len(self._failed))
+        return self._done_int().to_bytes(size, "little")
+
     def _done_int(self) -> int:
         # Delivered or failed, as one int: bit ``k`` is slot ``k``.
         delivered = int.from_bytes(self._delivered, "little")
@@ -212,14 +241,23 @@ class Ledger:
             LedgerError: Naming the first slot repeated or missing, and how many.
 
         """
-        missing, first = (0, None) if self.planned is None else self._undone(self.planned)
-        self._raise(missing, first, "never handed out (nor reported as failed)")
+        parts = self.end_findings()
+        if parts:
+            self._fail("; ".join(parts))
 
-    def check_resume(self, below: int, ahead: Iterable[int] = ()) -> None:
+    def end_findings(self) -> list[str]:
+        """What :meth:`check_end` would raise about, a phrase each (none: the epoch is right)."""
+        missing, first = (0, None) if self.planned is None else self._undone(self.planned)
+        return self._findings(missing, first, "never handed out (nor reported as failed)")
+
+    def check_resume(
+        self, below: int, ahead: Iterable[int] = (), position: str = "the saved position"
+    ) -> None:
         """Check that a state resuming past the slots under ``below`` and ``ahead`` is right.
 
         A resumed epoch skips what its position says was handed out. A slot it skips that
         was never handed out is lost; a slot done that it does not skip comes twice.
+        ``position`` names the position in messages.
 
         Raises:
             LedgerError: Naming the first such slot, and how many.
@@ -235,15 +273,20 @@ class Ledger:
         if again:
             first = (again & -again).bit_length() - 1
             self._fail(
-                f"the saved position resumes at {self.unit} {below} but {again.bit_count()} "
+                f"{position} resumes at {self.unit} {below} but {again.bit_count()} "
                 f"{self.unit}(s) it does not pass over were handed out already (first: "
                 f"{self._name(first)}): the resumed epoch would repeat them"
             )
         missing = lost.bit_count()
         first_lost = (lost & -lost).bit_length() - 1 if lost else None
-        self._raise(missing, first_lost, "passed over by the saved position but never handed out")
+        self._raise(missing, first_lost, f"passed over by {position} but never handed out")
 
     def _raise(self, missing: int, first: int | None, why: str) -> None:
+        parts = self._findings(missing, first, why)
+        if parts:
+            self._fail("; ".join(parts))
+
+    def _findings(self, missing: int, first: int | None, why: str) -> list[str]:
         parts = []
         if self._repeated:
             parts.append(
@@ -252,14 +295,12 @@ class Ledger:
         if missing:
             assert first is not None
             parts.append(f"{missing} {self.unit}(s) {why} (first: {self._name(first)})")
-        if parts:
-            self._fail("; ".join(parts))
+        return parts
 
     def _fail(self, text: str) -> None:
         raise LedgerError(
             f"{self.name}: {text}. The epoch did not deliver each {self.unit} exactly once: "
-            "a bug in feedline, or a dataset's or sampler's state_dict()/load_state_dict() "
-            "that does not restore its position; please report it with this message",
+            f"{self._suspects}; please report it with this message",
             repeated=self._repeated,
         )
 

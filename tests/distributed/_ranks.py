@@ -8,6 +8,7 @@ raised. Scenarios are module-level functions of this module, so the children can
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -445,3 +446,150 @@ def break_then_iterate_again(
         if again:
             loader.set_epoch(epoch)
         return {"batches": [first, list(loader)]}
+
+
+# -- the epoch ledger ------------------------------------------------------------------------
+
+
+def ledger_epochs(
+    rank: int, world: int, count: int, epochs: int, broken: int | None = None, **options: Any
+) -> dict[str, Any]:
+    """Whole epochs: this rank's ledger counts after each, and the epochs checked."""
+    loader = _loader(Samples(count, broken=broken), **options)
+    found: dict[str, Any] = {"ledger": [], "checked": [], "samples": []}
+    with loader:
+        for epoch in range(epochs):
+            loader.set_epoch(epoch)
+            found["samples"].append(sum(len(batch) for batch in loader))
+            stats = loader.stats()
+            found["ledger"].append(dataclasses.asdict(stats.ledger))
+            found["checked"].append(stats.ledger_checked)
+    return found
+
+
+def _ledger_error(run: Callable[[], Any]) -> dict[str, Any]:
+    # What ``run`` raised (a LedgerError is expected), or what it returned.
+    from feedline import LedgerError
+
+    try:
+        return {"error": None, "result": run()}
+    except LedgerError as error:
+        return {"error": "LedgerError", "message": str(error), "repeated": error.repeated}
+
+
+def break_then_iterate_with_the_old_restart(
+    rank: int, world: int, count: int, **options: Any
+) -> dict[str, Any]:
+    """The defect put back: a new iteration after a break resumes mid-epoch (the old
+    ``_iteration_start``) instead of starting the epoch over. Break after 2 steps of epoch 0,
+    iterate again."""
+    from feedline.distributed import _loader as module
+
+    def resume_mid_epoch(
+        epoch: int, step: int, skip: int, steps: int, resuming: bool
+    ) -> tuple[int, int, int]:
+        return (epoch + 1, 0, 0) if step >= steps else (epoch, step, skip)
+
+    module._iteration_start = resume_mid_epoch  # type: ignore[assignment]
+    loader = _loader(Samples(count), **options)
+    with loader:
+        _break_after(loader, 0, 2)
+        return _ledger_error(lambda: len(list(loader)))
+
+
+def tampered_positions(
+    rank: int, world: int, count: int, state_dir: str, **options: Any
+) -> dict[str, Any]:
+    """Load this rank's saved state with its position moved (each refused), then as saved,
+    and finish the epoch; then rank 0's state on every rank, and finish it again."""
+    own = json.loads(Path(state_dir, f"rank{rank}.json").read_text())
+    first = json.loads(Path(state_dir, "rank0.json").read_text())
+    found: dict[str, Any] = {}
+    loader = _loader(Samples(count), **options)
+    with loader:
+        for name, change in (
+            ("a step ahead", {"step": own["step"] + 1}),
+            ("a step back", {"step": own["step"] - 1}),
+            ("consumed", {"consumed": own["consumed"] + 1}),
+            ("epoch", {"epoch": own["epoch"] + 1}),
+        ):
+            tampered = {**own, **change}
+            found[name] = _ledger_error(lambda state=tampered: loader.load_state_dict(state))
+        loader.load_state_dict(own)
+        found["rest"] = len(list(loader))
+        found["checked"] = loader.stats().ledger_checked
+        loader.load_state_dict(first)
+        found["rest of rank 0's"] = len(list(loader))
+        found["checked after rank 0's"] = loader.stats().ledger_checked
+    return found
+
+
+def two_ranks_train_on_one_sample(
+    rank: int, world: int, count: int, **options: Any
+) -> dict[str, Any]:
+    """Rank 1's planner keeps the first sample it sends in epoch 0, and places it in its
+    batch as if it were its own: each rank's batch is its plan's, so only the ranks together
+    can see that the sample is trained on twice."""
+    import numpy as np
+
+    from feedline.distributed import _loader as module
+
+    if rank == 1:
+        real = module.plan_for
+        done = []
+
+        def keeps_a_sent_sample(rows: Any, *args: Any, **kwargs: Any) -> Any:
+            plan = real(rows, *args, **kwargs)
+            if done or not plan.sends:
+                return plan
+            done.append(True)
+            sample = int(plan.sends[0][1][0])
+            place = int(np.flatnonzero(rows.ravel() == sample)[0])
+            kept = len(plan.keep)
+            positions = plan.positions
+            return dataclasses.replace(
+                plan,
+                keep=np.append(plan.keep, sample),
+                positions=np.concatenate([positions[:kept], [place], positions[kept:]]),
+            )
+
+        module.plan_for = keeps_a_sent_sample  # type: ignore[assignment]
+    loader = _loader(Samples(count), **options)
+    with loader:
+        return _ledger_error(lambda: sum(len(batch) for batch in loader))
+
+
+def die_before_the_epochs_end(
+    rank: int, world: int, count: int, victim: int, **options: Any
+) -> dict[str, Any]:
+    """Rank ``victim`` exits after taking the last batch of epoch 0, a little after the others
+    reached the epoch's end: how they leave the ledger's check, and how fast."""
+    import time
+
+    loader = _loader(Samples(count), **options)
+    steps = len(loader)
+    found: dict[str, Any] = {"error": None}
+    with loader:
+        started = time.monotonic()
+        try:
+            for step, _ in enumerate(loader):
+                if step == steps - 1:
+                    if rank == victim:
+                        time.sleep(1.0)  # the others wait in the check
+                        os._exit(0)
+                    started = time.monotonic()
+        except Exception as error:
+            found = {"error": type(error).__name__, "message": str(error)}
+        found["seconds"] = time.monotonic() - started
+    return found
+
+
+def ledger_switched_off_on_one_rank(rank: int, world: int, count: int) -> dict[str, Any]:
+    """Rank 1 runs with ``FEEDLINE_LEDGER=0``."""
+    if rank == 1:
+        os.environ["FEEDLINE_LEDGER"] = "0"
+    try:
+        _loader(Samples(count), batch_size=2).close()
+    except Exception as error:
+        return {"error": type(error).__name__, "message": str(error)}
+    return {"error": None}

@@ -266,6 +266,33 @@ def test_one_ranks_plan_is_its_part_of_the_whole_plan() -> None:
         assert mine.receives == [(src, len(s)) for src, d, s in whole.sends if d == rank]
 
 
+@pytest.mark.parametrize(("size", "replicated"), [(5000, False), (5000, True), (10, False)])
+def test_positions_place_each_ranks_batch_and_every_place_once(size: int, replicated: bool) -> None:
+    # The places of every rank's batch (kept, read, received by source rank) cover the
+    # step's places once each, also where the step pads (10 samples, 16 places) and where
+    # replicas move samples to their other holders.
+    from feedline.distributed import plan_for
+    from feedline.distributed._placement import second_copies
+
+    world, local = 4, 4
+    sequence = GlobalSequence(size, world, local, seed=2)
+    placed = holders(size, world, seed=2, replicas=2 if replicated else 1)
+    placed[0, ::7] = -1  # some read from storage
+    second = second_copies(placed, 2, 1.0) if replicated else None
+    regular = sequence.step(0, 0)
+    flat = regular.ravel()
+    whole = plan_step(regular, placed[0], second)
+    seen: list[int] = []
+    for rank in range(world):
+        plan = plan_for(regular, placed[0], rank, second, positions=True)
+        received = [s for src, d, s in sorted(whole.sends, key=lambda t: t[0]) if d == rank]
+        batch = np.concatenate([plan.keep, plan.read, *received])
+        assert flat[plan.positions].tolist() == batch.tolist()
+        seen += plan.positions.tolist()
+    assert sorted(seen) == list(range(flat.size))
+    assert plan_for(regular, placed[0], 0, second).positions.size == 0  # only when asked
+
+
 def test_both_heap_encodings_of_algorithm_1_agree() -> None:
     from feedline.distributed._balance import _balance_tuples
 

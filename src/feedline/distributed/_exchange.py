@@ -133,6 +133,37 @@ class Exchange:
             self.received_bytes += int(payloads[src].numel())
         return received
 
+    def total(self, counts: np.ndarray, what: str, where: str) -> np.ndarray:
+        """The sum of ``counts`` over the ranks (every rank calls it with the same shape).
+
+        One ``all_reduce`` on the exchange group, waited for as a step's transfers are: a
+        rank that died is reported at once, one that stopped iterating after ``timeout``
+        seconds, naming the first failure recorded.
+
+        Args:
+            counts: Integers, ``uint8`` or ``int32``.
+            what: The collective, for messages (``"the epoch's ledger check"``).
+            where: When, for messages (``"end of epoch 3"``).
+
+        """
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.from_numpy(np.ascontiguousarray(counts))
+        try:
+            work = dist.all_reduce(tensor, group=self._group, async_op=True)
+        except RuntimeError as error:
+            raise self._failed(what, where, error, None, timed_out=False) from error
+        # It runs on the training loop's thread: poll in sleeps, which Ctrl-C interrupts (a
+        # wait inside gloo would hold it until the collective ends), then wait for its end.
+        deadline = time.monotonic() + self.timeout
+        pause = 0.0005
+        while not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
+        self._wait([(work, what, None)], where, deadline)
+        return tensor.numpy()
+
     def _post(
         self, post: Callable[..., Any], tensor: Any, peer: int, tag: int, what: str, where: str
     ) -> Any:
@@ -143,7 +174,9 @@ class Exchange:
         except RuntimeError as error:
             raise self._failed(what, where, error, peer, timed_out=False) from error
 
-    def _wait(self, pending: list[tuple[Any, str, int]], where: str, deadline: float) -> None:
+    def _wait(
+        self, pending: Sequence[tuple[Any, str, int | None]], where: str, deadline: float
+    ) -> None:
         # gloo's waits cannot be resumed once they time out (the pair is closed), so each
         # wait is given what is left of the step's timeout.
         import datetime
@@ -157,10 +190,13 @@ class Exchange:
                 raise self._failed(what, where, error, peer, timed_out) from error
 
     def _failed(
-        self, what: str, where: str, error: RuntimeError, peer: int, timed_out: bool
+        self, what: str, where: str, error: RuntimeError, peer: int | None, timed_out: bool
     ) -> ExchangeTimeout:
         # Recorded before this rank stops, so that a rank that then finds this one gone
-        # names the failure this one reacted to.
+        # names the failure this one reacted to. ``peer`` is None for a collective: gloo
+        # does not say which rank it lost.
+        if peer is None:
+            return self._collective_failed(what, where, error, timed_out)
         if timed_out:
             first = self.first_failure.record(
                 self.rank, f"rank {self.rank} waited {self.timeout:g} s for rank {peer} ({where})"
@@ -180,6 +216,31 @@ class Exchange:
             )
             cause = f"{_first_line(error)}. {blame(peer, first)}"
         return ExchangeTimeout(f"rank {self.rank}: {what} failed ({where}): {cause}")
+
+    def _collective_failed(
+        self, what: str, where: str, error: RuntimeError, timed_out: bool
+    ) -> ExchangeTimeout:
+        if timed_out:
+            first = self.first_failure.record(
+                self.rank, f"rank {self.rank} waited {self.timeout:g} s in {what} ({where})"
+            )
+            cause = (
+                f"a rank did not join it within {self.timeout:g} s: it hangs or stopped "
+                "iterating before the epoch's end"
+            )
+            if first is not None and first.rank != self.rank:
+                cause += f". Rank {first.rank} failed first: {first.account}"
+            return ExchangeTimeout(f"rank {self.rank}: {what} failed ({where}): {cause}")
+        # gloo does not say which peer it lost, so nothing is recorded: the store names the
+        # first failure if a rank recorded one.
+        first = self.first_failure.read()
+        if first is None:
+            told = "A rank has gone: it died, or stopped on an error of its own; its log says why"
+        else:
+            told = f"Rank {first.rank} failed first: {first.account}; its own log says why"
+        return ExchangeTimeout(
+            f"rank {self.rank}: {what} failed ({where}): {_first_line(error)}. {told}"
+        )
 
 
 def _first_line(error: BaseException) -> str:

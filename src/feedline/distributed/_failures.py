@@ -71,12 +71,28 @@ class FirstFailure:
         line = " ".join(account.split())
         try:
             value = self._store.compare_set(self._key, "", f"{rank}\n{line}")
-            text = bytes(value).decode("utf-8", "replace")
-            first, _, told = text.partition("\n")
-            return Failure(int(first), told)
+            return _parse(value)
         except Exception as error:
             _log.debug("the first failure could not be recorded or read: %s", error)
             return None
+
+    def read(self) -> Failure | None:
+        """The first failure recorded, without recording one (``None``: none, or no store)."""
+        if self._store is None:
+            return None
+        try:
+            if not self._store.check([self._key]):
+                return None
+            return _parse(self._store.get(self._key))
+        except Exception as error:
+            _log.debug("the first failure could not be read: %s", error)
+            return None
+
+
+def _parse(value: Any) -> Failure:
+    text = bytes(value).decode("utf-8", "replace")
+    first, _, told = text.partition("\n")
+    return Failure(int(first), told)
 
 
 def blame(peer: int, first: Failure | None) -> str:

@@ -22,18 +22,20 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 
 from feedline._extras import require_torch
+from feedline._ledger import LedgerStats, ledger_check
 from feedline.errors import ConfigurationError, add_note
 from feedline.pipeline import Pipeline, PipelineBuilder
 from feedline.source import ObjectCache
 
-from ._exchange import Exchange, ExchangeError, Received
+from ._exchange import Exchange, ExchangeError, ExchangeTimeout, Received
 from ._failures import FirstFailure
+from ._ledgers import EpochLedger, Handout, handout, resumed, settle
 from ._placement import holders, mix64, second_copies
 from ._plan import RankPlan, plan_for, with_fills
 from ._sequence import GlobalSequence
@@ -69,6 +71,13 @@ class LoaderStats:
             they are counted in ``received_samples`` too).
         steps: Steps exchanged; ``beta_sum``, the sum of their exchanged shares of the
             global batch (the paper's beta): ``beta_sum / steps`` is the mean beta.
+        ledger: This rank's epoch ledger, for the epoch under way or the last one: its share
+            of the epoch's samples (``planned``), those handed out (``delivered``), failed
+            within the budget, handed out twice (0 unless something is wrong), and, once
+            the epoch ended, its share never handed out (0); ``None`` with
+            ``FEEDLINE_LEDGER=0`` or before the first iteration. See the package README.
+        ledger_checked: Epochs whose end checked, across the ranks, that every sample of
+            their global batches was handed out (or failed) exactly once, by one rank.
 
     """
 
@@ -83,6 +92,8 @@ class LoaderStats:
     copies_kept: int = 0
     steps: int = 0
     beta_sum: float = 0.0
+    ledger: LedgerStats | None = None
+    ledger_checked: int = 0
 
     @property
     def beta(self) -> float:
@@ -97,7 +108,8 @@ class _Step:
     step: int
     plan: RankPlan
     beta: float
-    members: np.ndarray  # the step's samples, all ranks together
+    members: np.ndarray  # the step's samples, all ranks together (then its fills)
+    size: int = 0  # the step's own samples, at the start of members
     kept: list[Any] = field(default_factory=list)
     read: list[Any] = field(default_factory=list)
     sends: list[tuple[int, np.ndarray, list[Any]]] = field(default_factory=list)
@@ -125,7 +137,9 @@ class _Exchanger:
         self._done = 0  # steps exchanged
         self._limit: int | None = None  # exchange steps below this, then stop (a drain)
         self._cond = threading.Condition()
-        self._ready: collections.deque[Future[tuple[int, Any]] | None] = collections.deque()
+        self._ready: collections.deque[Future[tuple[int, Any, Handout | None]] | None] = (
+            collections.deque()
+        )
         self._abandon = False
         self._pool = ThreadPoolExecutor(
             loader.transform_concurrency, thread_name_prefix="feedline-transform"
@@ -137,7 +151,7 @@ class _Exchanger:
         self._reads.start()
         self._thread.start()
 
-    def next(self) -> Future[tuple[int, Any]] | None:
+    def next(self) -> Future[tuple[int, Any, Handout | None]] | None:
         """The next step's result (``None``: the epoch is over)."""
         with self._cond:
             while not self._ready:
@@ -173,7 +187,7 @@ class _Exchanger:
         except BaseException as error:
             if self._limit is not None:  # draining: nobody will take the error
                 _log.warning("exchanges after the loop was left failed: %s", error)
-            failed: Future[tuple[int, Any]] = Future()
+            failed: Future[tuple[int, Any, Handout | None]] = Future()
             failed.set_exception(error)
             with self._cond:
                 self._ready.append(failed)
@@ -330,6 +344,10 @@ class DistributedLoader(Generic[T]):
             len(samples), self.world_size, seed, cached_share, self.replicas - 1.0
         )
         self._fill_epoch: int | None = None  # the epoch whose reads also fill the replicas
+        self._ledgered = ledger_check()  # one setting for every rank: checked in _agree
+        self._ledger: EpochLedger | None = None  # the epoch's under way (or the last one's)
+        self._pending: EpochLedger | None = None  # a loaded state's, for the next iteration
+        self._ledger_checked = 0
         if self.world_size > 1:
             token = self._agree(exchange_group)
             self._exchange.first_failure = FirstFailure.of_default_group(
@@ -363,6 +381,7 @@ class DistributedLoader(Generic[T]):
             "cached_share": self.cached_share,
             "replicas": self.replicas,
             "prefetch": self.prefetch,
+            "ledger (FEEDLINE_LEDGER)": self._ledgered,  # the epoch's end is a collective
         }
         everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, {**mine, "token": uuid.uuid4().hex}, group=group)
@@ -416,9 +435,10 @@ class DistributedLoader(Generic[T]):
         self._epoch, self._step, self._skip = _iteration_start(
             self._epoch, self._step, self._skip, self._epoch_sequence().steps, self._resuming
         )
-        self._resuming = False
+        resuming, self._resuming = self._resuming, False
         sequence = self._epoch_sequence()
         epoch, first = self._epoch, self._step
+        ledger = self._ledger_for(sequence, first, resuming)
         grid = sequence.grid(epoch)
         if self._fill_epoch is None:
             self._fill_epoch = epoch
@@ -430,14 +450,21 @@ class DistributedLoader(Generic[T]):
         def steps() -> Iterator[_Step]:
             for k in range(first, sequence.steps):
                 rows = sequence.step(epoch, k, grid)
-                plan = plan_for(rows, self._holder, self.rank, self._second, copies=copies)
+                plan = plan_for(
+                    rows,
+                    self._holder,
+                    self.rank,
+                    self._second,
+                    copies=copies,
+                    positions=ledger is not None,
+                )
                 beta = plan.exchanged / rows.size if rows.size else 0.0
                 members = rows.ravel()
                 if fills is not None and fills.size:
                     extra = fills[k - first :: spread_over]
                     plan = with_fills(plan, extra, self._holder, self.rank, self._second)
                     members = np.concatenate([members, extra])
-                yield _Step(epoch, k, plan, beta, members)
+                yield _Step(epoch, k, plan, beta, members, rows.size)
 
         reads: Pipeline[_Step] = (
             PipelineBuilder[_Step]()
@@ -446,9 +473,31 @@ class DistributedLoader(Generic[T]):
             .add_sink(self.prefetch)
             .build(max_failures=0)
         )
-        return self._run(_Exchanger(self, reads, self.prefetch))
+        return self._run(_Exchanger(self, reads, self.prefetch), ledger)
 
-    def _run(self, exchanger: _Exchanger) -> Iterator[T]:
+    def _ledger_for(
+        self, sequence: GlobalSequence, first: int, resuming: bool
+    ) -> EpochLedger | None:
+        # The iteration's ledger: a loaded state's, when the iteration resumes it; else a new
+        # pass over the epoch, from its start. Either way it must agree with where the
+        # iteration starts (a new pass that does not start at step 0 would lose steps).
+        pending, self._pending = self._pending, None
+        if not self._ledgered:
+            return None
+        ledger = pending
+        if (
+            not resuming
+            or ledger is None
+            or ledger.epoch != self._epoch
+            or ledger.sequence != sequence
+        ):
+            ledger = EpochLedger(self._epoch, sequence, self.rank)
+        ledger.started = first
+        self._ledger = ledger
+        ledger.check_position(first, "the saved position" if resuming else "a new iteration")
+        return ledger
+
+    def _run(self, exchanger: _Exchanger, ledger: EpochLedger | None) -> Iterator[T]:
         exchanger.start()
         leaving_early = True
         try:
@@ -456,8 +505,12 @@ class DistributedLoader(Generic[T]):
                 done = exchanger.next()
                 if done is None:
                     leaving_early = False
+                    if ledger is not None:
+                        self._settle(ledger)
                     return
-                number, batch = done.result()
+                number, batch, out = done.result()
+                if ledger is not None and out is not None:
+                    ledger.take(number, out)
                 self._step = number + 1
                 exchanger.taken += 1
                 yield batch
@@ -470,11 +523,19 @@ class DistributedLoader(Generic[T]):
         finally:
             exchanger.stop(drain=leaving_early)
 
+    def _settle(self, ledger: EpochLedger) -> None:
+        # The epoch's end, on every rank at the same step: the ledgers of all ranks together.
+        exchange = self._exchange if self.world_size > 1 else None
+        if settle(ledger, exchange, self.world_size):
+            with self._lock:
+                self._ledger_checked += 1
+
     def _record_failure(self, error: BaseException) -> None:
         # This rank's own failure (a read, a damaged sample, Ctrl-C), before its connections
         # close: the peers that find it gone name it. A failure of the exchange is recorded
-        # already (the first record stays).
-        if self.world_size > 1:
+        # already (the first record stays), or deliberately not (a collective's closed
+        # connection does not say which rank has gone): it is another rank's, not this one's.
+        if self.world_size > 1 and not isinstance(error, ExchangeTimeout):
             lines = str(error).strip().splitlines()
             text = lines[0] if lines else ""
             self._exchange.first_failure.record(
@@ -625,17 +686,27 @@ class DistributedLoader(Generic[T]):
         self._unreadable.add(index)
         _log.warning("sample %d could not be read and is left out: %s", index, error)
 
-    def _finish(self, item: _Step) -> tuple[int, Any]:
-        # The local batch: kept, read, then received (by source rank), transformed, collated.
+    def _finish(self, item: _Step) -> tuple[int, Any, Handout | None]:
+        # The local batch: kept, read, then received (by source rank), transformed, collated;
+        # with the ledger, where its samples stand in the step.
         if item.error is not None:
             raise item.error
         raw = list(item.kept) + list(item.read)
         for src in sorted(item.received):
             raw += [data for _, data in item.received[src]]
         present = [data for data in raw if data is not None]
+        out = None
+        if self._ledgered:
+            plan = item.plan
+            indices = [plan.keep, plan.read]
+            for src in sorted(item.received):
+                indices.append(np.array([i for i, _ in item.received[src]], dtype=np.int64))
+            mask = None if len(present) == len(raw) else np.array([d is not None for d in raw])
+            members = item.members[: item.size]
+            out = handout(members, plan.positions, np.concatenate(indices), mask)
         transform = self._transform
         values = present if transform is None else [transform(data) for data in present]
-        return item.step, self._collate(values)
+        return item.step, self._collate(values), out
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -643,7 +714,9 @@ class DistributedLoader(Generic[T]):
         """Where the loader is: the epoch and the steps of it handed out (JSON-friendly).
 
         Taken after a ``break`` (or an exception in the loop), it describes the last batch
-        handed out: a resumed run continues with the next one.
+        handed out: a resumed run continues with the next one. Mid-epoch it holds this
+        rank's epoch ledger too (``"ledger"``), which :meth:`load_state_dict` checks the
+        position against; the rest is the same on every rank.
         """
         sequence = self._epoch_sequence()
         epoch, step, skip = self._epoch, self._step, self._skip
@@ -652,6 +725,9 @@ class DistributedLoader(Generic[T]):
             sequence = self._sequence
         trained = min(step * self.batch_size, sequence.per_rank) * self.world_size
         consumed = min(len(self.samples), skip + trained)  # padding repeats, not new
+        ledger = self._pending if self._resuming else self._ledger
+        if ledger is not None and (ledger.epoch, ledger.sequence) != (epoch, sequence):
+            ledger = None  # another epoch's (or a finished one's)
         return {
             "epoch": epoch,
             "step": step,
@@ -661,6 +737,7 @@ class DistributedLoader(Generic[T]):
             "size": len(self.samples),
             "seed": self.seed,
             "skip": skip,
+            "ledger": None if ledger is None else ledger.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -668,26 +745,41 @@ class DistributedLoader(Generic[T]):
 
         With the same world size and batch size, exactly where it was; with others, the same
         epoch's order from the first sample not yet trained on (nothing lost or repeated).
+
+        Raises:
+            ConfigurationError: The state is of another dataset or seed.
+            LedgerError: The state's position is not where its epoch's ledger says the
+                epoch stood: resuming from it would repeat or lose samples.
+
         """
         if state.get("size") != len(self.samples) or state.get("seed") != self.seed:
             raise ConfigurationError(
                 f"this state is of another dataset or seed (size {state.get('size')}, seed "
                 f"{state.get('seed')}; this loader: {len(self.samples)}, {self.seed})"
             )
-        self._epoch = int(state["epoch"])
         same = state["world_size"] == self.world_size and state["batch_size"] == self.batch_size
-        if same:
-            self._skip, self._step = int(state.get("skip", 0)), int(state["step"])
-        else:
-            self._skip, self._step = int(state["consumed"]), 0
+        skip = int(state.get("skip", 0)) if same else int(state["consumed"])
+        pending = None
+        if self._ledgered:
+            now = replace(self._sequence, skip=skip)
+            pending = resumed(state, now, self.rank)  # LedgerError before anything changes
+        self._epoch = int(state["epoch"])
+        self._skip, self._step = skip, int(state["step"]) if same else 0
+        self._pending = pending
         self._resuming = True
 
     # -- the rest ------------------------------------------------------------------------------
 
     def stats(self) -> LoaderStats:
-        """A copy of what this rank's loader has done so far."""
+        """A copy of what this rank's loader has done so far, with its epoch ledger's counts."""
         with self._lock:
             copy = LoaderStats(**self._stats.__dict__)
+            copy.ledger_checked = self._ledger_checked
+        # unlocked: the ledger's one writer is the training loop's thread, which calls this
+        # too; from another thread the counts may be a batch behind.
+        ledger = self._ledger
+        if ledger is not None:
+            copy.ledger = ledger.stats()
         return copy
 
     def close(self) -> None:

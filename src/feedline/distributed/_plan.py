@@ -77,6 +77,10 @@ class RankPlan:
         copies_in: ``(source, count)``: how many such copies each other rank sends it.
         fills: Samples no step of the epoch trains on that it reads into its cache (see
             :func:`with_fills`; else empty).
+        positions: Where each sample it trains on stands in the step (``row * world +
+            column`` of the step's array), in the order of its batch: kept, read, then
+            received by source rank (asked for with ``positions=True``; else empty). A
+            padded step may hold a sample twice: its place says which of the two this is.
 
     """
 
@@ -88,6 +92,7 @@ class RankPlan:
     copies: list[tuple[int, np.ndarray]] = field(default_factory=list)
     copies_in: list[tuple[int, int]] = field(default_factory=list)
     fills: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    positions: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
 
 
 @dataclass(frozen=True)
@@ -150,13 +155,16 @@ def plan_for(
     second: np.ndarray | None = None,
     *,
     copies: bool = False,
+    positions: bool = False,
 ) -> RankPlan:
     """What ``rank`` does in a step (see :func:`plan_step`, which plans every rank alike).
 
-    With ``copies``, the plan also lists the copies that fill the second holders' caches.
+    With ``copies``, the plan also lists the copies that fill the second holders' caches;
+    with ``positions``, where each sample the rank trains on stands in the step.
     """
     shares = _shares(step, holder, second)
-    mine = shares.flat[shares.owner == rank]  # what the rank holds, in step order
+    held = shares.owner == rank
+    mine = shares.flat[held]  # what the rank holds, in step order
     kept = int(shares.keep_counts[rank])
     sends, receives, exchanged = [], [], 0
     cursor = kept
@@ -167,14 +175,39 @@ def plan_for(
             cursor += count
         elif dst == rank:
             receives.append((src, count))
+    start, stop = shares.read_starts[rank], shares.read_starts[rank + 1]
+    extra = _copies(shares, rank) if copies else {}
+    if positions:
+        extra["positions"] = _positions(shares, held, rank, kept, start, stop)
     return RankPlan(
         keep=mine[:kept],
-        read=shares.missing[shares.read_starts[rank] : shares.read_starts[rank + 1]],
+        read=shares.missing[start:stop],
         sends=sends,
         receives=receives,
         exchanged=exchanged,
-        **(_copies(shares, rank) if copies else {}),
+        **extra,
     )
+
+
+def _positions(
+    shares: _Shares, mine: np.ndarray, rank: int, kept: int, start: int, stop: int
+) -> np.ndarray:
+    # The places of the rank's batch in the step (``mine``: where it holds): every rank
+    # computes each holder's samples in step order, and each sender gives away those after
+    # the ones it keeps, in the order of the transfers, so the receiver knows their places.
+    owner = shares.owner
+    parts = [np.flatnonzero(mine)[:kept]]
+    if stop > start:
+        parts.append(np.flatnonzero(owner < 0)[start:stop])
+    given = shares.keep_counts.tolist()  # per sender, where its next transfer starts
+    froms = []
+    for src, dst, count in shares.transfers:
+        if dst == rank:
+            froms.append((src, given[src], count))
+        given[src] += count
+    for src, first, count in sorted(froms):
+        parts.append(np.flatnonzero(owner == src)[first : first + count])
+    return np.concatenate(parts).astype(np.int64, copy=False)
 
 
 def _copies(shares: _Shares, rank: int) -> dict[str, Any]:
