@@ -184,6 +184,9 @@ _WAITS = tuple(
         f"concurrent{os.sep}futures{os.sep}",
         f"asyncio{os.sep}",
         f"multiprocessing{os.sep}",
+        # feedline's own pools wait for work here
+        f"feedline{os.sep}pipeline{os.sep}_executors.py",
+        f"feedline{os.sep}loader{os.sep}_pool.py",
     )
 )
 

@@ -15,6 +15,7 @@ import os
 import queue
 import socket
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -593,3 +594,37 @@ def ledger_switched_off_on_one_rank(rank: int, world: int, count: int) -> dict[s
     except Exception as error:
         return {"error": type(error).__name__, "message": str(error)}
     return {"error": None}
+
+
+class _SlowOn:
+    """Samples in memory, each read on ``rank`` taking ``delay`` seconds (a stalled store)."""
+
+    def __init__(self, count: int, rank: int, delay: float) -> None:
+        self.count, self.rank, self.delay = count, rank, delay
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> bytes:
+        import torch.distributed as dist
+
+        if dist.get_rank() == self.rank:
+            time.sleep(self.delay)
+        return body(i)
+
+
+def stall_reported(rank: int, world: int, count: int) -> dict[str, Any]:
+    """One epoch while rank 1's reads each take 3 s; what the watchdog logged on this rank."""
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("feedline.watchdog").addHandler(Keep())
+    loader = _loader(_SlowOn(count, 1, 3.0), batch_size=2, shuffle=False, report_stall_after=1.0)
+    with loader:
+        batches = [batch for batch in loader]
+    return {"batches": batches, "reports": records}

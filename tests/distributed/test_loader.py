@@ -327,3 +327,18 @@ def test_measure_exchange_needs_a_group_of_two_ranks_or_more() -> None:
 
     with pytest.raises(ConfigurationError, match="init_process_group"):
         measure_exchange(1000)
+
+
+def test_a_step_that_keeps_the_loop_waiting_is_reported_on_each_rank() -> None:
+    # Rank 1's reads each take 3 s: its loop waits on the read, rank 0's on the exchange.
+    results = run_ranks(2, _ranks.stall_reported, count=8)
+    assert [len(r["batches"]) for r in results] == [2, 2]
+    for rank, r in enumerate(results):
+        loops = [
+            t for t in r["reports"] if t.startswith(f"feedline DistributedLoader (rank {rank}) ")
+        ]
+        assert loops, f"rank {rank}'s loop reported no stall: {r['reports']}"
+        assert "steps taken by the loop:" in loops[0]
+        assert all("feedline-worker" not in t for t in r["reports"])  # idle pools left out
+    assert any("'feedline-exchange'" in t for t in results[0]["reports"])  # on its peer
+    assert any("__getitem__(i=" in t for t in results[1]["reports"])  # the slow read

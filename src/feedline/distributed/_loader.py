@@ -19,6 +19,7 @@ import collections
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +30,7 @@ import numpy as np
 
 from feedline._extras import require_torch
 from feedline._ledger import LedgerStats, ledger_check
+from feedline._watchdog import STALL_AFTER, TICK, StallWatch, check_after
 from feedline.errors import ConfigurationError, add_note
 from feedline.pipeline import Pipeline, PipelineBuilder
 from feedline.source import ObjectCache
@@ -145,6 +147,17 @@ class _Exchanger:
             loader.transform_concurrency, thread_name_prefix="feedline-transform"
         )
         self._thread = threading.Thread(target=self._main, name="feedline-exchange", daemon=True)
+        name = f"feedline DistributedLoader (rank {loader.rank})"
+        reads.watch.name, reads.watch.after = f"{name}'s reads", loader._stall_after
+        self.watch = StallWatch(
+            name,
+            loader._stall_after,
+            describe=lambda: [
+                f"steps taken by the loop: {self.taken}, exchanged with the peers: "
+                f"{self._done}, ready for the loop: {len(self._ready)}"
+            ],
+            progress=lambda: self._done,
+        )
 
     def start(self) -> None:
         """Start the read pipeline and the exchanges."""
@@ -153,9 +166,11 @@ class _Exchanger:
 
     def next(self) -> Future[tuple[int, Any, Handout | None]] | None:
         """The next step's result (``None``: the epoch is over)."""
+        began = time.monotonic()
         with self._cond:
             while not self._ready:
-                self._cond.wait()
+                if not self._cond.wait(TICK):
+                    self.watch.tick(began)
             ready = self._ready.popleft()
             self._cond.notify_all()
             return ready
@@ -264,6 +279,10 @@ class DistributedLoader(Generic[T]):
         max_failures: Samples whose read may fail before the loader raises (an int, or a
             fraction of the samples); failed ones are left out of their batch. With 0, the
             first failure raises the read's own exception.
+        report_stall_after: Seconds the training loop may wait for a step with nothing
+            moving before the stall is logged, once, as a WARNING on ``feedline.watchdog``
+            (the steps taken, exchanged and ready, where each busy thread stands: a read, an
+            exchange with a peer); ``None``: never. ``timeout`` still raises.
         group: The process group the samples travel in; default: a new gloo group of all
             ranks, made here (every rank must construct its loader at the same point, as
             for any group), so that exchanges never interleave with the training's own
@@ -292,6 +311,7 @@ class DistributedLoader(Generic[T]):
         timeout: float = _TIMEOUT,
         max_failures: int | float | None = 0,
         group: Any = None,
+        report_stall_after: float | None = STALL_AFTER,
     ) -> None:
         require_torch("feedline.distributed.DistributedLoader (it runs on torch.distributed)")
         if not hasattr(samples, "__len__") or not hasattr(samples, "__getitem__"):
@@ -331,6 +351,7 @@ class DistributedLoader(Generic[T]):
         self.cached_share = cached_share
         self.replicas = float(replicas)
         self.prefetch = max(2, prefetch)
+        self._stall_after = check_after(report_stall_after)
         self.read_concurrency = read_concurrency
         self.transform_concurrency = transform_concurrency or min(
             self.prefetch, os.cpu_count() or 1
