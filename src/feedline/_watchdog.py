@@ -276,11 +276,25 @@ def describe_child(name: str, pid: int | None) -> str:
         return f"{name}: not started"
     state = process_state(pid)
     line = f"{name} (pid {pid}): {state}"
-    if state in ("running", "waiting") and _STACK_SIGNAL is not None:
+    if state in ("running", "waiting") and _STACK_SIGNAL is not None and _catches(pid):
         with contextlib.suppress(OSError):
             os.kill(pid, _STACK_SIGNAL)
             line += "; its threads' stacks follow on its standard error"
     return line
+
+
+def _catches(pid: int) -> bool:
+    # Whether the process handles the stack signal (SigCgt in /proc): one that does not yet
+    # (still starting), or could not register it, would be killed by it.
+    assert _STACK_SIGNAL is not None
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (int(_STACK_SIGNAL) - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def dump_stacks_on_signal() -> None:
