@@ -270,15 +270,25 @@ def process_state(pid: int) -> str:
     }.get(state, f"in state {state!r}")
 
 
-def describe_child(name: str, pid: int | None) -> str:
-    """A child process's state, and a request for its stacks where it can answer."""
+def describe_child(name: str, pid: int | None, ready: bool = True) -> str:
+    """A child process's state, and a request for its stacks where it can answer.
+
+    ``ready``: whether it said it runs (else it is starting: importing, unpickling).
+    """
     if pid is None:
         return f"{name}: not started"
     state = process_state(pid)
+    if not ready and state in ("running", "waiting"):
+        state = f"starting ({state}: importing modules, unpickling what it was sent)"
     line = f"{name} (pid {pid}): {state}"
-    if state in ("running", "waiting") and _STACK_SIGNAL is not None and _catches(pid):
+    signum = _STACK_SIGNAL
+    if (
+        signum is not None
+        and state.startswith(("running", "waiting", "starting"))
+        and _catches(pid)
+    ):
         with contextlib.suppress(OSError):
-            os.kill(pid, _STACK_SIGNAL)
+            os.kill(pid, signum)
             line += "; its threads' stacks follow on its standard error"
     return line
 
@@ -286,7 +296,8 @@ def describe_child(name: str, pid: int | None) -> str:
 def _catches(pid: int) -> bool:
     # Whether the process handles the stack signal (SigCgt in /proc): one that does not yet
     # (still starting), or could not register it, would be killed by it.
-    assert _STACK_SIGNAL is not None
+    if _STACK_SIGNAL is None:
+        return False
     try:
         with open(f"/proc/{pid}/status") as status:
             for line in status:

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from feedline._watchdog import STALL_AFTER, StallWatch, describe_child
+from feedline._watchdog import STALL_AFTER, StallWatch
 from feedline.errors import ConfigurationError
 from feedline.pipeline import PipelineBuilder, SubprocessIterable
 from feedline.pipeline._forking import fork_hazards
@@ -451,10 +451,7 @@ class WorkerSet:
         self.watch = StallWatch(
             "feedline.DataLoader",
             report_stall_after,
-            describe=lambda: [
-                describe_child(f"DataLoader worker {w}", child.pid)
-                for w, child in enumerate(children)
-            ],
+            describe=lambda: [child.describe() for child in children],
         )
         for child in children:
             child.watch = self.watch

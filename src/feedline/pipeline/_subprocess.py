@@ -324,13 +324,14 @@ class SubprocessIterable(Generic[T]):
         self._settled = False  # the epoch in progress was ended from outside (settle)
         # Reports a wait with nothing coming (see feedline._watchdog); an owner of several
         # children (the DataLoader's workers) gives them one watch of its own.
-        child = self._child
         self.watch = StallWatch(
             f"the consumer of {name}",
-            describe=lambda: [
-                describe_child(name, None if child.process is None else child.process.pid)
-            ],
+            describe=lambda: [self.describe()],
         )
+
+    def describe(self) -> str:
+        """The child's state, for a stall report (see :func:`feedline._watchdog.describe_child`)."""
+        return describe_child(self._name, self.pid, self._ready)
 
     @property
     def pid(self) -> int | None:
