@@ -27,12 +27,12 @@ from feedline.errors import ConfigurationError, add_note
 from feedline.pipeline import Pipeline, PipelineBuilder, PipelineStats
 
 from ._fetch import BatchFetcher, Collated, FailureTally, Task
+from ._gather import StreamMark
 from ._ledgers import LoaderLedger, stream_batch_taken
 from ._pool import thread_times
 from ._rewind import GeneratorRewind, sampler_generators
 from ._seeds import RngWatch, next_only
 from ._state import Position, decode_rng, derived_seed, is_stateful
-from ._workers import StreamMark
 
 if TYPE_CHECKING:
     from ._loader import DataLoader

@@ -15,7 +15,6 @@ PyTorch's DataLoader gives.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
@@ -25,8 +24,7 @@ import pickle
 import random
 import time
 from collections.abc import Callable, Iterator
-from multiprocessing.connection import wait as wait_for
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -34,51 +32,19 @@ from feedline.errors import ConfigurationError
 from feedline.pipeline import PipelineBuilder, SubprocessIterable
 from feedline.pipeline._forking import fork_hazards
 from feedline.pipeline._queues import close_queue, write_first
-from feedline.pipeline._subprocess import _CLOSE_GRACE, _DEFAULT_SHM_MIN, _POLL, _Abandoned
+from feedline.pipeline._subprocess import _CLOSE_GRACE, _DEFAULT_SHM_MIN
 
 from ._collate import shm_collate_for
 from ._concurrency import FetchConcurrency
 from ._deal import Dealer, TaskStream, read_start
 from ._fetch import BatchFetcher, Collated, Task, collate_in_worker, failed_in_worker
+from ._gather import Turns, WorkerEpoch
 from ._seeds import RngWatch, next_only
 from ._state import is_stateful
 
-__all__ = ["StreamMark", "WorkerSet"]
+__all__ = ["WorkerSet"]
 
 _log = logging.getLogger("feedline.loader")
-
-
-class StreamMark(NamedTuple):
-    """Where a batch of an iterable dataset came from, for the loader's position.
-
-    Attributes:
-        worker: The worker whose iterator gave it.
-        batch: Its number among that worker's batches.
-        state: The dataset's ``state_dict()`` in that worker after it (stateful datasets).
-
-    """
-
-    worker: int
-    batch: int
-    state: Any
-
-
-class _Turns:
-    """An iterable dataset's epoch over the workers: whose batch comes next.
-
-    Args:
-        taken: Per worker, its batches the consumer had before a resume.
-        turn: The worker whose turn is next.
-        start: The epoch's number of the first batch to come.
-
-    """
-
-    exhausted = True  # nothing is dealt: every worker has its whole share
-
-    def __init__(self, taken: list[int], turn: int, start: int) -> None:
-        self.taken = taken
-        self.turn = turn
-        self.start = start
 
 
 class _WorkerIterable:
@@ -327,32 +293,6 @@ def _not_picklable(
 _WATCHED_BATCHES = 16
 """Batches of a worker's pipeline after which it stops checking for global random draws."""
 
-_SETTLE_SECONDS = 1.0
-"""How long persistent workers left mid-epoch get to finish their batch before they are ended
-(and started anew by the next epoch)."""
-
-
-class _Epoch:
-    """One epoch over the workers: iterable, and interruptible as a pipeline's source."""
-
-    def __init__(self, workers: WorkerSet, dealer: Dealer | _Turns, number: int) -> None:
-        self._workers = workers
-        self._dealer = dealer
-        self._number = number
-        self.begun = False
-
-    def __iter__(self) -> Iterator[tuple[int, list[Any], Any]]:
-        return self.iter_until(None)
-
-    def iter_until(
-        self, stopping: Callable[[], bool] | None
-    ) -> Iterator[tuple[int, list[Any], Any]]:
-        """Iterate, ending early once ``stopping()`` is true (see ``SubprocessIterable``)."""
-        self.begun = True
-        if self._workers._unrun is self:
-            self._workers._unrun = None  # begun: the workers need not remember it
-        return self._workers._run(self._dealer, self._number, stopping)
-
 
 class WorkerSet:
     """``num_workers`` worker processes, started on the first epoch.
@@ -401,11 +341,11 @@ class WorkerSet:
         # while seeding itself (15 ms per worker before its first item, measured on 2 cores).
         import numpy.random  # noqa: F401
 
-        self._unrun: _Epoch | None = None  # the last epoch asked for
+        self._unrun: WorkerEpoch | None = None  # the last epoch asked for
         self._epochs = 0  # epochs asked for: tags the messages to the workers
         self._prefetch = prefetch
-        self._persistent = persistent
-        self._in_order = in_order
+        self.persistent = persistent  # read by the epochs (see WorkerEpoch)
+        self.in_order = in_order
         self._dataset = dataset
         self._init = worker_init_fn
         self._collate = collate_fn
@@ -442,6 +382,22 @@ class WorkerSet:
             )
             for wid, q in enumerate(self._shares)
         ]
+
+    @property
+    def processes(self) -> list[SubprocessIterable[tuple[int, Any, Any]]]:
+        """The workers, by id."""
+        return self._workers
+
+    def send(self, worker: int, message: tuple[Any, ...]) -> None:
+        """Put ``message`` (a hand, see :mod:`._deal`) on ``worker``'s queue."""
+        queue = self._shares[worker].queue
+        if queue is not None:
+            queue.put(message)
+
+    def begun(self, epoch: WorkerEpoch) -> None:
+        """``epoch`` is being iterated: it need not be remembered as one never run."""
+        if self._unrun is epoch:
+            self._unrun = None
 
     def start(self, base_seed: int | None = None, count: int | None = None) -> None:
         """Start the workers that do not run (the first ``count`` of them), without waiting.
@@ -516,7 +472,7 @@ class WorkerSet:
 
     def epoch(
         self, tasks: Iterator[Task], base_seed: int, dataset_states: list[Any] | None = None
-    ) -> _Epoch:
+    ) -> WorkerEpoch:
         """Fetch ``tasks`` (batches, in order, drawn as needed) across the workers.
 
         The epoch, iterated, yields ``(number, items, (worker, dataset state) or None)`` in
@@ -552,7 +508,7 @@ class WorkerSet:
         taken: list[int] | None = None,
         turn: int = 0,
         start: int = 0,
-    ) -> _Epoch:
+    ) -> WorkerEpoch:
         """An iterable dataset's epoch: every worker iterates its own copy of the dataset.
 
         The epoch, iterated, yields ``(number, batch, StreamMark)``: the workers' batches in
@@ -581,146 +537,16 @@ class WorkerSet:
             )
             if not write_first(shares.queue, message):
                 later.append((shares, message))
-        return self._begin(later, _Turns(done, turn, start))
+        return self._begin(later, Turns(done, turn, start))
 
-    def _begin(self, later: list[tuple[_Shares, Any]], dealer: Dealer | _Turns) -> _Epoch:
+    def _begin(self, later: list[tuple[_Shares, Any]], dealer: Dealer | Turns) -> WorkerEpoch:
         # The start messages too large to write at once, then every worker's pass.
         for shares, message in later:
             shares.queue.put(message)  # put once every worker has forked
         for worker in self._workers:
             worker.request_epoch()  # a no-op for a worker that has just started
-        self._unrun = _Epoch(self, dealer, self._epochs)
+        self._unrun = WorkerEpoch(self, dealer, self._epochs)
         return self._unrun
-
-    def _run(
-        self, dealer: Dealer | _Turns, number: int, stopping: Callable[[], bool] | None
-    ) -> Iterator[tuple[int, list[Any], Any]]:
-        iterators: list[Iterator[tuple[int, list[Any], Any]]] = []
-        done = False
-
-        def send(worker: int, tasks: list[Task], last: bool) -> None:
-            self._shares[worker].queue.put(("more", number, tasks, last))
-
-        try:
-            for w in self._workers:
-                iterators.append(w.iter_until(stopping, settle=False))
-            try:
-                if isinstance(dealer, _Turns):
-                    yield from self._streams(iterators, dealer, stopping)
-                elif self._in_order:
-                    yield from self._in_turn(iterators, dealer, send)
-                else:
-                    yield from self._as_they_come(iterators, dealer, send, stopping)
-            except _Abandoned:
-                return  # the pipeline stopped meanwhile: settled below
-            for it in iterators:  # let each child end its pass
-                for _ in it:
-                    pass
-            done = True
-        finally:
-            if not done and not self._persistent:
-                self.close()  # at once: nobody waits for a busy worker's current batch
-            elif not done:
-                # Persistent workers finish the batch they are on, within a common deadline.
-                deadline = time.monotonic() + _SETTLE_SECONDS
-                for worker, shares in zip(self._workers, self._shares, strict=True):
-                    worker.request_stop()
-                    if shares.queue is not None and not dealer.exhausted:
-                        # A worker waiting for its next hand would never see the stop:
-                        # its share is complete.
-                        with contextlib.suppress(OSError, ValueError):
-                            shares.queue.put(("more", number, [], True))
-                for w in self._workers:
-                    w.settle(deadline)
-            for it in iterators:
-                it.close()  # type: ignore[attr-defined]
-
-    @staticmethod
-    def _in_turn(
-        iterators: list[Iterator[tuple[int, list[Any], Any]]],
-        dealer: Dealer,
-        send: Callable[[int, list[Task], bool], None],
-    ) -> Iterator[tuple[int, list[Any], Any]]:
-        # The epoch's batches in order: the i-th from the worker it was dealt to.
-        i = 0
-        while True:
-            dealer.top_up(send)
-            if i >= dealer.dealt:
-                return
-            w = dealer.owner(i)
-            number, items, snapshot = next(iterators[w])
-            dealer.handed_out(w)
-            yield number, items, None if snapshot is None else (w, snapshot[1])
-            i += 1
-
-    def _as_they_come(
-        self,
-        iterators: list[Iterator[tuple[int, list[Any], Any]]],
-        dealer: Dealer,
-        send: Callable[[int, list[Task], bool], None],
-        stopping: Callable[[], bool] | None,
-    ) -> Iterator[tuple[int, list[Any], Any]]:
-        # in_order=False: take each worker's next batch as soon as it is there, so that a
-        # slow batch holds up only the worker fetching it (as in PyTorch).
-        for w, worker in enumerate(self._workers):
-            if dealer.holds(w):
-                worker.wait_ready(stopping)
-        while True:
-            dealer.top_up(send)
-            busy = [w for w in range(len(self._workers)) if dealer.holds(w)]
-            if not busy:
-                return
-            handles = {h: w for w in busy for h in self._workers[w].wait_handles()}
-            ready = wait_for(list(handles), timeout=_POLL)
-            if stopping is not None and stopping():
-                raise _Abandoned
-            for w in {handles[h] for h in ready}:
-                number, items, snapshot = next(iterators[w])  # raises if the worker died
-                dealer.handed_out(w)
-                yield number, items, None if snapshot is None else (w, snapshot[1])
-
-    def _streams(
-        self,
-        iterators: list[Iterator[tuple[int, Any, Any]]],
-        turns: _Turns,
-        stopping: Callable[[], bool] | None,
-    ) -> Iterator[tuple[int, Any, Any]]:
-        # An iterable dataset's batches: worker after worker (in_order=False: as they come),
-        # each left out once its iterator ends, as PyTorch takes them.
-        ended = [False] * len(iterators)
-        number, turn = turns.start, turns.turn
-        expected = list(turns.taken)  # each worker's next batch number
-        while not all(ended):
-            if self._in_order:
-                ready = [turn]
-            else:
-                handles = {
-                    h: w
-                    for w, done in enumerate(ended)
-                    if not done
-                    for h in self._workers[w].wait_handles()
-                }
-                ready = sorted({handles[h] for h in wait_for(list(handles), timeout=_POLL)})
-                if stopping is not None and stopping():
-                    raise _Abandoned
-            for w in ready:
-                turn = (w + 1) % len(iterators)
-                if ended[w]:
-                    continue
-                try:
-                    batch, items, snapshot = next(iterators[w])  # raises if the worker died
-                except StopIteration:
-                    ended[w] = True
-                    continue
-                if batch != expected[w]:
-                    raise RuntimeError(
-                        f"DataLoader worker {w} sent its batch {batch} where {expected[w]} was "
-                        "due: a batch was lost on its way (see the worker's output)"
-                    )
-                expected[w] += 1
-                state = None if snapshot is None else snapshot[1]
-                yield number, items, StreamMark(w, batch, state)
-                number += 1
 
     def close(self) -> None:
         """Stop every worker process, all at once (about a second at most). Idempotent."""
