@@ -105,7 +105,8 @@ def test_workers_get_the_epoch_as_they_need_it_not_all_at_once(in_order: bool) -
     )
     it = iter(loader)
     first = next(it)
-    assert first.tolist() == [0, 1, 2, 3]
+    if in_order:  # (else the batch of whichever worker is first)
+        assert first.tolist() == [0, 1, 2, 3]
     # PyTorch draws 2 batches per worker ahead; feedline a few rounds: far from the epoch.
     assert sampler.drawn <= 4 * 64, sampler.drawn
     rest = [b.tolist() for b in it]

@@ -27,12 +27,12 @@ from feedline.errors import ConfigurationError, add_note
 from feedline.pipeline import Pipeline, PipelineBuilder, PipelineStats
 
 from ._fetch import BatchFetcher, Collated, FailureTally, Task
-from ._gather import StreamMark
+from ._gather import Reporter, StateReport, StreamMark
 from ._ledgers import LoaderLedger, stream_batch_taken
 from ._pool import thread_times
 from ._rewind import GeneratorRewind, sampler_generators
 from ._seeds import RngWatch, next_only
-from ._state import Position, decode_rng, derived_seed, is_stateful
+from ._state import Position, decode_rng, derived_seed, is_stateful, start_stream
 
 if TYPE_CHECKING:
     from ._loader import DataLoader
@@ -99,6 +99,8 @@ class _Finisher:
         number, items, dataset_state = fetched
         if isinstance(items, _Abort):  # the dataset's iterator raised
             return items
+        if isinstance(items, StateReport):  # a worker's stream ended: no batch, a state
+            return fetched
         if isinstance(items, Collated):  # collated in a worker process
             return self._collated(number, items, dataset_state)
         try:
@@ -181,14 +183,16 @@ class EpochIterator(Generic[T]):
         # each batch drawn: an epoch left part-way puts them back where PyTorch's iterator,
         # which draws no batch ahead, would have left them.
         self._rewinder = GeneratorRewind(sampler_generators(tl))
-        slots = max(1, int(tl.num_workers))
-        dataset_state = None if state is None else state["dataset_state"]
+        dataset_state = _dataset_states(loader, state)
         if is_stateful(tl.dataset):
+            # Loaded where torchdata loads them: in each worker, after its seeding and
+            # worker_init_fn; here, once the sampler started (see _start_dataset). Then
+            # each one's state as the epoch starts, after each batch and at the end.
+            slots = max(1, int(tl.num_workers))
             position.dataset_states = (
                 list(dataset_state) if dataset_state is not None else [None] * slots
             )
-            if tl.num_workers == 0 and dataset_state is not None and dataset_state[0] is not None:
-                tl.dataset.load_state_dict(copy.deepcopy(dataset_state[0]))  # it may keep it
+            position.dataset_iterates = state is not None and bool(state["dataset_iterates"])
         sampler = _stateful_sampler(tl)
         sampler_state = None if state is None else state["sampler_state"]
         if sampler is not None and sampler_state is not None:
@@ -234,6 +238,8 @@ class EpochIterator(Generic[T]):
                 list(position.worker_batches),
                 position.worker_turn,
                 start=skip,
+                iterates=position.dataset_iterates,
+                report=None if position.dataset_states is None else _reporter(position),
             )
         elif loader._iterable:
             self._add_iterable_source(builder, tl, replay, dataset_state, loader.in_flight)
@@ -309,7 +315,9 @@ class EpochIterator(Generic[T]):
         tasks = self._tasks = _Releasable(itertools.chain(first, tasks))
         order = "input" if tl.in_order else "completion"
         if tl.num_workers > 0:
-            return loader._worker_set().epoch(tasks, base_seed, dataset_state)
+            report = None if self.position.dataset_states is None else _reporter(self.position)
+            return loader._worker_set().epoch(tasks, base_seed, dataset_state, report)
+        _start_dataset(tl.dataset, self.position, dataset_state)
         self._fetcher = BatchFetcher(
             tl.dataset,
             loader._fetch.threads,
@@ -354,11 +362,14 @@ class EpochIterator(Generic[T]):
         size = tl.batch_size if tl._auto_collation else 1
         drop_last = bool(tl.drop_last) and tl._auto_collation
         skip = self.position.yielded
+        # iter() here, as PyTorch's iterator calls it when it is made (an error raises from
+        # iter(loader)), after the dataset's state was loaded.
+        iterator = _start_dataset(dataset, self.position, state, iterate=True)
 
         def batches() -> Iterator[tuple[int, list[Any] | _Abort, Any]]:
             n = skip - replay
             try:
-                items = next_only(dataset)
+                items = next_only(iterator)
                 for n in itertools.count(skip - replay):
                     chunk = list(itertools.islice(items, size))
                     if not chunk or (drop_last and len(chunk) < size):
@@ -411,6 +422,7 @@ class EpochIterator(Generic[T]):
                     fetcher.first_delivered()  # the other batches may start now
             except EOFError:
                 self.position.finished = True
+                self._dataset_at_end()
                 self.close()
                 ledger = self.position.ledger
                 if ledger is not None:
@@ -429,6 +441,8 @@ class EpochIterator(Generic[T]):
                     # (After the stream's own error, it is over: a state taken now starts
                     # the next epoch, as after PyTorch's StopIteration that follows it.)
                     self.position.finished = item.last
+                    if item.last:
+                        self._dataset_at_end()
                     self.close()
                 else:  # this batch raises; the next call goes on with the next one
                     self._count(item.number, item.dataset_state, "raised")
@@ -443,12 +457,35 @@ class EpochIterator(Generic[T]):
                 finally:
                     del error
             number, batch, dataset_state = item
+            if isinstance(batch, StateReport):  # a worker's stream ended: its state after it
+                states = self.position.dataset_states
+                if states is not None:
+                    states[dataset_state[0]] = dataset_state[1]
+                continue
             self._count(number, dataset_state, "skipped" if batch is _SKIP else "delivered")
             if batch is _SKIP:
                 continue
             if self._len_called is not None and self.position.yielded > self._len_called:
                 self._warn_length()
             return batch  # type: ignore[no-any-return]
+
+    def read_dataset_states(self) -> None:
+        """Have the position hold each worker's dataset state, for ``state_dict()``.
+
+        A worker that has handed out no batch yet tells its state as its pass starts: taken
+        now (waiting for the worker to start), as torchdata's iterator waits for every
+        worker's when it is made. (Batches that go through a pipeline, to be pinned, bring
+        the workers' states when the pipeline takes them.)
+        """
+        if isinstance(self._pipeline, _Direct) and not self._closed:
+            self._pipeline.read_reports()
+
+    def _dataset_at_end(self) -> None:
+        # The epoch ended: the dataset's state after its last batch (an iterable dataset's,
+        # after its iterator ended), as torchdata keeps it. Workers send theirs.
+        states, loader = self.position.dataset_states, self._loader
+        if states is not None and loader is not None and loader._torch_loader.num_workers == 0:
+            states[0] = copy.deepcopy(loader._torch_loader.dataset.state_dict())
 
     def _warn_length(self) -> None:
         loader = self._loader
@@ -606,8 +643,14 @@ class _Direct:
 
     def __init__(self, epoch: Any, finish: _Finisher) -> None:
         stopped = self._stopped = [False]
+        self._epoch = epoch
         self._batches: Iterator[Any] | None = epoch.iter_until(lambda: stopped[0])
         self._finish = finish
+
+    def read_reports(self) -> None:
+        """Take the workers' reports of their dataset states (see ``WorkerEpoch``)."""
+        if self._batches is not None:
+            self._epoch.read_reports()
 
     def start(self) -> None:
         """Nothing to start: the workers began when the epoch was asked for."""
@@ -630,6 +673,7 @@ class _Direct:
         batches, self._batches = self._batches, None
         if batches is not None:
             batches.close()  # type: ignore[attr-defined]
+            self._epoch.close()  # its pass, if only its reports were taken
 
 
 class _Releasable:
@@ -717,6 +761,57 @@ def _batch_items(tl: Any) -> int:
     return size if isinstance(size, int) and size > 0 else 1
 
 
+def _dataset_states(loader: DataLoader[Any], state: dict[str, Any] | None) -> list[Any] | None:
+    """The dataset's states (one per worker, or one) that the epoch resumes from, if any.
+
+    A state saved mid-epoch resumes as it is. One saved at an epoch's end holds the dataset's
+    state after its last batch: the next epoch goes on from it where the dataset lives on in
+    an uninterrupted loop, in this process or in persistent workers (as torchdata resumes);
+    fresh workers start from the dataset as it was sent.
+    """
+    if state is None or state["dataset_state"] is None:
+        return None
+    tl = loader._torch_loader
+    if state["finished"] and tl.num_workers > 0 and not tl.persistent_workers:
+        return None
+    return list(state["dataset_state"])
+
+
+def _reporter(position: Position) -> Reporter:
+    """What records a worker's dataset state as its pass starts (not the iterator: no cycle)."""
+
+    def report(worker: int, state: Any, iterates: bool) -> None:
+        if position.dataset_states is not None:
+            position.dataset_states[worker] = state
+        position.dataset_iterates = iterates
+
+    return report
+
+
+def _start_dataset(
+    dataset: Any, position: Position, saved: list[Any] | None, *, iterate: bool = False
+) -> Any:
+    """Start the dataset's epoch in this process; return ``iter(dataset)`` if ``iterate``.
+
+    A stateful dataset has its saved state loaded (see :func:`start_stream`), at the point of
+    torchdata's order: once the sampler's iterator is made, the base seed drawn and the first
+    batch's indices drawn (here, ``dataset.load_state_dict()`` may set the global generators
+    that the items draw from). Its state then is the epoch's first.
+    """
+    states = position.dataset_states
+    if states is None:
+        return iter(dataset) if iterate else None
+    state = saved[0] if saved else None
+    iterator = None
+    if iterate:
+        iterator = start_stream(dataset, state, position.dataset_iterates)
+        position.dataset_iterates = iterator is dataset
+    elif state is not None:
+        dataset.load_state_dict(copy.deepcopy(state))  # a copy: it may keep it
+    states[0] = copy.deepcopy(dataset.state_dict())
+    return iterator
+
+
 def _snapshot(dataset: Any) -> Callable[[], Any] | None:
     # A copy of the state as it is now: a dataset may hand out a dict it goes on changing.
     if not is_stateful(dataset):
@@ -728,7 +823,9 @@ def _pin_numbered(torch: Any, item: Any) -> Any:
     if isinstance(item, _Abort):
         return item
     number, batch, dataset_state = item
-    return number, batch if batch is _SKIP else _pin(torch, batch), dataset_state
+    if batch is _SKIP or isinstance(batch, StateReport):
+        return item
+    return number, _pin(torch, batch), dataset_state
 
 
 def _check_stream_workers(state: dict[str, Any], workers: int) -> None:

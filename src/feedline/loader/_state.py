@@ -25,6 +25,7 @@ __all__ = [
     "derived_seed",
     "encode_rng",
     "is_stateful",
+    "start_stream",
 ]
 
 STATE_VERSION = 2
@@ -36,6 +37,30 @@ def is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     )
+
+
+def start_stream(dataset: Any, state: Any, iterates: bool) -> Any:
+    """``iter(dataset)`` for its pass, with its saved ``state`` loaded where torchdata does.
+
+    Before ``iter()``, or after it for a dataset that is its own iterator (``iterates``: it
+    was when the state was saved), whose ``__iter__`` may start it over. A copy of ``state``
+    is loaded: the dataset may keep it, and change it as it goes.
+
+    Args:
+        dataset: A stateful iterable dataset (see :func:`is_stateful`).
+        state: Its ``state_dict()`` to resume from, or ``None``.
+        iterates: Load it after ``iter()``.
+
+    Returns:
+        What ``iter(dataset)`` returned.
+
+    """
+    if state is not None and not iterates:
+        dataset.load_state_dict(copy.deepcopy(state))
+    iterator = iter(dataset)
+    if state is not None and iterates:
+        dataset.load_state_dict(copy.deepcopy(state))
+    return iterator
 
 
 def encode_rng(state: Any) -> str:
@@ -64,8 +89,13 @@ class Position:
         finished: The epoch ran to its end: a checkpoint now resumes at the next epoch.
         sampler_state: The sampler's own state after the last batch below ``yielded`` was
             drawn, when the sampler is stateful.
-        dataset_states: The dataset's own state after the last batch handed out, per worker
-            (one slot without workers), when the dataset is stateful.
+        dataset_states: The dataset's own state, per worker (one slot without workers), when
+            the dataset is stateful: as the epoch started (after a resumed state was loaded,
+            and, for an iterable dataset, ``iter()`` called), then after each batch handed
+            out, and at the end after the last one (for an iterable dataset, after its
+            iterator ended), as torchdata's ``StatefulDataLoader`` keeps it.
+        dataset_iterates: The iterable dataset is its own iterator (``__iter__`` returns it):
+            its state is loaded after ``iter()``, not before (torchdata's order).
         seed_chain: With persistent workers, ``(first base seed, epochs since)``: epochs
             after the first derive their base seed from it instead of drawing one (PyTorch
             draws it once per persistent iterator), so that they shuffle as PyTorch's do.
@@ -81,6 +111,7 @@ class Position:
     finished: bool = False
     sampler_state: Any = None
     dataset_states: list[Any] | None = None
+    dataset_iterates: bool = False
     seed_chain: tuple[int, int] | None = None
     worker_batches: list[int] | None = None
     worker_turn: int = 0
@@ -96,15 +127,18 @@ class Position:
 
         """
         chain = self.seed_chain
+        dataset = self.dataset_states
         if self.finished:
-            # The next epoch starts from the sampler's and the dataset's own beginning.
+            # The next epoch starts from the sampler's own beginning; the dataset's state is
+            # the one after the last batch, which the next epoch continues from where the
+            # dataset lives on (see DataLoader.load_state_dict).
             rng, yielded, ahead = rng_now, 0, []
-            sampler, dataset, streams, turn = None, None, None, 0
+            sampler, streams, turn = None, None, 0
             if chain is not None:
                 chain = (chain[0], chain[1] + 1)
         else:
             rng, yielded, ahead = self.rng_at_start, self.yielded, sorted(self.ahead)
-            sampler, dataset = self.sampler_state, self.dataset_states
+            sampler = self.sampler_state
             streams, turn = self.worker_batches, self.worker_turn
         return {
             "version": STATE_VERSION,
@@ -118,6 +152,7 @@ class Position:
             "sampler_state": sampler,
             # A copy: the iterator replaces the list's entries as batches are handed out.
             "dataset_state": None if dataset is None else list(dataset),
+            "dataset_iterates": self.dataset_iterates,
             "persistent_seed": None if chain is None else list(chain),
             "worker_batches": None if streams is None else list(streams),
             "worker_turn": turn,
@@ -144,6 +179,7 @@ def check_state(state: Any, own_generator: bool) -> dict[str, Any]:
     out.setdefault("finished", False)
     out.setdefault("sampler_state", None)
     out.setdefault("dataset_state", None)
+    out.setdefault("dataset_iterates", False)
     out.setdefault("persistent_seed", None)
     out.setdefault("worker_batches", None)
     out.setdefault("worker_turn", 0)

@@ -38,9 +38,9 @@ from ._collate import shm_collate_for
 from ._concurrency import FetchConcurrency
 from ._deal import Dealer, TaskStream, read_start
 from ._fetch import BatchFetcher, Collated, Task, collate_in_worker, failed_in_worker
-from ._gather import Turns, WorkerEpoch
+from ._gather import Reporter, StateReport, Turns, WorkerEpoch
 from ._seeds import RngWatch, next_only
-from ._state import is_stateful
+from ._state import is_stateful, start_stream
 
 __all__ = ["WorkerSet"]
 
@@ -74,25 +74,30 @@ class _WorkerIterable:
         self._in_flight = in_flight
         self._worker_init_fn = worker_init_fn  # called once, after the first seeding
 
-    def __iter__(self) -> Iterator[tuple[int, list[Any], Any]]:
+    def __iter__(self) -> Iterator[tuple[int, Any, Any]]:
         seeded = self._tasks.seed  # known at the start: seeded (and initialised) while the
         self._tasks.seed = None  # parent starts the other workers and draws the batches
         if seeded is not None:
             self._seed(seeded)
-        _, epoch, base_seed, first, dataset_state, last, taken = read_start(self._tasks.get)
+        start = read_start(self._tasks.get)
+        _, epoch, base_seed, first, dataset_state, last, taken, iterates = start
         if base_seed != seeded:
             self._seed(base_seed)
         tasks = TaskStream(self._tasks.queue, epoch, first, last)
         stateful = is_stateful(self._dataset)
-        if stateful and dataset_state is not None:
-            self._dataset.load_state_dict(dataset_state)
         origin = f"DataLoader worker {self._worker_id} (pid {os.getpid()})"
         if self._stream is not None:
             # Resumed: a dataset with a state goes on from it; else the batches handed out
             # are drawn again, not collated.
-            replay = taken if dataset_state is None else 0
-            yield from self._batches_of_stream(taken, replay, stateful, origin)
+            replay = taken if dataset_state is None or not stateful else 0
+            state = dataset_state if stateful else None
+            yield from self._batches_of_stream(taken, replay, stateful, origin, state, iterates)
             return
+        if stateful:
+            if dataset_state is not None:
+                self._dataset.load_state_dict(dataset_state)
+            # The parent keeps it from the start (see WorkerEpoch.read_reports).
+            yield -1, StateReport(self._dataset.state_dict(), False, ended=False), None
         fetcher = BatchFetcher(
             self._dataset,
             self._concurrency.threads,
@@ -124,29 +129,40 @@ class _WorkerIterable:
             fetcher.close()
 
     def _batches_of_stream(
-        self, first: int, replay: int, stateful: bool, origin: str
+        self, first: int, replay: int, stateful: bool, origin: str, state: Any, iterates: bool
     ) -> Iterator[tuple[int, Any, Any]]:
         # An iterable dataset: this worker's batches of its own iterator, numbered from
         # ``first`` and collated here, as PyTorch's workers make them; the first ``replay``
-        # batches drawn (handed out before a resume) are dropped, not collated.
+        # batches drawn (handed out before a resume) are dropped, not collated. A stateful
+        # dataset's state is loaded (``state``), and reported, as the pass starts, with each
+        # batch, and once its iterator ended.
         assert self._stream is not None
         size, drop_last = self._stream
         finish = collate_in_worker(shm_collate_for(self._collate_fn), self._auto, origin)
         number = first - replay
         try:
-            items = next_only(self._dataset)
+            if stateful:
+                iterator = start_stream(self._dataset, state, iterates)
+                iterates = iterator is self._dataset
+                yield number, StateReport(self._dataset.state_dict(), iterates, False), None
+            else:
+                iterator = iter(self._dataset)
+            items = next_only(iterator)
             while True:
                 chunk = list(itertools.islice(items, size))
                 if not chunk or (drop_last and len(chunk) < size):
-                    return
+                    break
                 if number >= first:
-                    state = (0, self._dataset.state_dict()) if stateful else None
-                    yield finish((number, chunk, state))
+                    snapshot = (0, self._dataset.state_dict()) if stateful else None
+                    yield finish((number, chunk, snapshot))
                 number += 1
         except Exception as error:
             # Raised in the parent in this worker's turn; its stream ends there, the other
             # workers' go on (as in PyTorch, whose worker's iterator is done after it raised).
             yield max(number, first), failed_in_worker(error, f"the dataset in {origin}"), None
+            return
+        if stateful:
+            yield number, StateReport(self._dataset.state_dict(), iterates, ended=True), None
 
     def _pipeline(self, fetcher: BatchFetcher, tasks: TaskStream) -> Iterator[Any]:
         # The batches after the first: fetched by a pipeline, several in flight. Nothing
@@ -471,14 +487,20 @@ class WorkerSet:
             shares.seed = None
 
     def epoch(
-        self, tasks: Iterator[Task], base_seed: int, dataset_states: list[Any] | None = None
+        self,
+        tasks: Iterator[Task],
+        base_seed: int,
+        dataset_states: list[Any] | None = None,
+        report: Reporter | None = None,
     ) -> WorkerEpoch:
         """Fetch ``tasks`` (batches, in order, drawn as needed) across the workers.
 
         The epoch, iterated, yields ``(number, items, (worker, dataset state) or None)`` in
-        order. Every worker gets its first batches before the first one is awaited, so that
-        they all start (and fetch) at once. As a pipeline's source, the epoch ends as soon as
-        the pipeline stops.
+        order. A stateful dataset's worker loads its state from ``dataset_states``, and
+        tells ``report`` its state as its pass starts (see :class:`WorkerEpoch`). Every
+        worker gets its first batches before the first one is awaited, so that they all
+        start (and fetch) at once. As a pipeline's source, the epoch ends as soon as the
+        pipeline stops.
 
         A worker that does not run yet is started here and given its first batches at once,
         before the next one starts: the first batch, the one the consumer waits for, begins
@@ -496,10 +518,10 @@ class WorkerSet:
             self._workers, self._shares, hands, states, strict=True
         ):
             self._start_one(worker, shares, method, base_seed)
-            message = ("start", self._epochs, base_seed, hand, state, dealer.exhausted, 0)
+            message = ("start", self._epochs, base_seed, hand, state, dealer.exhausted, 0, False)
             if not write_first(shares.queue, message):
                 later.append((shares, message))  # put once every worker has forked
-        return self._begin(later, dealer)
+        return self._begin(later, dealer, report)
 
     def stream_epoch(
         self,
@@ -508,6 +530,8 @@ class WorkerSet:
         taken: list[int] | None = None,
         turn: int = 0,
         start: int = 0,
+        iterates: bool = False,
+        report: Reporter | None = None,
     ) -> WorkerEpoch:
         """An iterable dataset's epoch: every worker iterates its own copy of the dataset.
 
@@ -516,6 +540,9 @@ class WorkerSet:
         exhausted. To resume, ``taken`` says how many of its batches each worker had handed
         out (drawn again, not collated; a worker with a dataset state resumes from it
         instead), ``turn`` whose turn is next, ``start`` the number of the next batch.
+        ``iterates``: the dataset was its own iterator when its states were saved (they are
+        loaded after ``iter()``). ``report``: as for :meth:`epoch`; each worker's state after
+        its iterator ended comes as a batch whose items are a :class:`StateReport`.
         """
         self._drop_unrun()
         self._epochs += 1
@@ -534,18 +561,22 @@ class WorkerSet:
                 states[w],
                 True,
                 done[w],
+                iterates,
             )
             if not write_first(shares.queue, message):
                 later.append((shares, message))
-        return self._begin(later, Turns(done, turn, start))
+        return self._begin(later, Turns(done, turn, start), report)
 
-    def _begin(self, later: list[tuple[_Shares, Any]], dealer: Dealer | Turns) -> WorkerEpoch:
+    def _begin(
+        self, later: list[tuple[_Shares, Any]], dealer: Dealer | Turns, report: Reporter | None
+    ) -> WorkerEpoch:
         # The start messages too large to write at once, then every worker's pass.
         for shares, message in later:
             shares.queue.put(message)  # put once every worker has forked
         for worker in self._workers:
             worker.request_epoch()  # a no-op for a worker that has just started
-        self._unrun = WorkerEpoch(self, dealer, self._epochs)
+        stateful = report is not None and is_stateful(self._dataset)
+        self._unrun = WorkerEpoch(self, dealer, self._epochs, report if stateful else None)
         return self._unrun
 
     def close(self) -> None:
