@@ -9,9 +9,10 @@ batches (about 0.4 s on one core) before the first one could start.
 
 Messages on a worker's queue, each tagged with the epoch's number:
 
-* ``("start", epoch, base_seed, tasks, dataset_state, last, taken, iterates)``: the epoch's
-  first hand (``taken``: for an iterable dataset, the worker's batches handed out before a
-  resume; ``iterates``: its saved state is loaded after ``iter()``);
+* ``("start", epoch, base_seed, tasks, dataset_state, last, taken, iterates, between)``: the
+  epoch's first hand (``taken``: for an iterable dataset, the worker's batches handed out
+  before a resume; ``iterates``: its saved state is loaded after ``iter()``; ``between``: the
+  state was saved between epochs, the worker seeds itself again after loading it);
 * ``("more", epoch, tasks, last)``: the next hand; ``last`` ends the worker's share.
 
 A worker skips messages of other epochs (hands dealt to an epoch it left early).

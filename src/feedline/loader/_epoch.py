@@ -184,6 +184,7 @@ class EpochIterator(Generic[T]):
         # which draws no batch ahead, would have left them.
         self._rewinder = GeneratorRewind(sampler_generators(tl))
         dataset_state = _dataset_states(loader, state)
+        self._between = dataset_state is not None and bool(state and state["finished"])
         if is_stateful(tl.dataset):
             # Loaded where torchdata loads them: in each worker, after its seeding and
             # worker_init_fn; here, once the sampler started (see _start_dataset). Then
@@ -316,7 +317,11 @@ class EpochIterator(Generic[T]):
         order = "input" if tl.in_order else "completion"
         if tl.num_workers > 0:
             report = None if self.position.dataset_states is None else _reporter(self.position)
-            return loader._worker_set().epoch(tasks, base_seed, dataset_state, report)
+            # A state saved between epochs: persistent workers go on with their datasets'
+            # states into an epoch seeded anew (see WorkerSet.epoch).
+            return loader._worker_set().epoch(
+                tasks, base_seed, dataset_state, report, between=self._between
+            )
         _start_dataset(tl.dataset, self.position, dataset_state)
         self._fetcher = BatchFetcher(
             tl.dataset,
@@ -765,14 +770,17 @@ def _dataset_states(loader: DataLoader[Any], state: dict[str, Any] | None) -> li
     """The dataset's states (one per worker, or one) that the epoch resumes from, if any.
 
     A state saved mid-epoch resumes as it is. One saved at an epoch's end holds the dataset's
-    state after its last batch: the next epoch goes on from it where the dataset lives on in
-    an uninterrupted loop, in this process or in persistent workers (as torchdata resumes);
-    fresh workers start from the dataset as it was sent.
+    state after its last batch: a map-style dataset's next epoch goes on from it where the
+    dataset lives on in an uninterrupted loop, in this process or in persistent workers (as
+    torchdata resumes); fresh workers start from the dataset as it was sent. An iterable
+    dataset's next epoch starts with ``iter()``, on the dataset as it is (torchdata's
+    persistent workers, too: the state they load is lost to a second ``iter()``).
     """
     if state is None or state["dataset_state"] is None:
         return None
     tl = loader._torch_loader
-    if state["finished"] and tl.num_workers > 0 and not tl.persistent_workers:
+    fresh_workers = tl.num_workers > 0 and not tl.persistent_workers
+    if state["finished"] and (loader._iterable or fresh_workers):
         return None
     return list(state["dataset_state"])
 

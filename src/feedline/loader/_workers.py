@@ -80,7 +80,7 @@ class _WorkerIterable:
         if seeded is not None:
             self._seed(seeded)
         start = read_start(self._tasks.get)
-        _, epoch, base_seed, first, dataset_state, last, taken, iterates = start
+        _, epoch, base_seed, first, dataset_state, last, taken, iterates, between = start
         if base_seed != seeded:
             self._seed(base_seed)
         tasks = TaskStream(self._tasks.queue, epoch, first, last)
@@ -96,6 +96,10 @@ class _WorkerIterable:
         if stateful:
             if dataset_state is not None:
                 self._dataset.load_state_dict(dataset_state)
+                if between:
+                    # Saved after the last epoch's end: a persistent worker goes on with its
+                    # dataset's state, and its generators are seeded for the new epoch.
+                    _seed_like_pytorch(base_seed, self._worker_id, self._num_workers, self._dataset)
             # The parent keeps it from the start (see WorkerEpoch.read_reports).
             yield -1, StateReport(self._dataset.state_dict(), False, ended=False), None
         fetcher = BatchFetcher(
@@ -492,12 +496,15 @@ class WorkerSet:
         base_seed: int,
         dataset_states: list[Any] | None = None,
         report: Reporter | None = None,
+        *,
+        between: bool = False,
     ) -> WorkerEpoch:
         """Fetch ``tasks`` (batches, in order, drawn as needed) across the workers.
 
         The epoch, iterated, yields ``(number, items, (worker, dataset state) or None)`` in
-        order. A stateful dataset's worker loads its state from ``dataset_states``, and
-        tells ``report`` its state as its pass starts (see :class:`WorkerEpoch`). Every
+        order. A stateful dataset's worker loads its state from ``dataset_states`` (saved
+        ``between`` epochs: then seeds itself for this one again), and tells ``report`` its
+        state as its pass starts (see :class:`WorkerEpoch`). Every
         worker gets its first batches before the first one is awaited, so that they all
         start (and fetch) at once. As a pipeline's source, the epoch ends as soon as the
         pipeline stops.
@@ -518,7 +525,17 @@ class WorkerSet:
             self._workers, self._shares, hands, states, strict=True
         ):
             self._start_one(worker, shares, method, base_seed)
-            message = ("start", self._epochs, base_seed, hand, state, dealer.exhausted, 0, False)
+            message = (
+                "start",
+                self._epochs,
+                base_seed,
+                hand,
+                state,
+                dealer.exhausted,
+                0,
+                False,
+                between,
+            )
             if not write_first(shares.queue, message):
                 later.append((shares, message))  # put once every worker has forked
         return self._begin(later, dealer, report)
@@ -562,6 +579,7 @@ class WorkerSet:
                 True,
                 done[w],
                 iterates,
+                False,
             )
             if not write_first(shares.queue, message):
                 later.append((shares, message))
