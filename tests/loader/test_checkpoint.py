@@ -101,25 +101,32 @@ def test_a_new_epoch_after_break_starts_afresh_as_in_pytorch() -> None:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_stateful_datasets_own_state_is_saved_and_restored(workers: int) -> None:
-    kw: dict[str, Any] = {"batch_size": 2, "num_workers": workers, "fetch_concurrency": 1}
-    loader = DataLoader(Counting(12), **kw)
-    it = iter(loader)
-    for _ in range(3):
-        next(it)
-    state = loader.state_dict()
-    del it
-    assert state["dataset_state"] is not None
-    served = sum(s["served"] for s in state["dataset_state"] if s is not None)
-    assert served == 6  # each worker's copy counted its own items
-    resumed = DataLoader(Counting(12), **kw)
-    resumed.load_state_dict(state)
-    rest = list(resumed)
-    assert [i for b in rest for i in b[0].tolist()] == list(range(6, 12))
+    kw: dict[str, Any] = {"batch_size": 2, "num_workers": workers}
+    outcomes = []
+    for cls in (StatefulDataLoader, DataLoader):
+        extra = {} if cls is StatefulDataLoader else {"fetch_concurrency": 1}
+        loader = cls(Counting(12), **kw, **extra)
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+        state = loader.state_dict()
+        whole_rest = [b[1].tolist() for b in it]
+        resumed = cls(Counting(12), **kw, **extra)
+        resumed.load_state_dict(state)
+        rest = list(resumed)
+        outcomes.append((whole_rest, [b[0].tolist() for b in rest], [b[1].tolist() for b in rest]))
+        if cls is DataLoader:
+            assert state["dataset_state"] is not None
+            served = sum(s["served"] for s in state["dataset_state"] if s is not None)
+            assert served == 6  # each worker's copy counted its own items
+    assert outcomes[1] == outcomes[0]
+    uninterrupted, indices, counts = outcomes[1]
+    assert [i for b in indices for i in b] == list(range(6, 12))
     # Each dataset went on counting from its saved state, not from zero: in one process
-    # 7..12; with workers, batch b goes to worker b % 2 of the resumed epoch (worker 0 had
-    # served 4 items, worker 1 two).
-    counts = [b[1].tolist() for b in rest]
-    assert counts == ([[7, 8], [9, 10], [11, 12]] if workers == 0 else [[5, 6], [3, 4], [7, 8]])
+    # 7..12; with workers, batch b goes to worker b % 2, as in the epoch it resumes (worker
+    # 0 had served 4 items, worker 1 two).
+    assert counts == uninterrupted
+    assert counts == ([[7, 8], [9, 10], [11, 12]] if workers == 0 else [[3, 4], [5, 6], [5, 6]])
 
 
 def test_a_stateful_iterable_dataset_resumes_itself_instead_of_replaying() -> None:

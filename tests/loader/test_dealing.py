@@ -90,6 +90,15 @@ def test_the_dealer_deals_round_robin_and_only_as_far_as_needed() -> None:
     assert max(len(numbers) for _, numbers, _ in sent) <= 256
 
 
+def test_a_resumed_epoch_deals_each_batch_to_the_worker_it_had() -> None:
+    # Resumed at batch 7 of 3 workers: batch n to worker n % 3, whose dataset's state the
+    # resumed worker restores.
+    dealer = Dealer(((b, [b]) for b in range(7, 20)), workers=3, ahead=1, first=7)
+    hands = dealer.first_hands()
+    assert [[n for n, _ in h] for h in hands] == [[9, 12], [7, 10], [8, 11]]
+    assert [dealer.owner(i) for i in range(3)] == [1, 2, 0]
+
+
 def test_an_empty_epoch_is_dealt_as_finished() -> None:
     dealer = Dealer(_tasks(0), workers=2, ahead=2)
     assert dealer.first_hands() == [[], []]

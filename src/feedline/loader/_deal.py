@@ -1,11 +1,11 @@
 """Dealing an epoch's batches to the worker processes as they need them.
 
-The parent draws batches from the sampler lazily and deals them round-robin: the ``i``-th batch
-of the epoch goes to worker ``i % W``, as in PyTorch. A worker gets a first hand when the epoch
-starts (with its start-up arguments when it starts for this epoch), and more in rounds whose
-size doubles, each one message per worker, so that the parent keeps every worker a few batches
-ahead without drawing the whole epoch first: an ImageNet-sized shuffled epoch drew its 40,000
-batches (about 0.4 s on one core) before the first one could start.
+The parent draws batches from the sampler lazily and deals them round-robin: batch ``i`` of the
+epoch goes to worker ``i % W``, as in PyTorch (in a resumed epoch too). A worker gets a first
+hand when the epoch starts (with its start-up arguments when it starts for this epoch), and
+more in rounds whose size doubles, each one message per worker, so that the parent keeps every
+worker a few batches ahead without drawing the whole epoch first: an ImageNet-sized shuffled
+epoch drew its 40,000 batches (about 0.4 s on one core) before the first one could start.
 
 Messages on a worker's queue, each tagged with the epoch's number:
 
@@ -43,16 +43,20 @@ class Dealer:
         workers: How many workers share them.
         ahead: Batches a worker has in flight (its prefetch): it is dealt more before it
             holds fewer than this beyond those handed out.
+        first: The number of the first batch: a resumed epoch's batch ``n`` goes to worker
+            ``n % workers``, as in the epoch it resumes, whose workers' datasets' states it
+            restores.
 
     """
 
-    def __init__(self, tasks: Iterator[Task], workers: int, ahead: int) -> None:
+    def __init__(self, tasks: Iterator[Task], workers: int, ahead: int, first: int = 0) -> None:
         self._tasks = tasks
         self._workers = workers
+        self._first = first % workers if workers else 0
         self._low = max(1, ahead) + 1
         self._round = self._low
         self._held = [0] * workers  # dealt to each worker and not handed out yet
-        self.dealt = 0  # batches dealt so far; the i-th went to worker i % workers
+        self.dealt = 0  # batches dealt so far (see owner)
         self.exhausted = False
 
     def first_hands(self) -> list[list[Task]]:
@@ -72,8 +76,8 @@ class Dealer:
             send(worker, hand, self.exhausted)
 
     def owner(self, i: int) -> int:
-        """The worker that was dealt the epoch's ``i``-th batch."""
-        return i % self._workers
+        """The worker that was dealt the ``i``-th batch dealt."""
+        return (self._first + i) % self._workers
 
     def handed_out(self, worker: int) -> None:
         """One of ``worker``'s batches reached the consumer."""
@@ -90,7 +94,7 @@ class Dealer:
             self.exhausted = True
         hands: list[list[Task]] = [[] for _ in range(self._workers)]
         for k, task in enumerate(drawn):
-            hands[(self.dealt + k) % self._workers].append(task)
+            hands[(self._first + self.dealt + k) % self._workers].append(task)
         for worker, hand in enumerate(hands):
             self._held[worker] += len(hand)
         self.dealt += len(drawn)

@@ -320,7 +320,7 @@ class EpochIterator(Generic[T]):
             # A state saved between epochs: persistent workers go on with their datasets'
             # states into an epoch seeded anew (see WorkerSet.epoch).
             return loader._worker_set().epoch(
-                tasks, base_seed, dataset_state, report, between=self._between
+                tasks, base_seed, dataset_state, report, between=self._between, start=skip
             )
         _start_dataset(tl.dataset, self.position, dataset_state)
         self._fetcher = BatchFetcher(

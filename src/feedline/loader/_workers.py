@@ -498,13 +498,15 @@ class WorkerSet:
         report: Reporter | None = None,
         *,
         between: bool = False,
+        start: int = 0,
     ) -> WorkerEpoch:
         """Fetch ``tasks`` (batches, in order, drawn as needed) across the workers.
 
         The epoch, iterated, yields ``(number, items, (worker, dataset state) or None)`` in
         order. A stateful dataset's worker loads its state from ``dataset_states`` (saved
         ``between`` epochs: then seeds itself for this one again), and tells ``report`` its
-        state as its pass starts (see :class:`WorkerEpoch`). Every
+        state as its pass starts (see :class:`WorkerEpoch`). ``start``: the number of the
+        first batch (batch ``n`` goes to worker ``n % W``, in a resumed epoch too). Every
         worker gets its first batches before the first one is awaited, so that they all
         start (and fetch) at once. As a pipeline's source, the epoch ends as soon as the
         pipeline stops.
@@ -516,7 +518,7 @@ class WorkerSet:
         """
         self._drop_unrun()
         self._epochs += 1
-        dealer = Dealer(tasks, len(self._workers), self._prefetch)
+        dealer = Dealer(tasks, len(self._workers), self._prefetch, start)
         hands = dealer.first_hands()
         states = dataset_states or [None] * len(self._workers)
         method = self._start_method()
