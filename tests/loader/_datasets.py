@@ -516,3 +516,20 @@ class IterRecorder(torch.utils.data.Sampler[int]):
             yield from range(self.n)
 
         return indices()
+
+
+class SlowFirstWorker(Dataset[Any]):
+    """Item ``i`` is ``(i, worker id)``; worker 0 takes ``delay`` seconds per item."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        self.n, self.delay = n, delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        info = torch.utils.data.get_worker_info()
+        worker = -1 if info is None else info.id
+        if worker == 0:
+            time.sleep(self.delay)
+        return i, worker

@@ -8,7 +8,7 @@ more batches as they hand theirs out (:mod:`._deal`). The order:
 * a map-style dataset with ``in_order=True``: batch ``i`` from the worker it was dealt to,
   ``i % W``, as PyTorch;
 * ``in_order=False``: each worker's next batch as soon as it is there, so that a slow batch
-  holds up only its own worker;
+  holds up only its own worker (and the next batch is dealt to a worker with room);
 * an iterable dataset: the workers' batches in turn (``in_order=False``: as they come), each
   worker left out once its iterator ends, as PyTorch takes them.
 """

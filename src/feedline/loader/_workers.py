@@ -3,8 +3,9 @@
 Each worker is a :class:`~feedline.SubprocessIterable` whose child holds the dataset (sent
 once, when the worker starts) and, per epoch, fetches its share of the batches with a thread
 pool, like the main process does without workers. Batch ``b`` goes to worker ``b % W``, as in
-PyTorch, so the parent restores the order by taking from the workers in turn. The parent
-deals the batches as the workers need them (:mod:`._deal`), on a queue of each worker's own.
+PyTorch, so the parent restores the order by taking from the workers in turn (with
+``in_order=False``, to a worker with room, taken as they come). The parent deals the
+batches as the workers need them (:mod:`._deal`), on a queue of each worker's own.
 
 An iterable dataset is iterated by every worker, each seeing its own
 ``torch.utils.data.get_worker_info()`` to take its share of the stream (PyTorch's protocol).
@@ -333,7 +334,7 @@ class WorkerSet:
         persistent: The workers serve several epochs: an epoch left early lets each finish
             its current batch and keeps it, instead of ending it at once.
         in_order: ``False`` yields each worker's batches as they come, so a slow batch holds
-            up only its own worker.
+            up only its own worker, and deals the next batch to a worker with room.
         collate_fn, auto_collation: The loader's; batches are collated in the workers, as in
             PyTorch, so one batch rather than its items crosses to the parent.
         stream: For an iterable dataset, ``(batch size, drop_last)``: each worker batches
@@ -518,7 +519,7 @@ class WorkerSet:
         """
         self._drop_unrun()
         self._epochs += 1
-        dealer = Dealer(tasks, len(self._workers), self._prefetch, start)
+        dealer = Dealer(tasks, len(self._workers), self._prefetch, start, in_order=self.in_order)
         hands = dealer.first_hands()
         states = dataset_states or [None] * len(self._workers)
         method = self._start_method()
