@@ -11,9 +11,7 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
-stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
-
-from feedline import DataLoader  # noqa: E402
+pytest.importorskip("torchdata.stateful_dataloader")
 
 from . import _datasets  # noqa: E402
 from ._datasets import (  # noqa: E402
@@ -27,33 +25,12 @@ from ._datasets import (  # noqa: E402
     count_from_worker,
 )
 from ._procs import no_children_left  # noqa: E402
+from ._reference import dataset_states, side_by_side  # noqa: E402
 
-StatefulDataLoader = stateful_dataloader.StatefulDataLoader
 pytestmark = [
     pytest.mark.filterwarnings("ignore:'set_vital' is deprecated"),
     pytest.mark.timeout(180),
 ]
-
-
-def _dataset_states(state: dict[str, Any]) -> list[Any]:
-    """Per worker (one slot without workers), the dataset's state in a loader's state.
-
-    feedline keeps a list; torchdata keeps the dataset's state, or its iterator's when the
-    dataset is its own iterator, per worker snapshot.
-    """
-    if "version" in state:
-        return list(state["dataset_state"])
-
-    def own(part: dict[str, Any]) -> Any:
-        fetcher = part.get("fetcher_state") or {}
-        if part["dataset_state"] is None:
-            return fetcher.get("dataset_iter_state")
-        return part["dataset_state"]
-
-    if "_snapshot" not in state:
-        return [own(state)]
-    snapshots = state["_snapshot"]["_worker_snapshots"]
-    return [own(snapshots[f"worker_{w}"]) for w in range(len(snapshots))]
 
 
 def _plain(data: Any) -> Any:
@@ -74,9 +51,9 @@ def _make(kind: str) -> Any:
 
 
 @pytest.mark.parametrize("kind", ["map", "stream", "own iterator"])
-@pytest.mark.parametrize(("workers", "concurrency"), [(0, 1), (0, None), (2, 1)])
+@pytest.mark.parametrize(("workers", "concurrency"), [(0, 1), (0, "auto"), (2, 1)])
 def test_the_dataset_state_is_saved_as_soon_as_the_epoch_starts(
-    kind: str, workers: int, concurrency: int | None
+    kind: str, workers: int, concurrency: int | str
 ) -> None:
     # torchdata's state holds the dataset's state once iter() ran: each worker's, after its
     # worker_init_fn (and, for an iterable dataset, iter()). Resuming from it replays the
@@ -85,15 +62,14 @@ def test_the_dataset_state_is_saved_as_soon_as_the_epoch_starts(
     if workers and kind == "map":
         kw["worker_init_fn"] = count_from_worker
     outcomes = []
-    for cls in (StatefulDataLoader, DataLoader):
-        extra = {} if cls is StatefulDataLoader else {"fetch_concurrency": concurrency}
-        loader = cls(_make(kind), **kw, **extra)
+    for make in side_by_side(concurrency):
+        loader = make(_make(kind), **kw)
         it = iter(loader)
         state = loader.state_dict()
         whole = list(it)
-        resumed = cls(_make(kind), **kw, **extra)
+        resumed = make(_make(kind), **kw)
         resumed.load_state_dict(state)
-        outcomes.append((_dataset_states(state), whole, list(resumed)))
+        outcomes.append((dataset_states(state), whole, list(resumed)))
     assert outcomes[1] == outcomes[0]
     states, whole, again = outcomes[1]
     assert None not in states
@@ -137,16 +113,15 @@ def test_the_dataset_state_after_the_last_batch_is_saved_and_the_next_epoch_goes
         return ResumableStream(9 if workers == 0 else 10)
 
     outcomes = []
-    for cls in (StatefulDataLoader, DataLoader):
-        extra = {} if cls is StatefulDataLoader else {"fetch_concurrency": 1}
+    for new in side_by_side():
         torch.manual_seed(0)
-        loader = cls(make(), **kw, **extra)
+        loader = new(make(), **kw)
         first = _plain(list(loader))
         state = loader.state_dict()
         second = _plain(list(loader))
-        resumed = cls(make(), **kw, **extra)
+        resumed = new(make(), **kw)
         resumed.load_state_dict(state)
-        outcomes.append((_dataset_states(state), first, second, _plain(list(resumed))))
+        outcomes.append((dataset_states(state), first, second, _plain(list(resumed))))
         del loader, resumed
     states, _, second, after_resume = outcomes[1]
     assert None not in states
@@ -171,18 +146,17 @@ def test_a_resumed_epoch_draws_what_the_uninterrupted_one_drew(workers: int) -> 
     # drawn, so the items after it draw what they drew before the checkpoint.
     kw: dict[str, Any] = {"batch_size": 3, "num_workers": workers}
     outcomes = []
-    for cls in (StatefulDataLoader, DataLoader):
-        extra = {} if cls is StatefulDataLoader else {"fetch_concurrency": 1}
+    for make in side_by_side():
         torch.manual_seed(0)
-        whole = _plain(list(cls(RandomItems(12), **kw, **extra)))
+        whole = _plain(list(make(RandomItems(12), **kw)))
         torch.manual_seed(0)
-        loader = cls(RandomItems(12), **kw, **extra)
+        loader = make(RandomItems(12), **kw)
         it = iter(loader)
         head = _plain([next(it), next(it)])
         state = loader.state_dict()
         del it
         torch.manual_seed(99)  # a new process has another global state
-        resumed = cls(RandomItems(12), **kw, **extra)
+        resumed = make(RandomItems(12), **kw)
         resumed.load_state_dict(state)
         outcomes.append((whole, head, _plain(list(resumed))))
     assert outcomes[1] == outcomes[0]
@@ -193,14 +167,14 @@ def test_a_resumed_epoch_draws_what_the_uninterrupted_one_drew(workers: int) -> 
 
 def test_on_resume_the_dataset_state_is_loaded_after_the_sampler_starts_as_torchdata_does() -> None:
     orders = []
-    for cls in (StatefulDataLoader, DataLoader):
+    for make in side_by_side("auto"):
         kw: dict[str, Any] = {"batch_size": 2, "sampler": IterRecorder(8)}
-        loader = cls(LoadRecorder(8), **kw)
+        loader = make(LoadRecorder(8), **kw)
         it = iter(loader)
         next(it)
         state = loader.state_dict()
         del it
-        resumed = cls(LoadRecorder(8), **kw)
+        resumed = make(LoadRecorder(8), **kw)
         resumed.load_state_dict(state)
         _datasets.EVENTS.clear()
         assert [b[0].tolist() for b in resumed] == [[2, 3], [4, 5], [6, 7]]
@@ -208,27 +182,3 @@ def test_on_resume_the_dataset_state_is_loaded_after_the_sampler_starts_as_torch
         orders.append(list(dict.fromkeys(_datasets.EVENTS)))
     assert orders[1] == orders[0]
     assert orders[1] == ["sampler iterated", "sampler drawn from", "dataset state loaded"]
-
-
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_dataset_that_is_its_own_iterator_has_its_state_loaded_after_iter(
-    workers: int,
-) -> None:
-    # Its __iter__ starts over: a state loaded before iter() is lost, and the epoch replays
-    # what was handed out before the checkpoint. torchdata loads it after iter().
-    kw: dict[str, Any] = {"batch_size": 2, "num_workers": workers, "collate_fn": _plain}
-    outcomes = []
-    for cls in (StatefulDataLoader, DataLoader):
-        loader = cls(OwnIterator([5, 7]), **kw)
-        it = iter(loader)
-        head = [next(it) for _ in range(3)]
-        state = loader.state_dict()
-        rest = list(it)
-        resumed = cls(OwnIterator([5, 7]), **kw)
-        resumed.load_state_dict(state)
-        outcomes.append((head, rest, list(resumed)))
-    assert outcomes[1] == outcomes[0]
-    head, rest, after_resume = outcomes[1]
-    assert after_resume == rest
-    assert sorted(i for b in head + rest for i in b) == list(range(12))
-    no_children_left()
