@@ -651,11 +651,20 @@ class _Direct:
         self._epoch = epoch
         self._batches: Iterator[Any] | None = epoch.iter_until(lambda: stopped[0])
         self._finish = finish
+        self._taking = threading.Lock()  # held while a batch is taken from the workers
 
     def read_reports(self) -> None:
-        """Take the workers' reports of their dataset states (see ``WorkerEpoch``)."""
-        if self._batches is not None:
+        """Take the workers' reports of their dataset states (see ``WorkerEpoch``).
+
+        Not while another thread takes a batch (a ``state_dict()`` from a checkpointing
+        thread): the workers' messages are read by one thread at a time.
+        """
+        if self._batches is None or not self._taking.acquire(blocking=False):
+            return
+        try:
             self._epoch.read_reports()
+        finally:
+            self._taking.release()
 
     def start(self) -> None:
         """Nothing to start: the workers began when the epoch was asked for."""
@@ -666,7 +675,8 @@ class _Direct:
         if batches is None:
             raise EOFError
         try:
-            fetched = next(batches)
+            with self._taking:
+                fetched = next(batches)
         except StopIteration:
             self._batches = None
             raise EOFError from None
