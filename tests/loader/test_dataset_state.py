@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchdata.stateful_dataloader")
 
+from .._system import zombies  # noqa: E402
 from . import _datasets  # noqa: E402
 from ._datasets import (  # noqa: E402
     Counting,
@@ -75,6 +76,7 @@ def test_the_dataset_state_is_saved_as_soon_as_the_epoch_starts(
     assert None not in states
     assert again == whole
     no_children_left()
+    assert zombies() == []
 
 
 @pytest.mark.parametrize(
@@ -137,6 +139,7 @@ def test_the_dataset_state_after_the_last_batch_is_saved_and_the_next_epoch_goes
     else:
         assert outcomes[1] == outcomes[0]
     no_children_left()
+    assert zombies() == []
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -163,6 +166,7 @@ def test_a_resumed_epoch_draws_what_the_uninterrupted_one_drew(workers: int) -> 
     whole, head, rest = outcomes[1]
     assert head + rest == whole
     no_children_left()
+    assert zombies() == []
 
 
 def test_on_resume_the_dataset_state_is_loaded_after_the_sampler_starts_as_torchdata_does() -> None:

@@ -18,6 +18,7 @@ from feedline import DataLoader  # noqa: E402
 from feedline._ledger import ledger_check  # noqa: E402
 from feedline.loader._deal import Dealer  # noqa: E402
 
+from .._system import zombies  # noqa: E402
 from ._datasets import SlowFirstWorker  # noqa: E402
 from ._procs import alone, no_children_left  # noqa: E402
 
@@ -232,6 +233,7 @@ def test_out_of_order_a_free_worker_fetches_what_a_slow_one_would_hold() -> None
         assert sum(counts.values()) == 40
         assert counts.get(1, 0) > 3 * counts.get(0, 0), (theirs, ours)
     no_children_left()
+    assert zombies() == []
 
 
 def test_an_epoch_resumed_out_of_order_hands_out_every_batch_once() -> None:
@@ -254,3 +256,4 @@ def test_an_epoch_resumed_out_of_order_hands_out_every_batch_once() -> None:
     assert sorted(head + rest) == [[i, i + 1] for i in range(0, 60, 2)]
     assert resumed.stats().ledger.repeated == 0  # type: ignore[union-attr]
     no_children_left()
+    assert zombies() == []
