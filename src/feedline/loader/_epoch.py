@@ -27,12 +27,20 @@ from feedline.errors import ConfigurationError, add_note
 from feedline.pipeline import Pipeline, PipelineBuilder, PipelineStats
 
 from ._fetch import BatchFetcher, Collated, FailureTally, Task
-from ._gather import Reporter, StateReport, StreamMark
+from ._gather import StateReport, StreamMark
 from ._ledgers import LoaderLedger, stream_batch_taken
 from ._pool import thread_times
 from ._rewind import GeneratorRewind, sampler_generators
 from ._seeds import RngWatch, next_only
-from ._state import Position, decode_rng, derived_seed, is_stateful, start_stream
+from ._state import (
+    Position,
+    decode_rng,
+    derived_seed,
+    is_stateful,
+    saved_dataset_states,
+    start_dataset,
+    state_reporter,
+)
 
 if TYPE_CHECKING:
     from ._loader import DataLoader
@@ -183,11 +191,15 @@ class EpochIterator(Generic[T]):
         # each batch drawn: an epoch left part-way puts them back where PyTorch's iterator,
         # which draws no batch ahead, would have left them.
         self._rewinder = GeneratorRewind(sampler_generators(tl))
-        dataset_state = _dataset_states(loader, state)
+        dataset_state = saved_dataset_states(
+            state,
+            iterable=loader._iterable,
+            fresh_workers=tl.num_workers > 0 and not tl.persistent_workers,
+        )
         self._between = dataset_state is not None and bool(state and state["finished"])
         if is_stateful(tl.dataset):
             # Loaded where torchdata loads them: in each worker, after its seeding and
-            # worker_init_fn; here, once the sampler started (see _start_dataset). Then
+            # worker_init_fn; here, once the sampler started (see start_dataset). Then
             # each one's state as the epoch starts, after each batch and at the end.
             slots = max(1, int(tl.num_workers))
             position.dataset_states = (
@@ -240,7 +252,7 @@ class EpochIterator(Generic[T]):
                 position.worker_turn,
                 start=skip,
                 iterates=position.dataset_iterates,
-                report=None if position.dataset_states is None else _reporter(position),
+                report=None if position.dataset_states is None else state_reporter(position),
             )
         elif loader._iterable:
             self._add_iterable_source(builder, tl, replay, dataset_state, loader.in_flight)
@@ -316,13 +328,13 @@ class EpochIterator(Generic[T]):
         tasks = self._tasks = _Releasable(itertools.chain(first, tasks))
         order = "input" if tl.in_order else "completion"
         if tl.num_workers > 0:
-            report = None if self.position.dataset_states is None else _reporter(self.position)
+            report = None if self.position.dataset_states is None else state_reporter(self.position)
             # A state saved between epochs: persistent workers go on with their datasets'
             # states into an epoch seeded anew (see WorkerSet.epoch).
             return loader._worker_set().epoch(
                 tasks, base_seed, dataset_state, report, between=self._between, start=skip
             )
-        _start_dataset(tl.dataset, self.position, dataset_state)
+        start_dataset(tl.dataset, self.position, dataset_state)
         self._fetcher = BatchFetcher(
             tl.dataset,
             loader._fetch.threads,
@@ -369,7 +381,7 @@ class EpochIterator(Generic[T]):
         skip = self.position.yielded
         # iter() here, as PyTorch's iterator calls it when it is made (an error raises from
         # iter(loader)), after the dataset's state was loaded.
-        iterator = _start_dataset(dataset, self.position, state, iterate=True)
+        iterator = start_dataset(dataset, self.position, state, iterate=True)
 
         def batches() -> Iterator[tuple[int, list[Any] | _Abort, Any]]:
             n = skip - replay
@@ -774,60 +786,6 @@ def _batch_items(tl: Any) -> int:
     # Items per batch: the batch sampler's size where it says (1 without batching).
     size = getattr(tl.batch_sampler, "batch_size", None) or tl.batch_size
     return size if isinstance(size, int) and size > 0 else 1
-
-
-def _dataset_states(loader: DataLoader[Any], state: dict[str, Any] | None) -> list[Any] | None:
-    """The dataset's states (one per worker, or one) that the epoch resumes from, if any.
-
-    A state saved mid-epoch resumes as it is. One saved at an epoch's end holds the dataset's
-    state after its last batch: a map-style dataset's next epoch goes on from it where the
-    dataset lives on in an uninterrupted loop, in this process or in persistent workers (as
-    torchdata resumes); fresh workers start from the dataset as it was sent. An iterable
-    dataset's next epoch starts with ``iter()``, on the dataset as it is (torchdata's
-    persistent workers, too: the state they load is lost to a second ``iter()``).
-    """
-    if state is None or state["dataset_state"] is None:
-        return None
-    tl = loader._torch_loader
-    fresh_workers = tl.num_workers > 0 and not tl.persistent_workers
-    if state["finished"] and (loader._iterable or fresh_workers):
-        return None
-    return list(state["dataset_state"])
-
-
-def _reporter(position: Position) -> Reporter:
-    """What records a worker's dataset state as its pass starts (not the iterator: no cycle)."""
-
-    def report(worker: int, state: Any, iterates: bool) -> None:
-        if position.dataset_states is not None:
-            position.dataset_states[worker] = state
-        position.dataset_iterates = iterates
-
-    return report
-
-
-def _start_dataset(
-    dataset: Any, position: Position, saved: list[Any] | None, *, iterate: bool = False
-) -> Any:
-    """Start the dataset's epoch in this process; return ``iter(dataset)`` if ``iterate``.
-
-    A stateful dataset has its saved state loaded (see :func:`start_stream`), at the point of
-    torchdata's order: once the sampler's iterator is made, the base seed drawn and the first
-    batch's indices drawn (here, ``dataset.load_state_dict()`` may set the global generators
-    that the items draw from). Its state then is the epoch's first.
-    """
-    states = position.dataset_states
-    if states is None:
-        return iter(dataset) if iterate else None
-    state = saved[0] if saved else None
-    iterator = None
-    if iterate:
-        iterator = start_stream(dataset, state, position.dataset_iterates)
-        position.dataset_iterates = iterator is dataset
-    elif state is not None:
-        dataset.load_state_dict(copy.deepcopy(state))  # a copy: it may keep it
-    states[0] = copy.deepcopy(dataset.state_dict())
-    return iterator
 
 
 def _snapshot(dataset: Any) -> Callable[[], Any] | None:

@@ -5,6 +5,9 @@ as it hands batches out, and it outlives the iterator, so a checkpoint taken aft
 after an exception in the loop body or after the last batch describes the last batch handed
 out (as torchdata's ``StatefulDataLoader`` does), not a fresh epoch.
 
+A stateful dataset's own state is saved with it, and loaded back in torchdata's order
+(:func:`start_dataset`, :func:`start_stream`; in worker processes, see ``_workers.py``).
+
 The saved state is plain data (ints, lists, a base64 string for the random state, and whatever
 the dataset's and sampler's own ``state_dict()`` return), so it can be written as JSON.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import base64
 import copy
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +29,10 @@ __all__ = [
     "derived_seed",
     "encode_rng",
     "is_stateful",
+    "saved_dataset_states",
+    "start_dataset",
     "start_stream",
+    "state_reporter",
 ]
 
 STATE_VERSION = 2
@@ -60,6 +67,65 @@ def start_stream(dataset: Any, state: Any, iterates: bool) -> Any:
     iterator = iter(dataset)
     if state is not None and iterates:
         dataset.load_state_dict(copy.deepcopy(state))
+    return iterator
+
+
+def saved_dataset_states(
+    state: dict[str, Any] | None, *, iterable: bool, fresh_workers: bool
+) -> list[Any] | None:
+    """The dataset's states (one per worker, or one) that an epoch resumes from, if any.
+
+    A state saved mid-epoch resumes as it is. One saved at an epoch's end holds the dataset's
+    state after its last batch: a map-style dataset's next epoch goes on from it where the
+    dataset lives on in an uninterrupted loop, in this process or in persistent workers (as
+    torchdata resumes); ``fresh_workers`` start from the dataset as it was sent. An
+    ``iterable`` dataset's next epoch starts with ``iter()``, on the dataset as it is
+    (torchdata's persistent workers, too: the state they load is lost to a second ``iter()``).
+    """
+    if state is None or state["dataset_state"] is None:
+        return None
+    if state["finished"] and (iterable or fresh_workers):
+        return None
+    return list(state["dataset_state"])
+
+
+def state_reporter(position: Position) -> Callable[[int, Any, bool], None]:
+    """What records a worker's dataset state as its pass starts, in ``position``.
+
+    Holds the position only (not the epoch's iterator: no reference cycle). Called with the
+    worker, its dataset's state, and whether the dataset is its own iterator.
+    """
+
+    def report(worker: int, state: Any, iterates: bool) -> None:
+        if position.dataset_states is not None:
+            position.dataset_states[worker] = state
+        position.dataset_iterates = iterates
+
+    return report
+
+
+def start_dataset(
+    dataset: Any, position: Position, saved: list[Any] | None, *, iterate: bool = False
+) -> Any:
+    """Start the dataset's epoch in this process; return ``iter(dataset)`` if ``iterate``.
+
+    A stateful dataset (``position.dataset_states`` is not ``None``) has its saved state
+    loaded (see :func:`start_stream`) when this is called, which is at the point of
+    torchdata's order: once the sampler's iterator is made, the base seed drawn and the first
+    batch's indices drawn (``dataset.load_state_dict()`` may set the global generators that
+    the items draw from). Its state then is the epoch's first.
+    """
+    states = position.dataset_states
+    if states is None:
+        return iter(dataset) if iterate else None
+    state = saved[0] if saved else None
+    iterator = None
+    if iterate:
+        iterator = start_stream(dataset, state, position.dataset_iterates)
+        position.dataset_iterates = iterator is dataset
+    elif state is not None:
+        dataset.load_state_dict(copy.deepcopy(state))  # a copy: it may keep it
+    states[0] = copy.deepcopy(dataset.state_dict())
     return iterator
 
 
