@@ -423,3 +423,113 @@ class LambdaStream(IterableDataset[Any]):
 
 def keep_as_is(batch: Any) -> Any:
     return batch
+
+
+def count_from_worker(worker_id: int) -> None:
+    """A ``worker_init_fn``: worker ``w``'s :class:`Counting` counts on from ``100 * (w + 1)``."""
+    info = torch.utils.data.get_worker_info()
+    info.dataset.served = 100 * (worker_id + 1)
+
+
+class RandomItems(Dataset[Any]):
+    """Items that draw from torch's global generator; its state holds that generator's state.
+
+    torchdata's own test dataset for states (``DummyMapDataset``): ``load_state_dict`` sets
+    the global generator, so what is drawn around it shows when the loader calls it.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.served = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        self.served += 1
+        return torch.tensor([i, self.served, int(torch.randint(1000, ()))])
+
+    def state_dict(self) -> dict[str, Any]:
+        # A list, not the tensor: a tensor crossing from a worker leaves torch's descriptor
+        # sharing thread running in the parent (torchdata's workers send it so).
+        return {"served": self.served, "rng": torch.get_rng_state().tolist()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.served = state["served"]
+        torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
+
+
+class OwnIterator(IterableDataset[int]):
+    """An iterable dataset that is its own iterator: ``__iter__`` starts its share over and
+    returns itself (worker ``w`` has ``sizes[w]`` items, numbered on from the workers before)."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+        self.start = self.end = self.i = 0
+
+    def __iter__(self) -> OwnIterator:
+        info = torch.utils.data.get_worker_info()
+        worker, sizes = (info.id, self.sizes) if info is not None else (0, [sum(self.sizes)])
+        self.start, self.end = sum(sizes[:worker]), sum(sizes[: worker + 1])
+        self.i = self.start
+        return self
+
+    def __next__(self) -> int:
+        if self.i >= self.end:
+            raise StopIteration
+        self.i += 1
+        return self.i - 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"i": self.i}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.i = state["i"]
+
+
+EVENTS: list[str] = []
+"""What :class:`LoadRecorder` and :class:`IterRecorder` saw happen, in order (one process)."""
+
+
+class LoadRecorder(Counting):
+    """A :class:`Counting` that records in :data:`EVENTS` when its state is loaded."""
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        EVENTS.append("dataset state loaded")
+        super().load_state_dict(state)
+
+
+class IterRecorder(torch.utils.data.Sampler[int]):
+    """``range(n)``, recording in :data:`EVENTS` when it is iterated and first drawn from."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Any:
+        EVENTS.append("sampler iterated")
+
+        def indices() -> Any:
+            EVENTS.append("sampler drawn from")
+            yield from range(self.n)
+
+        return indices()
+
+
+class SlowFirstWorker(Dataset[Any]):
+    """Item ``i`` is ``(i, worker id)``; worker 0 takes ``delay`` seconds per item."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        self.n, self.delay = n, delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        info = torch.utils.data.get_worker_info()
+        worker = -1 if info is None else info.id
+        if worker == 0:
+            time.sleep(self.delay)
+        return i, worker

@@ -18,7 +18,14 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 
 from feedline import DataLoader  # noqa: E402
 
-from ._datasets import Counting, ResumableStream, SharesStream, StatefulSampler  # noqa: E402
+from ._datasets import (  # noqa: E402
+    Counting,
+    OwnIterator,
+    ResumableStream,
+    SharesStream,
+    StatefulSampler,
+)
+from ._reference import side_by_side  # noqa: E402
 
 StatefulDataLoader = stateful_dataloader.StatefulDataLoader
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -101,25 +108,31 @@ def test_a_new_epoch_after_break_starts_afresh_as_in_pytorch() -> None:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_stateful_datasets_own_state_is_saved_and_restored(workers: int) -> None:
-    kw: dict[str, Any] = {"batch_size": 2, "num_workers": workers, "fetch_concurrency": 1}
-    loader = DataLoader(Counting(12), **kw)
-    it = iter(loader)
-    for _ in range(3):
-        next(it)
-    state = loader.state_dict()
-    del it
-    assert state["dataset_state"] is not None
-    served = sum(s["served"] for s in state["dataset_state"] if s is not None)
-    assert served == 6  # each worker's copy counted its own items
-    resumed = DataLoader(Counting(12), **kw)
-    resumed.load_state_dict(state)
-    rest = list(resumed)
-    assert [i for b in rest for i in b[0].tolist()] == list(range(6, 12))
+    kw: dict[str, Any] = {"batch_size": 2, "num_workers": workers}
+    outcomes = []
+    for make in side_by_side():
+        loader = make(Counting(12), **kw)
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+        state = loader.state_dict()
+        whole_rest = [b[1].tolist() for b in it]
+        resumed = make(Counting(12), **kw)
+        resumed.load_state_dict(state)
+        rest = list(resumed)
+        outcomes.append((whole_rest, [b[0].tolist() for b in rest], [b[1].tolist() for b in rest]))
+        if isinstance(loader, DataLoader):
+            assert state["dataset_state"] is not None
+            served = sum(s["served"] for s in state["dataset_state"] if s is not None)
+            assert served == 6  # each worker's copy counted its own items
+    assert outcomes[1] == outcomes[0]
+    uninterrupted, indices, counts = outcomes[1]
+    assert [i for b in indices for i in b] == list(range(6, 12))
     # Each dataset went on counting from its saved state, not from zero: in one process
-    # 7..12; with workers, batch b goes to worker b % 2 of the resumed epoch (worker 0 had
-    # served 4 items, worker 1 two).
-    counts = [b[1].tolist() for b in rest]
-    assert counts == ([[7, 8], [9, 10], [11, 12]] if workers == 0 else [[5, 6], [3, 4], [7, 8]])
+    # 7..12; with workers, batch b goes to worker b % 2, as in the epoch it resumes (worker
+    # 0 had served 4 items, worker 1 two).
+    assert counts == uninterrupted
+    assert counts == ([[7, 8], [9, 10], [11, 12]] if workers == 0 else [[3, 4], [5, 6], [5, 6]])
 
 
 def test_a_stateful_iterable_dataset_resumes_itself_instead_of_replaying() -> None:
@@ -137,21 +150,24 @@ def test_a_stateful_iterable_dataset_resumes_itself_instead_of_replaying() -> No
     assert fresh.opened == 4  # nothing before the checkpoint was read again
 
 
+@pytest.mark.parametrize("dataset", [SharesStream, OwnIterator], ids=["generator", "own iterator"])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_checkpoint_kept_while_the_epoch_goes_on_resumes_where_it_was_taken(
-    workers: int,
+    workers: int, dataset: Any
 ) -> None:
     # torchdata's own resume case: the state is saved aside (for a checkpoint written later)
-    # and the loop goes on to the end of the epoch before a new process resumes from it.
+    # and the loop goes on to the end of the epoch before a new process resumes from it. A
+    # dataset that is its own iterator starts over in __iter__: torchdata loads its state
+    # after iter() (before it, the state was lost and the epoch replayed its first batches).
     outcomes = []
-    for cls in (StatefulDataLoader, DataLoader):
+    for make in side_by_side("auto"):
         kw: dict[str, Any] = {"batch_size": 3, "num_workers": workers, "collate_fn": list}
-        loader = cls(SharesStream([5, 7]), **kw)
+        loader = make(dataset([5, 7]), **kw)
         it = iter(loader)
         head = [next(it), next(it)]
         state = loader.state_dict()
         rest = list(it)
-        resumed = cls(SharesStream([5, 7]), **kw)
+        resumed = make(dataset([5, 7]), **kw)
         resumed.load_state_dict(state)
         outcomes.append((head, rest, list(resumed)))
     assert outcomes[1] == outcomes[0]

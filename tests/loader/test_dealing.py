@@ -11,11 +11,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 from torch.utils.data import Sampler  # noqa: E402
 
 from feedline import DataLoader  # noqa: E402
+from feedline._ledger import ledger_check  # noqa: E402
 from feedline.loader._deal import Dealer  # noqa: E402
 
+from .._system import zombies  # noqa: E402
+from ._datasets import SlowFirstWorker  # noqa: E402
 from ._procs import alone, no_children_left  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -90,6 +94,33 @@ def test_the_dealer_deals_round_robin_and_only_as_far_as_needed() -> None:
     assert max(len(numbers) for _, numbers, _ in sent) <= 256
 
 
+def test_a_resumed_epoch_deals_each_batch_to_the_worker_it_had() -> None:
+    # Resumed at batch 7 of 3 workers: batch n to worker n % 3, whose dataset's state the
+    # resumed worker restores.
+    dealer = Dealer(((b, [b]) for b in range(7, 20)), workers=3, ahead=1, first=7)
+    hands = dealer.first_hands()
+    assert [[n for n, _ in h] for h in hands] == [[9, 12], [7, 10], [8, 11]]
+    assert [dealer.owner(i) for i in range(3)] == [1, 2, 0]
+
+
+def test_out_of_order_the_dealer_gives_the_next_batch_to_a_worker_with_room() -> None:
+    dealer = Dealer(_tasks(20), workers=2, ahead=2, in_order=False)
+    assert [[n for n, _ in h] for h in dealer.first_hands()] == [[0, 2, 4], [1, 3, 5]]
+    sent: list[tuple[int, list[int], bool]] = []
+
+    def send(worker: int, hand: list[tuple[int, list[int]]], last: bool) -> None:
+        sent.append((worker, [n for n, _ in hand], last))
+
+    # Worker 0 is slow: worker 1 hands out its batches, and only it gets more, one by one.
+    for _ in range(15):  # the last finds the sampler drawn out
+        dealer.handed_out(1)
+        dealer.top_up(send)
+    assert sent[:14] == [(1, [n], False) for n in range(6, 20)]
+    assert dealer.holds(0) == 3
+    assert sent[14:] == [(0, [], True), (1, [], True)]  # the end: both shares are complete
+    assert dealer.exhausted
+
+
 def test_an_empty_epoch_is_dealt_as_finished() -> None:
     dealer = Dealer(_tasks(0), workers=2, ahead=2)
     assert dealer.first_hands() == [[], []]
@@ -105,7 +136,8 @@ def test_workers_get_the_epoch_as_they_need_it_not_all_at_once(in_order: bool) -
     )
     it = iter(loader)
     first = next(it)
-    assert first.tolist() == [0, 1, 2, 3]
+    if in_order:  # (else the batch of whichever worker is first)
+        assert first.tolist() == [0, 1, 2, 3]
     # PyTorch draws 2 batches per worker ahead; feedline a few rounds: far from the epoch.
     assert sampler.drawn <= 4 * 64, sampler.drawn
     rest = [b.tolist() for b in it]
@@ -181,3 +213,47 @@ def test_persistent_workers_left_mid_epoch_are_kept(concurrency: int | None) -> 
     loader.close()
     no_children_left()
     assert _segments() - segments == set()
+
+
+def _split(loader: Any) -> dict[int, int]:
+    """Batches fetched by each worker (SlowFirstWorker's items say which)."""
+    counts: dict[int, int] = {}
+    for _, workers in loader:
+        counts[int(workers[0])] = counts.get(int(workers[0]), 0) + 1
+    return counts
+
+
+def test_out_of_order_a_free_worker_fetches_what_a_slow_one_would_hold() -> None:
+    # Worker 0 takes 50 ms an item. PyTorch's in_order=False gives the next batch to a
+    # worker with room: the fast one fetches most of the epoch, the slow one its first few.
+    kw: dict[str, Any] = {"batch_size": 2, "num_workers": 2, "in_order": False}
+    theirs = _split(TorchLoader(SlowFirstWorker(80, 0.05), **kw))
+    ours = _split(DataLoader(SlowFirstWorker(80, 0.05), **kw))
+    for counts in (theirs, ours):
+        assert sum(counts.values()) == 40
+        assert counts.get(1, 0) > 3 * counts.get(0, 0), (theirs, ours)
+    no_children_left()
+    assert zombies() == []
+
+
+def test_an_epoch_resumed_out_of_order_hands_out_every_batch_once() -> None:
+    # The fast worker's batches overtake the slow one's: the state holds the batches handed
+    # out above the watermark, and the resumed epoch hands out the others, each once (the
+    # epoch's ledger checks the saved position, and the resumed epoch at its end).
+    assert ledger_check()
+    kw: dict[str, Any] = {"batch_size": 2, "num_workers": 2, "in_order": False}
+    loader = DataLoader(SlowFirstWorker(60, 0.05), **kw)
+    head = []
+    for batch in loader:
+        head.append(batch[0].tolist())
+        if len(head) == 8:
+            break
+    state = loader.state_dict()
+    assert state["yielded_ahead"], state  # some batches came before batch 0
+    resumed = DataLoader(SlowFirstWorker(60, 0.05), **kw)
+    resumed.load_state_dict(state)
+    rest = [batch[0].tolist() for batch in resumed]
+    assert sorted(head + rest) == [[i, i + 1] for i in range(0, 60, 2)]
+    assert resumed.stats().ledger.repeated == 0  # type: ignore[union-attr]
+    no_children_left()
+    assert zombies() == []

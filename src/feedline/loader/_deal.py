@@ -1,16 +1,24 @@
 """Dealing an epoch's batches to the worker processes as they need them.
 
-The parent draws batches from the sampler lazily and deals them round-robin: the ``i``-th batch
-of the epoch goes to worker ``i % W``, as in PyTorch. A worker gets a first hand when the epoch
-starts (with its start-up arguments when it starts for this epoch), and more in rounds whose
-size doubles, each one message per worker, so that the parent keeps every worker a few batches
-ahead without drawing the whole epoch first: an ImageNet-sized shuffled epoch drew its 40,000
-batches (about 0.4 s on one core) before the first one could start.
+The parent draws batches from the sampler lazily. A worker gets a first hand when the epoch
+starts (with its start-up arguments when it starts for this epoch), dealt round-robin, then:
+
+* ``in_order=True``: batch ``i`` of the epoch goes to worker ``i % W``, as in PyTorch (in a
+  resumed epoch too), in rounds whose size doubles, each one message per worker, so that the
+  parent keeps every worker a few batches ahead without drawing the whole epoch first: an
+  ImageNet-sized shuffled epoch drew its 40,000 batches (about 0.4 s on one core) before the
+  first one could start;
+* ``in_order=False``: the next batch goes to the next worker (round the workers) that holds
+  fewer than its share, one batch per message, as PyTorch's ``_try_put_index`` puts it: a
+  worker that hands out its batches gets the next ones, and a slow one holds no more than
+  its first hand (the batches are handed out in any order: one dealt to it would wait).
 
 Messages on a worker's queue, each tagged with the epoch's number:
 
-* ``("start", epoch, base_seed, tasks, dataset_state, last, taken)``: the epoch's first hand
-  (``taken``: for an iterable dataset, the worker's batches handed out before a resume);
+* ``("start", epoch, base_seed, tasks, dataset_state, last, taken, iterates, between)``: the
+  epoch's first hand (``taken``: for an iterable dataset, the worker's batches handed out
+  before a resume; ``iterates``: its saved state is loaded after ``iter()``; ``between``: the
+  state was saved between epochs, the worker seeds itself again after loading it);
 * ``("more", epoch, tasks, last)``: the next hand; ``last`` ends the worker's share.
 
 A worker skips messages of other epochs (hands dealt to an epoch it left early).
@@ -41,16 +49,31 @@ class Dealer:
         workers: How many workers share them.
         ahead: Batches a worker has in flight (its prefetch): it is dealt more before it
             holds fewer than this beyond those handed out.
+        first: The number of the first batch: a resumed epoch's batch ``n`` goes to worker
+            ``n % workers``, as in the epoch it resumes, whose workers' datasets' states it
+            restores (its first hands, with ``in_order=False``).
+        in_order: Batch ``i`` goes to worker ``i % workers`` (else to a worker with room).
 
     """
 
-    def __init__(self, tasks: Iterator[Task], workers: int, ahead: int) -> None:
+    def __init__(
+        self,
+        tasks: Iterator[Task],
+        workers: int,
+        ahead: int,
+        first: int = 0,
+        *,
+        in_order: bool = True,
+    ) -> None:
         self._tasks = tasks
         self._workers = workers
+        self._first = first % workers if workers else 0
         self._low = max(1, ahead) + 1
         self._round = self._low
         self._held = [0] * workers  # dealt to each worker and not handed out yet
-        self.dealt = 0  # batches dealt so far; the i-th went to worker i % workers
+        self._in_order = in_order
+        self._next = self._first  # in_order=False: the worker offered the next batch first
+        self.dealt = 0  # batches dealt so far (see owner)
         self.exhausted = False
 
     def first_hands(self) -> list[list[Task]]:
@@ -65,13 +88,41 @@ class Dealer:
         """
         if self.exhausted or min(self._held) >= self._low:
             return
+        if not self._in_order:
+            self._deal_to_free(send)
+            return
         self._round = min(_MAX_ROUND, 2 * self._round)
         for worker, hand in enumerate(self._draw()):
             send(worker, hand, self.exhausted)
 
+    def _deal_to_free(self, send: Callable[[int, list[Task], bool], None]) -> None:
+        # in_order=False: a batch to each worker with room, the next one round the workers
+        # first; the epoch's end tells every worker its share is complete.
+        while True:
+            worker = next(
+                (
+                    w % self._workers
+                    for w in range(self._next, self._next + self._workers)
+                    if self._held[w % self._workers] < self._low
+                ),
+                None,
+            )
+            if worker is None:
+                return
+            drawn = list(itertools.islice(self._tasks, 1))
+            if not drawn:
+                self.exhausted = True
+                for w in range(self._workers):
+                    send(w, [], True)
+                return
+            self._next = worker + 1
+            self._held[worker] += 1
+            self.dealt += 1
+            send(worker, drawn, False)
+
     def owner(self, i: int) -> int:
-        """The worker that was dealt the epoch's ``i``-th batch."""
-        return i % self._workers
+        """The worker that was dealt the ``i``-th batch dealt (``in_order=True``)."""
+        return (self._first + i) % self._workers
 
     def handed_out(self, worker: int) -> None:
         """One of ``worker``'s batches reached the consumer."""
@@ -88,7 +139,7 @@ class Dealer:
             self.exhausted = True
         hands: list[list[Task]] = [[] for _ in range(self._workers)]
         for k, task in enumerate(drawn):
-            hands[(self.dealt + k) % self._workers].append(task)
+            hands[(self._first + self.dealt + k) % self._workers].append(task)
         for worker, hand in enumerate(hands):
             self._held[worker] += len(hand)
         self.dealt += len(drawn)

@@ -27,12 +27,20 @@ from feedline.errors import ConfigurationError, add_note
 from feedline.pipeline import Pipeline, PipelineBuilder, PipelineStats
 
 from ._fetch import BatchFetcher, Collated, FailureTally, Task
+from ._gather import StateReport, StreamMark
 from ._ledgers import LoaderLedger, stream_batch_taken
 from ._pool import thread_times
 from ._rewind import GeneratorRewind, sampler_generators
 from ._seeds import RngWatch, next_only
-from ._state import Position, decode_rng, derived_seed, is_stateful
-from ._workers import StreamMark
+from ._state import (
+    Position,
+    decode_rng,
+    derived_seed,
+    is_stateful,
+    saved_dataset_states,
+    start_dataset,
+    state_reporter,
+)
 
 if TYPE_CHECKING:
     from ._loader import DataLoader
@@ -99,6 +107,8 @@ class _Finisher:
         number, items, dataset_state = fetched
         if isinstance(items, _Abort):  # the dataset's iterator raised
             return items
+        if isinstance(items, StateReport):  # a worker's stream ended: no batch, a state
+            return fetched
         if isinstance(items, Collated):  # collated in a worker process
             return self._collated(number, items, dataset_state)
         try:
@@ -181,14 +191,21 @@ class EpochIterator(Generic[T]):
         # each batch drawn: an epoch left part-way puts them back where PyTorch's iterator,
         # which draws no batch ahead, would have left them.
         self._rewinder = GeneratorRewind(sampler_generators(tl))
-        slots = max(1, int(tl.num_workers))
-        dataset_state = None if state is None else state["dataset_state"]
+        dataset_state = saved_dataset_states(
+            state,
+            iterable=loader._iterable,
+            fresh_workers=tl.num_workers > 0 and not tl.persistent_workers,
+        )
+        self._between = dataset_state is not None and bool(state and state["finished"])
         if is_stateful(tl.dataset):
+            # Loaded where torchdata loads them: in each worker, after its seeding and
+            # worker_init_fn; here, once the sampler started (see start_dataset). Then
+            # each one's state as the epoch starts, after each batch and at the end.
+            slots = max(1, int(tl.num_workers))
             position.dataset_states = (
                 list(dataset_state) if dataset_state is not None else [None] * slots
             )
-            if tl.num_workers == 0 and dataset_state is not None and dataset_state[0] is not None:
-                tl.dataset.load_state_dict(copy.deepcopy(dataset_state[0]))  # it may keep it
+            position.dataset_iterates = state is not None and bool(state["dataset_iterates"])
         sampler = _stateful_sampler(tl)
         sampler_state = None if state is None else state["sampler_state"]
         if sampler is not None and sampler_state is not None:
@@ -234,6 +251,8 @@ class EpochIterator(Generic[T]):
                 list(position.worker_batches),
                 position.worker_turn,
                 start=skip,
+                iterates=position.dataset_iterates,
+                report=None if position.dataset_states is None else state_reporter(position),
             )
         elif loader._iterable:
             self._add_iterable_source(builder, tl, replay, dataset_state, loader.in_flight)
@@ -310,7 +329,13 @@ class EpochIterator(Generic[T]):
         tasks = self._tasks = _Releasable(itertools.chain(first, tasks))
         order = "input" if tl.in_order else "completion"
         if tl.num_workers > 0:
-            return loader._worker_set().epoch(tasks, base_seed, dataset_state)
+            report = None if self.position.dataset_states is None else state_reporter(self.position)
+            # A state saved between epochs: persistent workers go on with their datasets'
+            # states into an epoch seeded anew (see WorkerSet.epoch).
+            return loader._worker_set().epoch(
+                tasks, base_seed, dataset_state, report, between=self._between, start=skip
+            )
+        start_dataset(tl.dataset, self.position, dataset_state)
         self._fetcher = BatchFetcher(
             tl.dataset,
             loader._fetch.threads,
@@ -355,11 +380,14 @@ class EpochIterator(Generic[T]):
         size = tl.batch_size if tl._auto_collation else 1
         drop_last = bool(tl.drop_last) and tl._auto_collation
         skip = self.position.yielded
+        # iter() here, as PyTorch's iterator calls it when it is made (an error raises from
+        # iter(loader)), after the dataset's state was loaded.
+        iterator = start_dataset(dataset, self.position, state, iterate=True)
 
         def batches() -> Iterator[tuple[int, list[Any] | _Abort, Any]]:
             n = skip - replay
             try:
-                items = next_only(dataset)
+                items = next_only(iterator)
                 for n in itertools.count(skip - replay):
                     chunk = list(itertools.islice(items, size))
                     if not chunk or (drop_last and len(chunk) < size):
@@ -422,6 +450,7 @@ class EpochIterator(Generic[T]):
                     fetcher.first_delivered()  # the other batches may start now
             except EOFError:
                 self.position.finished = True
+                self._dataset_at_end()
                 self.close()
                 ledger = self.position.ledger
                 if ledger is not None:
@@ -440,6 +469,8 @@ class EpochIterator(Generic[T]):
                     # (After the stream's own error, it is over: a state taken now starts
                     # the next epoch, as after PyTorch's StopIteration that follows it.)
                     self.position.finished = item.last
+                    if item.last:
+                        self._dataset_at_end()
                     self.close()
                 else:  # this batch raises; the next call goes on with the next one
                     self._count(item.number, item.dataset_state, "raised")
@@ -454,12 +485,35 @@ class EpochIterator(Generic[T]):
                 finally:
                     del error
             number, batch, dataset_state = item
+            if isinstance(batch, StateReport):  # a worker's stream ended: its state after it
+                states = self.position.dataset_states
+                if states is not None:
+                    states[dataset_state[0]] = dataset_state[1]
+                continue
             self._count(number, dataset_state, "skipped" if batch is _SKIP else "delivered")
             if batch is _SKIP:
                 continue
             if self._len_called is not None and self.position.yielded > self._len_called:
                 self._warn_length()
             return batch  # type: ignore[no-any-return]
+
+    def read_dataset_states(self) -> None:
+        """Have the position hold each worker's dataset state, for ``state_dict()``.
+
+        A worker that has handed out no batch yet tells its state as its pass starts: taken
+        now (waiting for the worker to start), as torchdata's iterator waits for every
+        worker's when it is made. (Batches that go through a pipeline, to be pinned, bring
+        the workers' states when the pipeline takes them.)
+        """
+        if isinstance(self._pipeline, _Direct) and not self._closed:
+            self._pipeline.read_reports()
+
+    def _dataset_at_end(self) -> None:
+        # The epoch ended: the dataset's state after its last batch (an iterable dataset's,
+        # after its iterator ended), as torchdata keeps it. Workers send theirs.
+        states, loader = self.position.dataset_states, self._loader
+        if states is not None and loader is not None and loader._torch_loader.num_workers == 0:
+            states[0] = copy.deepcopy(loader._torch_loader.dataset.state_dict())
 
     def _warn_length(self) -> None:
         loader = self._loader
@@ -617,8 +671,23 @@ class _Direct:
 
     def __init__(self, epoch: Any, finish: _Finisher) -> None:
         stopped = self._stopped = [False]
+        self._epoch = epoch
         self._batches: Iterator[Any] | None = epoch.iter_until(lambda: stopped[0])
         self._finish = finish
+        self._taking = threading.Lock()  # held while a batch is taken from the workers
+
+    def read_reports(self) -> None:
+        """Take the workers' reports of their dataset states (see ``WorkerEpoch``).
+
+        Not while another thread takes a batch (a ``state_dict()`` from a checkpointing
+        thread): the workers' messages are read by one thread at a time.
+        """
+        if self._batches is None or not self._taking.acquire(blocking=False):
+            return
+        try:
+            self._epoch.read_reports()
+        finally:
+            self._taking.release()
 
     def start(self) -> None:
         """Nothing to start: the workers began when the epoch was asked for."""
@@ -629,7 +698,8 @@ class _Direct:
         if batches is None:
             raise EOFError
         try:
-            fetched = next(batches)
+            with self._taking:
+                fetched = next(batches)
         except StopIteration:
             self._batches = None
             raise EOFError from None
@@ -641,6 +711,7 @@ class _Direct:
         batches, self._batches = self._batches, None
         if batches is not None:
             batches.close()  # type: ignore[attr-defined]
+            self._epoch.close()  # its pass, if only its reports were taken
 
 
 class _Releasable:
@@ -739,7 +810,9 @@ def _pin_numbered(torch: Any, item: Any) -> Any:
     if isinstance(item, _Abort):
         return item
     number, batch, dataset_state = item
-    return number, batch if batch is _SKIP else _pin(torch, batch), dataset_state
+    if batch is _SKIP or isinstance(batch, StateReport):
+        return item
+    return number, _pin(torch, batch), dataset_state
 
 
 def _check_stream_workers(state: dict[str, Any], workers: int) -> None:

@@ -373,12 +373,18 @@ class DataLoader(Generic[T]):
         Describes the last batch handed out, whether the epoch's iterator is still running,
         was dropped (``break``), was closed by an exception in the loop body, or ran to its
         end (then the state resumes at the start of the next epoch). A dataset or sampler with
-        ``state_dict()`` and ``load_state_dict()`` of its own has its state saved with it.
+        ``state_dict()`` and ``load_state_dict()`` of its own has its state saved with it: the
+        dataset's from the start of the epoch on (with workers, each worker's, which waits for
+        a worker that has not handed out a batch yet to start), after each batch, and after
+        the last one, as torchdata's ``StatefulDataLoader`` saves it.
         The result is plain data: it can be pickled, given to ``torch.save``, or written as
         JSON. Costs one copy of the random state, made once per epoch when the epoch starts.
         """
         if self._pending is not None:
             return dict(self._pending)
+        current = self._current() if self._current is not None else None
+        if current is not None:
+            current.read_dataset_states()  # workers that handed out nothing yet: as they start
         own = self._torch_loader.generator is not None
         position = self._position
         if position is None:

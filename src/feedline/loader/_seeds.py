@@ -259,11 +259,11 @@ class RngWatch:
 _END = object()
 
 
-def next_only(iterable: Any) -> Iterator[Any]:
-    """``iter(iterable)``, then only ``next()`` on it: never ``iter()`` again.
+def next_only(iterator: Any) -> Iterator[Any]:
+    """The items of ``iterator`` (what ``iter()`` of a dataset returned), by ``next()`` only.
 
     ``itertools.islice`` and ``for`` call ``iter()`` on what they are given; a dataset whose
     ``__iter__`` returns itself and starts its pass over would start over at every batch
     (its first items for ever). PyTorch calls ``iter()`` once per pass, then ``next()``.
     """
-    return iter(iter(iterable).__next__, _END)
+    return iter(iterator.__next__, _END)

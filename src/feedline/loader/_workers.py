@@ -3,8 +3,9 @@
 Each worker is a :class:`~feedline.SubprocessIterable` whose child holds the dataset (sent
 once, when the worker starts) and, per epoch, fetches its share of the batches with a thread
 pool, like the main process does without workers. Batch ``b`` goes to worker ``b % W``, as in
-PyTorch, so the parent restores the order by taking from the workers in turn. The parent
-deals the batches as the workers need them (:mod:`._deal`), on a queue of each worker's own.
+PyTorch, so the parent restores the order by taking from the workers in turn (with
+``in_order=False``, to a worker with room, taken as they come). The parent deals the
+batches as the workers need them (:mod:`._deal`), on a queue of each worker's own.
 
 An iterable dataset is iterated by every worker, each seeing its own
 ``torch.utils.data.get_worker_info()`` to take its share of the stream (PyTorch's protocol).
@@ -15,7 +16,6 @@ PyTorch's DataLoader gives.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
@@ -25,8 +25,7 @@ import pickle
 import random
 import time
 from collections.abc import Callable, Iterator
-from multiprocessing.connection import wait as wait_for
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -35,51 +34,19 @@ from feedline.errors import ConfigurationError
 from feedline.pipeline import PipelineBuilder, SubprocessIterable
 from feedline.pipeline._forking import fork_hazards
 from feedline.pipeline._queues import close_queue, write_first
-from feedline.pipeline._subprocess import _CLOSE_GRACE, _DEFAULT_SHM_MIN, _POLL, _Abandoned
+from feedline.pipeline._subprocess import _CLOSE_GRACE, _DEFAULT_SHM_MIN
 
 from ._collate import shm_collate_for
 from ._concurrency import FetchConcurrency
 from ._deal import Dealer, TaskStream, read_start
 from ._fetch import BatchFetcher, Collated, Task, collate_in_worker, failed_in_worker
+from ._gather import Reporter, StateReport, Turns, WorkerEpoch
 from ._seeds import RngWatch, next_only
-from ._state import is_stateful
+from ._state import is_stateful, start_stream
 
-__all__ = ["StreamMark", "WorkerSet"]
+__all__ = ["WorkerSet"]
 
 _log = logging.getLogger("feedline.loader")
-
-
-class StreamMark(NamedTuple):
-    """Where a batch of an iterable dataset came from, for the loader's position.
-
-    Attributes:
-        worker: The worker whose iterator gave it.
-        batch: Its number among that worker's batches.
-        state: The dataset's ``state_dict()`` in that worker after it (stateful datasets).
-
-    """
-
-    worker: int
-    batch: int
-    state: Any
-
-
-class _Turns:
-    """An iterable dataset's epoch over the workers: whose batch comes next.
-
-    Args:
-        taken: Per worker, its batches the consumer had before a resume.
-        turn: The worker whose turn is next.
-        start: The epoch's number of the first batch to come.
-
-    """
-
-    exhausted = True  # nothing is dealt: every worker has its whole share
-
-    def __init__(self, taken: list[int], turn: int, start: int) -> None:
-        self.taken = taken
-        self.turn = turn
-        self.start = start
 
 
 class _WorkerIterable:
@@ -109,25 +76,34 @@ class _WorkerIterable:
         self._in_flight = in_flight
         self._worker_init_fn = worker_init_fn  # called once, after the first seeding
 
-    def __iter__(self) -> Iterator[tuple[int, list[Any], Any]]:
+    def __iter__(self) -> Iterator[tuple[int, Any, Any]]:
         seeded = self._tasks.seed  # known at the start: seeded (and initialised) while the
         self._tasks.seed = None  # parent starts the other workers and draws the batches
         if seeded is not None:
             self._seed(seeded)
-        _, epoch, base_seed, first, dataset_state, last, taken = read_start(self._tasks.get)
+        start = read_start(self._tasks.get)
+        _, epoch, base_seed, first, dataset_state, last, taken, iterates, between = start
         if base_seed != seeded:
             self._seed(base_seed)
         tasks = TaskStream(self._tasks.queue, epoch, first, last)
         stateful = is_stateful(self._dataset)
-        if stateful and dataset_state is not None:
-            self._dataset.load_state_dict(dataset_state)
         origin = f"DataLoader worker {self._worker_id} (pid {os.getpid()})"
         if self._stream is not None:
             # Resumed: a dataset with a state goes on from it; else the batches handed out
             # are drawn again, not collated.
-            replay = taken if dataset_state is None else 0
-            yield from self._batches_of_stream(taken, replay, stateful, origin)
+            replay = taken if dataset_state is None or not stateful else 0
+            state = dataset_state if stateful else None
+            yield from self._batches_of_stream(taken, replay, stateful, origin, state, iterates)
             return
+        if stateful:
+            if dataset_state is not None:
+                self._dataset.load_state_dict(dataset_state)
+                if between:
+                    # Saved after the last epoch's end: a persistent worker goes on with its
+                    # dataset's state, and its generators are seeded for the new epoch.
+                    _seed_like_pytorch(base_seed, self._worker_id, self._num_workers, self._dataset)
+            # The parent keeps it from the start (see WorkerEpoch.read_reports).
+            yield -1, StateReport(self._dataset.state_dict(), False, ended=False), None
         fetcher = BatchFetcher(
             self._dataset,
             self._concurrency.threads,
@@ -159,29 +135,40 @@ class _WorkerIterable:
             fetcher.close()
 
     def _batches_of_stream(
-        self, first: int, replay: int, stateful: bool, origin: str
+        self, first: int, replay: int, stateful: bool, origin: str, state: Any, iterates: bool
     ) -> Iterator[tuple[int, Any, Any]]:
         # An iterable dataset: this worker's batches of its own iterator, numbered from
         # ``first`` and collated here, as PyTorch's workers make them; the first ``replay``
-        # batches drawn (handed out before a resume) are dropped, not collated.
+        # batches drawn (handed out before a resume) are dropped, not collated. A stateful
+        # dataset's state is loaded (``state``), and reported, as the pass starts, with each
+        # batch, and once its iterator ended.
         assert self._stream is not None
         size, drop_last = self._stream
         finish = collate_in_worker(shm_collate_for(self._collate_fn), self._auto, origin)
         number = first - replay
         try:
-            items = next_only(self._dataset)
+            if stateful:
+                iterator = start_stream(self._dataset, state, iterates)
+                iterates = iterator is self._dataset
+                yield number, StateReport(self._dataset.state_dict(), iterates, False), None
+            else:
+                iterator = iter(self._dataset)
+            items = next_only(iterator)
             while True:
                 chunk = list(itertools.islice(items, size))
                 if not chunk or (drop_last and len(chunk) < size):
-                    return
+                    break
                 if number >= first:
-                    state = (0, self._dataset.state_dict()) if stateful else None
-                    yield finish((number, chunk, state))
+                    snapshot = (0, self._dataset.state_dict()) if stateful else None
+                    yield finish((number, chunk, snapshot))
                 number += 1
         except Exception as error:
             # Raised in the parent in this worker's turn; its stream ends there, the other
             # workers' go on (as in PyTorch, whose worker's iterator is done after it raised).
             yield max(number, first), failed_in_worker(error, f"the dataset in {origin}"), None
+            return
+        if stateful:
+            yield number, StateReport(self._dataset.state_dict(), iterates, ended=True), None
 
     def _pipeline(self, fetcher: BatchFetcher, tasks: TaskStream) -> Iterator[Any]:
         # The batches after the first: fetched by a pipeline, several in flight. Nothing
@@ -328,32 +315,6 @@ def _not_picklable(
 _WATCHED_BATCHES = 16
 """Batches of a worker's pipeline after which it stops checking for global random draws."""
 
-_SETTLE_SECONDS = 1.0
-"""How long persistent workers left mid-epoch get to finish their batch before they are ended
-(and started anew by the next epoch)."""
-
-
-class _Epoch:
-    """One epoch over the workers: iterable, and interruptible as a pipeline's source."""
-
-    def __init__(self, workers: WorkerSet, dealer: Dealer | _Turns, number: int) -> None:
-        self._workers = workers
-        self._dealer = dealer
-        self._number = number
-        self.begun = False
-
-    def __iter__(self) -> Iterator[tuple[int, list[Any], Any]]:
-        return self.iter_until(None)
-
-    def iter_until(
-        self, stopping: Callable[[], bool] | None
-    ) -> Iterator[tuple[int, list[Any], Any]]:
-        """Iterate, ending early once ``stopping()`` is true (see ``SubprocessIterable``)."""
-        self.begun = True
-        if self._workers._unrun is self:
-            self._workers._unrun = None  # begun: the workers need not remember it
-        return self._workers._run(self._dealer, self._number, stopping)
-
 
 class WorkerSet:
     """``num_workers`` worker processes, started on the first epoch.
@@ -374,7 +335,7 @@ class WorkerSet:
         persistent: The workers serve several epochs: an epoch left early lets each finish
             its current batch and keeps it, instead of ending it at once.
         in_order: ``False`` yields each worker's batches as they come, so a slow batch holds
-            up only its own worker.
+            up only its own worker, and deals the next batch to a worker with room.
         collate_fn, auto_collation: The loader's; batches are collated in the workers, as in
             PyTorch, so one batch rather than its items crosses to the parent.
         stream: For an iterable dataset, ``(batch size, drop_last)``: each worker batches
@@ -405,11 +366,11 @@ class WorkerSet:
         # while seeding itself (15 ms per worker before its first item, measured on 2 cores).
         import numpy.random  # noqa: F401
 
-        self._unrun: _Epoch | None = None  # the last epoch asked for
+        self._unrun: WorkerEpoch | None = None  # the last epoch asked for
         self._epochs = 0  # epochs asked for: tags the messages to the workers
         self._prefetch = prefetch
-        self._persistent = persistent
-        self._in_order = in_order
+        self.persistent = persistent  # read by the epochs (see WorkerEpoch)
+        self.in_order = in_order
         self._dataset = dataset
         self._init = worker_init_fn
         self._collate = collate_fn
@@ -455,6 +416,22 @@ class WorkerSet:
         )
         for child in children:
             child.watch = self.watch
+
+    @property
+    def processes(self) -> list[SubprocessIterable[tuple[int, Any, Any]]]:
+        """The workers, by id."""
+        return self._workers
+
+    def send(self, worker: int, message: tuple[Any, ...]) -> None:
+        """Put ``message`` (a hand, see :mod:`._deal`) on ``worker``'s queue."""
+        queue = self._shares[worker].queue
+        if queue is not None:
+            queue.put(message)
+
+    def begun(self, epoch: WorkerEpoch) -> None:
+        """``epoch`` is being iterated: it need not be remembered as one never run."""
+        if self._unrun is epoch:
+            self._unrun = None
 
     def start(self, base_seed: int | None = None, count: int | None = None) -> None:
         """Start the workers that do not run (the first ``count`` of them), without waiting.
@@ -528,14 +505,25 @@ class WorkerSet:
             shares.seed = None
 
     def epoch(
-        self, tasks: Iterator[Task], base_seed: int, dataset_states: list[Any] | None = None
-    ) -> _Epoch:
+        self,
+        tasks: Iterator[Task],
+        base_seed: int,
+        dataset_states: list[Any] | None = None,
+        report: Reporter | None = None,
+        *,
+        between: bool = False,
+        start: int = 0,
+    ) -> WorkerEpoch:
         """Fetch ``tasks`` (batches, in order, drawn as needed) across the workers.
 
         The epoch, iterated, yields ``(number, items, (worker, dataset state) or None)`` in
-        order. Every worker gets its first batches before the first one is awaited, so that
-        they all start (and fetch) at once. As a pipeline's source, the epoch ends as soon as
-        the pipeline stops.
+        order. A stateful dataset's worker loads its state from ``dataset_states`` (saved
+        ``between`` epochs: then seeds itself for this one again), and tells ``report`` its
+        state as its pass starts (see :class:`WorkerEpoch`). ``start``: the number of the
+        first batch (batch ``n`` goes to worker ``n % W``, in a resumed epoch too). Every
+        worker gets its first batches before the first one is awaited, so that they all
+        start (and fetch) at once. As a pipeline's source, the epoch ends as soon as the
+        pipeline stops.
 
         A worker that does not run yet is started here and given its first batches at once,
         before the next one starts: the first batch, the one the consumer waits for, begins
@@ -544,7 +532,7 @@ class WorkerSet:
         """
         self._drop_unrun()
         self._epochs += 1
-        dealer = Dealer(tasks, len(self._workers), self._prefetch)
+        dealer = Dealer(tasks, len(self._workers), self._prefetch, start, in_order=self.in_order)
         hands = dealer.first_hands()
         states = dataset_states or [None] * len(self._workers)
         method = self._start_method()
@@ -553,10 +541,20 @@ class WorkerSet:
             self._workers, self._shares, hands, states, strict=True
         ):
             self._start_one(worker, shares, method, base_seed)
-            message = ("start", self._epochs, base_seed, hand, state, dealer.exhausted, 0)
+            message = (
+                "start",
+                self._epochs,
+                base_seed,
+                hand,
+                state,
+                dealer.exhausted,
+                0,
+                False,
+                between,
+            )
             if not write_first(shares.queue, message):
                 later.append((shares, message))  # put once every worker has forked
-        return self._begin(later, dealer)
+        return self._begin(later, dealer, report)
 
     def stream_epoch(
         self,
@@ -565,7 +563,9 @@ class WorkerSet:
         taken: list[int] | None = None,
         turn: int = 0,
         start: int = 0,
-    ) -> _Epoch:
+        iterates: bool = False,
+        report: Reporter | None = None,
+    ) -> WorkerEpoch:
         """An iterable dataset's epoch: every worker iterates its own copy of the dataset.
 
         The epoch, iterated, yields ``(number, batch, StreamMark)``: the workers' batches in
@@ -573,6 +573,9 @@ class WorkerSet:
         exhausted. To resume, ``taken`` says how many of its batches each worker had handed
         out (drawn again, not collated; a worker with a dataset state resumes from it
         instead), ``turn`` whose turn is next, ``start`` the number of the next batch.
+        ``iterates``: the dataset was its own iterator when its states were saved (they are
+        loaded after ``iter()``). ``report``: as for :meth:`epoch`; each worker's state after
+        its iterator ended comes as a batch whose items are a :class:`StateReport`.
         """
         self._drop_unrun()
         self._epochs += 1
@@ -591,162 +594,24 @@ class WorkerSet:
                 states[w],
                 True,
                 done[w],
+                iterates,
+                False,
             )
             if not write_first(shares.queue, message):
                 later.append((shares, message))
-        return self._begin(later, _Turns(done, turn, start))
+        return self._begin(later, Turns(done, turn, start), report)
 
-    def _begin(self, later: list[tuple[_Shares, Any]], dealer: Dealer | _Turns) -> _Epoch:
+    def _begin(
+        self, later: list[tuple[_Shares, Any]], dealer: Dealer | Turns, report: Reporter | None
+    ) -> WorkerEpoch:
         # The start messages too large to write at once, then every worker's pass.
         for shares, message in later:
             shares.queue.put(message)  # put once every worker has forked
         for worker in self._workers:
             worker.request_epoch()  # a no-op for a worker that has just started
-        self._unrun = _Epoch(self, dealer, self._epochs)
+        stateful = report is not None and is_stateful(self._dataset)
+        self._unrun = WorkerEpoch(self, dealer, self._epochs, report if stateful else None)
         return self._unrun
-
-    def _run(
-        self, dealer: Dealer | _Turns, number: int, stopping: Callable[[], bool] | None
-    ) -> Iterator[tuple[int, list[Any], Any]]:
-        iterators: list[Iterator[tuple[int, list[Any], Any]]] = []
-        done = False
-
-        def send(worker: int, tasks: list[Task], last: bool) -> None:
-            self._shares[worker].queue.put(("more", number, tasks, last))
-
-        try:
-            for w in self._workers:
-                iterators.append(w.iter_until(stopping, settle=False))
-            try:
-                if isinstance(dealer, _Turns):
-                    yield from self._streams(iterators, dealer, stopping)
-                elif self._in_order:
-                    yield from self._in_turn(iterators, dealer, send)
-                else:
-                    yield from self._as_they_come(iterators, dealer, send, stopping)
-            except _Abandoned:
-                return  # the pipeline stopped meanwhile: settled below
-            for it in iterators:  # let each child end its pass
-                for _ in it:
-                    pass
-            done = True
-        finally:
-            if not done and not self._persistent:
-                self.close()  # at once: nobody waits for a busy worker's current batch
-            elif not done:
-                # Persistent workers finish the batch they are on, within a common deadline.
-                deadline = time.monotonic() + _SETTLE_SECONDS
-                for worker, shares in zip(self._workers, self._shares, strict=True):
-                    worker.request_stop()
-                    if shares.queue is not None and not dealer.exhausted:
-                        # A worker waiting for its next hand would never see the stop:
-                        # its share is complete.
-                        with contextlib.suppress(OSError, ValueError):
-                            shares.queue.put(("more", number, [], True))
-                for w in self._workers:
-                    w.settle(deadline)
-            for it in iterators:
-                it.close()  # type: ignore[attr-defined]
-
-    @staticmethod
-    def _in_turn(
-        iterators: list[Iterator[tuple[int, list[Any], Any]]],
-        dealer: Dealer,
-        send: Callable[[int, list[Task], bool], None],
-    ) -> Iterator[tuple[int, list[Any], Any]]:
-        # The epoch's batches in order: the i-th from the worker it was dealt to.
-        i = 0
-        while True:
-            dealer.top_up(send)
-            if i >= dealer.dealt:
-                return
-            w = dealer.owner(i)
-            number, items, snapshot = next(iterators[w])
-            dealer.handed_out(w)
-            yield number, items, None if snapshot is None else (w, snapshot[1])
-            i += 1
-
-    def _as_they_come(
-        self,
-        iterators: list[Iterator[tuple[int, list[Any], Any]]],
-        dealer: Dealer,
-        send: Callable[[int, list[Task], bool], None],
-        stopping: Callable[[], bool] | None,
-    ) -> Iterator[tuple[int, list[Any], Any]]:
-        # in_order=False: take each worker's next batch as soon as it is there, so that a
-        # slow batch holds up only the worker fetching it (as in PyTorch).
-        for w, worker in enumerate(self._workers):
-            if dealer.holds(w):
-                worker.wait_ready(stopping)
-        waited = None
-        while True:
-            dealer.top_up(send)
-            busy = [w for w in range(len(self._workers)) if dealer.holds(w)]
-            if not busy:
-                return
-            handles = {h: w for w in busy for h in self._workers[w].wait_handles()}
-            ready = wait_for(list(handles), timeout=_POLL)
-            if stopping is not None and stopping():
-                raise _Abandoned
-            waited = self._waited(waited, ready)
-            for w in {handles[h] for h in ready}:
-                number, items, snapshot = next(iterators[w])  # raises if the worker died
-                dealer.handed_out(w)
-                yield number, items, None if snapshot is None else (w, snapshot[1])
-
-    def _streams(
-        self,
-        iterators: list[Iterator[tuple[int, Any, Any]]],
-        turns: _Turns,
-        stopping: Callable[[], bool] | None,
-    ) -> Iterator[tuple[int, Any, Any]]:
-        # An iterable dataset's batches: worker after worker (in_order=False: as they come),
-        # each left out once its iterator ends, as PyTorch takes them.
-        ended = [False] * len(iterators)
-        waited = None
-        number, turn = turns.start, turns.turn
-        expected = list(turns.taken)  # each worker's next batch number
-        while not all(ended):
-            if self._in_order:
-                ready = [turn]
-            else:
-                handles = {
-                    h: w
-                    for w, done in enumerate(ended)
-                    if not done
-                    for h in self._workers[w].wait_handles()
-                }
-                ready = sorted({handles[h] for h in wait_for(list(handles), timeout=_POLL)})
-                if stopping is not None and stopping():
-                    raise _Abandoned
-                waited = self._waited(waited, ready)
-            for w in ready:
-                turn = (w + 1) % len(iterators)
-                if ended[w]:
-                    continue
-                try:
-                    batch, items, snapshot = next(iterators[w])  # raises if the worker died
-                except StopIteration:
-                    ended[w] = True
-                    continue
-                if batch != expected[w]:
-                    raise RuntimeError(
-                        f"DataLoader worker {w} sent its batch {batch} where {expected[w]} was "
-                        "due: a batch was lost on its way (see the worker's output)"
-                    )
-                expected[w] += 1
-                state = None if snapshot is None else snapshot[1]
-                yield number, items, StreamMark(w, batch, state)
-                number += 1
-
-    def _waited(self, since: float | None, ready: list[Any]) -> float | None:
-        # Waiting on all the workers at once: when that wait began (None: something came),
-        # the stall watch ticked.
-        if ready:
-            return None
-        since = time.monotonic() if since is None else since
-        self.watch.tick(since)
-        return since
 
     def close(self) -> None:
         """Stop every worker process, all at once (about a second at most). Idempotent."""
