@@ -25,6 +25,21 @@ def zombies() -> list[int]:
     return found
 
 
-def segments() -> set[str]:
-    """The shared-memory segments in /dev/shm that feedline (and SharedMemory) name."""
-    return {f for f in os.listdir("/dev/shm") if f.startswith("psm_")}
+def own_segments(pid: int | None = None) -> set[str]:
+    """The shared-memory segments in /dev/shm that feedline made for this process.
+
+    feedline names every segment after the process that started the tree of processes it
+    was made in (``psm_fl<pid>_``, see ``feedline.pipeline._shm``): this test process's own,
+    its children's and theirs. Other programs on the machine (another test run, PyTorch)
+    make segments too, at any time: counting theirs fails a test for what it did not do.
+
+    Args:
+        pid: Another process's instead (a program the test started); default: this one.
+
+    """
+    prefix = f"psm_fl{os.getpid() if pid is None else pid}_"
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:  # pragma: no cover - not Linux
+        return set()
+    return {name for name in names if name.startswith(prefix)}

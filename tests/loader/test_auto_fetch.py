@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 from feedline import Auto, ConfigurationError, DataLoader  # noqa: E402
 from feedline.loader._concurrency import FETCH_HIGH, FetchConcurrency  # noqa: E402
 
-from .._system import segments, zombies  # noqa: E402
+from .._system import own_segments, zombies  # noqa: E402
 from ._datasets import Nested, Slow  # noqa: E402
 from ._procs import no_children_left  # noqa: E402
 
@@ -48,7 +48,7 @@ def test_auto_bounds_are_kept() -> None:
 
 
 def test_auto_in_worker_processes_gives_pytorchs_batches() -> None:
-    shm = segments()
+    shm = own_segments()
     kw: dict[str, Any] = {"batch_size": 3, "num_workers": 2, "shuffle": True}
     expected = list(TorchLoader(Nested(20), generator=torch.Generator().manual_seed(3), **kw))
     loader = DataLoader(
@@ -59,7 +59,7 @@ def test_auto_in_worker_processes_gives_pytorchs_batches() -> None:
     loader.close()
     no_children_left()
     assert zombies() == []
-    assert segments() - shm == set()
+    assert own_segments() - shm == set()
 
 
 def test_auto_resumes_after_break() -> None:
@@ -132,7 +132,7 @@ def test_setting_fetch_concurrency_takes_effect_next_epoch() -> None:
 
 
 def test_changing_a_worker_setting_mid_epoch_keeps_the_epochs_workers() -> None:
-    shm = segments()
+    shm = own_segments()
     kw: dict[str, Any] = {"batch_size": 2, "num_workers": 1}
     loader = DataLoader(Nested(12), fetch_concurrency=2, **kw)
     batches = []
@@ -147,7 +147,7 @@ def test_changing_a_worker_setting_mid_epoch_keeps_the_epochs_workers() -> None:
     loader.close()
     no_children_left()
     assert zombies() == []
-    assert segments() - shm == set()
+    assert own_segments() - shm == set()
 
 
 def test_auto_low_is_the_fewest_calls_at_once() -> None:

@@ -25,7 +25,7 @@ from feedline import ConfigurationError, DataLoader, PathList, PipelineFailure  
 from feedline.loader._fetch import BatchFetcher  # noqa: E402
 from feedline.loader._pool import thread_times  # noqa: E402
 
-from .._system import segments, zombies  # noqa: E402
+from .._system import own_segments, zombies  # noqa: E402
 from ._datasets import (  # noqa: E402
     Failing,
     Gathered,
@@ -705,7 +705,7 @@ def _drain(it: Any) -> list[Any]:
 def test_a_loop_that_catches_a_datasets_exception_gets_the_next_batch_as_in_pytorch(
     workers: int,
 ) -> None:
-    shm = segments()
+    shm = own_segments()
     outcomes = [
         _drain(iter(cls(Failing(12, {7}), batch_size=2, num_workers=workers)))
         for cls in (TorchLoader, DataLoader)
@@ -713,7 +713,7 @@ def test_a_loop_that_catches_a_datasets_exception_gets_the_next_batch_as_in_pyto
     assert outcomes[1] == outcomes[0] == [[0, 1], [2, 3], [4, 5], "OSError", [8, 9], [10, 11]]
     no_children_left()
     assert zombies() == []
-    assert segments() - shm == set()
+    assert own_segments() - shm == set()
 
 
 @pytest.mark.parametrize("workers", [0, 2])
