@@ -1,9 +1,21 @@
-"""What a test may leave behind in the system: zombie children and shared-memory segments."""
+"""What a test may leave behind in the system (zombie children, shared-memory segments), and
+how long a test that starts processes may take."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+import pytest
+
+PROCESSES_TIMEOUT = 300
+"""Seconds a test that starts processes may run before it counts as hung (others: 60, in
+pyproject.toml). A worker started by forkserver or spawn imports torch, a child Python imports
+feedline: seconds each beside other work (load 9-14 on 2 cores), and a test may start dozens.
+The tests themselves are no slower for it; a hang still fails, later."""
+
+starts_processes = pytest.mark.timeout(PROCESSES_TIMEOUT)
+"""The mark of such a test (``pytestmark = starts_processes`` for a module of them)."""
 
 
 def zombies() -> list[int]:

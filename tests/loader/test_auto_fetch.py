@@ -17,9 +17,11 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 from feedline import Auto, ConfigurationError, DataLoader  # noqa: E402
 from feedline.loader._concurrency import FETCH_HIGH, FetchConcurrency  # noqa: E402
 
-from .._system import own_segments, zombies  # noqa: E402
+from .._system import own_segments, starts_processes, zombies  # noqa: E402
 from ._datasets import Nested, Slow  # noqa: E402
 from ._procs import no_children_left  # noqa: E402
+
+pytestmark = starts_processes
 
 
 def _fetch_threads() -> int:

@@ -18,10 +18,11 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 
 from feedline import DataLoader  # noqa: E402
 
+from .._system import starts_processes  # noqa: E402
 from ._datasets import Counting, ResumableStream, SharesStream, StatefulSampler  # noqa: E402
 
 StatefulDataLoader = stateful_dataloader.StatefulDataLoader
-pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+pytestmark = [pytest.mark.filterwarnings("ignore:'set_vital' is deprecated"), starts_processes]
 
 
 def _values(batches: list[Any]) -> list[list[int]]:

@@ -15,10 +15,10 @@ from torch.utils.data import Sampler  # noqa: E402
 from feedline import DataLoader  # noqa: E402
 from feedline.loader._deal import Dealer  # noqa: E402
 
-from .._system import own_segments  # noqa: E402
+from .._system import own_segments, starts_processes  # noqa: E402
 from ._procs import alone, no_children_left  # noqa: E402
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = starts_processes
 
 
 class CountingSampler(Sampler[int]):

@@ -17,10 +17,10 @@ torch = pytest.importorskip("torch")
 from feedline import DataLoader  # noqa: E402
 from feedline.pipeline._forking import fork_hazards  # noqa: E402
 
-from .._system import zombies  # noqa: E402
+from .._system import starts_processes, zombies  # noqa: E402
 from ._procs import alone, no_children_left  # noqa: E402
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = starts_processes
 
 _SCRIPT = """
 import sys, threading, time

@@ -15,12 +15,12 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 
 from feedline import ConfigurationError, DataLoader  # noqa: E402
 
-from .._system import own_segments  # noqa: E402
+from .._system import own_segments, starts_processes  # noqa: E402
 from .._system import zombies as _zombies  # noqa: E402
 from ._datasets import LambdaStream, ResumableStream, ShardedStream, Stream, keep_as_is  # noqa: E402
 from ._procs import no_children_left  # noqa: E402
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = starts_processes
 
 
 def _lists(loader: Any) -> list[Any]:

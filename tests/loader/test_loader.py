@@ -25,7 +25,7 @@ from feedline import ConfigurationError, DataLoader, PathList, PipelineFailure  
 from feedline.loader._fetch import BatchFetcher  # noqa: E402
 from feedline.loader._pool import thread_times  # noqa: E402
 
-from .._system import own_segments, zombies  # noqa: E402
+from .._system import own_segments, starts_processes, zombies  # noqa: E402
 from ._datasets import (  # noqa: E402
     Failing,
     Gathered,
@@ -38,6 +38,8 @@ from ._datasets import (  # noqa: E402
     draw_at_init,
 )
 from ._procs import no_children_left  # noqa: E402
+
+pytestmark = starts_processes
 
 
 def assert_same(a: Any, b: Any) -> None:
@@ -283,7 +285,6 @@ def test_timeout_raises() -> None:
         next(iter(loader))
 
 
-@pytest.mark.timeout(180)  # worker processes start slowly on a loaded machine
 def test_worker_processes_yield_pytorch_batches_and_stop() -> None:
     dataset = Nested(37)
     kwargs: dict[str, Any] = {"batch_size": 4, "shuffle": True, "num_workers": 2}
@@ -375,7 +376,6 @@ def test_a_loader_dropped_at_once_keeps_its_workers_for_the_epoch() -> None:
     assert multiprocessing.active_children() == []
 
 
-@pytest.mark.timeout(180)  # worker processes start slowly on a loaded machine
 def test_workers_are_forked_with_torch_already_imported() -> None:
     # Each worker importing torch anew cost about 2 s before its first batch; the fork server
     # imports it once. A fresh interpreter, so that its fork server starts with our preload.

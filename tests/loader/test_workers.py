@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 
 from feedline import DataLoader, SubprocessDied  # noqa: E402
 
-from .._system import own_segments  # noqa: E402
+from .._system import own_segments, starts_processes  # noqa: E402
 from .._system import zombies as _zombies  # noqa: E402
 from ._datasets import (  # noqa: E402
     Kinds,
@@ -32,7 +32,7 @@ from ._datasets import (  # noqa: E402
 )
 from ._procs import alone, no_children_left  # noqa: E402
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = starts_processes
 
 
 @pytest.mark.parametrize("cls", [TorchLoader, DataLoader])

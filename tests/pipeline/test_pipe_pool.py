@@ -16,7 +16,7 @@ import pytest
 from feedline import PipelineBuilder, PipelineFailure
 from feedline.pipeline._pipe_pool import PipePool
 
-from .._system import own_segments, zombies
+from .._system import own_segments, starts_processes, zombies
 from ._helpers import (
     NeedsTwoArgs,
     big_bytes,
@@ -35,7 +35,7 @@ from ._helpers import (
     wait_for_file,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = starts_processes
 
 _CTX = multiprocessing.get_context("forkserver")
 

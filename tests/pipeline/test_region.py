@@ -12,11 +12,11 @@ import pytest
 
 from feedline import ConfigurationError, PipelineBuilder, PipelineFailure
 
-from .._system import own_segments
+from .._system import own_segments, starts_processes
 from .._system import zombies as _zombies
 from ._helpers import Counted, fail_on_three, square, unwrap_with_pid, value_of, wrap
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = starts_processes
 
 
 def _gone() -> None:

@@ -21,7 +21,7 @@ from feedline.pipeline._engine import Run
 from feedline.pipeline._pipeline import _wrap_source
 from feedline.pipeline._shm import SHM_AVAILABLE, pack, release
 
-from .._system import own_segments
+from .._system import own_segments, starts_processes
 from . import _helpers
 
 
@@ -105,6 +105,7 @@ def test_stop_waits_for_process_pool_calls(tmp_path: Path) -> None:
     assert peak <= 2
 
 
+@starts_processes
 def test_subprocess_child_stops_after_reuse() -> None:
     it = iterate_in_subprocess(_helpers.bounded_range)
     assert list(it) == [0, 1, 2]

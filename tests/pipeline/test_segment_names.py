@@ -24,12 +24,12 @@ from feedline.pipeline._shm import (
     shared_empty,
 )
 
-from .._system import own_segments
+from .._system import own_segments, starts_processes
 from . import _helpers
 
 pytestmark = [
     pytest.mark.skipif(not SHM_AVAILABLE, reason="needs /dev/shm"),
-    pytest.mark.timeout(300),
+    starts_processes,
 ]
 
 _MINE = f"psm_fl{os.getpid()}_"

@@ -15,8 +15,10 @@ import pytest
 from feedline import PipelineBuilder, iterate_in_subprocess, run_pipeline_in_subprocess
 from feedline.pipeline import _executors, _subprocess
 
-from .._system import own_segments
+from .._system import own_segments, starts_processes
 from . import _helpers
+
+pytestmark = starts_processes
 
 
 def _feedline_threads() -> list[str]:

@@ -19,9 +19,11 @@ from feedline import (
     run_pipeline_in_subprocess,
 )
 
-from .._system import own_segments, zombies
+from .._system import own_segments, starts_processes, zombies
 from ..loader._procs import no_children_left
 from . import _helpers
+
+pytestmark = starts_processes
 
 
 def test_pipeline_in_subprocess_for_three_epochs() -> None:
