@@ -108,8 +108,8 @@ def test_every_bomb_costs_little_memory() -> None:
     script = textwrap.dedent(
         f"""
         import resource, sys
-        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
-        import test_image_bombs as t
+        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parents[2])!r})
+        from tests.io import test_image_bombs as t
         from feedline.io import decode_image
         decode_image(t.png(256, 256), size=(224, 224))
         decode_image(t.jpeg_declaring(16, 16), size=(8, 8))
