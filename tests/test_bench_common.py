@@ -12,6 +12,8 @@ import pytest
 from feedline.bench._common import Contender, alternate, paired_ratio
 from feedline.bench._loaders import time_loader
 
+from ._system import starts_processes
+
 
 def _rates(values: list[float]) -> Callable[[], tuple[int, float]]:
     it: Iterator[float] = iter(values)
@@ -141,6 +143,7 @@ class _ForkServerLoader:
             yield [0]
 
 
+@starts_processes
 def test_time_loader_counts_the_cpu_of_a_fork_server_s_workers() -> None:
     # The fork server waits for its workers, this process never does: RUSAGE_CHILDREN alone
     # leaves their CPU out, and a reading of the live processes would miss those that ended.

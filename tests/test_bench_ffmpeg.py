@@ -13,6 +13,8 @@ import pytest
 
 from feedline.bench import _ffmpeg
 
+from ._system import starts_processes
+
 needs_spdl_and_av = pytest.mark.skipif(
     importlib.util.find_spec("spdl") is None or importlib.util.find_spec("av") is None,
     reason="needs spdl and PyAV (pip install 'feedline[test]')",
@@ -97,7 +99,7 @@ def test_spdl_decodes_with_pyav_ffmpeg(tmp_path: Path) -> None:
 
 @needs_spdl_and_av
 @pytest.mark.slow
-@pytest.mark.timeout(300)  # a subprocess that imports torch and runs a scenario
+@starts_processes  # a subprocess that imports torch and runs a scenario
 def test_bench_command_restarts_once_and_compares_with_spdl(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != _ffmpeg.MARKER}
     env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")

@@ -9,9 +9,11 @@ import pytest
 
 from feedline.cli import main
 
+from ._system import starts_processes
+
 # Each scenario imports torch, starts servers or processes and runs every contender: 10 to
 # 20 s on an idle 2-core machine, 40 to 50 s on a loaded one, too close to the default 60.
-pytestmark = pytest.mark.timeout(300)
+pytestmark = starts_processes
 
 
 def test_bench_engine_quick_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,6 +11,8 @@ import feedline.loader
 import feedline.pipeline
 import feedline.source
 
+from ._system import starts_processes
+
 
 def test_all_is_sorted_and_complete() -> None:
     modules = (feedline, feedline.pipeline, feedline.io, feedline.loader, feedline.source)
@@ -35,6 +37,7 @@ def test_public_objects_have_docstrings() -> None:
             assert obj.__doc__, f"feedline.{name} has no docstring"
 
 
+@starts_processes
 def test_import_needs_only_numpy() -> None:
     code = (
         "import sys, feedline; "

@@ -13,10 +13,11 @@ from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 from feedline.distributed import DistributedLoader  # noqa: E402
 
+from .._system import starts_processes  # noqa: E402
 from . import _ranks  # noqa: E402
 from ._ranks import Samples, index_of, run_ranks  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(300)]
+pytestmark = starts_processes
 
 
 def pytorch_after_break(

@@ -8,10 +8,11 @@ import pytest
 
 pytest.importorskip("torch")
 
+from .._system import starts_processes
 from . import _ranks
 from ._ranks import run_ranks
 
-pytestmark = [pytest.mark.timeout(300)]
+pytestmark = starts_processes
 
 
 def test_a_rank_that_stopped_after_another_failed_is_not_blamed(tmp_path: Path) -> None:

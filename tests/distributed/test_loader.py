@@ -13,10 +13,11 @@ torch = pytest.importorskip("torch")
 
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
+from .._system import starts_processes  # noqa: E402
 from . import _ranks  # noqa: E402
 from ._ranks import counting_s3, run_ranks  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(300)]
+pytestmark = starts_processes
 
 
 def regular(count: int, world: int, batch: int, epoch: int, **options: Any) -> list[list[int]]:

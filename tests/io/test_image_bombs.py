@@ -17,6 +17,8 @@ simplejpeg = pytest.importorskip("simplejpeg")
 
 from feedline.io import MAX_IMAGE_PIXELS, decode_image, image_size  # noqa: E402
 
+from .._system import starts_processes  # noqa: E402
+
 
 def _noise(h: int, w: int) -> np.ndarray:
     return np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8)
@@ -99,14 +101,15 @@ def test_image_size_reads_headers_without_decoding() -> None:
     assert image_size(bmp.tobytes()) == (7, 9)
 
 
+@starts_processes
 def test_every_bomb_costs_little_memory() -> None:
     # In a fresh process: the peak resident size, after a normal decode warmed everything up,
     # grows by less than 300 MB over all the bombs (it grew by up to 12 GB before the limit).
     script = textwrap.dedent(
         f"""
         import resource, sys
-        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
-        import test_image_bombs as t
+        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parents[2])!r})
+        from tests.io import test_image_bombs as t
         from feedline.io import decode_image
         decode_image(t.png(256, 256), size=(224, 224))
         decode_image(t.jpeg_declaring(16, 16), size=(8, 8))

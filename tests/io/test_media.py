@@ -15,6 +15,8 @@ av = pytest.importorskip("av")
 from feedline.io import BufferPool, media  # noqa: E402
 from feedline.io.media import Audio, decode_audio, decode_video_frames  # noqa: E402
 
+from .._system import starts_processes  # noqa: E402
+
 N_FRAMES, HEIGHT, WIDTH = 40, 48, 64
 RATE = 16_000
 
@@ -389,6 +391,7 @@ def test_invalid_sample_rate(stereo: bytes, rate: Any) -> None:
 # -- packaging ------------------------------------------------------------------------------------
 
 
+@starts_processes
 def test_importing_the_module_does_not_import_av() -> None:
     code = "import sys, feedline.io.media; print('av' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

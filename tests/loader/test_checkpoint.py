@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 
 from feedline import DataLoader  # noqa: E402
 
+from .._system import starts_processes  # noqa: E402
 from ._datasets import (  # noqa: E402
     Counting,
     OwnIterator,
@@ -28,7 +29,7 @@ from ._datasets import (  # noqa: E402
 from ._reference import side_by_side  # noqa: E402
 
 StatefulDataLoader = stateful_dataloader.StatefulDataLoader
-pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+pytestmark = [pytest.mark.filterwarnings("ignore:'set_vital' is deprecated"), starts_processes]
 
 
 def _values(batches: list[Any]) -> list[list[int]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,11 +17,11 @@ from feedline import DataLoader  # noqa: E402
 from feedline._ledger import ledger_check  # noqa: E402
 from feedline.loader._deal import Dealer  # noqa: E402
 
-from .._system import zombies  # noqa: E402
+from .._system import own_segments, starts_processes, zombies  # noqa: E402
 from ._datasets import SlowFirstWorker  # noqa: E402
 from ._procs import alone, no_children_left  # noqa: E402
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = starts_processes
 
 
 class CountingSampler(Sampler[int]):
@@ -44,10 +43,6 @@ class CountingSampler(Sampler[int]):
 def _persistent(**kw: Any) -> DataLoader[Any]:
     """3,000 ints in batches of 2, over 2 persistent workers."""
     return DataLoader(list(range(3000)), batch_size=2, num_workers=2, persistent_workers=True, **kw)
-
-
-def _segments() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("psm_")}
 
 
 def _tasks(n: int) -> Iterator[tuple[int, list[int]]]:
@@ -197,7 +192,7 @@ def test_every_epoch_and_the_next_loader_fork_their_workers() -> None:
 def test_persistent_workers_left_mid_epoch_are_kept(concurrency: int | None) -> None:
     # A worker waiting for its next hand when the loop breaks is told its share is complete,
     # so it acknowledges the stop and serves the next epoch (it was ended and started anew).
-    segments = _segments()
+    segments = own_segments()
     loader = _persistent(fetch_concurrency=concurrency)
     assert len(list(loader)) == 1500
     workers = loader._workers
@@ -212,7 +207,7 @@ def test_persistent_workers_left_mid_epoch_are_kept(concurrency: int | None) -> 
     assert [w.pid for w in workers._workers] == pids
     loader.close()
     no_children_left()
-    assert _segments() - segments == set()
+    assert own_segments() - segments == set()
 
 
 def _split(loader: Any) -> dict[int, int]:

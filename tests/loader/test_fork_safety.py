@@ -17,10 +17,10 @@ torch = pytest.importorskip("torch")
 from feedline import DataLoader  # noqa: E402
 from feedline.pipeline._forking import fork_hazards  # noqa: E402
 
-from .._system import zombies  # noqa: E402
+from .._system import starts_processes, zombies  # noqa: E402
 from ._procs import alone, no_children_left  # noqa: E402
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = starts_processes
 
 _SCRIPT = """
 import sys, threading, time
@@ -156,3 +156,47 @@ def test_live_persistent_workers_do_not_push_the_next_loader_off_fork() -> None:
     while zombies() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert zombies() == []
+
+
+def _make_a_segment() -> None:
+    import numpy as np
+
+    from feedline.pipeline._shm import shared_empty
+
+    array = shared_empty((1000,), np.uint8)  # registered with the resource tracker
+    del array
+
+
+def test_a_child_forked_while_a_thread_holds_the_resource_tracker_s_lock_makes_segments() -> None:
+    # A garbage collection in a queue's feeder thread that finalizes a semaphore, a reader
+    # that unregisters a segment: another thread may hold multiprocessing's resource tracker
+    # lock as the fork happens. A worker's first batch registers a segment with the tracker:
+    # with the lock as the fork left it, it waited for ever (a DataLoader beside other work
+    # stalled so until its 300 s timeout, a worker's stack in ensure_running).
+    import multiprocessing
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    tracker.ensure_running()
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with tracker._lock:  # type: ignore[attr-defined]
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        child = multiprocessing.get_context("fork").Process(target=_make_a_segment)
+        child.start()
+        child.join(30)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+            pytest.fail("the child waited for the lock the fork copied")
+    finally:
+        release.set()
+        holder.join()
+    assert child.exitcode == 0

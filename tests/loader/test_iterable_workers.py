@@ -15,12 +15,12 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 
 from feedline import ConfigurationError, DataLoader  # noqa: E402
 
-from .._system import segments as _segments  # noqa: E402
+from .._system import own_segments, starts_processes  # noqa: E402
 from .._system import zombies as _zombies  # noqa: E402
 from ._datasets import LambdaStream, ResumableStream, ShardedStream, Stream, keep_as_is  # noqa: E402
 from ._procs import no_children_left  # noqa: E402
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = starts_processes
 
 
 def _lists(loader: Any) -> list[Any]:
@@ -88,7 +88,7 @@ def test_the_streams_exception_is_raised_as_it_is_and_no_worker_is_left() -> Non
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_loop_that_catches_the_streams_exception_gets_what_pytorch_gives(workers: int) -> None:
     # A worker whose iterator raised is done; the other workers' batches still come.
-    shm = _segments()
+    shm = own_segments()
     outcomes = []
     for cls in (TorchLoader, DataLoader):
         it = iter(cls(ShardedStream(30, fail_at=9), batch_size=2, num_workers=workers))
@@ -107,7 +107,7 @@ def test_a_loop_that_catches_the_streams_exception_gets_what_pytorch_gives(worke
     assert "KeyError: item 9" in outcomes[1]
     no_children_left()
     assert _zombies() == []
-    assert _segments() - shm == set()
+    assert own_segments() - shm == set()
 
 
 @pytest.mark.parametrize("stop_after", [1, 4, 7])
@@ -115,6 +115,7 @@ def test_break_then_resume_gives_the_rest_of_the_epoch(stop_after: int) -> None:
     def options() -> dict[str, Any]:  # the same base seed for each loader
         return {"batch_size": 2, "num_workers": 2, "generator": torch.Generator().manual_seed(8)}
 
+    shm = own_segments()
     whole = _lists(DataLoader(ShardedStream(19), **options()))
     loader = DataLoader(ShardedStream(19), **options())
     first = []
@@ -128,7 +129,7 @@ def test_break_then_resume_gives_the_rest_of_the_epoch(stop_after: int) -> None:
     assert first + _lists(resumed) == whole
     no_children_left()
     assert _zombies() == []
-    assert not _segments()
+    assert own_segments() - shm == set()
 
 
 def test_a_stateful_stream_resumes_itself_in_each_worker() -> None:

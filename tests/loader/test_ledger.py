@@ -12,11 +12,11 @@ torch = pytest.importorskip("torch")
 from feedline import DataLoader, LedgerError  # noqa: E402
 from feedline.loader import _epoch  # noqa: E402
 
-from .._system import zombies  # noqa: E402
+from .._system import starts_processes, zombies  # noqa: E402
 from ._datasets import ShardedStream  # noqa: E402
 from ._procs import no_children_left  # noqa: E402
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = starts_processes
 
 
 def _items(batches: list[Any]) -> list[int]:

@@ -14,6 +14,8 @@ L = pytest.importorskip("lightning.pytorch")
 
 from feedline import DataLoader  # noqa: E402
 
+from .._system import starts_processes  # noqa: E402
+
 N, BATCH = 24, 4  # 6 training steps per epoch
 
 
@@ -63,7 +65,7 @@ def _trainer(path: Path, **kw: Any) -> Any:
     )
 
 
-@pytest.mark.timeout(300)
+@starts_processes
 # Lightning draws from torch's generator while the first batch is fetched: not the dataset,
 # so feedline must not warn that the dataset's draws are not reproducible.
 @pytest.mark.filterwarnings("error:the dataset draws:RuntimeWarning")

@@ -20,10 +20,11 @@ import feedline.loader  # noqa: E402
 from feedline import DataLoader  # noqa: E402
 from feedline.loader._seeds import RngWatch  # noqa: E402
 
+from .._system import starts_processes  # noqa: E402
 from ._datasets import Augmenting  # noqa: E402
 from ._procs import no_children_left  # noqa: E402
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = starts_processes
 
 
 def _epochs(cls: Any, dataset: Any, epochs: int = 3, **kw: Any) -> list[Any]:

@@ -15,9 +15,10 @@ from torch.utils.data import IterableDataset  # noqa: E402
 from feedline import DataLoader  # noqa: E402
 from feedline.loader import _epoch, _workers  # noqa: E402
 
+from .._system import starts_processes  # noqa: E402
 from ._procs import no_children_left  # noqa: E402
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = starts_processes
 
 
 class _OwnIterator(IterableDataset[int]):

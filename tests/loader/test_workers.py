@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 
 from feedline import DataLoader, SubprocessDied  # noqa: E402
 
-from .._system import segments as _segments  # noqa: E402
+from .._system import own_segments, starts_processes  # noqa: E402
 from .._system import zombies as _zombies  # noqa: E402
 from ._datasets import (  # noqa: E402
     Kinds,
@@ -32,7 +32,7 @@ from ._datasets import (  # noqa: E402
 )
 from ._procs import alone, no_children_left  # noqa: E402
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = starts_processes
 
 
 @pytest.mark.parametrize("cls", [TorchLoader, DataLoader])
@@ -97,7 +97,7 @@ def test_worker_init_fn_exception_is_raised_as_it_is() -> None:
 
 
 def test_close_mid_epoch_returns_at_once_and_leaves_nothing() -> None:
-    before = _segments()
+    before = own_segments()
     loader = DataLoader(
         Sleepy(8, {i: 30.0 for i in range(2, 8)}),
         batch_size=1,
@@ -110,7 +110,7 @@ def test_close_mid_epoch_returns_at_once_and_leaves_nothing() -> None:
     loader.close()
     assert time.monotonic() - started < 2.0
     no_children_left()
-    assert _segments() - before == set()
+    assert own_segments() - before == set()
     with pytest.raises(StopIteration):
         next(it)
 
@@ -188,7 +188,7 @@ def test_first_hands_too_large_to_write_at_once_still_fork_every_worker() -> Non
     # larger than an empty pipe takes without blocking goes through the queue's feeder
     # thread: it is put only once every worker has forked, so no fork sees a thread.
     alone()
-    segments = _segments()
+    segments = own_segments()
     dataset = list(range(3 * 3 * 8192))
     loader = DataLoader(dataset, batch_size=8192, num_workers=3)
     reference = TorchLoader(dataset, batch_size=8192, num_workers=0)
@@ -205,7 +205,7 @@ def test_first_hands_too_large_to_write_at_once_still_fork_every_worker() -> Non
     loader.close()
     no_children_left()
     assert _zombies() == []
-    assert _segments() <= segments  # nothing left in /dev/shm
+    assert own_segments() <= segments  # nothing left in /dev/shm
     alone()  # no thread left (queue feeders end within the grace)
     assert threading.active_count() == 1
 
@@ -256,7 +256,7 @@ class RaisesTwoArgumentError:
 def test_an_exception_that_cannot_cross_processes_comes_as_pytorchs_runtime_error() -> None:
     # PyTorch re-raises what it cannot rebuild as a RuntimeError; so does feedline, with the
     # original type, message, index and traceback (never a TypeError about its __init__).
-    segments, threads = _segments(), threading.active_count()
+    segments, threads = own_segments(), threading.active_count()
     for cls in (TorchLoader, DataLoader):
         with pytest.raises(RuntimeError, match="TwoArgumentError") as info:
             list(cls(RaisesTwoArgumentError(), batch_size=4, num_workers=2))
@@ -265,7 +265,7 @@ def test_an_exception_that_cannot_cross_processes_comes_as_pytorchs_runtime_erro
     assert "raised by dataset[9] in DataLoader worker" in notes
     assert "Traceback" in notes
     no_children_left()
-    assert _segments() - segments == set()
+    assert own_segments() - segments == set()
     deadline = time.monotonic() + 5  # PyTorch's queue feeders take a moment to end
     while threading.active_count() > threads and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -287,12 +287,12 @@ def test_default_collation_in_workers_gives_pytorchs_batches_for_every_kind() ->
             return (str(batch.dtype), tuple(batch.shape), batch.float().tolist())
         return batch
 
-    before = {f for f in os.listdir("/dev/shm") if f.startswith("psm_")}
+    before = own_segments()
     ours, theirs = batches(DataLoader), batches(TorchLoader)
     assert [flat(b) for b in ours] == [flat(b) for b in theirs]
     del ours
     no_children_left()
-    assert {f for f in os.listdir("/dev/shm") if f.startswith("psm_")} - before == set()
+    assert own_segments() - before == set()
     for cls in (TorchLoader, DataLoader):
         with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
             list(cls(Kinds(8, ragged=True), batch_size=4, num_workers=2))
@@ -334,11 +334,11 @@ def test_a_main_script_without_a_guard_is_named_as_the_cause(tmp_path: Any) -> N
         "    except RuntimeError as error:\n"
         "        print('CAUGHT', type(error).__name__, error)\n"
     )
-    segments = _segments()
+    segments = own_segments()
     done = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
     )
-    assert _segments() - segments == set()  # the failed start left no shared memory
+    assert own_segments() - segments == set()  # the failed start left no shared memory
     no_children_left()
     caught = [line for line in done.stdout.splitlines() if line.startswith("CAUGHT")]
     assert caught, done.stdout + done.stderr

@@ -317,12 +317,6 @@ def full_arrays(n: int) -> list[np.ndarray]:
     return [np.full(100_000, i, dtype=np.float32) for i in range(n)]
 
 
-def own_segments() -> set[str]:
-    """The shared-memory segments of this process's children, by the prefix they are given."""
-    prefix = f"psm_fl{os.getpid()}_"  # SegmentNames.new_prefix, made in the parent
-    return {f for f in os.listdir("/dev/shm") if f.startswith(prefix)}
-
-
 def wait_until(condition: Any, within: float = 10.0) -> bool:
     """Whether ``condition()`` turns true within ``within`` seconds (polled)."""
     deadline = time.monotonic() + within
@@ -360,7 +354,7 @@ def assert_nothing_left(threads: set[threading.Thread], segments: set[str]) -> N
     """No thread beyond ``threads``, child process, zombie or segment beyond ``segments``."""
     import multiprocessing
 
-    from .._system import zombies
+    from .._system import own_segments, zombies
 
     assert multiprocessing.active_children() == []
     assert zombies() == []

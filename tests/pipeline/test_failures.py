@@ -13,6 +13,8 @@ import pytest
 
 from feedline import PipelineBuilder, PipelineFailure
 
+from .._system import starts_processes
+
 
 def fail_on_odd(x: int) -> int:
     if x % 2:
@@ -244,6 +246,7 @@ def test_stop_mid_epoch_from_another_thread() -> None:
     assert pipeline_threads() == []
 
 
+@starts_processes
 def test_stops_at_interpreter_exit(tmp_path: Any) -> None:
     import subprocess
     import sys

@@ -11,6 +11,10 @@ import time
 
 import pytest
 
+from .._system import starts_processes
+
+pytestmark = starts_processes
+
 _PARENT = textwrap.dedent(
     """
     import multiprocessing as mp, os, sys, time

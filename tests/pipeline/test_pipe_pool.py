@@ -16,7 +16,7 @@ import pytest
 from feedline import PipelineBuilder, PipelineFailure
 from feedline.pipeline._pipe_pool import PipePool
 
-from .._system import segments, zombies
+from .._system import own_segments, starts_processes, zombies
 from ._helpers import (
     NeedsTwoArgs,
     big_bytes,
@@ -35,7 +35,7 @@ from ._helpers import (
     wait_for_file,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = starts_processes
 
 _CTX = multiprocessing.get_context("forkserver")
 
@@ -50,7 +50,7 @@ _segments_before: set[str] = set()
 @pytest.fixture(autouse=True)
 def _count_segments() -> None:
     _segments_before.clear()
-    _segments_before.update(segments())
+    _segments_before.update(own_segments())
 
 
 def _no_leftovers() -> None:
@@ -58,7 +58,7 @@ def _no_leftovers() -> None:
     assert multiprocessing.active_children() == []
     assert zombies() == []
     assert _pool_threads() == []
-    assert segments() <= _segments_before
+    assert own_segments() <= _segments_before
 
 
 def test_calls_go_to_the_least_busy_worker_and_the_pool_restarts_after_close() -> None:

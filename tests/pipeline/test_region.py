@@ -12,11 +12,11 @@ import pytest
 
 from feedline import ConfigurationError, PipelineBuilder, PipelineFailure
 
-from .._system import segments as _segments
+from .._system import own_segments, starts_processes
 from .._system import zombies as _zombies
 from ._helpers import Counted, fail_on_three, square, unwrap_with_pid, value_of, wrap
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = starts_processes
 
 
 def _gone() -> None:
@@ -29,7 +29,7 @@ def _gone() -> None:
 
 
 def test_a_run_of_stages_runs_in_workers_and_nothing_between_them_is_pickled() -> None:
-    before = _segments()
+    before = own_segments()
     pipeline = (
         PipelineBuilder()
         .add_source(range(12))
@@ -49,7 +49,7 @@ def test_a_run_of_stages_runs_in_workers_and_nothing_between_them_is_pickled() -
     del first, second, arrays
     del pipeline
     _gone()
-    assert _segments() <= before  # the shared memory went with the arrays
+    assert own_segments() <= before  # the shared memory went with the arrays
 
 
 def test_an_epoch_left_early_ends_the_workers_and_the_next_starts_new_ones() -> None:

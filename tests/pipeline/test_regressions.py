@@ -21,6 +21,7 @@ from feedline.pipeline._engine import Run
 from feedline.pipeline._pipeline import _wrap_source
 from feedline.pipeline._shm import SHM_AVAILABLE, pack, release
 
+from .._system import own_segments, starts_processes
 from . import _helpers
 
 
@@ -104,6 +105,7 @@ def test_stop_waits_for_process_pool_calls(tmp_path: Path) -> None:
     assert peak <= 2
 
 
+@starts_processes
 def test_subprocess_child_stops_after_reuse() -> None:
     it = iterate_in_subprocess(_helpers.bounded_range)
     assert list(it) == [0, 1, 2]
@@ -148,11 +150,11 @@ def test_outputs_of_a_stage_that_turns_slow_are_not_held_back() -> None:
 def test_release_removes_packed_segments() -> None:
     if not SHM_AVAILABLE:
         return
-    before = set(os.listdir("/dev/shm"))
+    before = own_segments()
     packed = pack({"a": np.zeros(100_000), "b": [np.ones(50_000)]}, 1024)
-    assert len(set(os.listdir("/dev/shm")) - before) == 2
+    assert len(own_segments() - before) == 2
     release(packed)
-    assert set(os.listdir("/dev/shm")) - before == set()
+    assert own_segments() - before == set()
 
 
 @pytest.mark.parametrize("concurrency", [1, 8])

@@ -10,16 +10,16 @@ import pytest
 
 from feedline.pipeline._shm import SHM_AVAILABLE, ShmArray, pack, shared_empty, unpack
 
-from .._system import segments as _segments
+from .._system import own_segments
 
 pytestmark = pytest.mark.skipif(not SHM_AVAILABLE, reason="needs /dev/shm")
 
 
 def test_an_array_made_in_shared_memory_is_sent_as_its_segment() -> None:
-    before = _segments()
+    before = own_segments()
     array = shared_empty((4, 3), np.float32)
     array[...] = np.arange(12, dtype=np.float32).reshape(4, 3)
-    (made,) = _segments() - before
+    (made,) = own_segments() - before
     packed: Any = pack({"x": array, "small": np.zeros(2)}, min_bytes=1 << 30)
     # Sent as it is, whatever the threshold: the segment it lives in, not a copy.
     assert isinstance(packed["x"], ShmArray)
@@ -29,22 +29,22 @@ def test_an_array_made_in_shared_memory_is_sent_as_its_segment() -> None:
     received = unpack(packed)
     assert received["x"][0, 0] == 100.0
     assert received["x"].tolist() == [[100.0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
-    assert _segments() - before == set()  # unlinked by the receiver once mapped
+    assert own_segments() - before == set()  # unlinked by the receiver once mapped
     del array
     gc.collect()
-    assert _segments() - before == set()
+    assert own_segments() - before == set()
 
 
 def test_a_segment_never_sent_is_removed_with_its_array() -> None:
-    before = _segments()
+    before = own_segments()
     array = shared_empty((1000,), np.uint8)
-    assert len(_segments() - before) == 1
+    assert len(own_segments() - before) == 1
     del array
-    assert _segments() - before == set()
+    assert own_segments() - before == set()
 
 
 def test_only_the_whole_array_is_sent_uncopied_and_only_once() -> None:
-    before = _segments()
+    before = own_segments()
     array = shared_empty((8, 8), np.int64)
     array[...] = 7
     part: Any = pack(array[2:4], min_bytes=1 << 30)  # a slice is not the segment: by value
@@ -56,14 +56,14 @@ def test_only_the_whole_array_is_sent_uncopied_and_only_once() -> None:
     assert unpack(first).sum() == 7 * 64
     del array
     gc.collect()
-    assert _segments() - before == set()
+    assert own_segments() - before == set()
 
 
 def test_an_address_reused_after_an_array_died_is_not_taken_for_it() -> None:
-    before = _segments()
+    before = own_segments()
     for _ in range(50):
         array = shared_empty((256,), np.float64)
         del array
     plain = np.ones(256)
     assert isinstance(pack(plain, min_bytes=1 << 30), np.ndarray)
-    assert _segments() - before == set()
+    assert own_segments() - before == set()

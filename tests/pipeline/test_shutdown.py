@@ -15,15 +15,14 @@ import pytest
 from feedline import PipelineBuilder, iterate_in_subprocess, run_pipeline_in_subprocess
 from feedline.pipeline import _executors, _subprocess
 
+from .._system import own_segments, starts_processes
 from . import _helpers
+
+pytestmark = starts_processes
 
 
 def _feedline_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("feedline-"))
-
-
-def _segments() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("psm_")}
 
 
 def _zombies() -> list[int]:
@@ -104,19 +103,19 @@ def test_a_stop_interrupted_by_a_second_ctrl_c_is_finished_by_the_next(
 
 
 def test_an_epoch_after_an_interrupted_one_is_complete_and_close_leaves_nothing() -> None:
-    before = _segments()
+    before = own_segments()
     with run_pipeline_in_subprocess(_helpers.slow_array_builder(8), num_threads=2) as it:
         with pytest.raises(KeyboardInterrupt):
             for i, _ in enumerate(it):
                 if i == 1:
                     raise KeyboardInterrupt
         assert sorted(int(a[0]) for a in it) == list(range(8))
-    assert _segments() - before == set()
+    assert own_segments() - before == set()
     assert _zombies() == []
 
 
 def test_close_mid_epoch_returns_within_a_second_and_leaves_nothing() -> None:
-    before = _segments()
+    before = own_segments()
     it = run_pipeline_in_subprocess(_helpers.slow_array_builder(50), num_threads=2)
     epoch = iter(it)
     next(epoch)
@@ -125,7 +124,7 @@ def test_close_mid_epoch_returns_within_a_second_and_leaves_nothing() -> None:
     it.close()
     assert time.monotonic() - started < 1.0
     epoch.close()
-    assert _segments() - before == set()
+    assert own_segments() - before == set()
     assert _zombies() == []
 
 
@@ -189,7 +188,7 @@ def test_ctrl_c_to_the_process_group_leaves_no_segment_and_no_process() -> None:
     from pathlib import Path
 
     tests = str(Path(__file__).parent.parent)
-    before = _segments()
+    parents = []
     for _ in range(3):
         parent = subprocess.Popen(
             [sys.executable, "-c", _GROUP_PARENT.format(tests=tests)],
@@ -198,6 +197,7 @@ def test_ctrl_c_to_the_process_group_leaves_no_segment_and_no_process() -> None:
             text=True,
             start_new_session=True,
         )
+        parents.append(parent.pid)
         assert parent.stdout is not None
         child = int(parent.stdout.readline())
         time.sleep(0.3)  # arrays waiting in the queue
@@ -208,7 +208,8 @@ def test_ctrl_c_to_the_process_group_leaves_no_segment_and_no_process() -> None:
         while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not os.path.exists(f"/proc/{child}")
-    assert _segments() - before == set()
+    # The segments are named after the parent that started the child.
+    assert [own_segments(pid) for pid in parents] == [set()] * 3
 
 
 def _interrupting(original: Callable[..., Any], after: bool) -> Callable[..., Any]:
@@ -236,7 +237,7 @@ def test_an_epoch_after_a_second_ctrl_c_during_clean_up_is_complete(
     # shared memory on their way; the second while that clean-up runs: before it began
     # (settle), once the child was asked to leave (ask_to_leave, then the wait for it), or
     # while the child's segments are removed (remove_prefixed).
-    threads, segments = _helpers.live_threads(), _helpers.own_segments()
+    threads, segments = _helpers.live_threads(), own_segments()
     it = iterate_in_subprocess(functools.partial(_helpers.full_arrays, 30))
     receive = _subprocess.SubprocessIterable._receive
     calls: list[int] = []
@@ -244,7 +245,7 @@ def test_an_epoch_after_a_second_ctrl_c_during_clean_up_is_complete(
     def first_ctrl_c(self: Any, *args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         if len(calls) == 5:  # "ready", then three items
-            assert _helpers.wait_until(lambda: _helpers.own_segments() - segments)
+            assert _helpers.wait_until(lambda: own_segments() - segments)
             raise KeyboardInterrupt
         return receive(self, *args, **kwargs)
 
@@ -274,17 +275,17 @@ def test_an_epoch_after_a_second_ctrl_c_during_clean_up_is_complete(
 def test_a_close_interrupted_part_way_is_finished_by_the_next(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    threads, segments = _helpers.live_threads(), _helpers.own_segments()
+    threads, segments = _helpers.live_threads(), own_segments()
     it = iterate_in_subprocess(functools.partial(_helpers.full_arrays, 30))
     epoch = iter(it)
     next(epoch)
-    assert _helpers.wait_until(lambda: _helpers.own_segments() - segments)  # arrays waiting
+    assert _helpers.wait_until(lambda: own_segments() - segments)  # arrays waiting
     second = _interrupting(_subprocess.remove_prefixed, after=False)
     monkeypatch.setattr(_subprocess, "remove_prefixed", second)
     with pytest.raises(KeyboardInterrupt):
         it.close()
     monkeypatch.undo()
-    assert _helpers.own_segments() - segments  # the interrupted close left them
+    assert own_segments() - segments  # the interrupted close left them
     it.close()
     epoch.close()
     _helpers.assert_nothing_left(threads, segments)
@@ -297,7 +298,7 @@ def test_close_from_another_thread_ends_the_loop_quietly(
     # As Pipeline.stop() from another thread: the loop ends, with no error, whether the
     # close lands while the consumer waits for the child's next item (the child is stuck on
     # it: the close ends it) or between two items. Not "SubprocessDied ... (pid None)".
-    threads, segments = _helpers.live_threads(), _helpers.own_segments()
+    threads, segments = _helpers.live_threads(), own_segments()
     gate = str(tmp_path / "gate")
     it = iterate_in_subprocess(functools.partial(_helpers.Gated, gate))
     closer = threading.Thread(target=it.close, name="closer")

@@ -19,9 +19,11 @@ from feedline import (
     run_pipeline_in_subprocess,
 )
 
-from .._system import zombies
+from .._system import own_segments, starts_processes, zombies
 from ..loader._procs import no_children_left
 from . import _helpers
+
+pytestmark = starts_processes
 
 
 def test_pipeline_in_subprocess_for_three_epochs() -> None:
@@ -37,12 +39,8 @@ def _root(array: np.ndarray) -> object:
     return base.obj if isinstance(base, memoryview) else base
 
 
-def _segments() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("psm_")}
-
-
 def test_arrays_cross_through_shared_memory() -> None:
-    before = _segments()
+    before = own_segments()
     with run_pipeline_in_subprocess(_helpers.array_builder(10)) as it:
         items = sorted(it, key=lambda d: d["index"])  # type: ignore[index]
     assert [d["index"] for d in items] == list(range(10))
@@ -54,7 +52,7 @@ def test_arrays_cross_through_shared_memory() -> None:
         assert isinstance(_root(d["big"]), mmap.mmap)
         assert not isinstance(_root(d["image"]), mmap.mmap)
     # every segment was unlinked once mapped: nothing is left in /dev/shm
-    assert _segments() - before == set()
+    assert own_segments() - before == set()
 
 
 def test_early_break_then_next_epoch() -> None:
@@ -158,7 +156,7 @@ def test_subprocess_iterable_as_pipeline_source() -> None:
 
 def test_torch_tensors_cross_as_arrays_with_their_values_and_types() -> None:
     torch = pytest.importorskip("torch")
-    before = _segments()
+    before = own_segments()
     with iterate_in_subprocess(_helpers.make_tensors) as it:
         small, big, nested, flag = list(it)
     expected = _helpers.make_tensors()
@@ -177,7 +175,7 @@ def test_torch_tensors_cross_as_arrays_with_their_values_and_types() -> None:
     assert nested["bf"].dtype == torch.bfloat16  # no NumPy dtype: torch's own pickling
     assert nested["n"] == 3
     assert flag.item() is True
-    assert _segments() - before == set()
+    assert own_segments() - before == set()
 
 
 class _TwoArgumentError(Exception):
@@ -243,7 +241,7 @@ def _left_by_itself(it: object) -> int | None:
 
 
 def test_a_stage_with_its_own_thread_pool_runs_in_one_made_in_the_child() -> None:
-    threads, segments = _helpers.live_threads(), _helpers.own_segments()
+    threads, segments = _helpers.live_threads(), own_segments()
     pool = ThreadPoolExecutor(2, thread_name_prefix="own-pool")
     builder = (
         PipelineBuilder()
@@ -267,7 +265,7 @@ def test_a_stage_with_its_own_thread_pool_runs_in_one_made_in_the_child() -> Non
 
 
 def test_a_stage_with_its_own_process_pool_runs_in_one_made_in_the_child() -> None:
-    threads, segments = _helpers.live_threads(), _helpers.own_segments()
+    threads, segments = _helpers.live_threads(), own_segments()
     pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("forkserver"))
     builder = (
         PipelineBuilder()
@@ -293,7 +291,7 @@ def test_a_stage_with_its_own_process_pool_runs_in_one_made_in_the_child() -> No
 
 def test_a_process_region_runs_in_a_subprocess_pipeline() -> None:
     # The child may start processes: its region's workers are its own and end with it.
-    threads, segments = _helpers.live_threads(), _helpers.own_segments()
+    threads, segments = _helpers.live_threads(), own_segments()
     builder = (
         PipelineBuilder()
         .add_source(range(20))

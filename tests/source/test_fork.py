@@ -26,6 +26,7 @@ import pytest
 from feedline import RemoteStore
 from feedline.source import ObjectCache
 
+from .._system import starts_processes
 from ._forking import digest, in_fork
 from ._http import Handler, serving
 from ._s3 import BUCKET, CREDENTIALS, _body
@@ -93,7 +94,7 @@ def _read_remote(store: RemoteStore, key: str) -> str:
     return digest(store.read_sync(key))
 
 
-@pytest.mark.timeout(180)  # worker processes start slowly on a loaded machine
+@starts_processes
 def test_a_store_pickled_to_a_forkserver_process_reads_there(s3: str) -> None:
     store = RemoteStore(f"s3://{BUCKET}/data", **_options(s3))
     assert bytes(store.read_sync("4")) == _body(4)  # this process runs obstore: no fork

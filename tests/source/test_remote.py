@@ -27,6 +27,7 @@ from feedline import (
 )
 from feedline.source import RemoteStats
 
+from .._system import starts_processes
 from ._http import Handler, serving
 
 pytest.importorskip("obstore")
@@ -123,7 +124,7 @@ class RemoteHeads:
         return np.frombuffer(self.store.read_sync(str(i), end=16), np.uint8).copy()
 
 
-@pytest.mark.timeout(180)  # worker processes start slowly on a loaded machine
+@starts_processes
 def test_dataloader_workers_read_through_their_own_copy_of_the_store(s3: str) -> None:
     pytest.importorskip("torch")
     from feedline import DataLoader

@@ -23,9 +23,11 @@ from feedline._ledger import Ledger  # noqa: E402
 from feedline.source import TarShards  # noqa: E402
 from feedline.source import shards as shards_module  # noqa: E402
 
-from .._system import zombies  # noqa: E402
+from .._system import starts_processes, zombies  # noqa: E402
 from ..loader._procs import no_children_left  # noqa: E402
 from ._s3 import CREDENTIALS, moto_bucket  # noqa: E402
+
+pytestmark = starts_processes  # DataLoader workers, and moto's server
 
 SHARDS, PER_SHARD = 6, 7
 

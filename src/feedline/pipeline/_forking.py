@@ -24,7 +24,10 @@ In the child, what the fork copied must not be used as it was:
 * A lock or semaphore is copied as it was at the fork: held, if a thread of the parent held
   it then, and with the permits the parent's threads had taken. :class:`PerProcess` lets an
   object rebuild such state, once, in the first call it gets in a process other than the one
-  that built it.
+  that built it. multiprocessing's resource tracker, with which every shared-memory segment
+  is registered, has such a lock, which any thread takes that registers or unregisters a
+  segment or a semaphore (a finalizer that a garbage collection runs, in a queue's feeder
+  thread as well): it is made anew in each forked child.
 * obstore's runtime cannot run in a process forked after its threads started (with the
   process's first request; building a store starts nothing), even through a store built in
   the child. :func:`note_obstore_request` records, before the first request, which process
@@ -38,6 +41,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from multiprocessing import resource_tracker
 
 __all__ = ["PerProcess", "fork_hazards", "note_obstore_request", "obstore_started_in"]
 
@@ -89,6 +93,11 @@ def _after_fork_in_child() -> None:
     # A thread of the parent may have been rebuilding at the fork: the copy would stay held.
     global _rebuilding
     _rebuilding = threading.Lock()
+    # Likewise the resource tracker's lock: the child's first segment waited for it for ever
+    # (a DataLoader worker, forked beside other work: its stack in ensure_running).
+    lock = getattr(resource_tracker._resource_tracker, "_lock", None)
+    if lock is not None and hasattr(lock, "_at_fork_reinit"):
+        lock._at_fork_reinit()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -387,19 +387,23 @@ class Channel:
 
     def _adjust(self, item: Any, doubling: bool, get: int) -> None:
         # Resize as the growth decides on this item, the get-th taken: measured outside the
-        # lock, since its nbytes is user code. (Only consumers measure; two consumer threads
-        # of one channel may race here, which costs at most a doubling too many or too few,
-        # bounded by the limits and set right at the next measure.) The next measure and the
-        # back-off count from this item, whether it was taken alone or in a batch.
+        # lock, since its nbytes is user code. The next measure and the back-off count from
+        # this item, whether it was taken alone or in a batch.
         growth = self._growth
         assert growth is not None
-        if doubling and not growth.allowed(self.capacity):
+        measured = self.capacity
+        if doubling and not growth.allowed(measured):
             doubling = False  # not now; no back-off either, since asking again costs little
-        target = growth.target(item, self.capacity, doubling)
+        target = growth.target(item, measured, doubling)
         with self._lock:
             capacity = self.capacity
-            wake = target != capacity and self._resize(target)
-            if doubling:
+            # Resized meanwhile (the tuner set the stage's concurrency, another consumer
+            # thread measured): the target was for the capacity it had, and would undo that
+            # (seen on a loaded machine: a queue put back to 32 behind 48 reads in flight).
+            # The next measure decides from the new capacity.
+            resized = capacity != measured
+            wake = not resized and target != capacity and self._resize(target)
+            if doubling and not resized:
                 growth.settled(get, grew=target > capacity)
             if self._measure_at <= get:  # not asked for again meanwhile
                 grown = self.capacity > growth.first

@@ -14,6 +14,11 @@ Segments made for one child process share a name prefix that the parent chose, s
 the child is gone (killed mid-epoch, interrupted, crashed) the parent removes every segment it
 made and the parent did not map, at once rather than when the resource tracker exits.
 
+Every name says which process made it: ``psm_fl<pid>_`` and the rest, where ``pid`` is the
+process that started the tree of feedline processes (a child's prefix extends its parent's, so
+does a grandchild's, started by a child), so that the segments of one program (or one test
+run) can be told from those of any other on the machine.
+
 An array made with :func:`shared_empty` lives in a segment from the start: code that fills
 one (a worker's collation) saves the child its copy, and :func:`pack` sends its name as it is.
 """
@@ -98,8 +103,25 @@ class SegmentNames:
 
     @staticmethod
     def new_prefix() -> str:
-        """A fresh prefix, in the ``psm_`` namespace that ``SharedMemory`` itself uses."""
-        return f"psm_fl{os.getpid()}_{secrets.token_hex(4)}_"
+        """A fresh prefix, in the ``psm_`` namespace that ``SharedMemory`` itself uses.
+
+        ``psm_fl<pid>_<random>_`` in a process that was not given names; in a child that was
+        (:func:`set_segment_names`), its own prefix then ``<random>_``: the segments of the
+        processes a child starts are named after the process that started it, and go with
+        its prefix (:func:`remove_prefixed`).
+        """
+        return f"{_names.prefix if _names is not None else _own_prefix()}{secrets.token_hex(4)}_"
+
+
+def _own_prefix() -> str:
+    # This process's namespace: the segments it makes where it was given no names.
+    return f"psm_fl{os.getpid()}_"
+
+
+def _fresh_name() -> str:
+    # A name of this process's, for a segment made where no names were given. Never the
+    # start of a prefix of new_prefix (16 hex digits, not 8 and "_").
+    return f"{_own_prefix()}{secrets.token_hex(8)}"
 
 
 _names: SegmentNames | None = None  # this child's, once set_segment_names was called
@@ -123,7 +145,7 @@ def shared_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray[Any, Any]:
     if not SHM_AVAILABLE:
         return np.empty(shape, dtype)
     size = max(1, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
-    name = _names() if _names is not None else f"psm_{secrets.token_hex(8)}"
+    name = _names() if _names is not None else _fresh_name()
     path = os.path.join(_SHM_DIR, name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
@@ -176,7 +198,8 @@ def _made_segment(obj: np.ndarray[Any, Any]) -> str | None:
 def pack(obj: Any, min_bytes: float, names: SegmentNames | None = None) -> Any:
     """Replace arrays of at least ``min_bytes`` in ``obj`` by shared-memory references.
 
-    ``names`` names the segments (default: ``SharedMemory``'s random names). An array that
+    ``names`` names the segments (default: fresh names in this process's namespace,
+    ``psm_fl<pid>_``). An array that
     :func:`shared_empty` made is sent as its segment, whatever its size.
     """
     if isinstance(obj, np.ndarray):
@@ -185,7 +208,7 @@ def pack(obj: Any, min_bytes: float, names: SegmentNames | None = None) -> Any:
             return ShmArray(made, obj.shape, obj.dtype)
         if obj.nbytes < min_bytes or obj.dtype.hasobject:
             return obj
-        name = None if names is None else names()
+        name = _fresh_name() if names is None else names()
         shm = SharedMemory(name=name, create=True, size=max(1, obj.nbytes))
         view: np.ndarray[Any, Any] = np.ndarray(obj.shape, dtype=obj.dtype, buffer=shm.buf)
         view[...] = obj
