@@ -15,9 +15,9 @@ import pytest
 
 from feedline import ConfigurationError, DataLoader, PipelineBuilder
 
-from ._system import zombies
+from ._system import starts_processes, zombies
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = starts_processes
 
 
 def _when_reported(caplog: pytest.LogCaptureFixture, then: Callable[[], None]) -> threading.Thread:

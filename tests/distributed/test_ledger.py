@@ -11,10 +11,11 @@ import pytest
 
 pytest.importorskip("torch")
 
+from .._system import starts_processes
 from . import _ranks
 from ._ranks import run_ranks
 
-pytestmark = [pytest.mark.timeout(300)]
+pytestmark = [starts_processes]
 
 
 def _counts(result: dict[str, Any], epoch: int) -> tuple[Any, ...]:

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchdata.stateful_dataloader")
 
-from .._system import zombies  # noqa: E402
+from .._system import starts_processes, zombies  # noqa: E402
 from . import _datasets  # noqa: E402
 from ._datasets import (  # noqa: E402
     Counting,
@@ -30,7 +30,7 @@ from ._reference import dataset_states, side_by_side  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:'set_vital' is deprecated"),
-    pytest.mark.timeout(180),
+    starts_processes,
 ]
 
 
