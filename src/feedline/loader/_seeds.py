@@ -209,6 +209,13 @@ class RngWatch:
 
     @staticmethod
     def _states() -> tuple[Any, ...]:
+        # Not in the middle of a seeded() block, which sets the generators for its item and
+        # puts them back after: its draws are reproducible, and leave nothing drawn.
+        with _seeding:
+            return RngWatch._read_states()
+
+    @staticmethod
+    def _read_states() -> tuple[Any, ...]:
         torch = sys.modules.get("torch")
         torch_state = torch.random.get_rng_state() if torch is not None else None
         numpy_state: Any = np.random.get_state()
