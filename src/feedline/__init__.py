@@ -7,6 +7,7 @@ between, and I/O functions that release the GIL. Start with :class:`PipelineBuil
 
 import typing as _typing
 
+from . import _ast_lock
 from .errors import (
     ConfigurationError,
     FeedlineError,
@@ -34,6 +35,8 @@ if _typing.TYPE_CHECKING:
     from .source import RemoteStore
 
 __version__ = "0.1.0"
+
+_ast_lock.install()  # threads parsing at once corrupt the AST constructor of some CPythons
 
 __all__ = [
     "Auto",
