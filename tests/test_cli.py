@@ -309,6 +309,12 @@ def test_report_pastes_the_summary_between_a_readme_s_markers(
     twice = readme.read_text()
     assert main(["report", str(out), "--into", str(readme)]) == 0
     assert readme.read_text() == twice  # pasting again changes nothing
+    assert main(["report", str(out), "--into", str(readme), "--headline"]) == 0
+    headline = readme.read_text()
+    assert "### Headline" in headline
+    assert "- **Machine**: " in headline
+    assert "### verify: " not in headline  # the scenario's own section stays in the report
+    assert headline.endswith("<!-- feedline report: end -->\n\n## After\n")
     readme.write_text("no markers\n")
     capsys.readouterr()
     assert main(["report", str(out), "--into", str(readme)]) == 2

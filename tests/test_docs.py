@@ -53,3 +53,20 @@ def test_the_benchmarks_section_is_one_pasted_summary() -> None:
     assert section.count("- **Command**: `feedline bench") == 1
     assert "- **Machine**: " in section
     assert "### Headline" in section
+
+
+def test_the_full_report_is_the_same_run_as_the_readme_s_headline() -> None:
+    from feedline.bench._report import MARKERS
+
+    def pasted(name: str) -> str:
+        text = (ROOT / name).read_text()
+        start, end = (text.index(marker) for marker in MARKERS)
+        return text[start:end]
+
+    readme, full = pasted("README.md"), pasted("BENCHMARKS.md")
+    assert full.startswith(readme)  # header and headline, the same to the letter
+    assert "### engine: " in full  # then every scenario's own table
+    assert "### engine: " not in readme
+    assert len(readme.splitlines()) < 0.3 * len(full.splitlines())
+    found = [what for what, pattern in FORBIDDEN.items() if pattern.search(full)]
+    assert not found, f"BENCHMARKS.md: {found}"

@@ -290,13 +290,15 @@ def _report(args: argparse.Namespace) -> int:
         return 0
     target = Path(args.into)
     try:
-        target.write_text(
-            splice(target.read_text(), summary(results, command=results[0].command, dated=False))
+        pasted = summary(
+            results, command=results[0].command, dated=False, headline_only=args.headline
         )
+        target.write_text(splice(target.read_text(), pasted))
     except (OSError, ValueError) as error:
         print(f"feedline report: --into {target}: {error}", file=sys.stderr)
         return 2
-    print(f"summary.md written to {folder} and into {target}")
+    what = "its headline" if args.headline else "it"
+    print(f"summary.md written to {folder}, and {what} into {target}")
     return 0
 
 
@@ -359,6 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also paste the summary, without its date and commit, into this Markdown file (a "
         "README), between the lines '<!-- feedline report: start -->' and "
         "'<!-- feedline report: end -->'",
+    )
+    report.add_argument(
+        "--headline",
+        action="store_true",
+        help="with --into: paste only the machine, the versions and the headline table (for a "
+        "README that links to the full report)",
     )
     report.set_defaults(func=_report)
     return parser

@@ -254,14 +254,23 @@ def _section(result: ScenarioResult) -> list[str]:
     return [title, "", *rows, "", *notes, ""]
 
 
-def summary(results: Sequence[ScenarioResult], *, command: str = "", dated: bool = True) -> str:
+def summary(
+    results: Sequence[ScenarioResult],
+    *,
+    command: str = "",
+    dated: bool = True,
+    headline_only: bool = False,
+) -> str:
     """The Markdown report of a run: where, the headline, then each scenario in full.
 
     ``dated=False`` leaves out the date and the git commit, for documents that describe the
     code rather than one run (a README: its commit message says which run it was).
+    ``headline_only`` stops after the headline table (for a README that links to the rest).
     """
     lines = _header(results, command, dated)
     lines += _headline(results)
+    if headline_only:
+        return "\n".join(lines)
     for result in results:
         lines += _section(result)
     skipped = [r for r in results if r.skipped is not None]
