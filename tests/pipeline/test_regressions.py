@@ -326,3 +326,41 @@ def test_async_workers_waiting_for_room_behind_a_small_sink_are_all_woken(sink: 
             b = b.pipe(anoop, concurrency=8)
         got = _helpers.drain_with_deadline(b.add_sink(sink).build(num_threads=4))
         assert sorted(got) == list(range(300))
+
+
+@pytest.mark.parametrize("resumable", [False, True])
+def test_an_item_the_consumer_dropped_is_held_by_nothing_in_the_pipeline(resumable: bool) -> None:
+    # Each async worker used to keep the last item it handed on until its next one came, and
+    # the record an item travels in kept its value after the consumer took it. (An item
+    # nothing holds may still be alive a moment on free-threaded Python, until the thread
+    # that made it runs again: what is checked is what refers to it.)
+    import gc
+    import sys
+    import weakref
+
+    async def make(i: int) -> Any:
+        await asyncio.sleep(0.002)
+        return np.full(16, i)
+
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(300))
+        .pipe(make, concurrency=8)
+        .add_sink()
+        .build(resumable=resumable)
+    )
+    here = sys._getframe()
+    refs: list[weakref.ref[Any]] = []
+    holders: set[str] = set()
+    for n, item in enumerate(pipeline):
+        refs.append(weakref.ref(item))
+        del item
+        if n % 20 == 19:
+            for ref in refs[-10:-1]:
+                dropped = ref()
+                if dropped is not None:
+                    holders.update(type(h).__name__ for h in gc.get_referrers(dropped))
+                    holders.discard(type(here).__name__)  # this test's own frame
+                    del dropped
+    assert len(refs) == 300
+    assert not holders, f"items the consumer dropped were still held by {sorted(holders)}"

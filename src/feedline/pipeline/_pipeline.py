@@ -229,7 +229,7 @@ class Pipeline(Generic[T]):
         # resumable, marking its source numbers done.
         get = run.get
         if not self._config.resumable:
-            return lambda timeout: get(timeout).value
+            return lambda timeout: get(timeout).take()
         unwrap = self._unwrap
         return lambda timeout: unwrap(get(timeout))
 
@@ -237,7 +237,7 @@ class Pipeline(Generic[T]):
         # A Tagged item reaches the consumer: its source numbers are done.
         if self._config.resumable:
             self._progress.mark(item.tag)
-        return item.value
+        return item.take()
 
     def stop(self) -> None:
         """Stop the current epoch and join its threads. Idempotent; safe to call any time."""
@@ -345,9 +345,9 @@ class Pipeline(Generic[T]):
                 home = delivered.epoch_of(item.tag)
                 delivered.arrived(item.tag)
                 if home == epoch:
-                    yield item.value
+                    yield item.take()
                 else:
-                    held.setdefault(home, collections.deque()).append(item.value)
+                    held.setdefault(home, collections.deque()).append(item.take())
             left_early = False
             del held[epoch]
             self._next_epoch = epoch + 1

@@ -81,6 +81,17 @@ class Tagged:
     def __reduce__(self) -> tuple[Any, ...]:
         return (Tagged, (self.tag, self.value, self.origin))
 
+    def take(self) -> Any:
+        """The value, for the consumer; the record lets go of it and of the source item.
+
+        On free-threaded Python the record is freed by the thread that made it, the next time
+        that thread runs Python code, which for an idle pool thread may be long after the
+        consumer dropped it: emptied, it holds nothing a memory budget counts meanwhile.
+        """
+        value = self.value
+        self.value = self.origin = None
+        return value
+
     def source(self) -> str:
         """Which source item(s) this came from, for messages.
 

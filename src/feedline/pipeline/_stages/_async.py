@@ -337,6 +337,10 @@ class AsyncStage(_AsyncProducer):
             fast = not self._ordered and self._output.try_put(result)  # no coroutine if room
             if not fast and not await self._emit(seq, result):
                 return False
+            # Let go of what was handed on before waiting for more: a worker that kept its
+            # last item until the next arrived would hold one item per worker beyond what
+            # the queues and calls in flight hold (and a memory budget counts).
+            item = result = None
         return False
 
     async def _run_burst(self) -> bool:
