@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -403,3 +404,32 @@ def test_bench_autotune_quick_compares_the_tuned_pipeline_with_the_grid_s_best(
         assert any("tf.data left out" in n for n in data["notes"])
     assert_png(out / "autotune.png")
     assert_png(out / "autotune-over-time.png")
+
+
+def test_bench_freethreaded_leaves_out_an_interpreter_with_the_gil(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+
+    fake = tmp_path / "python3.13t"
+    fake.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("FEEDLINE_FREE_THREADED_PYTHON", str(fake))
+    out = tmp_path / "out"
+    assert main(["bench", "freethreaded", "--quick", "--out", str(out)]) == 0
+    result = json.loads((out / "freethreaded.json").read_text())
+    assert any("runs with the GIL: not a free-threaded build" in n for n in result["notes"])
+    cases = {m["case"] for m in result["measurements"]}
+    assert len(cases) == 2  # two kinds of work, on this interpreter only
+    assert all(c.endswith("(GIL)") for c in cases)
+    contenders = {m["contender"] for m in result["measurements"]}
+    assert contenders == {
+        "ThreadPoolExecutor.map, 1 thread",
+        "ThreadPoolExecutor.map, 2 threads",
+        "feedline pipeline, 1 thread",
+        "feedline pipeline, 2 threads",
+    }
+    assert all(m["items_per_s"] > 0 for m in result["measurements"])
+    monkeypatch.setenv("FEEDLINE_FREE_THREADED_PYTHON", str(tmp_path / "absent"))
+    assert main(["bench", "freethreaded", "--quick", "--out", str(out)]) == 0
+    result = json.loads((out / "freethreaded.json").read_text())
+    assert any("is not an executable" in n for n in result["notes"])

@@ -48,6 +48,7 @@ SCENARIOS: dict[str, str] = {
     "distributed": "epochs on 4 and 8 ranks from a slow shared store, against the regular split",
     "engine": "pipeline overhead and hand-off latency against SPDL and a thread pool",
     "formats": "NPY / NPZ loading against numpy.load and SPDL",
+    "freethreaded": "the same pipelines with the GIL and on free-threaded CPython (3.13t)",
     "images": "JPEG files to batches: DataLoaders and pipelines against the machine's bound",
     "latency": "DataLoader over reads that wait on a slow server, against PyTorch's",
     "memory": "peak memory (PSS) of a DataLoader over 2 million file paths",
@@ -67,6 +68,7 @@ REQUIRES: dict[str, tuple[str, ...]] = {
     "distributed": ("torch", *_PICTURES),
     "engine": (),
     "formats": (),
+    "freethreaded": (),
     "images": ("torch", "PIL", *_PICTURES),  # its baseline is PyTorch + Pillow
     "latency": ("torch", *_PICTURES),
     "memory": ("torch",),
