@@ -413,7 +413,8 @@ def test_the_ledger_counts_an_epoch_and_refuses_a_position_that_moved() -> None:
     pipeline.stop()
     stats = pipeline.stats().ledger
     assert stats is not None
-    assert (stats.delivered, stats.failed) == (4, 1)
+    assert stats.delivered == 4
+    assert stats.failed in (1, 2)  # 3, and 7 if it failed ahead of the consumer before stop
     for moved, pattern in (
         (7, r"2 source item\(s\) passed over by the saved position .*first: source item 5"),
         (3, r"resumes at source item 3 but 2 source item\(s\) .*first: source item 3"),
