@@ -28,6 +28,7 @@ from feedline.pipeline import Pipeline, PipelineBuilder, PipelineStats
 
 from ._fetch import BatchFetcher, Collated, FailureTally, Task
 from ._gather import StateReport, StreamMark
+from ._indices import index_iterator
 from ._ledgers import LoaderLedger, stream_batch_taken
 from ._pool import thread_times
 from ._rewind import GeneratorRewind, sampler_generators
@@ -213,7 +214,7 @@ class EpochIterator(Generic[T]):
             sampler.load_state_dict(copy.deepcopy(sampler_state))
             position.sampler_state = sampler_state
         # The same draws, in the same order, as PyTorch's iterator: sampler, then base seed.
-        sampler_iter = iter(tl._index_sampler)
+        sampler_iter = index_iterator(tl._index_sampler)
         chain = _seed_chain(loader, state)
         if chain is not None and chain[1] > 0:
             base_seed = derived_seed(*chain)  # persistent workers: PyTorch draws it once
@@ -719,7 +720,7 @@ class _Releasable:
 
     The pipeline's run keeps its source until the garbage collector breaks the run's
     reference cycles; letting go of the sampler's iterator at once frees what it holds (a
-    shuffled ImageNet-sized epoch: a list of 1.3 million indices) then and there, not in a
+    shuffled epoch's permutation, or the list a custom sampler made) then and there, not in a
     collection that a later loader or its freshly forked workers pay for (measured: 40-110 ms
     before their first batch).
     """
