@@ -28,7 +28,6 @@ def _new_lock() -> None:
     _lock = threading.RLock()
 
 
-
 def affected(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> bool:
     """Whether CPython ``version`` has the AST constructor race (gh-106905)."""
     return tuple(version) < (3, 11, 8) or (3, 12) <= tuple(version) < (3, 12, 2)
