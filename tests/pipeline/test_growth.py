@@ -26,7 +26,7 @@ MiB = 1 << 20
 def _reader(capacity: int, grow_to: int, grow_bytes: int = 64 * MiB) -> SinkReader:
     growth = Growth(capacity, grow_to, grow_bytes) if grow_to > capacity else None
     channel = Channel("sink", capacity, growth)
-    reader = SinkReader(channel, lambda: False, lambda: None, spin=False)
+    reader = SinkReader(channel, lambda: False, spin=False)
     channel.connect(_Producer(), reader)
     return reader
 

@@ -160,7 +160,8 @@ def test_release_removes_packed_segments() -> None:
 @pytest.mark.parametrize("concurrency", [1, 8])
 def test_a_waiting_consumer_runs_a_cheap_chain_itself(concurrency: int) -> None:
     # A pool thread that runs cheap stages while the consumer waits hands each item over with
-    # a GIL switch (it ran at a third of the speed); its jobs must step aside for the consumer.
+    # a GIL switch; a waiting consumer runs the cheap chain itself (caller runs), walking
+    # upstream, and refills the sink from the cheap last stage.
     threads: Counter[str] = Counter()
 
     def op(x: int) -> int:
@@ -178,8 +179,8 @@ def test_a_waiting_consumer_runs_a_cheap_chain_itself(concurrency: int) -> None:
 
 
 def test_a_cheap_stage_that_turns_slow_while_the_consumer_waits_keeps_going() -> None:
-    # Pool jobs step aside for a waiting consumer only while the way to the sink is cheap;
-    # when a stage turns slow, the consumer must not wait for work nobody runs.
+    # A waiting consumer runs only cheap stages itself; when a stage turns slow, the consumer
+    # must not wait for work nobody runs.
     def turns_slow(x: int) -> int:
         if x >= 300:
             time.sleep(0.002)
@@ -200,10 +201,9 @@ def test_a_cheap_stage_that_turns_slow_while_the_consumer_waits_keeps_going() ->
 
 
 def test_a_stage_that_turns_slow_and_emits_nothing_while_the_consumer_waits() -> None:
-    # The consumer decides when it starts to wait whether jobs step aside for it. A stage
-    # that turned expensive during that wait, and sent nothing to the sink (its slow items
-    # failed), once left its items to pulls that no longer ran it: the pool job stepped
-    # aside, the consumer kicked a new one, which stepped aside again, forever.
+    # A stage that turns expensive while the consumer waits, and sends nothing to the sink
+    # (its slow items fail), must still be run by pool jobs once the consumer's pulls no
+    # longer run it.
     def slow_failures(x: int) -> int:
         if x % 25 == 24:
             time.sleep(0.003)

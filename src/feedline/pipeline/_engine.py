@@ -144,20 +144,16 @@ class Run:
             inp.connect(producers[-1], stage)
             producers.append(stage)
             self.stages.append(stage)
-        self._chain = self._link(producers)
+        self._link(producers)
         self._sink = SinkReader(
             out,
             lambda: self.pull(producers[-1]),
-            self._kick_threaded,
             spin=isinstance(producers[-1], AsyncStage | AsyncSource),
-            runs_chain=self._chain_cheap if self._chain is not None else None,
         )
         out.connect(producers[-1], self._sink)
-        self._threaded = [s for s in producers if isinstance(s, ThreadedStage | ThreadedSource)]
         tuning = config.tuning
         budgeted = tuning is not None and tuning.memory_budget is not None
         self.tuner = Tuner(knobs, self.channels, tuning, self.stages) if knobs or budgeted else None
-        self._stepped_aside = False  # a pool job left its work to the consumer since it slept
 
     def _growth(self, index: int, capacity: int) -> Growth | None:
         # How the channel after stage ``index`` (0: the source) may grow, if at all: the sink
@@ -190,24 +186,13 @@ class Run:
         return Growth(capacity, MAX_DEFAULT_SINK, queue_bytes, may_double, on_fill=True)
 
     @staticmethod
-    def _link(producers: list[Any]) -> tuple[Any, ...] | None:
-        # Tell each threaded stage who feeds it, and which one feeds the sink. Returns every
-        # stage from the source to the sink if all are threaded (a chain that a waiting
-        # consumer could run by itself), else None.
-        threaded = all(isinstance(s, ThreadedStage | ThreadedSource) for s in producers)
+    def _link(producers: list[Any]) -> None:
+        # Tell each threaded stage who feeds it (a pull walks upstream), and which one feeds
+        # the sink.
         for i, stage in enumerate(producers):
             if isinstance(stage, ThreadedStage | ThreadedSource):
                 stage.upstream = producers[i - 1] if i > 0 else None
                 stage.feeds_sink = i == len(producers) - 1
-        return tuple(producers) if threaded else None
-
-    def _chain_cheap(self) -> bool:
-        # Whether every stage from the source to the sink is threaded and cheap: then pool
-        # jobs step aside for a waiting consumer (see _PoolStage._steps_aside). Evaluated when
-        # the consumer starts to wait and again whenever its pull finds nothing to run (a
-        # stage that turned expensive), not on every item of every job.
-        pool = self._pool
-        return self._chain is not None and all(s.cheap_on(pool) for s in self._chain)
 
     def _make_stage(
         self, cfg: Any, inp: Channel, out: Channel, budget: FailureBudget, upstream: Any
@@ -320,7 +305,7 @@ class Run:
         if not self._job_begin():  # counted like a pool job, so that stop() waits for it
             return False
         tls = self._tls
-        outer, ctx = tls.ctx, JobContext(self._pool, inline=True)
+        outer, ctx = tls.ctx, JobContext(self._pool)
         tls.ctx = ctx
         before = self._progress()
         try:
@@ -342,31 +327,6 @@ class Run:
         # Grows whenever an item enters a channel or a channel closes (reads without locks:
         # only a change matters, and a torn read merely costs one more pull).
         return sum(ch.puts + ch.closed for ch in self.channels)
-
-    @property
-    def consumer_hungry(self) -> bool:
-        """Whether the consumer waits for the sink and found every stage cheap when it looked."""
-        return self._sink.hungry
-
-    def wake_consumer(self) -> None:
-        """Wake a consumer sleeping on the sink (a job stepped aside for it): it pulls again."""
-        self._stepped_aside = True  # before the wake: the consumer reads it before it sleeps
-        self._sink.on_data()
-
-    def _kick_threaded(self) -> None:
-        # Before the consumer sleeps: make sure no threaded stage holds work without a job
-        # (one that stepped aside for the consumer, whose pull then found the stage no
-        # longer cheap). Only a job that stepped aside leaves work behind, so without one
-        # since the last sleep there is nothing to do. (The flag is raised before the job
-        # wakes us, and we raise our waiting flag before we read it: either we see it, or the
-        # job sees us waiting and its wake-up makes us check again.)
-        if not self._stepped_aside:
-            return
-        self._stepped_aside = False
-        for stage in self._threaded:
-            if self._stopping:
-                return
-            stage.kick()
 
     async def call_in_executor(self, executor: Any, fn: Callable[[Any], Any], item: Any) -> Any:
         """Run ``fn(item)`` in a non-thread executor (a process pool) and await the result.

@@ -46,13 +46,6 @@ class RunContext(Protocol):
     def pull(self, stage: Any) -> bool:
         """Run a cheap threaded ``stage``'s job on this thread instead of waiting for it."""
 
-    @property
-    def consumer_hungry(self) -> bool:
-        """Whether the consumer waits for the sink and found every stage cheap when it looked."""
-
-    def wake_consumer(self) -> None:
-        """Wake a consumer sleeping on the sink (a job stepped aside for it): it pulls again."""
-
     async def call_in_executor(self, executor: Any, fn: Callable[[Any], Any], item: Any) -> Any:
         """Await ``fn(item)`` run in a non-thread executor; stop() waits for such calls."""
 
@@ -77,11 +70,10 @@ get back to its own work. What the stage holds is parked and resumed by a pool j
 class JobContext:
     """Per-thread state of a running job: which stages it runs, which it should run next."""
 
-    __slots__ = ("deferred", "executor", "inline", "stack")
+    __slots__ = ("deferred", "executor", "stack")
 
-    def __init__(self, executor: Any, inline: bool = False) -> None:
+    def __init__(self, executor: Any) -> None:
         self.executor = executor
-        self.inline = inline  # a consumer lent its thread (Run.pull), not a pool job
         self.stack: set[Any] = set()  # stages whose job is on this thread's call stack
         self.deferred: dict[Any, None] = {}  # cheap stages to run inline after the current item
 

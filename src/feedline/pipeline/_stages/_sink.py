@@ -38,22 +38,10 @@ class SinkReader:
     finds it empty after it became full since it last did.
     """
 
-    def __init__(
-        self,
-        channel: Channel,
-        pull: Callable[[], bool],
-        before_sleep: Callable[[], None],
-        spin: bool,
-        runs_chain: Callable[[], bool] | None = None,
-    ) -> None:
+    def __init__(self, channel: Channel, pull: Callable[[], bool], spin: bool) -> None:
         self._channel = channel
         self._spin = spin  # whether to yield a while before sleeping (see _SPIN)
         self._pull = pull  # runs a cheap upstream job here rather than sleeping
-        self._before_sleep = before_sleep  # makes sure some job will produce what we wait for
-        # Whether a waiting consumer would run the whole chain (every stage cheap and
-        # threaded): asked once per wait, so that pool jobs need not check on every item.
-        self._runs_chain = runs_chain
-        self.hungry = False  # waiting, and runs_chain said yes: cheap pool jobs step aside
         self._signal = threading.Lock()
         self._signal.acquire()
         self._waiting = False
@@ -81,10 +69,6 @@ class SinkReader:
         self._waiting = True
         self._wake()
 
-    def _chain_runs_here(self) -> bool:
-        # Whether this consumer, waiting, would run the whole (cheap, threaded) chain itself.
-        return self._runs_chain is not None and self._runs_chain()
-
     def get(self, timeout: float | None) -> Any:
         """Take the next item.
 
@@ -100,11 +84,7 @@ class SinkReader:
         item = channel.try_get()
         if item is not EMPTY or channel.exhausted or self._interrupted:
             return item
-        self.hungry = self._chain_runs_here()
-        try:
-            return self._wait(timeout)
-        finally:
-            self.hungry = False
+        return self._wait(timeout)
 
     def _wait(self, timeout: float | None) -> Any:
         channel = self._channel
@@ -125,11 +105,6 @@ class SinkReader:
                 raise TimeoutError(f"no item arrived from the pipeline within {timeout} s")
             if pulled:
                 continue
-            if self.hungry:
-                # The pull found nothing to run: a stage may have turned expensive since the
-                # wait began, and then jobs must stop stepping aside for us (they would leave
-                # its items to a pull that no longer runs it, over and over).
-                self.hungry = self._chain_runs_here()
             if spin_until and time.perf_counter() < spin_until:
                 time.sleep(0)
                 continue
@@ -137,7 +112,6 @@ class SinkReader:
             if len(channel) or channel.closed or self._interrupted:
                 self._waiting = False
                 continue
-            self._before_sleep()
             watch = self.watch
             if deadline is None and watch is None:
                 woken = self._signal.acquire()

@@ -188,10 +188,6 @@ class _PoolStage(StageBase):
     def _kick(self) -> None:
         raise NotImplementedError
 
-    def kick(self) -> None:
-        """Start a job if there is work and room for one (does nothing otherwise)."""
-        self._kick()
-
     def _job(self) -> None:
         raise NotImplementedError
 
@@ -220,31 +216,6 @@ class _PoolStage(StageBase):
         if self.feeds_sink and self.cheap_on(pool) and self.run.pull(self):
             return  # the consumer drained the sink: it refills it with our cheap job itself
         if not self._defer():
-            self._kick()
-
-    def _steps_aside(self, ctx: JobContext | None) -> bool:
-        """Whether this pool job should end now and leave its work to the waiting consumer.
-
-        A chain of cheap stages runs fastest on one thread. When a pool thread runs it while
-        the consumer waits for the sink, every hand-over to the consumer is a GIL switch
-        between two threads (measured: about 8,000 items/s through three no-op stages,
-        against 19,000 when the consumer runs the chain itself). So when every stage from the
-        source to the sink is cheap, a pool job ends as soon as the consumer waits, and the
-        consumer pulls the chain (:meth:`Run.pull <._engine.Run.pull>` walks upstream). With
-        an expensive stage anywhere, items cross threads anyway: jobs keep going. The
-        consumer checks the chain (``consumer_hungry`` says both) when it starts to wait and
-        again when a pull finds nothing to run: a stage that turned expensive meanwhile
-        stops the stepping aside after one such pull.
-        """
-        return ctx is not None and not ctx.inline and self.run.consumer_hungry
-
-    def _wind_down(self, stepped_aside: bool) -> None:
-        # After a job: catch wake-ups that arrived while it wound down; or, if it stepped
-        # aside, wake the consumer, which pulls the work instead (a kick would hand it to a
-        # pool thread again).
-        if stepped_aside:
-            self.run.wake_consumer()
-        else:
             self._kick()
 
     def _run_here(self, ctx: JobContext) -> None:
@@ -331,9 +302,7 @@ class ThreadedStage(_PoolStage):
         """Input arrived or closed: start jobs if there is room for them."""
         if self._active >= self._concurrency:
             # Every slot has a job, which will take the item. (Read without the lock: a job
-            # that ends lowers the count under the lock and then either kicks, seeing this
-            # item, or steps aside: it flags that for the consumer, which kicks before it
-            # sleeps.)
+            # that ends lowers the count under the lock and then kicks, seeing this item.)
             return
         if not self._defer():
             self._kick()
@@ -429,12 +398,8 @@ class ThreadedStage(_PoolStage):
     def _job(self) -> None:
         run = self.run
         ctx = run.job_context()
-        stepped_aside = False
         try:
             while not run.stopping:
-                if self._steps_aside(ctx):
-                    stepped_aside = True
-                    return
                 if self._surplus() and not self._has_unsent():
                     return
                 # Each slot may hold one finished result while the output is full, so a
@@ -481,7 +446,7 @@ class ThreadedStage(_PoolStage):
         finally:
             with self._lock:
                 self._active -= 1
-            self._wind_down(stepped_aside)
+            self._kick()  # catch wake-ups that arrived while this job was winding down
 
     def _claim_finish(self) -> bool:
         with self._lock:
@@ -718,7 +683,6 @@ class ThreadedSource(_PoolStage):
         output = self._output
         ctx = run.job_context()
         held = self._held
-        stepped_aside = False
         try:
             if self._iterator is None:
                 self._iterator = iter(self._source)
@@ -747,9 +711,6 @@ class ThreadedSource(_PoolStage):
                     return
                 if self._ready is not None and not self._ready():
                     return  # too far ahead of the consumer: woken when it catches up
-                if self._steps_aside(ctx):
-                    stepped_aside = True
-                    return
                 # A cheap source makes a batch, up to the room in its output: one put, and
                 # one wake-up of the next stage, for all of them. It waits for room first,
                 # since it gains nothing by making a value ahead; a source that does real
@@ -768,7 +729,7 @@ class ThreadedSource(_PoolStage):
         finally:
             with self._lock:
                 self._active = False
-            self._wind_down(stepped_aside)
+            self._kick()  # catch wake-ups that arrived while this job was winding down
 
     def _next_values(self, iterator: Iterator[Any], n: int, out: list[Any]) -> bool:
         """Append up to ``n`` values of the source to ``out``; whether a call was slow.
