@@ -109,6 +109,14 @@ class Ledger:
 
     def deliver(self, slot: int) -> None:
         """Record that ``slot`` was handed out."""
+        bits = self._delivered
+        byte = slot >> 3
+        if byte < len(bits):  # the common case, without deliver_many's loop and tuple
+            value, bit = bits[byte], 1 << (slot & 7)
+            if not value & bit:
+                bits[byte] = value | bit
+                self.delivered_count += 1
+                return
         self.deliver_many((slot,))
 
     def deliver_many(self, slots: Iterable[int]) -> None:
