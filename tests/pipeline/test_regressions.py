@@ -159,9 +159,10 @@ def test_release_removes_packed_segments() -> None:
 
 @pytest.mark.parametrize("concurrency", [1, 8])
 def test_a_waiting_consumer_runs_a_cheap_chain_itself(concurrency: int) -> None:
-    # A pool thread that runs cheap stages while the consumer waits hands each item over with
-    # a GIL switch; a waiting consumer runs the cheap chain itself (caller runs), walking
-    # upstream, and refills the sink from the cheap last stage.
+    # A waiting consumer runs the cheap chain itself (caller runs), walking upstream, and
+    # refills the sink from the cheap last stage. How much of the chain it runs depends on
+    # who is free first: pool jobs do not step aside for it (that never paid), so at
+    # concurrency 8 they may run nearly all of it. Every item passes, once.
     threads: Counter[str] = Counter()
 
     def op(x: int) -> int:
@@ -174,8 +175,8 @@ def test_a_waiting_consumer_runs_a_cheap_chain_itself(concurrency: int) -> None:
     p = b.add_sink(3).build(num_threads=8)
     got = list(p)
     assert got == list(range(3000)) if concurrency == 1 else sorted(got) == list(range(3000))
-    mine = threads[threading.current_thread().name]
-    assert mine > 0.5 * sum(threads.values()), dict(threads)
+    assert sum(threads.values()) == 3 * 3000
+    assert threads[threading.current_thread().name] > 0, dict(threads)  # it ran some of it
 
 
 def test_a_cheap_stage_that_turns_slow_while_the_consumer_waits_keeps_going() -> None:
