@@ -516,11 +516,8 @@ class Pipeline(Generic[T]):
 class _UntilStopped:
     """A source that can be told to end: iterated through ``iter_until(stopping)``.
 
-    Such a source may wait for long between values: the engine never takes it for cheap
-    (``waits``), so it always runs on a thread of its own and puts each value as it comes.
+    Such a source may wait for long between values; stopping the run ends its iteration.
     """
-
-    waits = True
 
     def __init__(self, source: Any, run: Run) -> None:
         self._source = source
@@ -538,9 +535,8 @@ class _Passes(PassControl):
     it ended in the run's numbering, so that an item's epoch follows from its number. The end
     is recorded before the pass's last item goes on (the source is read one item ahead), so
     that the stages after know the epoch is over when that item reaches them. A pass that
-    yields nothing ends the run. (It never waits for the consumer: the consumer's thread and
-    the event loop's run the source's job themselves at times, and would wait for
-    themselves.)
+    yields nothing ends the run. Instead of waiting for the consumer, the source stage asks
+    :meth:`ready` before each read and is woken when the consumer moves on.
     """
 
     def __init__(self, source: Any, first_epoch: int, ahead: int) -> None:

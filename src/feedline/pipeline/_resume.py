@@ -401,8 +401,6 @@ class _TaggedSource:
         self._source = source
         self._progress = progress
         self._stopping = stopping
-        # A source that waits for others keeps saying so (see _threaded.ThreadedSource).
-        self.waits = bool(getattr(source, "waits", False))
         # A continuous run's _Passes says where passes end, and how far it may be read.
         self.passes = source if isinstance(source, PassControl) else None
 

@@ -110,16 +110,6 @@ class StageCounters:
         self._record(now - t_start)
         return now
 
-    def laps(self, t_start: float, ends: list[float]) -> None:
-        """Record calls made one after another, as :meth:`lap` does one at a time.
-
-        The first began at ``t_start``; each ended at the next time in ``ends``. Call with
-        ``lock`` held.
-        """
-        for end in ends:
-            self._record(end - t_start)
-            t_start = end
-
     def _record(self, dt: float) -> None:
         self.busy_time += dt
         self._durations[self._n_durations % _RING] = dt

@@ -157,11 +157,9 @@ class AsyncStage(_AsyncProducer):
         input: Channel,
         output: Channel,
         budget: FailureBudget,
-        pull: Callable[[], bool],
         most: int | None = None,
     ) -> None:
         super().__init__(run, name, "pipe", concurrency, budget)
-        self._pull = pull  # runs a cheap upstream threaded job on the loop instead of waiting
         # A coroutine op on Tagged items (see _resume) is called here on the value, without
         # the wrapper's own coroutine per item.
         self._on_value = isinstance(op, TaggedAsyncOp)
@@ -192,14 +190,6 @@ class AsyncStage(_AsyncProducer):
         """Input arrived (wake one worker) or closed (wake all)."""
         if self._data.waiters:  # else no worker waits: as notify's own first check
             self._data.notify(wake_all=self._input.closed)
-
-    def wake_to_pull(self) -> None:
-        """Wake a worker that waits for input, so that it pulls a cheap upstream job (loop only).
-
-        Called when that job could go on (its output drained) but leaves it to us to run.
-        """
-        if self._data.waiters:
-            self._data.notify()
 
     async def run_stage(self) -> None:
         """Run the workers until the input is exhausted, then close the output."""
@@ -261,7 +251,6 @@ class AsyncStage(_AsyncProducer):
     async def _get(self) -> Any:
         # The next item, from the input or from those taken already (counted in then).
         inp = self._input
-        pulled = False
         while True:
             if self._taken:
                 return self._taken.popleft()
@@ -271,16 +260,11 @@ class AsyncStage(_AsyncProducer):
                 return item
             if inp.exhausted and not self._bursts:
                 return _END
-            if not pulled:
-                pulled = True
-                if self._pull():
-                    continue
             fut = self._data.wait()
             if len(inp) or self._taken or (inp.closed and not self._bursts):
                 self._data.discard(fut)
                 continue
             await fut
-            pulled = False  # woken: perhaps to pull (see wake_to_pull)
 
     async def _work(self) -> bool:
         # Returns True if the worker left as one too many (see _leaves).

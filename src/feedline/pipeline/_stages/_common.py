@@ -13,7 +13,7 @@ from feedline.errors import PipelineFailure
 from .._resume import Tagged, sample_repr
 from ..stats import StageCounters
 
-__all__ = ["BATCH", "FailureBudget", "RunContext", "StageBase"]
+__all__ = ["BATCH", "INLINE_ABORT", "INLINE_BELOW", "FailureBudget", "RunContext", "StageBase"]
 
 _log = logging.getLogger("feedline.pipeline")
 
@@ -22,7 +22,6 @@ class RunContext(Protocol):
     """What a stage may ask of the running pipeline."""
 
     loop: asyncio.AbstractEventLoop
-    default_pool: Any
 
     @property
     def stopping(self) -> bool:
@@ -40,50 +39,22 @@ class RunContext(Protocol):
     def on_loop_thread(self) -> bool:
         """Whether the caller is the event-loop thread."""
 
-    def job_context(self) -> JobContext | None:
-        """The context of the job running on this thread, if it is one of this run's jobs."""
-
-    def pull(self, stage: Any) -> bool:
-        """Run a cheap threaded ``stage``'s job on this thread instead of waiting for it."""
-
     async def call_in_executor(self, executor: Any, fn: Callable[[Any], Any], item: Any) -> Any:
         """Await ``fn(item)`` run in a non-thread executor; stop() waits for such calls."""
 
 
 INLINE_BELOW = 20e-6
-"""A threaded stage whose op takes less than this (seconds, smoothed) may be run by the thread
-that hands it an item, instead of waking another thread: a wake-up costs more than the op."""
+"""A stage whose op takes less than this (seconds, smoothed) is cheap: a thread wake-up costs
+more than a call, so a coroutine one takes its input in bursts of ``BATCH``, and the queues
+around it may grow."""
 
 BATCH = 16
-"""Items a cheap stage handles in one go where it can: a cheap coroutine stage takes this many
-from its input at once, and a cheap source makes up to this many (no more than the room in its
-output) before it puts them. One lock round trip and one wake-up of the next stage then serve
-them all. A call over ``INLINE_ABORT`` ends a batch, which so holds back what it made for at
-most 16 calls of under 200 us each plus that one call."""
+"""Items a cheap coroutine stage takes from its input at once and starts in turn, handing the
+results on together: one lock round trip and one wake-up of the next stage serve them all."""
 
 INLINE_ABORT = 200e-6
-"""An op call that takes longer than this ends the inline run it is part of: the stage was cheap
-but no longer is, and the thread that lent itself (a neighbour's job, a waiting consumer) must
-get back to its own work. What the stage holds is parked and resumed by a pool job."""
-
-
-class JobContext:
-    """Per-thread state of a running job: which stages it runs, which it should run next."""
-
-    __slots__ = ("deferred", "executor", "stack")
-
-    def __init__(self, executor: Any) -> None:
-        self.executor = executor
-        self.stack: set[Any] = set()  # stages whose job is on this thread's call stack
-        self.deferred: dict[Any, None] = {}  # cheap stages to run inline after the current item
-
-    def run_deferred(self) -> None:
-        """Run (or kick) the stages that were woken while the current item was handled."""
-        deferred = self.deferred
-        while deferred:
-            stage = next(iter(deferred))
-            del deferred[stage]
-            stage.run_inline(self)
+"""A coroutine call that takes longer than this without waiting ends the burst it is part of:
+the stage was cheap but no longer is, and the results made so far go on at once."""
 
 
 class FailureBudget:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from feedline._watchdog import TICK, StallWatch
@@ -38,10 +37,9 @@ class SinkReader:
     finds it empty after it became full since it last did.
     """
 
-    def __init__(self, channel: Channel, pull: Callable[[], bool], spin: bool) -> None:
+    def __init__(self, channel: Channel, spin: bool) -> None:
         self._channel = channel
         self._spin = spin  # whether to yield a while before sleeping (see _SPIN)
-        self._pull = pull  # runs a cheap upstream job here rather than sleeping
         self._signal = threading.Lock()
         self._signal.acquire()
         self._waiting = False
@@ -99,12 +97,9 @@ class SinkReader:
                     delay = max(0.0, channel.last_put - started)
                     self._delay += 0.25 * (delay - self._delay)
                 return item
-            pulled = self._pull()  # moved items (here or upstream)?
             late = deadline is not None and time.monotonic() >= deadline
             if late and not len(channel) and not channel.closed:
                 raise TimeoutError(f"no item arrived from the pipeline within {timeout} s")
-            if pulled:
-                continue
             if spin_until and time.perf_counter() < spin_until:
                 time.sleep(0)
                 continue
