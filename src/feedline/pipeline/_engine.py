@@ -23,9 +23,6 @@ from typing import Any
 from feedline._watchdog import StallWatch
 
 from ._defs import (
-    MAX_DEFAULT_SINK,
-    QUEUE_GROW_BYTES,
-    SINK_GROW_BYTES,
     AggregateConfig,
     DisaggregateConfig,
     OpKind,
@@ -33,9 +30,16 @@ from ._defs import (
     PipelineConfig,
 )
 from ._executors import Submitter, WorkerPool
-from ._growth import QUEUE_SPAN, Growth
+from ._growth import Growth
 from ._queue import EMPTY, Channel
 from ._resume import TaggedOp
+from ._settings import (
+    MAX_DEFAULT_SINK,
+    QUEUE_GROW_BYTES,
+    QUEUE_SPAN,
+    SINK_GROW_BYTES,
+    STOP_WARN_AFTER,
+)
 from ._stages._async import AsyncSource, AsyncStage
 from ._stages._common import FailureBudget, StageBase
 from ._stages._sink import SinkReader
@@ -56,8 +60,6 @@ __all__ = ["Run"]
 
 
 _log = logging.getLogger("feedline.pipeline")
-
-_STOP_WARN_AFTER = 5.0  # seconds a stop may wait on running ops before it logs a warning
 
 
 class Run:
@@ -434,8 +436,8 @@ class Run:
         if started:
             self._thread.join()
         waited = 0.0
-        while not self._jobs_done.wait(_STOP_WARN_AFTER):
-            waited += _STOP_WARN_AFTER
+        while not self._jobs_done.wait(STOP_WARN_AFTER):
+            waited += STOP_WARN_AFTER
             _log.warning(
                 "stopping the pipeline: %d job(s) still inside stage ops after %.0f s; "
                 "an op that never returns keeps its thread (and this stop) waiting",

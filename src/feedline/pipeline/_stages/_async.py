@@ -24,7 +24,8 @@ from typing import Any
 from .._defs import OpKind
 from .._queue import EMPTY, Channel
 from .._resume import TaggedAsyncOp
-from ._common import BATCH, INLINE_ABORT, FailureBudget, RunContext, StageBase
+from .._settings import BURST, BURST_ABORT
+from ._common import FailureBudget, RunContext, StageBase
 
 __all__ = ["AsyncSource", "AsyncStage", "LoopSignal"]
 
@@ -279,7 +280,7 @@ class AsyncStage(_AsyncProducer):
                 return True
             taken = self._taken
             if bursts and self.cheap():
-                if not taken and (batch := self._input.try_get_many(BATCH)):
+                if not taken and (batch := self._input.try_get_many(BURST)):
                     c.items_in += len(batch)
                     taken.extend(batch)
                 if taken:
@@ -328,7 +329,7 @@ class AsyncStage(_AsyncProducer):
         return False
 
     async def _run_burst(self) -> bool:
-        """Start taken items in turn, up to ``BATCH`` calls, then hand the results on together.
+        """Start taken items in turn, up to ``BURST`` calls, then hand the results on together.
 
         For a cheap coroutine op in a stage free to reorder: the worker took a batch of items
         from its input in one go, and a burst costs one lock round trip each way and one clock
@@ -338,7 +339,7 @@ class AsyncStage(_AsyncProducer):
 
         If a call really waits, the loop runs ``_spill``, which hands on the results so far
         (in a task of their own, since the output may be full) and wakes the other workers
-        to start the taken items. A call over ``INLINE_ABORT`` that does not wait (the op
+        to start the taken items. A call over ``BURST_ABORT`` that does not wait (the op
         turned slow, blocking the loop) ends the burst. So a burst holds back results for
         at most 16 calls of under 200 us, or one slow call that does not wait.
 
@@ -359,7 +360,7 @@ class AsyncStage(_AsyncProducer):
         try:
             t = c.task_started()
             try:
-                for _ in range(BATCH):
+                for _ in range(BURST):
                     if not taken:
                         break
                     item = taken.popleft()
@@ -377,7 +378,7 @@ class AsyncStage(_AsyncProducer):
                         continue
                     start, t = t, c.lap(t)
                     burst.results.append(result)
-                    if t - start > INLINE_ABORT:
+                    if t - start > BURST_ABORT:
                         # The op turned slow (it may block the loop without waiting): the
                         # rest goes item by item, and what is done goes on now.
                         break

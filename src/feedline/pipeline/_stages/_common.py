@@ -11,9 +11,10 @@ from typing import Any, Protocol
 from feedline.errors import PipelineFailure
 
 from .._resume import Tagged, sample_repr
+from .._settings import CHEAP_BELOW
 from ..stats import StageCounters
 
-__all__ = ["BATCH", "INLINE_ABORT", "INLINE_BELOW", "FailureBudget", "RunContext", "StageBase"]
+__all__ = ["FailureBudget", "RunContext", "StageBase"]
 
 _log = logging.getLogger("feedline.pipeline")
 
@@ -41,20 +42,6 @@ class RunContext(Protocol):
 
     async def call_in_executor(self, executor: Any, fn: Callable[[Any], Any], item: Any) -> Any:
         """Await ``fn(item)`` run in a non-thread executor; stop() waits for such calls."""
-
-
-INLINE_BELOW = 20e-6
-"""A stage whose op takes less than this (seconds, smoothed) is cheap: a thread wake-up costs
-more than a call, so a coroutine one takes its input in bursts of ``BATCH``, and the queues
-around it may grow."""
-
-BATCH = 16
-"""Items a cheap coroutine stage takes from its input at once and starts in turn, handing the
-results on together: one lock round trip and one wake-up of the next stage serve them all."""
-
-INLINE_ABORT = 200e-6
-"""A coroutine call that takes longer than this without waiting ends the burst it is part of:
-the stage was cheap but no longer is, and the results made so far go on at once."""
 
 
 class FailureBudget:
@@ -135,8 +122,8 @@ class StageBase:
         self._throttle = LogThrottle()
 
     def cheap(self) -> bool:
-        """Whether the op's smoothed time is below :data:`INLINE_BELOW` (a thread wake-up)."""
-        return 0 <= self.counters.ewma < INLINE_BELOW
+        """Whether the op's smoothed time is below :data:`CHEAP_BELOW` (a thread wake-up)."""
+        return 0 <= self.counters.ewma < CHEAP_BELOW
 
     def record_failure(self, item: Any, error: Exception) -> None:
         """Count a failed item, log it (rate-limited), and stop the run past the budget.
