@@ -240,9 +240,23 @@ class _Terms:
         self.local.close()
 
 
+def _rank_context() -> Any:
+    # The ranks start from the fork server, which imports torch.distributed and this module
+    # once if it has not started yet (each rank importing them took 3 s of CPU; not timed
+    # either way: the epochs are timed between barriers).
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    if server is not None and getattr(server, "_forkserver_pid", 0) is None:
+        current = list(getattr(server, "_preload_modules", ["__main__"]))
+        extra = [m for m in ("torch.distributed", __name__) if m not in current]
+        forkserver.set_forkserver_preload(current + extra)
+    return mp.get_context("forkserver")
+
+
 def _spawn(world: int, target: Any, args: tuple[Any, ...]) -> Any:
     # Run target(rank, world, port, *args, out) on `world` processes; rank 0's report.
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     out = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
