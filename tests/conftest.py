@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing
 import signal
 import sys
 import sysconfig
@@ -79,6 +80,17 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 # handler back, in this process and in the processes they start.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# The fork server of a test run imports torch once, with what the workers of feedline's
+# DataLoader and the ranks of the distributed tests import: every process forked from it then
+# starts in a fraction of a second, where importing torch took each 3 s of CPU. feedline's
+# DataLoader asks the same of a fork server it is the first to start
+# (feedline.loader._workers._PRELOAD); here it holds whichever test starts the server first
+# (PyTorch's DataLoader, a pipeline's processes). The server skips a module not installed.
+multiprocessing.set_forkserver_preload(
+    ["__main__", "feedline.loader._workers", "torch", "torch.distributed", "numpy.random"]
+)
 
 
 def _live_threads() -> set[threading.Thread]:

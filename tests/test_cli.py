@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from feedline.bench._registry import SMOKE_ENV
 from feedline.cli import main
 
 from ._system import starts_processes
@@ -15,6 +16,20 @@ from ._system import starts_processes
 # Each scenario imports torch, starts servers or processes and runs every contender: 10 to
 # 20 s on an idle 2-core machine, 40 to 50 s on a loaded one, too close to the default 60.
 pytestmark = starts_processes
+
+
+@pytest.fixture(autouse=True)
+def smoke_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--quick`` at its smallest: these tests check that a scenario runs and reports in
+    full, not its figures (the processes a scenario starts inherit it)."""
+    monkeypatch.setenv(SMOKE_ENV, "1")
+
+
+@pytest.fixture(scope="module")
+def pictures(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A data folder the scenarios share: each generates only the pictures the ones before
+    it have not (they are deterministic; 0.3 s of CPU each)."""
+    return tmp_path_factory.mktemp("bench-data")
 
 
 def test_bench_engine_quick_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -165,15 +180,12 @@ def test_bench_formats_quick(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(600)
 def test_bench_distributed_quick_reads_the_store_once_with_the_locality_aware_loader(
-    tmp_path: Path,
+    tmp_path: Path, pictures: Path
 ) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("simplejpeg")
     out = tmp_path / "out"
-    (tmp_path / "data").mkdir()
-    code = main(
-        ["bench", "distributed", "--quick", "--data", str(tmp_path / "data"), "--out", str(out)]
-    )
+    code = main(["bench", "distributed", "--quick", "--data", str(pictures), "--out", str(out)])
     assert code == 0
     data = json.loads((out / "distributed.json").read_text())
     cases = {m["case"] for m in data["measurements"]}
@@ -249,12 +261,11 @@ def test_bench_uses_a_folder_of_your_own_jpegs_and_writes_nothing_there(
 
 
 @pytest.mark.parametrize("scenario", ["latency", "startup", "images", "memory"])
-def test_loader_scenarios_quick(scenario: str, tmp_path: Path) -> None:
+def test_loader_scenarios_quick(scenario: str, tmp_path: Path, pictures: Path) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("PIL")
     out = tmp_path / "out"
-    (tmp_path / "d").mkdir()
-    code = main(["bench", scenario, "--quick", "--data", str(tmp_path / "d"), "--out", str(out)])
+    code = main(["bench", scenario, "--quick", "--data", str(pictures), "--out", str(out)])
     assert code == 0
     data = json.loads((out / f"{scenario}.json").read_text())
     assert data["scenario"] == scenario
@@ -324,14 +335,11 @@ def test_report_pastes_the_summary_between_a_readme_s_markers(
     assert readme.read_text() == "no markers\n"
 
 
-def test_bench_train_quick_reports_headspace(tmp_path: Path) -> None:
+def test_bench_train_quick_reports_headspace(tmp_path: Path, pictures: Path) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("cv2")
     out = tmp_path / "out"
-    (tmp_path / "d").mkdir()
-    assert (
-        main(["bench", "train", "--quick", "--data", str(tmp_path / "d"), "--out", str(out)]) == 0
-    )
+    assert main(["bench", "train", "--quick", "--data", str(pictures), "--out", str(out)]) == 0
     data = json.loads((out / "train.json").read_text())
     assert data["unit"] == "steps/s"
     cases = {m["case"] for m in data["measurements"]}
@@ -377,13 +385,12 @@ def test_report_names_each_run_and_leaves_out_what_is_not_a_result(
 
 
 def test_bench_autotune_quick_compares_the_tuned_pipeline_with_the_grid_s_best(
-    tmp_path: Path,
+    tmp_path: Path, pictures: Path
 ) -> None:
     pytest.importorskip("obstore")
     pytest.importorskip("cv2")
     out = tmp_path / "out"
-    (tmp_path / "d").mkdir()
-    args = ["bench", "autotune", "--quick", "--data", str(tmp_path / "d"), "--out", str(out)]
+    args = ["bench", "autotune", "--quick", "--data", str(pictures), "--out", str(out)]
     assert main(args) == 0
     data = json.loads((out / "autotune.json").read_text())
     rows = {(m["case"], m["contender"]): m for m in data["measurements"]}

@@ -1,9 +1,11 @@
 """Real torch.distributed gloo groups on loopback, and an S3 server that counts its GETs.
 
-``run_ranks(world, scenario, **args)`` starts ``world`` processes (spawned, as torchrun's
-are separate interpreters), each joining one gloo group over TCP on 127.0.0.1 and calling
-``scenario(rank, world, **args)``; it returns each rank's result, or raises what a rank
-raised. Scenarios are module-level functions of this module, so the children can import them.
+``run_ranks(world, scenario, **args)`` starts ``world`` processes, each joining one gloo group
+over TCP on 127.0.0.1 and calling ``scenario(rank, world, **args)``; it returns each rank's
+result, or raises what a rank raised. The ranks start from the fork server, which has imported
+torch (tests/conftest.py): like torchrun's, they share no state with this process or with each
+other, without each importing torch. Scenarios are module-level functions of this module, so
+the children can import them.
 """
 
 from __future__ import annotations
@@ -152,7 +154,7 @@ def run_ranks(
         port = store.port
     else:
         port = _free_port()
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
     out = ctx.Queue()
     hang = max(1.0, timeout - 3)
     procs = [

@@ -299,7 +299,7 @@ def test_ranks_built_with_different_settings_are_refused() -> None:
 def test_measure_exchange_gives_every_rank_the_same_terms_and_bigger_samples_a_lower_rate() -> None:
     import math
 
-    small, large = 1_000, 4_000_000
+    small, large = 1_000, 1_000_000
     results = run_ranks(3, _ranks.exchange_costs, sizes=[small, large])
     assert results[0] == results[1] == results[2]  # the slowest rank's, everywhere
     (l_small, r_small, size_small, world), (l_large, r_large, size_large, _) = results[0]
@@ -308,7 +308,8 @@ def test_measure_exchange_gives_every_rank_the_same_terms_and_bigger_samples_a_l
     assert 0 <= l_large < 1
     assert 0 < r_large < math.inf
     assert 0 < r_small < math.inf
-    # 4,000 times the bytes (copied and CRC-checked at both ends): far fewer samples a second.
+    # 1,000 times the bytes (copied and CRC-checked at both ends): far fewer samples a second
+    # (30 to 60 times fewer measured on a loaded 2-core machine).
     assert r_large < r_small / 2
 
 

@@ -8,13 +8,19 @@ import threading
 from collections.abc import Callable, Iterator
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    # Room for every connection a test opens at once: beyond socketserver's backlog of 5, a
+    # connection's SYN is dropped and the client sends it again a second later.
+    request_queue_size = 128
+
+
 @contextlib.contextmanager
 def serving(
     handler: type[http.server.BaseHTTPRequestHandler],
     before_stop: Callable[[], None] = lambda: None,
 ) -> Iterator[str]:
     """Serve ``handler`` on a free port; yields the base URL. ``before_stop`` unblocks handlers."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = _Server(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -28,7 +28,12 @@ FAULTS = ("flip", "short", "etag")
 
 
 class _Damaging(Handler):
-    """Forwards GETs to the S3 server and damages a share of the answers, or all of a key's."""
+    """Forwards GETs to the S3 server and damages a share of the answers, or all of a key's.
+
+    The server's answer to a request (its path and Range) is kept and served again to the
+    same request: the objects do not change, and moto's answers (a few ms of this process's
+    CPU each) would be most of the time of thousands of reads.
+    """
 
     upstream: ClassVar[str] = ""
     share: ClassVar[float] = 0.0
@@ -36,8 +41,14 @@ class _Damaging(Handler):
     rng: ClassVar[random.Random] = random.Random(0)
     lock: ClassVar[threading.Lock] = threading.Lock()
     done: ClassVar[Counter[str]] = Counter()
+    answers: ClassVar[dict[tuple[str, str], tuple[int, bytes, dict[str, str]]]] = {}
 
-    def do_GET(self) -> None:
+    def _upstream(self) -> tuple[int, bytes, dict[str, str]]:
+        request = (self.path, self.headers.get("Range", ""))
+        with self.lock:
+            known = self.answers.get(request)
+        if known is not None:
+            return known
         host = urlsplit(self.upstream)
         conn = http.client.HTTPConnection(host.hostname, host.port, timeout=30)
         headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
@@ -47,10 +58,18 @@ class _Damaging(Handler):
         conn.close()
         keep = ("ETag", "Last-Modified", "Content-Type", "Content-Range", "Accept-Ranges")
         out = {k: response.headers[k] for k in keep if response.headers.get(k)}
+        if response.status in (200, 206):
+            with self.lock:
+                self.answers[request] = (response.status, body, out)
+        return response.status, body, out
+
+    def do_GET(self) -> None:
+        status, body, out = self._upstream()
+        out = dict(out)  # the kept answer's headers stay as the server sent them
         key = self.path.rsplit("/", 1)[-1]
         with self.lock:
             fault = self.always.get(key)
-            if fault is None and response.status == 200 and self.rng.random() < self.share:
+            if fault is None and status == 200 and self.rng.random() < self.share:
                 fault = self.rng.choice(FAULTS)
             cut = self.rng.randrange(1, 100)
             spot = self.rng.randrange(len(body)) if body else 0
@@ -63,7 +82,7 @@ class _Damaging(Handler):
             out["ETag"] = '"' + hashlib.md5(body + b"x").hexdigest() + '"'
         elif fault == "multipart":  # an ETag that is no MD5: nothing to check against
             out["ETag"] = '"0123456789abcdef0123456789abcdef-2"'
-        self.reply(response.status, body, out)
+        self.reply(status, body, out)
 
 
 @pytest.fixture
@@ -73,6 +92,7 @@ def proxy(s3: str) -> Iterator[str]:
     _Damaging.always = {}
     _Damaging.rng = random.Random(0)
     _Damaging.done = Counter()
+    _Damaging.answers = {}
     with serving(_Damaging) as url:
         yield url
 

@@ -39,16 +39,18 @@ FIXED: dict[str, int | None] = {
 
 def range_cases(
     root: Path,
-    quick: bool,
+    count: int,
     repeats: int,
     oracle: str,
     tuned: str,
     progress: Callable[[str], None],
     notes: list[str],
 ) -> list[Measurement]:
-    """Both cases' oracle and tuned rows (the fixed choices' rates go in ``notes``)."""
+    """Both cases' oracle and tuned rows (the fixed choices' rates go in ``notes``).
+
+    ``count``: the objects each pass reads.
+    """
     files = random_files(root, 2, OBJECT_BYTES)
-    count = 4 if quick else 16  # objects per pass
     found: list[Measurement] = []
     for name, per_connection, total in (
         ("8 MiB objects, 20 ms, 10 MB/s per connection", 10e6, 0.0),

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from ._common import ScenarioResult
 from ._machine import machine_info
@@ -15,11 +17,23 @@ __all__ = [
     "EXTRAS",
     "REQUIRES",
     "SCENARIOS",
+    "SMOKE_ENV",
     "BenchOptions",
     "install_hint",
     "missing_modules",
     "run_scenarios",
 ]
+
+
+SMOKE_ENV = "FEEDLINE_BENCH_SMOKE"
+"""Set to 1, ``--quick`` shrinks the scenarios further, for feedline's own tests (see
+:attr:`BenchOptions.smoke`)."""
+
+_T = TypeVar("_T")
+
+
+def _smoke_from_env() -> bool:
+    return os.environ.get(SMOKE_ENV, "") not in ("", "0")
 
 
 @dataclass(frozen=True)
@@ -28,6 +42,10 @@ class BenchOptions:
 
     Attributes:
         quick: Tiny sizes and one repeat: a smoke test, not a measurement.
+        smoke: With ``quick``, the least work that still runs every part of a scenario once
+            (every case, every kind of contender, a few items each): for feedline's test
+            suite, whose tests check that a scenario runs to its end and reports in full,
+            not its figures. Set by ``FEEDLINE_BENCH_SMOKE=1`` in the environment.
         progress: Called with a one-line message as work advances.
         data_dir: Where generated datasets are cached (None: the default cache), or a folder
             of the user's JPEGs for the picture scenarios (see :func:`._data.user_jpegs`).
@@ -40,6 +58,13 @@ class BenchOptions:
     progress: Callable[[str], None] | None = None
     data_dir: Path | None = None
     steps: Callable[[str, int, int], None] | None = None
+    smoke: bool = field(default_factory=_smoke_from_env)
+
+    def size(self, full: _T, quick: _T, smoke: _T) -> _T:
+        """``full``, or with ``quick`` the ``quick`` size (``smoke`` when :attr:`smoke`)."""
+        if not self.quick:
+            return full
+        return smoke if self.smoke else quick
 
 
 SCENARIOS: dict[str, str] = {

@@ -194,9 +194,13 @@ def run(options: BenchOptions) -> ScenarioResult:
     progress = options.progress or (lambda _m: None)
     quick = options.quick
     repeats = 1 if quick else 3
-    grid_s = 0.8 if quick else 1.5
-    tuned_s = 2.0 if quick else 8.0
+    grid_s = options.size(1.5, 0.8, 0.3)
+    tuned_s = options.size(8.0, 2.0, 1.5)  # a smoke test's still has points to chart
     steady_from = tuned_s / 2
+    # A smoke test searches two configurations per case, and waits less on the server's
+    # change of latency.
+    smoke = quick and options.smoke
+    wait_scale = 0.3 if smoke else 1.0
     pictures = jpeg_files(
         16 if quick else 64, directory=options.data_dir, progress=progress, steps=options.steps
     )
@@ -260,6 +264,8 @@ def run(options: BenchOptions) -> ScenarioResult:
             cases[1], tuned_s, progress, notes, (pictures_server.pid, blob_server.pid)
         )
         for case in cases:
+            if smoke:
+                case.grid = _two_configurations(case.grid)
             progress(f"{case.name}: grid search over {case.grid}")
             best = _grid(case, grid_s, progress)
             rounds = max(repeats, case.rounds)
@@ -271,14 +277,20 @@ def run(options: BenchOptions) -> ScenarioResult:
                 f"{_describe(timeline[-1][2]) if timeline else '-'}"
             )
         measurements += _latency_change(
-            cases[0], pictures_server, tuned_s, repeats, progress, notes
+            cases[0], pictures_server, tuned_s, repeats, progress, notes, wait_scale
         )
         measurements += budgeted
         measurements += _against_tf(
             pictures, pictures_server, pic_store, repeats, tuned_s, progress, notes
         )
     measurements += range_cases(
-        cache_dir(options.data_dir), quick, repeats, ORACLE, TUNED, progress, notes
+        cache_dir(options.data_dir),
+        options.size(16, 4, 2),
+        repeats,
+        ORACLE,
+        TUNED,
+        progress,
+        notes,
     )
     notes += [
         f"{repeats} alternating rounds per case ({cases[0].rounds or repeats} for read + "
@@ -294,6 +306,12 @@ def run(options: BenchOptions) -> ScenarioResult:
     result.timelines = timelines
     result.case_baselines = {TF_CASE: TF}
     return result
+
+
+def _two_configurations(grid: dict[str, list[int]]) -> dict[str, list[int]]:
+    """The grid's first stage with two of its values, the other stages with their first."""
+    first, *others = grid
+    return {first: grid[first][:2], **{stage: grid[stage][:1] for stage in others}}
 
 
 def _describe(config: dict[str, Any]) -> str:
@@ -342,10 +360,13 @@ def _latency_change(
     rounds: int,
     progress: Callable[[str], None],
     notes: list[str],
+    scale: float = 1.0,
 ) -> list[Measurement]:
     """The server's wait goes from 10 to 100 ms mid-run: how soon is the tuned one back.
 
     A tuned pipeline starts cold in each of ``rounds`` runs; the figures are their medians.
+    ``scale`` shortens (below 1) the grid search at 100 ms, the oracle's run and the tuned
+    pipeline's run after the change.
     """
     name = "read + decode, server 10 -> 100 ms"
     backs: list[float] = []
@@ -354,10 +375,11 @@ def _latency_change(
     try:
         server.set_delay(0.1)
         progress(f"{name}: the oracle at 100 ms")
+        reads = [64, 128, 256] if scale >= 1 else [64, 128]
         best = _grid(
-            _Case(case.name, case.build, {"read": [64, 128, 256], "decode": [2]}), 2.0, progress
+            _Case(case.name, case.build, {"read": reads, "decode": [2]}), 2.0 * scale, progress
         )
-        oracle = _rate(_timeline(case.build(best, {}), 3.0), 1.0)
+        oracle = _rate(_timeline(case.build(best, {}), 3.0 * scale), 1.0 * scale)
         changed = tuned_s / 2
         for r in range(rounds):
             server.set_delay(0.01)
@@ -369,10 +391,10 @@ def _latency_change(
                     switched.append(t)
                     server.set_delay(0.1)
 
-            points = _timeline(case.build({}, {"autotune": True}), tuned_s + 4.0, at)
+            points = _timeline(case.build({}, {"autotune": True}), tuned_s + 4.0 * scale, at)
             if switched:
                 backs.append(_reached(points, 0.9 * oracle, switched[0]))
-                afters.append(_rate(points, switched[0] + 2.0))
+                afters.append(_rate(points, switched[0] + 2.0 * scale))
                 ends.append(points[-1][2].get("read") if points else "-")
     finally:
         server.set_delay("lognormal:0.02:0.8:0.005:0.1")
@@ -382,8 +404,8 @@ def _latency_change(
     notes.append(
         f"{name}: the oracle at 100 ms ({_describe(best)}) {oracle:,.0f} items/s; tuned: back "
         f"at 90 % of it {back:.2f} s after the change (median of {len(backs)} cold runs: "
-        f"{each}; a run not back within {tuned_s / 2 + 4:g} s counts as the slowest), "
-        f"{after:,.0f} items/s from 2 s after, read concurrency at the end "
+        f"{each}; a run not back within {tuned_s / 2 + 4 * scale:g} s counts as the "
+        f"slowest), {after:,.0f} items/s from {2 * scale:g} s after, read concurrency at the end "
         f"{', '.join(str(e) for e in ends)}"
     )
     m = Measurement(name, TUNED, after, afters, after / oracle if oracle else None)

@@ -240,9 +240,23 @@ class _Terms:
         self.local.close()
 
 
+def _rank_context() -> Any:
+    # The ranks start from the fork server, which imports torch.distributed and this module
+    # once if it has not started yet (each rank importing them took 3 s of CPU; not timed
+    # either way: the epochs are timed between barriers).
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    if server is not None and getattr(server, "_forkserver_pid", 0) is None:
+        current = list(getattr(server, "_preload_modules", ["__main__"]))
+        extra = [m for m in ("torch.distributed", __name__) if m not in current]
+        forkserver.set_forkserver_preload(current + extra)
+    return mp.get_context("forkserver")
+
+
 def _spawn(world: int, target: Any, args: tuple[Any, ...]) -> Any:
     # Run target(rank, world, port, *args, out) on `world` processes; rank 0's report.
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     out = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -387,15 +401,15 @@ def _describe(world: int, rounds: dict[str, list[list[dict[str, Any]]]]) -> str:
     )
 
 
-def _planning(steps: int) -> str:
-    # plan_for's time per step at PLAN_WORLD ranks, one copy and (fewer steps) two copies.
+def _planning(steps: int, world: int = PLAN_WORLD) -> str:
+    # plan_for's time per step at `world` ranks, one copy and (fewer steps) two copies.
 
     from feedline.distributed import GlobalSequence, holders, plan_for
     from feedline.distributed._placement import second_copies
 
-    size = PLAN_WORLD * PLAN_BATCH * 4
-    sequence = GlobalSequence(size, PLAN_WORLD, PLAN_BATCH, seed=0)
-    placed = holders(size, PLAN_WORLD, seed=0, replicas=2)
+    size = world * PLAN_BATCH * 4
+    sequence = GlobalSequence(size, world, PLAN_BATCH, seed=0)
+    placed = holders(size, world, seed=0, replicas=2)
     grid = sequence.grid(1)
     found = []
     for second, count in ((None, steps), (second_copies(placed, 0, 0.5), max(2, steps // 10))):
@@ -403,12 +417,12 @@ def _planning(steps: int) -> str:
         for k in range(count):
             rows = sequence.step(1, k % sequence.steps, grid)
             start = time.perf_counter()
-            plan_for(rows, placed[0], k % PLAN_WORLD, second)
+            plan_for(rows, placed[0], k % world, second)
             times.append((time.perf_counter() - start) * 1e3)
         found.append(f"{statistics.median(times):.2f} ms ({min(times):.2f}-{max(times):.2f})")
     return (
-        f"planning one step (plan_for, every rank computes it) at p = {PLAN_WORLD:,} and a "
-        f"global batch of {PLAN_WORLD * PLAN_BATCH:,}, median of {steps} steps: {found[0]}; "
+        f"planning one step (plan_for, every rank computes it) at p = {world:,} and a "
+        f"global batch of {world * PLAN_BATCH:,}, median of {steps} steps: {found[0]}; "
         f"with half the samples on two ranks (plus the maximum flow): {found[1]}"
     )
 
@@ -419,7 +433,7 @@ def run(options: BenchOptions) -> ScenarioResult:
     files = jpeg_files(
         16 if options.quick else 128, "imagenet", options.data_dir, progress, options.steps
     )
-    count = 256 if options.quick else 1536
+    count = options.size(1536, 256, 64)
     epochs = {kind: EPOCHS for kind in _NAMES}
     if not options.quick:  # the epochs from the caches take a fraction of a second
         epochs.update({kind: 1 + CACHED_EPOCHS for kind in _NAMES if kind != "regular"})
@@ -436,7 +450,7 @@ def run(options: BenchOptions) -> ScenarioResult:
         f"{RATE / 1e6:g} MB/s to all ranks together",
         f"{repeats} alternating round(s) per contender, medians; samples/s "
         "is the dataset over the epoch's time (the slowest rank's, between two barriers)",
-        _planning(5 if options.quick else 50),
+        _planning(options.size(50, 5, 3), options.size(PLAN_WORLD, PLAN_WORLD, 64)),
     ]
     with ServerProcess(files, DELAY, RATE) as server:
         for world in worlds:

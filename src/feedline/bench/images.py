@@ -181,7 +181,7 @@ def run(options: BenchOptions) -> ScenarioResult:
     """Run the images scenario; ``options.quick`` shrinks it to a smoke test."""
     quick, progress = options.quick, options.progress
     repeats = 1 if quick else 5
-    count = 64 if quick else 1024
+    count = options.size(1024, 64, 32)
     cores = os.cpu_count() or 1
     files = jpeg_files(count, "imagenet", options.data_dir, progress, options.steps)
     paths = [str(p) for p in files]
@@ -193,7 +193,7 @@ def run(options: BenchOptions) -> ScenarioResult:
         return costs.time(case, name, make).steady()
 
     setups: list[tuple[str, Any]] = []
-    for workers in (cores, 2 * cores):
+    for workers in options.size((cores, 2 * cores), (cores, 2 * cores), (cores,)):
         for decoder, label in (("PIL", "PIL"), ("feedline", "feedline decode")):
             setups.append(
                 (

@@ -107,12 +107,18 @@ class _PoolLoader:
 
 
 def _contenders(
-    case: str, dataset: Any, big: Any, costs: LoaderCosts, decode: bool
+    case: str,
+    dataset: Any,
+    big: Any,
+    costs: LoaderCosts,
+    decode: bool,
+    workers: tuple[int, ...] = (2, 4),
 ) -> list[Contender]:
     """PyTorch over ``dataset``; the thread-based loaders over ``big``.
 
     ``big`` has more items, so that a faster loader's pass is not mostly its start-up. With
-    ``decode``, a feedline pipeline (GETs in one stage, decoding in another) joins them.
+    ``decode``, a feedline pipeline (GETs in one stage, decoding in another) joins them. The
+    loaders with worker processes run with each of ``workers``.
     """
 
     def timed(name: str, make: Any) -> tuple[int, float]:
@@ -122,11 +128,13 @@ def _contenders(
         return result.items, result.seconds
 
     setups: list[tuple[str, Any]] = [
-        ("PyTorch workers=2", lambda: _torch(dataset, 2)),
-        ("PyTorch workers=4", lambda: _torch(dataset, 4)),
-        # Worker processes over PyTorch's dataset: their first batch beside PyTorch's.
-        ("feedline workers=2", lambda: _feedline(dataset, workers=2)),
-        ("feedline workers=4", lambda: _feedline(dataset, workers=4)),
+        (f"PyTorch workers={w}", functools.partial(_torch, dataset, w)) for w in workers
+    ]
+    # Worker processes over PyTorch's dataset: their first batch beside PyTorch's.
+    setups += [
+        (f"feedline workers={w}", functools.partial(_feedline, dataset, workers=w)) for w in workers
+    ]
+    setups += [
         ("feedline", lambda: _feedline(big)),
         # The epoch ledger's cost: the default with it turned off (FEEDLINE_LEDGER=0).
         (NO_LEDGER, lambda: _LedgerOff(_feedline(big))),
@@ -137,8 +145,9 @@ def _contenders(
     if decode:
         cores = os.cpu_count() or 1
         keys = range(len(big))
+        at = 2 * len(workers) + 2  # after the default DataLoader and its ledger's cost
         setups.insert(
-            6,
+            at,
             (
                 "feedline pipeline",
                 lambda: SlotPipeline(
@@ -149,7 +158,7 @@ def _contenders(
         store = _remote_store(big.url)
         if store is not None:
             setups.insert(
-                7,
+                at + 1,
                 (
                     "feedline pipeline, RemoteStore",
                     lambda: SlotPipeline(
@@ -163,7 +172,7 @@ def _contenders(
                 ),
             )
         setups.insert(
-            7,
+            at + 1,
             (
                 "feedline pipeline, autotuned",
                 lambda: SlotPipeline(
@@ -224,7 +233,8 @@ def run(options: BenchOptions) -> ScenarioResult:
     quick, progress = options.quick, options.progress
     repeats = 1 if quick else 5
     measurements: list[Measurement] = []
-    count = 64 if quick else 640
+    count = options.size(640, 64, 32)
+    workers = options.size((2, 4), (2, 4), (2,))  # a smoke test starts fewer processes
     files = jpeg_files(8 if quick else 64, "imagenet", options.data_dir, progress, options.steps)
     cases: list[tuple[str, float, bool | None]] = [
         ("20 ms sleep", 0.020, None),
@@ -246,7 +256,7 @@ def run(options: BenchOptions) -> ScenarioResult:
                 big = HttpDataset(server.url, count * (2 if decode else 5), decode=decode)
                 if not decode:
                     http_cpu = _http_cpu_per_item(server, big)
-            contenders = _contenders(case, dataset, big, costs, bool(decode))
+            contenders = _contenders(case, dataset, big, costs, bool(decode), workers)
             measurements += _against_best_pytorch(
                 alternate(case, contenders, repeats, None, progress)
             )

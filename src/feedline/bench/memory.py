@@ -74,8 +74,8 @@ def _measure(contender: str, count: int, batches: int) -> tuple[float, int, int]
 
 def run(options: BenchOptions) -> ScenarioResult:
     """Run the memory scenario; ``options.quick`` shrinks it to a smoke test."""
-    count = 50_000 if options.quick else 2_000_000
-    batches = 20 if options.quick else 400
+    count = options.size(2_000_000, 50_000, 10_000)
+    batches = options.size(400, 20, 5)
     repeats = 1 if options.quick else 3
     results: dict[str, list[tuple[float, int, int]]] = {}
     for r in range(repeats):

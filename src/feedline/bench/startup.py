@@ -45,17 +45,13 @@ def run(options: BenchOptions) -> ScenarioResult:
     DecodeDataset(pictures, "feedline")[0]  # import the decoder's libraries now, not in
     # whichever contender runs first
     costs = LoaderCosts(periodic=False)  # one sample, once the batch is there: none timed
-    setups = [
-        ("PyTorch workers=0", "torch", 0),
-        ("PyTorch workers=2", "torch", 2),
-        ("PyTorch workers=4", "torch", 4),
-        ("feedline", "feedline", 0),
-        ("feedline workers=2", "feedline", 2),
-        ("feedline workers=4", "feedline", 4),
-    ]
+    workers = options.size((0, 2, 4), (0, 2, 4), (0, 2))  # a smoke test starts fewer processes
+    setups = [(f"PyTorch workers={w}", "torch", w) for w in workers]
+    setups += [(f"feedline workers={w}" if w else "feedline", "feedline", w) for w in workers]
+    shuffled = options.size(IMAGENET_ITEMS, IMAGENET_ITEMS, 10_000)
     cases = [
         (f"first batch of {BATCH}", BATCH * 2, False),
-        (f"first batch of {BATCH}, {IMAGENET_ITEMS:,} items shuffled", IMAGENET_ITEMS, True),
+        (f"first batch of {BATCH}, {shuffled:,} items shuffled", shuffled, True),
     ]
 
     def first_batch(case: str, name: str, make: Any) -> tuple[int, float]:
@@ -72,14 +68,14 @@ def run(options: BenchOptions) -> ScenarioResult:
                     first_batch,
                     case,
                     name,
-                    functools.partial(_make, kind, workers, dataset, shuffle),
+                    functools.partial(_make, kind, n, dataset, shuffle),
                 ),
             )
-            for name, kind, workers in setups
+            for name, kind, n in setups
         ]
         found += alternate(case, contenders, repeats, "PyTorch workers=2", options.progress)
     costs.attach(found)
-    found += _after_a_store(options, repeats)
+    found += _after_a_store(options, repeats, [w for w in workers if w])
     notes = [
         jpeg_source(options.data_dir),
         f"{repeats} alternating run(s) per contender, medians. items/s here is first batches "
@@ -149,7 +145,7 @@ if __name__ == "__main__":
 """
 
 
-def _after_a_store(options: BenchOptions, repeats: int) -> list[Any]:
+def _after_a_store(options: BenchOptions, repeats: int, workers: list[int]) -> list[Any]:
     # The first batch with workers in a process that used a RemoteStore, each run a process
     # of its own (the fork server starts cold in each, as in a new training job).
     import json
@@ -184,14 +180,11 @@ def _after_a_store(options: BenchOptions, repeats: int) -> list[Any]:
             costs.setdefault(name, []).append(measured)
             return 1, measured["first_batch_ms"] / 1000
 
+        setups = [(f"PyTorch forkserver workers={w}", "torch", w) for w in workers]
+        setups += [(f"feedline workers={w}", "feedline", w) for w in workers]
         contenders = [
-            Contender(name, functools.partial(fresh, name, kind, workers))
-            for name, kind, workers in (
-                ("PyTorch forkserver workers=2", "torch", 2),
-                ("PyTorch forkserver workers=4", "torch", 4),
-                ("feedline workers=2", "feedline", 2),
-                ("feedline workers=4", "feedline", 4),
-            )
+            Contender(name, functools.partial(fresh, name, kind, count))
+            for name, kind, count in setups
         ]
         found = alternate(
             AFTER_STORE, contenders, repeats, "PyTorch forkserver workers=2", options.progress
