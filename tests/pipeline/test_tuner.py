@@ -528,3 +528,71 @@ def test_the_next_epoch_builds_the_queue_after_a_tuned_stage_for_its_calls() -> 
         assert stats["read"].queue.capacity >= stats["read"].concurrency >= settled, stats
         break
     pipeline.stop()
+
+
+class _Counters:
+    """What the tuner reads of a stage's counters, set by hand."""
+
+    def __init__(self, concurrency: int) -> None:
+        self.lock = threading.Lock()
+        self.concurrency = concurrency
+        self.busy_time = 0.0
+        self.calls = 0
+        self.ewma = 0.0
+
+    def slots(self, t: float) -> float:
+        return 0.0
+
+
+class _Stage:
+    """A stage as the tuner sees it: a name, counters, a concurrency to set."""
+
+    def __init__(self, concurrency: int, name: str = "s") -> None:
+        self.name = name
+        self.counters = _Counters(concurrency)
+
+    def set_concurrency(self, concurrency: int) -> None:
+        self.counters.concurrency = concurrency
+
+
+def test_a_queue_between_two_tuned_stages_keeps_room_for_the_larger() -> None:
+    # 64 reads feed 2 decodes: a trial of the decode at 4, put back at 2, must leave the
+    # queue between them at 64 (it went down to the build's size, and the reads waited).
+    from feedline.pipeline._growth import Growth
+    from feedline.pipeline._queue import Channel
+    from feedline.pipeline._tuner import Knob, Tuner
+    from feedline.pipeline._tuning import Tuning
+
+    stages = [_Stage(1), _Stage(4), _Stage(2)]
+    channels = [Channel(f"{i}->", 4, Growth(4, 1024, 1 << 30) if i < 2 else None) for i in range(3)]
+    read, decode = Knob(stages[1], 1, 1, 128), Knob(stages[2], 2, 1, 8)
+    tuner = Tuner([read, decode], channels, Tuning(cpu_budget=2), stages)
+    tuner._set(read, 64)
+    assert channels[0].capacity == channels[1].capacity == 64
+    tuner._set(decode, 4)
+    tuner._set(decode, 2)
+    assert channels[1].capacity == 64
+    tuner._set(read, 8)  # and the read lowered: the queue shrinks to what it needs
+    assert channels[1].capacity == 8
+
+
+def test_a_stage_halved_for_the_memory_budget_frees_the_queue_before_it() -> None:
+    # 64 reads of 100 KiB feed 8 decodes of 4 MiB results, 40 MiB allowed: halving the
+    # decode to 4 fits, with the queue between them at its first size (sized for the reads
+    # instead, it took 6 MiB back, and the decode was halved once more).
+    from feedline.pipeline._growth import Growth
+    from feedline.pipeline._queue import Channel
+    from feedline.pipeline._tuner import Knob, Tuner
+    from feedline.pipeline._tuning import Tuning
+
+    stages = [_Stage(1), _Stage(4), _Stage(8)]
+    channels = [Channel(f"{i}->", 4, Growth(4, 1024, 1 << 40) if i < 2 else None) for i in range(3)]
+    read, decode = Knob(stages[1], 1, 1, 128), Knob(stages[2], 2, 1, 8)
+    tuning = Tuning(cpu_budget=2, memory_budget=40 << 20)
+    tuner = Tuner([read, decode], channels, tuning, stages)
+    tuner._set(read, 64)
+    tuner._sizes[1].nbytes, tuner._sizes[2].nbytes = 100 << 10, 4 << 20
+    tuner._keep_within(40 << 20)
+    assert tuner._held_bytes() <= 40 << 20
+    assert (read.concurrency, decode.concurrency) == (64, 4), tuner.decisions
+    assert channels[1].capacity == 4
