@@ -19,7 +19,7 @@ from feedline.pipeline._decide import CEILING_TTL, Memory
 
 from ._windows import Play, W, computes, gate, holds_the_gil, server, waits
 
-# The window after a raise of 4 to 8 calls of 4 ms (1,000 items/s) that did not pay, calls as long.
+# After a raise of 4 to 8 calls of 4 ms (1,000 items/s): a window as fast, calls as long.
 SAME = W(1000, task=0.004)
 
 
@@ -237,6 +237,14 @@ CASES = [
         "the first window's calls are no measure: fewer are tried though calls were as long",
         [W(400, 1.0, 0.004, first=True, seconds=0.1), W(400, 1.0, 0.004)],
         ["s raise 4", "s lower 1"],
+        start=(2,),
+    ),
+    Case(
+        # Its rate held down by the start-up, but calls twice as long at twice as many: the
+        # stage's capacity did not grow (a decode on busy cores).
+        "a raise from the first window whose calls got as much longer is not kept",
+        [W(400, 1.0, 0.005, first=True, seconds=0.1), W(600, 1.5, 0.01)],
+        ["s raise 4", "s undo 2"],
         start=(2,),
     ),
     Case(

@@ -207,8 +207,8 @@ class Trial:
         before: The concurrency it had.
         after: The concurrency it has under trial.
         rate: The output rate before it.
-        task: Its mean call time before (0: not known, as in the run's first window); its
-            capacity was ``before / task`` calls a second.
+        capacity: The calls it could end a second before (``before / task``; 0: not known).
+        task: Its mean call time before (0: not known, or the run's first window's, cold).
         demand: Its calls ended per second before (0: not known).
         waits: Its calls waited more than they computed (see :data:`WAITING`).
 
@@ -218,6 +218,7 @@ class Trial:
     before: int
     after: int
     rate: float
+    capacity: float = 0.0
     task: float = 0.0
     demand: float = 0.0
     waits: bool = False
@@ -302,7 +303,7 @@ def _judge(
         return None
     share = 0.0 if trial.waits else SHARE
     need = max(GAIN, 1 + (min(after / before, JUDGED_RAISE) - 1) * share)
-    grew = trial.task <= 0 or capacity >= before / trial.task * need
+    grew = capacity >= trial.capacity * need
     if (s.rate >= trial.rate * need and grew) or s.ended:
         mem[i] = _kept(m, st.task, trial, window)
         out.append(Decision(i, "keep", after, f"{before} -> {after} kept {rates}"))
@@ -415,9 +416,10 @@ def _raise(s: Sample, mem: list[Memory], window: int, out: list[Decision]) -> Tr
     why = f"trying {target} (was {c}, {s.rate:,.0f} items/s; {why})"
     out.append(Decision(i, "raise", target, why))
     waits = st.in_flight >= WAITING * max(s.cores, 0.5)
-    # The first window's calls were cold: no measure of how long calls are.
+    capacity = c / st.task if st.task > 0 else 0.0
+    # The first window's calls were cold: no measure of how long calls are (as conditions).
     task = 0.0 if s.first else st.task
-    return Trial(i, c, target, s.rate, task=task, demand=st.ended, waits=waits)
+    return Trial(i, c, target, s.rate, capacity, task, st.ended, waits)
 
 
 def _to_feed(s: Sample, i: int) -> int:
