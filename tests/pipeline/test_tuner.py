@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import sys
 import threading
 import time
 import weakref
@@ -177,6 +178,31 @@ def test_a_read_raised_on_a_cold_start_is_not_tried_back() -> None:
     )
     stats = run_until(pipeline, lambda s: s["read"].concurrency >= 16)
     assert not any("again" in d for d in stats.tuning), stats.tuning
+
+
+@pytest.mark.skipif(
+    getattr(sys, "_is_gil_enabled", lambda: True)(),
+    reason="under the GIL a second thread of Python code pays only on a loaded machine",
+)
+def test_python_code_on_free_threaded_python_gets_a_thread_per_core() -> None:
+    # A loop of Python bytecode: without the GIL a second thread doubles its rate, and the
+    # tuner keeps it (judging what the raise did, as it does under the GIL, where a second
+    # thread only makes each call longer: see the decisions' table and its simulations).
+    def parse(i: int) -> int:
+        total = 0
+        for k in range(3000):
+            total += k * k % 7
+        return total
+
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(10**9))
+        .pipe(parse, concurrency=Auto(start=1, high=2))
+        .add_sink()
+        .build()
+    )
+    run_until(pipeline, decided(r"parse: (back to 2|1 -> 2 kept \()"))
+    assert pipeline.settled_concurrency()["parse"] == 2
 
 
 def test_explicit_concurrency_is_never_changed_and_bounds_hold() -> None:

@@ -240,6 +240,31 @@ CASES = [
         start=(2,),
     ),
     Case(
+        # Calls that compute (or hold the GIL): the raise looked as if it paid against the
+        # start-up, and is tried back; as fast there, it stays, and the next raise is judged
+        # on warm windows.
+        "a raise kept against the first window is tried back, and fewer kept if as fast",
+        [
+            W(400, 1.0, 0.0025, first=True, seconds=0.1),
+            W(800, 1.0, 0.0025),
+            W(800, 1.0, 0.00125),
+        ],
+        ["s raise 2", "s keep 2; s lower 1", "s keep 1; s raise 2"],
+        start=(1,),
+    ),
+    Case(
+        # Python code on free-threaded Python: the second thread doubles the rate.
+        "a raise kept against the first window, tried back and slower there, is put back",
+        [
+            W(400, 1.0, 0.0025, first=True, seconds=0.1),
+            W(800, 1.9, 0.0025),
+            W(400, 1.0, 0.0025),
+        ],
+        ["s raise 2", "s keep 2; s lower 1", "s undo 2"],
+        start=(1,),
+        after={"floor": 1},
+    ),
+    Case(
         # Its rate held down by the start-up, but calls twice as long at twice as many: the
         # stage's capacity did not grow (a decode on busy cores).
         "a raise from the first window whose calls got as much longer is not kept",
@@ -421,6 +446,7 @@ def test_every_rule_has_a_row() -> None:
         "was slower",
         "the consumer is slower",
         "it used",
+        "against the start-up",
     ):
         assert reason in text, reason
 

@@ -16,7 +16,9 @@ judge the trial             a raise is kept if the output rate and the stage's c
                             the stage is tried lower (:data:`LOWER_CORES`,
                             :data:`CONTENTION`), kept if as fast (:data:`KEEP_LOWER`), else
                             put back with a *floor*. A raise that did not pay is kept while
-                            another stage then limits the output.
+                            another stage then limits the output; one kept against the run's
+                            first window is tried back where its calls compute
+                            (:data:`COMPUTES`).
 conditions changed          calls at the kept concurrency :data:`CHANGED` times longer or
                             shorter drop ceiling and floor; longer ones let the next raise
                             jump to the calls in flight the rate needs (Little's law,
@@ -55,6 +57,12 @@ WAITING = 4.0
 """A stage with this many calls in flight per core the process kept busy waits more than it
 computes: its raise needs only :data:`GAIN` (calls that wait cost memory, not cores; a read
 raised from 32 to 64 for 6 % was held at 40 otherwise)."""
+
+COMPUTES = 0.25
+"""Calls that kept this share of a core busy each, or more, compute (or hold the GIL): a raise
+of them kept against the run's first window is tried back (the start-up, not the raise, may
+have brought the gain). Calls that wait leave the cores idle (reads of 20 ms: 0.02 a call),
+and their raise stands."""
 
 KEEP_LOWER = 0.97
 """Fewer calls are kept if the output stays at this share of its rate, and the stage can still
@@ -210,7 +218,10 @@ class Trial:
         capacity: The calls it could end a second before (``before / task``; 0: not known).
         task: Its mean call time before (0: not known, or the run's first window's, cold).
         demand: Its calls ended per second before (0: not known).
-        waits: Its calls waited more than they computed (see :data:`WAITING`).
+        in_flight: Its calls in flight before, on average.
+        cores: The cores the process kept busy before (see :data:`WAITING`,
+            :data:`COMPUTES`).
+        cold: Decided on the run's first window, whose rate the start-up held down.
 
     """
 
@@ -221,7 +232,9 @@ class Trial:
     capacity: float = 0.0
     task: float = 0.0
     demand: float = 0.0
-    waits: bool = False
+    in_flight: float = 0.0
+    cores: float = 0.0
+    cold: bool = False
 
 
 @dataclass(frozen=True)
@@ -269,15 +282,18 @@ def decide(state: State, s: Sample) -> tuple[State, list[Decision]]:
             return State(tuple(mem), trial, window), out
     for i, st in enumerate(s.stages):
         mem[i] = _expire(mem[i], st, s.t, window)
-    if s.sink_full > BLOCKED:
-        if not s.first:
-            trimmed = _trim(s, mem, out)
-            if s.rate > 0:  # not a consumer that paused (an evaluation, a checkpoint)
-                trial = _fewer(s, mem, out, trimmed)
-    elif s.cores < (COLD_CPU if s.first else BUSY_CPU) * s.cpu_budget:
-        trial = _raise(s, mem, window, out)
-    if trial is None and not s.first and s.sink_full <= BLOCKED:
-        _trim(s, mem, out)
+    if s.first:  # only a raise, on idle cores: the start-up holds this window's rate down
+        if s.sink_full <= BLOCKED and s.cores < COLD_CPU * s.cpu_budget:
+            trial = _raise(s, mem, window, out)
+    elif s.sink_full > BLOCKED:  # the consumer is the slower side
+        trimmed = _trim(s, mem, out)
+        if s.rate > 0:  # not a consumer that paused (an evaluation, a checkpoint)
+            trial = _fewer(s, mem, out, trimmed)
+    else:
+        if s.cores < BUSY_CPU * s.cpu_budget:
+            trial = _raise(s, mem, window, out)
+        if trial is None:
+            _trim(s, mem, out)
     return State(tuple(mem), trial, window), out
 
 
@@ -301,12 +317,18 @@ def _judge(
             mem[i] = replace(m, floor=after, floor_until=s.t + CEILING_TTL, settle=window + 1)
             out.append(Decision(i, "undo", before, f"back to {before}, {after} was slower"))
         return None
-    share = 0.0 if trial.waits else SHARE
+    share = 0.0 if trial.in_flight >= WAITING * max(trial.cores, 0.5) else SHARE
     need = max(GAIN, 1 + (min(after / before, JUDGED_RAISE) - 1) * share)
     grew = capacity >= trial.capacity * need
     if (s.rate >= trial.rate * need and grew) or s.ended:
         mem[i] = _kept(m, st.task, trial, window)
         out.append(Decision(i, "keep", after, f"{before} -> {after} kept {rates}"))
+        if trial.cold and trial.cores >= COMPUTES * trial.in_flight and not s.ended:
+            # Judged against the start-up: tried back once, so that what stays was judged
+            # on warm windows (calls that wait leave the cores idle: their raise stands).
+            why = f"trying {before} again, {after} was judged against the start-up"
+            out.append(Decision(i, "lower", before, why))
+            return Trial(i, after, before, s.rate, task=st.task, demand=st.ended)
         return None
     other = next((j for j in _raisable(s, mem) if j != i), None)
     if other is not None and grew:  # two stages at one rate: neither raise alone pays
@@ -415,11 +437,10 @@ def _raise(s: Sample, mem: list[Memory], window: int, out: list[Decision]) -> Tr
         return None
     why = f"trying {target} (was {c}, {s.rate:,.0f} items/s; {why})"
     out.append(Decision(i, "raise", target, why))
-    waits = st.in_flight >= WAITING * max(s.cores, 0.5)
     capacity = c / st.task if st.task > 0 else 0.0
     # The first window's calls were cold: no measure of how long calls are (as conditions).
     task = 0.0 if s.first else st.task
-    return Trial(i, c, target, s.rate, capacity, task, st.ended, waits)
+    return Trial(i, c, target, s.rate, capacity, task, st.ended, st.in_flight, s.cores, s.first)
 
 
 def _to_feed(s: Sample, i: int) -> int:
