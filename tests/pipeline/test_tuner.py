@@ -286,7 +286,9 @@ def test_it_reconverges_when_the_latency_rises_tenfold() -> None:
 @pytest.mark.parametrize("size", [1 << 10, 1 << 20, 64 << 20])
 def test_items_in_queues_and_in_flight_stay_within_the_memory_budget(size: int) -> None:
     live = [0, 0]  # bytes alive, peak
-    lock = threading.Lock()
+    # Reentrant: on free-threaded Python an array is freed by the thread that made it, the
+    # next time it runs Python code, which may be inside this lock (make's own block).
+    lock = threading.RLock()
 
     def gone(n: int) -> None:
         with lock:
