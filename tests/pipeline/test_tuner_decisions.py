@@ -253,6 +253,19 @@ CASES = [
         start=(1,),
     ),
     Case(
+        # 2 reads of 30 ms feed 2 decodes that keep 1.5 cores busy: the raise was sized
+        # from call times (Little's law), the cores are the decodes'.
+        "a raise to feed the next stage, kept against the first window, is not tried back",
+        [
+            W(66, 1.5, (0.03, 0.002), (1.0, 0.07), seconds=0.1, first=True),
+            W(533, 1.5, (0.03, 0.002), (1.0, 0.53)),
+        ],
+        ["read raise 16", "read keep 16; read raise 38"],
+        start=(2, 2),
+        names=("read", "check"),
+        high=(64, 4),
+    ),
+    Case(
         # Python code on free-threaded Python: the second thread doubles the rate.
         "a raise kept against the first window, tried back and slower there, is put back",
         [

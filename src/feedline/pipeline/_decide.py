@@ -221,7 +221,8 @@ class Trial:
         in_flight: Its calls in flight before, on average.
         cores: The cores the process kept busy before (see :data:`WAITING`,
             :data:`COMPUTES`).
-        cold: Decided on the run's first window, whose rate the start-up held down.
+        cold: Decided on the run's first window, whose rate the start-up held down, by a
+            rate alone (not to feed the next stage).
 
     """
 
@@ -423,6 +424,7 @@ def _raise(s: Sample, mem: list[Memory], window: int, out: list[Decision]) -> Tr
     i = found[0]
     st, m = s.stages[i], mem[i]
     c = st.concurrency
+    feed = 0
     if m.ceiling is None:
         jump = m.jump if window <= m.jump_until else 0
         feed = _to_feed(s, i)
@@ -440,7 +442,10 @@ def _raise(s: Sample, mem: list[Memory], window: int, out: list[Decision]) -> Tr
     capacity = c / st.task if st.task > 0 else 0.0
     # The first window's calls were cold: no measure of how long calls are (as conditions).
     task = 0.0 if s.first else st.task
-    return Trial(i, c, target, s.rate, capacity, task, st.ended, st.in_flight, s.cores, s.first)
+    # A raise to feed the next stage is sized by call times, not judged by a rate alone (and
+    # the cores busy are that stage's): it is not tried back.
+    cold = s.first and target != feed
+    return Trial(i, c, target, s.rate, capacity, task, st.ended, st.in_flight, s.cores, cold)
 
 
 def _to_feed(s: Sample, i: int) -> int:
