@@ -16,8 +16,8 @@ judge the trial             a raise is kept if the output rate and the stage's c
                             the stage is tried lower (:data:`LOWER_CORES`,
                             :data:`CONTENTION`), kept if as fast (:data:`KEEP_LOWER`), else
                             put back with a *floor*. A raise that did not pay is kept while
-                            another stage then limits the output; one kept against the run's
-                            first window is tried back where its calls compute
+                            another stage then limits the output. A raise kept against the
+                            run's first window is tried back where its calls compute
                             (:data:`COMPUTES`).
 conditions changed          calls at the kept concurrency :data:`CHANGED` times longer or
                             shorter drop ceiling and floor; longer ones let the next raise
