@@ -289,7 +289,9 @@ def test_worker_processes_yield_pytorch_batches_and_stop() -> None:
     dataset = Nested(37)
     kwargs: dict[str, Any] = {"batch_size": 4, "shuffle": True, "num_workers": 2}
     torch.manual_seed(5)
-    theirs = list(TorchLoader(dataset, multiprocessing_context="spawn", **kwargs))
+    # The reference from the fork server: its workers start with torch imported (a spawned
+    # one imports it anew, 3 s of CPU); the batches depend on the seed alone.
+    theirs = list(TorchLoader(dataset, multiprocessing_context="forkserver", **kwargs))
     torch.manual_seed(5)
     loader = DataLoader(dataset, persistent_workers=True, **kwargs)
     ours = list(loader)
