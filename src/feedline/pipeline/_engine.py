@@ -82,12 +82,11 @@ class Run:
         self._stopping = False
         self._stop_called = False  # the consumer asked to stop: later errors are not recorded
         self._stopped = False  # a stop ran to its end
-        self._stop_lock = threading.Lock()
+        self._stop_lock = threading.Lock()  # the stop flags, the error and the job count
         self._join_lock = threading.Lock()
         self.error: BaseException | None = None
         self.finished = False  # the consumer was told the epoch ended (not stopped part-way)
         self._jobs = 0
-        self._jobs_lock = threading.Lock()
         self._jobs_done = threading.Event()
         self._loop_ready = threading.Event()
         self._stop_event: asyncio.Event | None = None
@@ -280,14 +279,14 @@ class Run:
 
     def _job_begin(self) -> bool:
         # Count a job that stop() must wait for; refuse once the run is stopping.
-        with self._jobs_lock:
+        with self._stop_lock:
             if self._stopping:
                 return False
             self._jobs += 1
             return True
 
     def _job_done(self) -> None:
-        with self._jobs_lock:
+        with self._stop_lock:
             self._jobs -= 1
             done = self._jobs == 0 and self._stopping
         if done:
@@ -397,10 +396,9 @@ class Run:
         with self._stop_lock:
             if self._stopping:
                 return
-            with self._jobs_lock:
-                self._stopping = True
-                if self._jobs == 0:
-                    self._jobs_done.set()
+            self._stopping = True
+            if self._jobs == 0:
+                self._jobs_done.set()
         for channel in self.channels:
             channel.abort()
         self._sink.interrupt()

@@ -109,7 +109,8 @@ class _Worker:
 class _Generation:
     # The workers started together (at the first call after a close) and the thread serving them.
 
-    def __init__(self) -> None:
+    def __init__(self, initargs: tuple[Any, ...]) -> None:
+        self.initargs = initargs  # of the workers' initializer
         self.workers: list[_Worker] = []
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
@@ -155,7 +156,10 @@ class PipePool(Executor):
         context: The multiprocessing context that starts them (a fork server or spawn).
         name: What errors call the pool (a stage's name).
         initializer: Called with ``initargs`` first thing in each worker.
-        initargs: Arguments of ``initializer``.
+        initargs: Arguments of ``initializer``, or a function that makes them anew for each
+            start of the workers (the first call after a close).
+        on_end: Called with a start's ``initargs`` once its workers have ended (a process
+            region removes the shared memory they made and nobody mapped).
         on_result: Applied to each result in this process, on the pool's thread, before the
             caller gets it (a process region maps the result's shared memory there).
 
@@ -167,14 +171,15 @@ class PipePool(Executor):
         context: multiprocessing.context.BaseContext,
         name: str,
         initializer: Callable[..., Any] | None = None,
-        initargs: tuple[Any, ...] = (),
+        initargs: tuple[Any, ...] | Callable[[], tuple[Any, ...]] = (),
         on_result: Callable[[Any], Any] | None = None,
+        on_end: Callable[[tuple[Any, ...]], object] | None = None,
     ) -> None:
         self.processes = processes
         self.name = name
         self._context: Any = context
         self._initializer, self._initargs = initializer, initargs
-        self._on_result = on_result
+        self._on_result, self._on_end = on_result, on_end
         self._lock = threading.Lock()
         self._generation: _Generation | None = None
         self._ending: list[_Generation] = []  # closed, not yet fully ended (an interrupt)
@@ -227,7 +232,10 @@ class PipePool(Executor):
                 self._ending.append(gen)
         with self._close_lock:  # one caller ends them; another waits for it to finish
             while self._ending:
-                self._ending[0].end(self.name)
+                ending = self._ending[0]
+                ending.end(self.name)
+                if self._on_end is not None:
+                    self._on_end(ending.initargs)
                 with self._lock:
                     del self._ending[0]
 
@@ -238,9 +246,10 @@ class PipePool(Executor):
     # -- starting workers ------------------------------------------------------------------------
 
     def _start(self) -> _Generation:
-        gen = _Generation()
+        made = self._initargs
+        gen = _Generation(made() if callable(made) else made)
         try:
-            gen.workers = [self._new_worker() for _ in range(self.processes)]
+            gen.workers = [self._new_worker(gen.initargs) for _ in range(self.processes)]
         except BaseException:
             gen.end(self.name)
             raise
@@ -250,12 +259,12 @@ class PipePool(Executor):
         gen.thread.start()
         return gen
 
-    def _new_worker(self) -> _Worker:
+    def _new_worker(self, initargs: tuple[Any, ...]) -> _Worker:
         task_r, task_w = self._context.Pipe(duplex=False)
         result_r, result_w = self._context.Pipe(duplex=False)
         process = self._context.Process(
             target=serve,
-            args=(task_r, result_w, self._initializer, self._initargs),
+            args=(task_r, result_w, self._initializer, initargs),
             name=f"feedline-{self.name}",
         )
         try:
@@ -372,7 +381,7 @@ class PipePool(Executor):
             worker.tasks.close()
             worker.results.close()
             try:
-                gen.workers.append(self._new_worker())
+                gen.workers.append(self._new_worker(gen.initargs))
             except Exception as error:  # no replacement: the pool is broken
                 gen.broken = f"{self.name}: could not start a worker process ({error})"
             else:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import multiprocessing as mp
 import os
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
@@ -77,8 +76,8 @@ class RegionPool(Executor):
 
     The processes start with the first item and serve the epochs that follow; :meth:`close`
     ends them (the pipeline does when an epoch is stopped part-way or fails, and when it is
-    dropped), and the next item starts new ones. Each start is a :class:`PipePool` of its own,
-    whose workers name their shared memory with a new prefix.
+    dropped), and the next item starts new ones: a :class:`PipePool` whose workers name their
+    shared memory with a new prefix at each start.
 
     Args:
         processes: How many worker processes.
@@ -90,18 +89,22 @@ class RegionPool(Executor):
     def __init__(self, processes: int, mp_context: str | None = None, name: str = "region") -> None:
         self.processes = processes
         self.name = name
-        self._context = mp.get_context(mp_context or "forkserver")
-        self._lock = threading.Lock()
-        self._pool: PipePool | None = None
-        self._prefix = ""
-        self._ending: list[tuple[PipePool, str]] = []  # closed, not yet fully (an interrupt)
-        self._close_lock = threading.Lock()
+        # Each start of the workers names their segments with a new prefix, and each end
+        # removes what is left under it.
+        self._pool = PipePool(
+            processes,
+            mp.get_context(mp_context or "forkserver"),
+            f"process region {name!r}",
+            initializer=_start_worker,
+            initargs=lambda: (SegmentNames.new_prefix(),),
+            on_result=unpack,
+            on_end=lambda initargs: remove_prefixed(initargs[0]),
+        )
 
     @property
     def broken(self) -> bool:
         """Whether a worker died as it started: every item fails until :meth:`close`."""
-        pool = self._pool
-        return pool is not None and pool.broken
+        return self._pool.broken
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         """Run ``fn(*args, **kwargs)`` in a worker (starting the workers if they are not).
@@ -109,50 +112,22 @@ class RegionPool(Executor):
         A stage's op applied to an item that carries its source item (``TaggedOp`` on a
         ``Tagged``) sends only the item's value: its source item stays in this process.
         """
-        # Under the lock: a close() that swaps the pool out waits for the call to be sent, and
-        # ends it with the pool, rather than leave it to a pool nobody holds.
-        with self._lock:
-            pool = self._pool_now()
-            if isinstance(fn, TaggedOp) and len(args) == 1 and not kwargs:
-                (item,) = args
-                if isinstance(item, Tagged):
-                    inner = pool.submit(fn.op, item.value)
-                    outer: Future[Any] = Future()
-                    outer.set_running_or_notify_cancel()
-                    inner.add_done_callback(functools.partial(_retag, item, outer))
-                    return outer
-            return pool.submit(fn, *args, **kwargs)
-
-    def _pool_now(self) -> PipePool:
-        # With the lock held.
-        if self._pool is None:
-            self._prefix = SegmentNames.new_prefix()
-            self._pool = PipePool(
-                self.processes,
-                self._context,
-                f"process region {self.name!r}",
-                initializer=_start_worker,
-                initargs=(self._prefix,),
-                on_result=unpack,
-            )
-        return self._pool
+        if isinstance(fn, TaggedOp) and len(args) == 1 and not kwargs:
+            (item,) = args
+            if isinstance(item, Tagged):
+                inner = self._pool.submit(fn.op, item.value)
+                outer: Future[Any] = Future()
+                outer.set_running_or_notify_cancel()
+                inner.add_done_callback(functools.partial(_retag, item, outer))
+                return outer
+        return self._pool.submit(fn, *args, **kwargs)
 
     def close(self) -> None:
         """End the workers at once (items under way are dropped) and free their segments.
 
         Safe to call again, also after an interruption part-way (it finishes the job).
         """
-        with self._lock:
-            if self._pool is not None:
-                self._ending.append((self._pool, self._prefix))
-                self._pool = None
-        with self._close_lock:  # one caller ends them; another waits for it to finish
-            while self._ending:
-                pool, prefix = self._ending[0]
-                pool.close()
-                remove_prefixed(prefix)
-                with self._lock:
-                    del self._ending[0]
+        self._pool.close()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """As :meth:`close` (the pipeline owns the pool; this is for ``Executor``'s API)."""
