@@ -497,19 +497,25 @@ def test_items_the_budget_cannot_measure_are_named_once(caplog: pytest.LogCaptur
     assert "Opaque" in warnings[0]
 
 
-def test_busy_over_a_window_is_a_share_of_the_slots_the_stage_had() -> None:
+def test_busy_over_a_window_is_a_share_of_the_slots_the_stage_had(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from feedline.pipeline.stats import StageCounters
 
+    now = [100.0]  # the counters' clock, moved by hand: a stalled test thread moves nothing
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     counters = StageCounters("s", "pipe", 256)
-    counters.t0 = counters.slots_since = time.perf_counter() - 1.0  # 1 s at 256 slots
+    now[0] += 1.0  # 1 s at 256 slots
     counters.busy_time = 128.0  # half of them busy
     before = counters.snapshot(None, _channel_stats())
     counters.set_concurrency(4)
-    counters.slots_since -= 1.0  # then 1 s at 4 slots
+    now[0] += 1.0  # then 1 s at 4 slots
     counters.busy_time += 4.0  # every one of them busy
     after = counters.snapshot(None, _channel_stats())
     window = after.since(before)
-    assert window.busy == pytest.approx(1.0, abs=0.05)
+    assert window.slot_seconds == pytest.approx(4.0)
+    assert window.busy == pytest.approx(1.0)
+    assert before.busy == pytest.approx(0.5)
 
 
 def _channel_stats() -> Any:
