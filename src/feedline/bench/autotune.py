@@ -202,10 +202,14 @@ def run(options: BenchOptions) -> ScenarioResult:
     steady_from = tuned_s / 2
     # A smoke test searches two configurations per case, waits less on the server's change
     # of latency, and charts a point every 0.1 s (its short runs still have several).
-    smoke = quick and options.smoke
+    smoke = options.smoke_run
     wait_scale = 0.3 if smoke else 1.0
     pictures = jpeg_files(
-        16 if quick else 64, directory=options.data_dir, progress=progress, steps=options.steps
+        16 if quick else 64,
+        directory=options.data_dir,
+        progress=progress,
+        steps=options.steps,
+        small=options.smoke_run,
     )
     jpegs = read_all(pictures)
     blobs = random_files(cache_dir(options.data_dir), 4 if quick else 16, 1 << 20)
