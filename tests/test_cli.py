@@ -93,7 +93,8 @@ def test_a_scenario_without_its_modules_is_skipped_and_says_what_to_install(
 ) -> None:
     from feedline.bench import _registry
 
-    monkeypatch.setitem(_registry.REQUIRES, "formats", ("torch", "feedline_absent_module"))
+    # numpy: a module that is there (torch is not, on free-threaded Python).
+    monkeypatch.setitem(_registry.REQUIRES, "formats", ("numpy", "feedline_absent_module"))
     out = tmp_path / "out"
     assert main(["bench", "formats", "verify", "--quick", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -419,7 +420,9 @@ def test_bench_freethreaded_leaves_out_an_interpreter_with_the_gil(
 ) -> None:
 
     fake = tmp_path / "python3.13t"
-    fake.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    # This interpreter with the GIL, whether or not it is a free-threaded build (PYTHON_GIL=1
+    # turns it on there and is ignored elsewhere).
+    fake.write_text(f'#!/bin/sh\nPYTHON_GIL=1 exec {sys.executable} "$@"\n')
     fake.chmod(0o755)
     monkeypatch.setenv("FEEDLINE_FREE_THREADED_PYTHON", str(fake))
     out = tmp_path / "out"
@@ -428,7 +431,9 @@ def test_bench_freethreaded_leaves_out_an_interpreter_with_the_gil(
     assert any("runs with the GIL: not a free-threaded build" in n for n in result["notes"])
     cases = {m["case"] for m in result["measurements"]}
     assert len(cases) == 2  # two kinds of work, on this interpreter only
-    assert all(c.endswith("(GIL)") for c in cases)
+    # Its label: "3.11 (GIL)", or "3.13t" where the tests themselves run without the GIL.
+    gil = getattr(sys, "_is_gil_enabled", lambda: True)()
+    assert all(c.endswith(" (GIL)" if gil else "t") for c in cases)
     contenders = {m["contender"] for m in result["measurements"]}
     assert contenders == {
         "ThreadPoolExecutor.map, 1 thread",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections import Counter
 from pathlib import Path
 
@@ -9,6 +10,11 @@ import numpy as np
 import pytest
 
 from feedline.distributed import GlobalSequence, balance, holders, plan_step, simulate_beta
+
+# A shuffled GlobalSequence draws DistributedSampler's order, with PyTorch's generator.
+needs_torch = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None, reason="a shuffled order needs PyTorch"
+)
 
 
 @pytest.mark.parametrize(
@@ -101,6 +107,7 @@ def test_algorithm_1_on_the_papers_example_and_at_random() -> None:
         balance(np.array([1, 2]), np.array([2, 2]))
 
 
+@needs_torch
 def test_a_step_plan_gives_every_rank_its_batch_from_the_regular_global_batch() -> None:
     sequence = GlobalSequence(1000, 8, 16, seed=5)
     placed = holders(1000, 8, seed=5)[0]
@@ -248,6 +255,7 @@ def test_the_cost_plot_is_drawn(tmp_path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@needs_torch
 def test_one_ranks_plan_is_its_part_of_the_whole_plan() -> None:
     from feedline.distributed import plan_for
 
@@ -266,6 +274,7 @@ def test_one_ranks_plan_is_its_part_of_the_whole_plan() -> None:
         assert mine.receives == [(src, len(s)) for src, d, s in whole.sends if d == rank]
 
 
+@needs_torch
 @pytest.mark.parametrize(("size", "replicated"), [(5000, False), (5000, True), (10, False)])
 def test_positions_place_each_ranks_batch_and_every_place_once(size: int, replicated: bool) -> None:
     # The places of every rank's batch (kept, read, received by source rank) cover the
@@ -304,6 +313,7 @@ def test_both_heap_encodings_of_algorithm_1_agree() -> None:
         assert balance(held, wanted) == _balance_tuples(held - wanted)
 
 
+@needs_torch
 @pytest.mark.parametrize("missing", [False, True])
 def test_replicas_change_who_trains_and_the_copies_fill_every_second_holder(
     missing: bool,
@@ -363,6 +373,7 @@ def test_what_drop_last_leaves_out_is_the_rest_of_the_epochs_order(
             assert left == []
 
 
+@needs_torch
 def test_fills_are_read_by_their_holders_and_copied_to_their_second_holders() -> None:
     from feedline.distributed import plan_for
     from feedline.distributed._placement import second_copies

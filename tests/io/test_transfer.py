@@ -5,9 +5,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
-from feedline.io import BufferPool, load_npy, to_jax, to_numpy, to_torch, transfer
+torch = pytest.importorskip("torch")
+
+from feedline.io import BufferPool, load_npy, to_jax, to_numpy, to_torch, transfer  # noqa: E402
 
 
 def npy(array: np.ndarray) -> bytes:

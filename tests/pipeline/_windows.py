@@ -1,156 +1,144 @@
-"""A tuner fed windows of figures made up by hand, and models of ops that make them.
+"""Windows of figures given by hand to :func:`feedline.pipeline._decide.decide`, and models of
+ops that make them.
 
-The tuner decides from what it measures in each window: items out, the cores the process
-kept busy, each tuned stage's calls ended and slot time used. A real run measures those on
-the machine it runs on (a loaded machine measures different figures, and rightly decides
-differently); here they are given, so that a test asserts what the tuner decides from them.
+A real run measures its windows on the machine it runs on (a loaded machine measures other
+figures, and rightly decides otherwise); here they are given, so that a test asserts what the
+tuner decides from them. :class:`Play` threads the state from window to window and applies
+the decisions to the stages' concurrency, as the tuner does.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
-from feedline.pipeline._tuner import Knob, Tuner, _Mark
-from feedline.pipeline._tuning import Tuning
+from feedline.pipeline._decide import Memory, Sample, StageSample, State, decide
 
-
-class Counters:
-    """What the tuner reads of a stage's counters, set by hand."""
-
-    def __init__(self, concurrency: int) -> None:
-        self.lock = threading.Lock()
-        self.concurrency = concurrency
-        self.busy_time = 0.0
-        self.calls = 0
-        self.ewma = 0.0
-
-    def slots(self, t: float) -> float:
-        return 0.0
+PerStage = float | tuple[float, ...]
 
 
-class Stage:
-    """A tuned stage as the tuner sees it: a name, counters, a concurrency to set."""
+@dataclass(frozen=True)
+class W:
+    """One window: its length, items out a second, the cores the process kept busy, and each
+    stage's call time (``task``, 0: none ended), share of its slots busy and of the window
+    its output was full (one figure for every stage, or one per stage)."""
 
-    def __init__(self, concurrency: int, name: str = "decode") -> None:
-        self.name = name
-        self.counters = Counters(concurrency)
-
-    def set_concurrency(self, concurrency: int) -> None:
-        self.counters.concurrency = concurrency
-
-
-class FakeChannel:
-    """A channel that never grows, never closes and is never full."""
-
-    growth = None
-    closed = False
-    puts = 0
-
-    def full_seconds(self) -> float:
-        return 0.0
+    rate: float
+    cores: float = 0.5
+    task: PerStage = 0.004
+    busy: PerStage = 1.0
+    blocked: PerStage = 0.0
+    sink_full: float = 0.0
+    seconds: float = 0.3
+    first: bool = False
+    ended: bool = False
+    room: int | None = None
 
 
-def _each(value: float | Sequence[float], n: int) -> list[float]:
+def _each(value: PerStage, n: int) -> list[float]:
     return [float(value)] * n if isinstance(value, int | float) else [float(v) for v in value]
 
 
-class Windows:
-    """A tuner over tuned stages in a row (2 cores of budget), fed windows by hand.
-
-    Each window gives its length, the items out, the cores the process kept busy, and each
-    stage's calls (each ``task`` seconds long, its slots busy a ``busy`` share of the time);
-    ``task`` and ``busy`` are one figure for every stage, or one per stage.
+class Play:
+    """Tuned stages in a row (2 cores of CPU budget) fed windows by hand.
 
     Args:
-        concurrency: Each stage's concurrency to begin with (one int: one stage).
+        start: Each stage's concurrency to begin with.
         names: The stages' names.
-        high: Each stage's upper bound (the lower is 1).
+        high: Each stage's upper bound (one for all, or one per stage); the lower is 1.
+        memory: What the tuner knows of the first stage to begin with.
 
     """
 
     def __init__(
         self,
-        concurrency: int | Sequence[int] = 2,
-        names: Sequence[str] = ("decode",),
-        high: int = 8,
+        start: Sequence[int] = (4,),
+        names: Sequence[str] = ("s",),
+        high: int | Sequence[int] = 8,
+        memory: Memory | None = None,
     ) -> None:
-        start = [concurrency] if isinstance(concurrency, int) else list(concurrency)
-        self.stages = [Stage(c, name) for c, name in zip(start, names, strict=True)]
-        self.knobs = [Knob(stage, i + 1, 1, high) for i, stage in enumerate(self.stages)]
-        self.stage, self.knob = self.stages[0], self.knobs[0]
-        channels = [FakeChannel() for _ in range(len(self.stages) + 1)]
-        self.tuner = Tuner(self.knobs, channels, Tuning(cpu_budget=2))  # type: ignore[arg-type]
-        self.tuner.decisions = deque()  # all of them, not the last few that stats show
-        n = len(self.stages)
-        self.t = self.out = self.cpu = self.sink_full = 0.0
-        self.busy, self.slots, self.calls = [0.0] * n, [0.0] * n, [0] * n
+        self.names = list(names)
+        self.concurrency = list(start)
+        self.high = [high] * len(start) if isinstance(high, int) else list(high)
+        self.state = State.start(len(start))
+        if memory is not None:
+            self.state = replace(self.state, memory=(memory, *self.state.memory[1:]))
+        self.t = 0.0
+        self.log: list[str] = []
 
-    def mark(self) -> _Mark:
-        n = len(self.stages)
-        return _Mark(
-            self.t,
-            int(self.out),
-            self.cpu,
-            list(self.busy),
-            list(self.calls),
-            list(self.slots),
-            [0.0] * n + [self.sink_full],
+    def window(self, w: W) -> str:
+        """Decide on one window; returns its decisions as ``"s raise 8; s keep 8"``."""
+        n = len(self.names)
+        tasks, busies, blocked = _each(w.task, n), _each(w.busy, n), _each(w.blocked, n)
+        self.t += w.seconds
+        stages = tuple(
+            StageSample(
+                self.names[i],
+                self.concurrency[i],
+                busy=busies[i],
+                task=tasks[i],
+                blocked=blocked[i],
+                high=self.high[i],
+                room=w.room,
+            )
+            for i in range(n)
         )
+        sample = Sample(
+            stages,
+            rate=w.rate,
+            cores=w.cores,
+            t=self.t,
+            sink_full=w.sink_full,
+            first=w.first,
+            ended=w.ended,
+        )
+        self.state, decisions = decide(self.state, sample)
+        for d in decisions:
+            self.concurrency[d.stage] = d.to
+            self.log.append(f"{self.names[d.stage]}: {d.why}")
+        return "; ".join(f"{self.names[d.stage]} {d.action} {d.to}" for d in decisions)
 
-    def window(
-        self,
-        seconds: float,
-        rate: float,
-        cores: float,
-        task: float | Sequence[float],
-        first: bool = False,
-        sink_full: float = 0.0,
-        busy: float | Sequence[float] = 1.0,
-    ) -> None:
-        """One window; ``task`` 0: the stage ended no call; ``sink_full``: share of it full;
-        ``busy``: share of the slots busy."""
-        before = self.mark()
-        n = len(self.stages)
-        tasks, busies = _each(task, n), _each(busy, n)
-        self.sink_full += sink_full * seconds
-        self.t += seconds
-        self.out += rate * seconds
-        self.cpu += cores * seconds
-        for i, stage in enumerate(self.stages):
-            c = stage.counters.concurrency
-            self.busy[i] += seconds * c * busies[i]
-            self.slots[i] += seconds * c
-            # Each call ``task`` long.
-            self.calls[i] += round(seconds * c * busies[i] / tasks[i]) if tasks[i] else 0
-        now = self.mark()
-        self.tuner._mark = before
-        self.tuner._decide(before, now, raise_only=first, first=first)
+    def memory(self, stage: int = 0) -> Memory:
+        """What the tuner knows of a stage now."""
+        return self.state.memory[stage]
+
+    def of(self, name: str) -> int:
+        """Stage ``name``'s concurrency now."""
+        return self.concurrency[self.names.index(name)]
 
     def run(self, model: Model, windows: int) -> list[int]:
         """``windows`` windows of 0.3 s (after the run's first, of 0.1 s) of what ``model``
         says one stage does at its concurrency then; returns the concurrency of each."""
         seen = []
         for k in range(windows + 1):
-            c = self.concurrency
+            c = self.concurrency[0]
             seen.append(c)
             rate, cores, task = model(c)
-            self.window(0.1 if k == 0 else 0.3, rate=rate, cores=cores, task=task, first=k == 0)
+            self.window(W(rate, cores, task, seconds=0.1 if k == 0 else 0.3, first=k == 0))
+        return seen
+
+    def run_row(
+        self, stages: list[Callable[[int], tuple[float, float]]], windows: int
+    ) -> list[tuple[int, ...]]:
+        """``windows`` windows of stages in a row, each ``stages[i](c) -> (calls it can end a
+        second, seconds a call)`` at its concurrency ``c``: the output goes at the slowest's
+        pace, the others' slots busy that share of the time, the cores idle (the calls wait).
+        Returns the stages' concurrency in each window."""
+        seen = []
+        for k in range(windows + 1):
+            seen.append(tuple(self.concurrency))
+            capacity, task = zip(
+                *(f(c) for f, c in zip(stages, self.concurrency, strict=True)), strict=True
+            )
+            rate = min(capacity)
+            busy = tuple(min(1.0, rate / c) for c in capacity)
+            self.window(W(rate, 0.1, task, busy, seconds=0.1 if k == 0 else 0.3, first=k == 0))
         return seen
 
     @property
-    def concurrency(self) -> int:
-        """The first stage's concurrency now."""
-        return int(self.stage.counters.concurrency)
-
-    def of(self, name: str) -> int:
-        """Stage ``name``'s concurrency now."""
-        return next(int(s.counters.concurrency) for s in self.stages if s.name == name)
-
-    @property
     def decisions(self) -> str:
-        return "\n".join(self.tuner.decisions)
+        """Every decision's text so far, one a line."""
+        return "\n".join(self.log)
 
 
 Model = Callable[[int], tuple[float, float, float]]
@@ -170,10 +158,22 @@ def holds_the_gil(seconds: float) -> Model:
 
 
 def computes(seconds: float, cores: int = 2) -> Model:
-    """Calls of ``seconds`` on a core each, the GIL released: up to ``cores`` run at once
-    (nearly every core busy then); the calls beyond them queue for a core."""
+    """Calls of ``seconds`` on a core each, without the GIL (an op that releases it, or Python
+    code on free-threaded Python): up to ``cores`` run at once (nearly every core busy then);
+    the calls beyond them queue for a core."""
     return lambda c: (
         min(c, cores) / seconds,
         0.98 * min(c, cores),
         seconds * max(1.0, c / cores),
     )
+
+
+def waits(seconds: float) -> Callable[[int], tuple[float, float]]:
+    """For :meth:`Play.run_row`: calls that wait ``seconds`` each, however many at once."""
+    return lambda c: (c / seconds, seconds)
+
+
+def gate(k: int, seconds: float) -> Callable[[int], tuple[float, float]]:
+    """For :meth:`Play.run_row`: a server that serves ``k`` calls of ``seconds`` at once."""
+    model = server(k, seconds)
+    return lambda c: (model(c)[0], model(c)[2])

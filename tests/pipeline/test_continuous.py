@@ -321,7 +321,7 @@ def test_a_slow_item_holds_up_the_reads_of_later_epochs_without_spinning(
 ) -> None:
     import feedline.pipeline._pipeline as pipeline_module
 
-    monkeypatch.setattr(pipeline_module, "_AHEAD", 30)
+    monkeypatch.setattr(pipeline_module, "CONTINUOUS_AHEAD", 30)
     release = threading.Event()
 
     def op(x: int) -> int:

@@ -26,7 +26,7 @@ MiB = 1 << 20
 def _reader(capacity: int, grow_to: int, grow_bytes: int = 64 * MiB) -> SinkReader:
     growth = Growth(capacity, grow_to, grow_bytes) if grow_to > capacity else None
     channel = Channel("sink", capacity, growth)
-    reader = SinkReader(channel, lambda: False, spin=False)
+    reader = SinkReader(channel, spin=False)
     channel.connect(_Producer(), reader)
     return reader
 
@@ -369,7 +369,7 @@ def test_the_queue_from_a_cheap_source_to_an_op_of_real_work_stays_small() -> No
         assert sorted(p) == list(range(3000))
         stats = p.stats()
     assert stats["source"].queue.capacity == 4, stats["source"].queue
-    assert stats["source"].queue.empty_fraction < 0.2  # the source was ahead: it was full often
+    assert stats["source"].queue.mean_occupancy > 0.3  # the source was ahead: often full
 
 
 def test_an_explicit_source_buffer_is_fixed() -> None:

@@ -26,7 +26,9 @@ _PARENT = textwrap.dedent(
         method = sys.argv[1]
         init = feedline.pipeline.die_with_parent if sys.argv[2] == "yes" else None
         pool = ProcessPoolExecutor(2, mp_context=mp.get_context(method), initializer=init)
-        workers = [pool.submit(os.getpid).result() for _ in range(4)]
+        for _ in range(4):
+            pool.submit(os.getpid).result()
+        workers = list(pool._processes)  # all it started: one may have had no call to answer
         helpers = [resource_tracker._resource_tracker._pid]
         if method == "forkserver":
             helpers.append(forkserver._forkserver._forkserver_pid)

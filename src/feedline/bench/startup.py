@@ -77,6 +77,7 @@ def run(options: BenchOptions) -> ScenarioResult:
         ]
         found += alternate(case, contenders, repeats, "PyTorch workers=2", options.progress)
     costs.attach(found)
+    found += _cold_decoder(options, repeats)
     found += _after_a_store(options, repeats, [w for w in workers if w])
     notes = [
         jpeg_source(options.data_dir),
@@ -88,6 +89,10 @@ def run(options: BenchOptions) -> ScenarioResult:
         "CPU s per 1000 items: creating the loader, its first batch and shutting it down "
         "(worker processes included), over the 32 items of that batch; peak PSS / RSS: this "
         "process and its children when the first batch has arrived",
+        f"{COLD}: each run a fresh process that has run a loader over other items (the "
+        "loaders' own imports done), then times a loader whose first dataset[i] imports the "
+        "decoder (OpenCV), as most datasets' first call imports theirs; baseline PyTorch "
+        "workers=2 of the same case",
         f"{AFTER_STORE}: each run a fresh process that lists and reads the pictures through a "
         "RemoteStore (file://; obstore's runtime threads then run), then times a loader whose "
         "dataset reads them through that store; PyTorch forkserver: "
@@ -108,6 +113,104 @@ def run(options: BenchOptions) -> ScenarioResult:
 
 
 AFTER_STORE = f"first batch of {BATCH} after a RemoteStore read"
+
+COLD = f"first batch of {BATCH}, the decoder imported by the first item"
+
+_COLD_SCRIPT = """
+import json, sys
+import numpy as np
+import torch.utils.data
+import feedline
+from feedline.bench._data import jpeg_files, read_all
+from feedline.bench._loaders import DecodeDataset, LoaderCosts
+
+
+class Blank:
+    def __len__(self):
+        return 2 * int(sys.argv[3])
+
+    def __getitem__(self, i):
+        return np.zeros((224, 224, 3), np.uint8)
+
+
+if __name__ == "__main__":
+    kind, workers, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    options = json.loads(sys.argv[4])
+
+    def make(dataset):
+        if kind == "torch":
+            return torch.utils.data.DataLoader(dataset, batch_size=batch, num_workers=workers)
+        return feedline.DataLoader(dataset, batch_size=batch, num_workers=workers, **options)
+
+    for _ in make(Blank()):  # the loaders' own imports and first-use costs, not timed
+        pass
+    pictures = read_all(jpeg_files(batch, "imagenet", sys.argv[5] or None))
+    costs = LoaderCosts(periodic=False)
+    costs.time("case", "contender", lambda: make(DecodeDataset(pictures, "feedline", 2 * batch)), 1)
+    print(json.dumps({k: v[0] for k, v in costs._runs["case", "contender"].items()}), flush=True)
+"""
+
+
+def _cold_decoder(options: BenchOptions, repeats: int) -> list[Any]:
+    # The first batch where the dataset's first call imports its decoder, each run in a
+    # process of its own (the decoder not imported yet, as in a new training job).
+    jpeg_files(BATCH, "imagenet", options.data_dir, options.progress, options.steps)
+    setups: tuple[tuple[str, str, int, dict[str, Any]], ...] = (
+        ("PyTorch workers=2", "torch", 2, {}),
+        ("feedline", "feedline", 0, {}),
+        ("feedline, fetch_concurrency=64", "feedline", 0, {"fetch_concurrency": 64}),
+    )
+    return _fresh_runs(COLD, _COLD_SCRIPT, setups, options, repeats, "PyTorch workers=2")
+
+
+def _fresh_runs(
+    case: str,
+    script: str,
+    setups: tuple[tuple[str, str, int, dict[str, Any]], ...],
+    options: BenchOptions,
+    repeats: int,
+    baseline: str,
+) -> list[Any]:
+    # Each run of each setup ``(name, kind, workers, DataLoader options)``: ``script`` in a
+    # fresh process, printing its LoaderCosts as JSON on its last line.
+    import json
+    import statistics
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    data = str(options.data_dir or "")
+    costs: dict[str, list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="feedline-startup-") as tmp:
+        path = Path(tmp) / "first_batch.py"
+        path.write_text(script)
+
+        def fresh(name: str, kind: str, workers: int, kwargs: dict[str, Any]) -> tuple[int, float]:
+            args = [kind, str(workers), str(BATCH), json.dumps(kwargs), data]
+            out = subprocess.run(
+                [sys.executable, str(path), *args],
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=True,
+                cwd=tmp,
+            )
+            measured = json.loads(out.stdout.strip().splitlines()[-1])
+            costs.setdefault(name, []).append(measured)
+            return 1, measured["first_batch_ms"] / 1000
+
+        contenders = [
+            Contender(name, functools.partial(fresh, name, kind, workers, kwargs))
+            for name, kind, workers, kwargs in setups
+        ]
+        found = alternate(case, contenders, repeats, baseline, options.progress)
+    for m in found:  # each run's costs, measured in its process as the other cases' are
+        runs = costs.get(m.contender, [])
+        for key in runs[0] if runs else ():
+            m.extra[key] = statistics.median(run[key] for run in runs)
+    return found
+
 
 _AFTER_STORE_SCRIPT = """
 import json, sys

@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait as wait_for
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
-from feedline.pipeline._subprocess import _POLL, _Abandoned
+from feedline.pipeline._settings import CHILD_POLL
+from feedline.pipeline._subprocess import _Abandoned
 
 from ._deal import Dealer
 from ._fetch import Task
@@ -206,7 +207,7 @@ class WorkerEpoch:
             return ahead
         processes = self._workers.processes
         handles = {h: w for w in candidates for h in processes[w].wait_handles()}
-        ready = wait_for(list(handles), timeout=_POLL)
+        ready = wait_for(list(handles), timeout=CHILD_POLL)
         if self._stopping is not None and self._stopping():
             raise _Abandoned
         if ready:

@@ -34,7 +34,7 @@ from feedline.errors import ConfigurationError
 from feedline.pipeline import PipelineBuilder, SubprocessIterable
 from feedline.pipeline._forking import fork_hazards
 from feedline.pipeline._queues import close_queue, write_first
-from feedline.pipeline._subprocess import _CLOSE_GRACE, _DEFAULT_SHM_MIN
+from feedline.pipeline._settings import CHILD_CLOSE_GRACE, SHM_MIN_BYTES
 
 from ._collate import shm_collate_for
 from ._concurrency import FetchConcurrency
@@ -401,7 +401,7 @@ class WorkerSet:
                 buffer_size=prefetch,
                 timeout=timeout,
                 mp_context=method,
-                shm_min_bytes=_DEFAULT_SHM_MIN,
+                shm_min_bytes=SHM_MIN_BYTES,
                 name=f"DataLoader worker {wid}",
                 reraise=True,  # the dataset's and worker_init_fn's own exceptions, as PyTorch
             )
@@ -617,7 +617,7 @@ class WorkerSet:
         """Stop every worker process, all at once (about a second at most). Idempotent."""
         for w in self._workers:
             w.ask_to_leave()
-        deadline = time.monotonic() + _CLOSE_GRACE
+        deadline = time.monotonic() + CHILD_CLOSE_GRACE
         for w in self._workers:
             w.close(grace=max(0.0, deadline - time.monotonic()))
         for shares in self._shares:

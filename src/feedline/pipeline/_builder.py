@@ -14,8 +14,6 @@ from feedline._watchdog import STALL_AFTER, check_after
 from feedline.errors import ConfigurationError
 
 from ._defs import (
-    DEFAULT_SINK,
-    MAX_DEFAULT_SINK,
     AggregateConfig,
     DisaggregateConfig,
     OpKind,
@@ -37,13 +35,12 @@ from ._resume import (
     merge_group,
     split_group,
 )
+from ._settings import DEFAULT_SINK, MAX_DEFAULT_SINK, MAX_DEFAULT_THREADS
 from ._tuning import THREAD_HIGH, Auto, Tuning
 
 __all__ = ["PipelineBuilder"]
 
 T = TypeVar("T")
-
-_MAX_DEFAULT_THREADS = 64
 
 
 def _check_positive_int(what: str, value: object, hint: str) -> int:
@@ -627,7 +624,7 @@ class PipelineBuilder(Generic[T]):
             and s.kind in (OpKind.FUNCTION, OpKind.GENERATOR)
         ]
         if num_threads is None:
-            num_threads = min(_MAX_DEFAULT_THREADS, max(1, sum(pooled) + 1))
+            num_threads = min(MAX_DEFAULT_THREADS, max(1, sum(pooled) + 1))
         else:
             num_threads = _check_positive_int(
                 "num_threads", num_threads, "It is the size of the pipeline's thread pool."

@@ -14,10 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
-    "DEFAULT_SINK",
-    "MAX_DEFAULT_SINK",
-    "QUEUE_GROW_BYTES",
-    "SINK_GROW_BYTES",
     "AggregateConfig",
     "DisaggregateConfig",
     "OpKind",
@@ -122,22 +118,6 @@ class SinkConfig:
 
     buffer_size: int
     grow_to: int = 0
-
-
-DEFAULT_SINK = 3
-"""Finished items held for the consumer by default (two per slot of a wider last stage)."""
-
-MAX_DEFAULT_SINK = 64
-"""The most a default sink holds, however wide the last stage (say, 256 reads in flight), and
-the most it grows to."""
-
-SINK_GROW_BYTES = 64 << 20
-"""A default sink grows only while the items it would hold come to at most this many bytes."""
-
-QUEUE_GROW_BYTES = 16 << 20
-"""A default queue between two stages grows only while the items it would hold come to at most
-this many bytes (it grows to :data:`MAX_DEFAULT_SINK` items at most, and only after a cheap
-stage: see :mod:`._growth`)."""
 
 
 @dataclass(frozen=True)

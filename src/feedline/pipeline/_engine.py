@@ -23,9 +23,6 @@ from typing import Any
 from feedline._watchdog import StallWatch
 
 from ._defs import (
-    MAX_DEFAULT_SINK,
-    QUEUE_GROW_BYTES,
-    SINK_GROW_BYTES,
     AggregateConfig,
     DisaggregateConfig,
     OpKind,
@@ -33,11 +30,18 @@ from ._defs import (
     PipelineConfig,
 )
 from ._executors import Submitter, WorkerPool
-from ._growth import QUEUE_SPAN, Growth
+from ._growth import Growth
 from ._queue import EMPTY, Channel
 from ._resume import TaggedOp
+from ._settings import (
+    MAX_DEFAULT_SINK,
+    QUEUE_GROW_BYTES,
+    QUEUE_SPAN,
+    SINK_GROW_BYTES,
+    STOP_WARN_AFTER,
+)
 from ._stages._async import AsyncSource, AsyncStage
-from ._stages._common import FailureBudget, JobContext, StageBase
+from ._stages._common import FailureBudget, StageBase
 from ._stages._sink import SinkReader
 from ._stages._threaded import (
     AggregateWork,
@@ -55,15 +59,7 @@ from .stats import PipelineStats, find_bottleneck
 __all__ = ["Run"]
 
 
-class _ThreadState(threading.local):
-    # A class attribute as default: a miss on a plain threading.local raises internally,
-    # which costs more than the rest of a hand-over.
-    ctx: JobContext | None = None
-
-
 _log = logging.getLogger("feedline.pipeline")
-
-_STOP_WARN_AFTER = 5.0  # seconds a stop may wait on running ops before it logs a warning
 
 
 class Run:
@@ -80,7 +76,6 @@ class Run:
         self.loop = asyncio.new_event_loop()
         self._loop_ident: int | None = None
         self._pool = WorkerPool(config.num_threads, "feedline-worker")
-        self.default_pool = self._pool
         self._thread = threading.Thread(
             target=self._loop_main, name="feedline-event-loop", daemon=True
         )
@@ -94,7 +89,6 @@ class Run:
         self._jobs = 0
         self._jobs_lock = threading.Lock()
         self._jobs_done = threading.Event()
-        self._tls = _ThreadState()
         self._loop_ready = threading.Event()
         self._stop_event: asyncio.Event | None = None
         self._t0 = time.perf_counter()
@@ -138,18 +132,13 @@ class Run:
             capacity = config.sink.buffer_size if last else max(cfg.buffer_size, concurrency[i + 1])
             out = Channel(f"{cfg.name}->", capacity, self._growth(i + 1, capacity))
             self.channels.append(out)
-            stage = self._make_stage(cfg, inp, out, budget, producers[-1])
+            stage = self._make_stage(cfg, inp, out, budget)
             if isinstance(cfg, PipeConfig) and cfg.tune is not None:
                 knobs.append(Knob(stage, i + 1, *cfg.tune))
             inp.connect(producers[-1], stage)
             producers.append(stage)
             self.stages.append(stage)
-        self._link(producers)
-        self._sink = SinkReader(
-            out,
-            lambda: self.pull(producers[-1]),
-            spin=isinstance(producers[-1], AsyncStage | AsyncSource),
-        )
+        self._sink = SinkReader(out, spin=isinstance(producers[-1], AsyncStage | AsyncSource))
         out.connect(producers[-1], self._sink)
         tuning = config.tuning
         budgeted = tuning is not None and tuning.memory_budget is not None
@@ -185,18 +174,7 @@ class Run:
 
         return Growth(capacity, MAX_DEFAULT_SINK, queue_bytes, may_double, on_fill=True)
 
-    @staticmethod
-    def _link(producers: list[Any]) -> None:
-        # Tell each threaded stage who feeds it (a pull walks upstream), and which one feeds
-        # the sink.
-        for i, stage in enumerate(producers):
-            if isinstance(stage, ThreadedStage | ThreadedSource):
-                stage.upstream = producers[i - 1] if i > 0 else None
-                stage.feeds_sink = i == len(producers) - 1
-
-    def _make_stage(
-        self, cfg: Any, inp: Channel, out: Channel, budget: FailureBudget, upstream: Any
-    ) -> Any:
+    def _make_stage(self, cfg: Any, inp: Channel, out: Channel, budget: FailureBudget) -> Any:
         work: Work
         if isinstance(cfg, PipeConfig):
             threaded = cfg.kind in (OpKind.FUNCTION, OpKind.GENERATOR) and (
@@ -233,11 +211,8 @@ class Run:
                 inp,
                 out,
                 budget,
-                lambda: self.pull(upstream),
                 most=cfg.tune[1] if cfg.tune is not None else None,
             )
-            if isinstance(upstream, ThreadedStage | ThreadedSource):
-                upstream.loop_puller = stage
             self._async_stages.append(stage)
             return stage
         if isinstance(cfg, AggregateConfig):
@@ -267,7 +242,7 @@ class Run:
         if not self._job_begin():
             return False
         try:
-            executor.submit(self._tracked, executor, fn)
+            executor.submit(self._tracked, fn)
         except RuntimeError as error:  # the executor was shut down under us
             self._job_done()
             if not self._stopping:
@@ -280,53 +255,6 @@ class Run:
                 )
             return False
         return True
-
-    def job_context(self) -> JobContext | None:
-        """The context of this run's job on the calling thread, if any."""
-        return self._tls.ctx
-
-    def pull(self, stage: Any) -> bool:
-        """Run a cheap threaded ``stage``'s job on this thread instead of waiting for it.
-
-        Called by a consumer that has nothing to do: the user's thread when the sink is empty,
-        or the event loop when an async stage's input is. Only stages of the default pool whose
-        op is cheap qualify, so the caller is held for a short burst at most. If ``stage`` has
-        nothing to do, the stage feeding it is tried, and so on up the cheap stages.
-
-        A stage that turns slow holds the caller for one call of its op at most (see
-        ``INLINE_ABORT``).
-
-        Returns:
-            Whether a job ran (new items may have arrived).
-
-        """
-        if not isinstance(stage, ThreadedStage | ThreadedSource) or not stage.cheap_on(self._pool):
-            return False
-        if not self._job_begin():  # counted like a pool job, so that stop() waits for it
-            return False
-        tls = self._tls
-        outer, ctx = tls.ctx, JobContext(self._pool)
-        tls.ctx = ctx
-        before = self._progress()
-        try:
-            ran = False
-            while not ran and isinstance(stage, ThreadedStage | ThreadedSource):
-                if not stage.cheap_on(self._pool):
-                    break
-                ran = stage.run_inline(ctx, kick=False)
-                stage = stage.upstream
-            ctx.run_deferred()
-        finally:
-            tls.ctx = outer
-            self._job_done()
-        # A job may run and move nothing (its output full, its reorder window full): only
-        # movement counts, or a waiting consumer would pull in a busy loop.
-        return ran and self._progress() != before
-
-    def _progress(self) -> int:
-        # Grows whenever an item enters a channel or a channel closes (reads without locks:
-        # only a change matters, and a torn read merely costs one more pull).
-        return sum(ch.puts + ch.closed for ch in self.channels)
 
     async def call_in_executor(self, executor: Any, fn: Callable[[Any], Any], item: Any) -> Any:
         """Run ``fn(item)`` in a non-thread executor (a process pool) and await the result.
@@ -344,15 +272,10 @@ class Run:
         future.add_done_callback(lambda _: self._job_done())
         return await asyncio.wrap_future(future)
 
-    def _tracked(self, executor: Submitter, fn: Callable[[], None]) -> None:
-        tls = self._tls
-        outer, ctx = tls.ctx, JobContext(executor)
-        tls.ctx = ctx
+    def _tracked(self, fn: Callable[[], None]) -> None:
         try:
             fn()
-            ctx.run_deferred()
         finally:
-            tls.ctx = outer
             self._job_done()
 
     def _job_begin(self) -> bool:
@@ -513,8 +436,8 @@ class Run:
         if started:
             self._thread.join()
         waited = 0.0
-        while not self._jobs_done.wait(_STOP_WARN_AFTER):
-            waited += _STOP_WARN_AFTER
+        while not self._jobs_done.wait(STOP_WARN_AFTER):
+            waited += STOP_WARN_AFTER
             _log.warning(
                 "stopping the pipeline: %d job(s) still inside stage ops after %.0f s; "
                 "an op that never returns keeps its thread (and this stop) waiting",

@@ -26,26 +26,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ._resume import Tagged
+from ._settings import MAX_QUIET, RECHECK, SIZE_FALL, UNKNOWN_SIZE_CAP
 
-__all__ = ["MAX_QUIET", "QUEUE_SPAN", "RECHECK", "UNKNOWN_SIZE_CAP", "Growth", "approx_nbytes"]
+__all__ = ["Growth", "approx_nbytes"]
 
-UNKNOWN_SIZE_CAP = 16
-"""The most a growing queue holds of items whose size :func:`approx_nbytes` cannot tell."""
-
-RECHECK = 64
-"""A grown queue measures one item in this many against its byte budget, and shrinks if over."""
-
-MAX_QUIET = 4096
-"""The most items a queue takes without asking to grow after doublings that changed nothing."""
-
-QUEUE_SPAN = 1e-3
-"""A queue between stages whose consumer is not cheap grows while it holds less than this many
-seconds of the consumer's calls: a turn of the producer (a wake-up, or a run on the consumer's
-thread: tens of microseconds) per half of it is then a few percent of the work at most."""
-
-SIZE_FALL = 0.125
-"""How far the bytes per item a queue is sized for fall toward a smaller item measured (they
-rise at once): items of mixed sizes are sized for the large ones."""
 
 _SCALARS = (int, float, complex, bool, type(None))
 

@@ -34,13 +34,14 @@ import numpy as np
 
 from feedline.errors import ConfigurationError
 
+from ._settings import MIXTURE_JOIN_SECONDS
+
 __all__ = ["Mixture"]
 
 T = TypeVar("T")
 
 _STOPS = ("first", "all")
 _END = object()  # a source thread's last message
-_JOIN_SECONDS = 5.0  # how long leaving waits for a source thread stuck in its source
 
 
 class Mixture(Generic[T]):
@@ -260,6 +261,6 @@ def _as_ready(sources: list[Iterable[Any]], stop: str, buffer_size: int) -> Iter
             yield item
     finally:
         leaving.set()
-        deadline = time.monotonic() + _JOIN_SECONDS
+        deadline = time.monotonic() + MIXTURE_JOIN_SECONDS
         for thread in threads:  # each leaves at its source's next item (or stays, a daemon)
             thread.join(max(0.0, deadline - time.monotonic()))

@@ -40,12 +40,12 @@ from typing import Any, TypeVar
 from feedline.errors import add_note, not_rebuilt
 
 from ._pipe_worker import HEADER, READY, read_message, serve, write_views
+from ._settings import POOL_CLOSE_GRACE
 
 __all__ = ["PipePool"]
 
 T = TypeVar("T")
 
-_GRACE = 0.5  # seconds a closing pool gives its idle workers to end on their own
 _pools: weakref.WeakSet[PipePool] = weakref.WeakSet()
 _exiting = False
 
@@ -445,7 +445,7 @@ def _end(workers: list[_Worker]) -> None:
     for worker in workers:
         if worker.calls and worker.process.exitcode is None:
             worker.process.terminate()
-    deadline = time.monotonic() + _GRACE
+    deadline = time.monotonic() + POOL_CLOSE_GRACE
     for worker in workers:
         worker.process.join(max(0.0, deadline - time.monotonic()))
     for worker in workers:

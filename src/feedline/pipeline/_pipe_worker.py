@@ -18,6 +18,8 @@ from typing import Any
 
 from feedline.errors import portable
 
+from ._settings import WRITEV_BUFFERS
+
 __all__ = ["HEADER", "READY", "read_message", "serve", "write_views"]
 
 HEADER = struct.Struct("<QQ?")
@@ -25,8 +27,6 @@ HEADER = struct.Struct("<QQ?")
 
 READY = 0
 """The call number of a worker's first message: its start went well."""
-
-_IOV_MAX = 64  # buffers handed to one writev
 
 
 def _read_exactly(fd: int, size: int) -> bytearray | None:
@@ -60,7 +60,7 @@ def write_views(fd: int, views: list[memoryview]) -> int:
 
     Returns the bytes written. Raises ``BlockingIOError`` on a full non-blocking pipe.
     """
-    n = written = os.writev(fd, views[:_IOV_MAX])
+    n = written = os.writev(fd, views[:WRITEV_BUFFERS])
     while n and views:
         if n >= len(views[0]):
             n -= len(views.pop(0))

@@ -20,16 +20,12 @@ from ._engine import Run
 from ._epochs import Accounting, Checkpoint
 from ._region import RegionPool
 from ._resume import PassControl, Progress, Tagged, tag_async_source, tag_source
+from ._settings import CONTINUOUS_AHEAD, SOURCE_POLL
 from .stats import PipelineStats
 
 __all__ = ["Pipeline"]
 
 T = TypeVar("T")
-
-_AHEAD = 1024
-"""A continuous run reads at most this many source items past the consumer's epoch."""
-
-_POLL = 0.1  # seconds; how often a pipeline used as a source checks whether its reader stopped
 
 
 class _Holder:
@@ -161,7 +157,7 @@ class Pipeline(Generic[T]):
         progress: Progress | None = None
         on_failed = None
         if config.continuous:
-            passes = _Passes(config.source.source, self._next_epoch, _AHEAD)
+            passes = _Passes(config.source.source, self._next_epoch, CONTINUOUS_AHEAD)
             self._passes = passes
             self._held.clear()  # a new run makes them again
             accounting = Accounting(passes, config.stages)
@@ -337,7 +333,7 @@ class Pipeline(Generic[T]):
                 try:
                     # The epoch may end with no item coming (the last ones failed, or made
                     # no output): look again now and then.
-                    item = run.get(_POLL)
+                    item = run.get(SOURCE_POLL)
                 except TimeoutError:
                     continue
                 except EOFError:  # the source ran out: this was its last pass
@@ -389,7 +385,7 @@ class Pipeline(Generic[T]):
         try:
             while not stopping():
                 try:
-                    item = get(_POLL)
+                    item = get(SOURCE_POLL)
                 except TimeoutError:
                     continue
                 except EOFError:
@@ -516,11 +512,8 @@ class Pipeline(Generic[T]):
 class _UntilStopped:
     """A source that can be told to end: iterated through ``iter_until(stopping)``.
 
-    Such a source may wait for long between values: the engine never takes it for cheap
-    (``waits``), so it always runs on a thread of its own and puts each value as it comes.
+    Such a source may wait for long between values; stopping the run ends its iteration.
     """
-
-    waits = True
 
     def __init__(self, source: Any, run: Run) -> None:
         self._source = source
@@ -538,9 +531,8 @@ class _Passes(PassControl):
     it ended in the run's numbering, so that an item's epoch follows from its number. The end
     is recorded before the pass's last item goes on (the source is read one item ahead), so
     that the stages after know the epoch is over when that item reaches them. A pass that
-    yields nothing ends the run. (It never waits for the consumer: the consumer's thread and
-    the event loop's run the source's job themselves at times, and would wait for
-    themselves.)
+    yields nothing ends the run. Instead of waiting for the consumer, the source stage asks
+    :meth:`ready` before each read and is woken when the consumer moves on.
     """
 
     def __init__(self, source: Any, first_epoch: int, ahead: int) -> None:

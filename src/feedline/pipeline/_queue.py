@@ -483,18 +483,25 @@ class Channel:
         """Items put so far."""
         return self._puts
 
+    # The reads below take the lock: a side that re-checks the channel after it announced that
+    # it waits then sees every put and close before the other side's unlocked check of that
+    # announcement (see "Memory ordering" in the README), with or without the GIL.
+
     @property
     def closed(self) -> bool:
         """Whether the producer is done (items may remain)."""
-        return self._closed
+        with self._lock:
+            return self._closed
 
     @property
     def exhausted(self) -> bool:
         """Closed and empty: the consumer will never get another item."""
-        return self._closed and not self._items
+        with self._lock:
+            return self._closed and not self._items
 
     def __len__(self) -> int:
-        return len(self._items)
+        with self._lock:
+            return len(self._items)
 
     @property
     def growth(self) -> Growth | None:

@@ -29,6 +29,8 @@ from typing import Any
 
 from feedline._ledger import Ledger, ledger_check
 
+from ._settings import RESUME_SKIP_CHECK
+
 __all__ = [
     "STATE_VERSION",
     "Account",
@@ -369,9 +371,6 @@ class Progress:
         return progress
 
 
-_SKIP_CHECK = 256  # skipped items between two looks at whether the run is stopping
-
-
 class PassControl:
     """What a continuous run's source tells its source stage (``_pipeline._Passes``).
 
@@ -401,8 +400,6 @@ class _TaggedSource:
         self._source = source
         self._progress = progress
         self._stopping = stopping
-        # A source that waits for others keeps saying so (see _threaded.ThreadedSource).
-        self.waits = bool(getattr(source, "waits", False))
         # A continuous run's _Passes says where passes end, and how far it may be read.
         self.passes = source if isinstance(source, PassControl) else None
 
@@ -423,7 +420,7 @@ class _TaggedSource:
                 # Skipping a long run of done items happens within one step of the source:
                 # a stop must not wait for all of it.
                 skipped += 1
-                if skipped % _SKIP_CHECK == 0 and stopping():
+                if skipped % RESUME_SKIP_CHECK == 0 and stopping():
                     return
             self._progress.plan(count)
         finally:
@@ -457,7 +454,7 @@ class _TaggedAsyncSource:
             async for value in iterator:
                 if done is None or not done(number):
                     yield Tagged(number, value, value)
-                elif number % _SKIP_CHECK == 0:
+                elif number % RESUME_SKIP_CHECK == 0:
                     await asyncio.sleep(0)  # a stop cancels the source here if not sooner
                 number += 1
             if self._progress is not None:

@@ -49,6 +49,13 @@ from ._lifetime import die_with_parent
 from ._pipeline import Pipeline
 from ._queues import close_queue, write_first
 from ._recipes import made_again, with_recipes
+from ._settings import (
+    CHILD_CLOSE_GRACE,
+    CHILD_DRAIN_SECONDS,
+    CHILD_POLL,
+    CHILD_STARTUP_SECONDS,
+    SHM_MIN_BYTES,
+)
 from ._shm import (
     SHM_AVAILABLE,
     SegmentNames,
@@ -63,16 +70,12 @@ __all__ = ["SubprocessIterable", "iterate_in_subprocess", "run_pipeline_in_subpr
 
 T = TypeVar("T")
 
-_POLL = 0.2  # seconds between liveness checks while waiting
-_DEFAULT_SHM_MIN = 64 * 1024
-_STARTUP_SECONDS = 120.0  # the least a child gets to start and make its iterable
-
 
 def _send(data_q: Any, stop: Any, message: Any, packed: Any = None) -> bool:
     # Put with a timeout so that an interrupted epoch never leaves the child stuck on a full queue.
     while True:
         try:
-            data_q.put(message, timeout=_POLL)
+            data_q.put(message, timeout=CHILD_POLL)
             return True
         except queue.Full:
             if stop.is_set():
@@ -160,10 +163,6 @@ def _serve(
             data_q.put(("error", *portable(error)))
 
 
-_CLOSE_GRACE = 0.3  # seconds a child gets to leave by itself before it is terminated
-_DRAIN_SECONDS = 2.0  # seconds a child left mid-epoch gets to finish its item and stay
-
-
 class _Abandoned(Exception):
     """The consumer's pipeline stopped while this epoch waited for the child."""
 
@@ -211,7 +210,7 @@ class _Child:
             with contextlib.suppress(OSError, ValueError):
                 self.cmd_q.put("close")
 
-    def close(self, grace: float = _CLOSE_GRACE) -> None:
+    def close(self, grace: float = CHILD_CLOSE_GRACE) -> None:
         if os.getpid() != self.owner:
             return
         with self.lock:
@@ -393,7 +392,7 @@ class SubprocessIterable(Generic[T]):
             return
         # Start-up (the interpreter, imports, the factory) is not an item: a per-item limit
         # tuned for a steady stream would fail it on a slow or busy machine.
-        startup = None if self._timeout is None else max(self._timeout, _STARTUP_SECONDS)
+        startup = None if self._timeout is None else max(self._timeout, CHILD_STARTUP_SECONDS)
         message = self._receive(startup, stopping)
         if message[0] != "ready":
             self.close()
@@ -411,7 +410,9 @@ class SubprocessIterable(Generic[T]):
             waited = time.monotonic() - start
             try:
                 message: Any = self._data_q.get(
-                    timeout=_POLL if timeout is None else max(1e-3, min(_POLL, timeout - waited))
+                    timeout=CHILD_POLL
+                    if timeout is None
+                    else max(1e-3, min(CHILD_POLL, timeout - waited))
                 )
                 if type(message) is bytes:  # an item, pickled by the child (see _pickled)
                     message = pickle.loads(message)
@@ -486,7 +487,7 @@ class SubprocessIterable(Generic[T]):
         """One epoch, as :meth:`__iter__`, that ends early once ``stopping()`` is true.
 
         ``stopping`` is checked while waiting for the child (every 0.2 s). When it turns true,
-        the child gets :data:`_DRAIN_SECONDS` to finish its item and is ended otherwise; the
+        the child gets :data:`CHILD_DRAIN_SECONDS` to finish its item and is ended otherwise; the
         iterator then ends without error. A pipeline whose source this is passes its own
         stop, so stopping that pipeline (Ctrl-C, ``break``) does not wait for the child.
         With ``settle=False`` the iterator leaves the child as it is and raises
@@ -564,7 +565,7 @@ class SubprocessIterable(Generic[T]):
         finally:
             self._iterating = False
             if not finished and not self._settled and self._child.process is not None:
-                self.settle(time.monotonic() + _DRAIN_SECONDS if graceful else 0.0)
+                self.settle(time.monotonic() + CHILD_DRAIN_SECONDS if graceful else 0.0)
 
     def request_epoch(self) -> None:
         """Ask the child for its next pass now, starting it if needed; iterating takes it.
@@ -647,7 +648,7 @@ class SubprocessIterable(Generic[T]):
         """Ask the child to exit after its current item, without waiting (see :meth:`close`)."""
         self._child.ask_to_leave()
 
-    def close(self, grace: float = _CLOSE_GRACE) -> None:
+    def close(self, grace: float = CHILD_CLOSE_GRACE) -> None:
         """Stop the child process; returns within about a second, even mid-epoch.
 
         The child gets ``grace`` seconds to leave by itself, then is terminated. Idempotent
@@ -672,7 +673,7 @@ def iterate_in_subprocess(
     buffer_size: int = 3,
     timeout: float | None = None,
     mp_context: str = "spawn",
-    shm_min_bytes: int = _DEFAULT_SHM_MIN,
+    shm_min_bytes: int = SHM_MIN_BYTES,
 ) -> SubprocessIterable[T]:
     """Iterate, in a child process, the iterable that ``factory()`` makes there.
 
@@ -763,7 +764,7 @@ def run_pipeline_in_subprocess(
     buffer_size: int = 3,
     timeout: float | None = None,
     mp_context: str = "spawn",
-    shm_min_bytes: int = _DEFAULT_SHM_MIN,
+    shm_min_bytes: int = SHM_MIN_BYTES,
 ) -> SubprocessIterable[T]:
     """Build and run the pipeline that ``builder`` describes in a child process.
 

@@ -21,10 +21,9 @@ import numpy as np
 from feedline._ledger import LedgerStats
 
 from ._queue import ChannelStats, window_share
+from ._settings import DURATION_RING
 
 __all__ = ["PipelineStats", "StageStats"]
-
-_RING = 2048  # task durations kept per stage for percentiles
 
 
 class StageCounters:
@@ -62,7 +61,9 @@ class StageCounters:
         self.max_in_flight = 0
         self.last_error: BaseException | None = None
         self.last_sample: str | None = None
-        self._durations = [0.0] * _RING  # a list: storing a float is 3x cheaper than in NumPy
+        self._durations = [
+            0.0
+        ] * DURATION_RING  # a list: storing a float is 3x cheaper than in NumPy
         self._n_durations = 0
         self.ewma = -1.0  # smoothed seconds per call; negative until enough calls were seen
         self.t0 = time.perf_counter()
@@ -110,19 +111,9 @@ class StageCounters:
         self._record(now - t_start)
         return now
 
-    def laps(self, t_start: float, ends: list[float]) -> None:
-        """Record calls made one after another, as :meth:`lap` does one at a time.
-
-        The first began at ``t_start``; each ended at the next time in ``ends``. Call with
-        ``lock`` held.
-        """
-        for end in ends:
-            self._record(end - t_start)
-            t_start = end
-
     def _record(self, dt: float) -> None:
         self.busy_time += dt
-        self._durations[self._n_durations % _RING] = dt
+        self._durations[self._n_durations % DURATION_RING] = dt
         self._n_durations += 1
         if self._n_durations > 8:
             self.ewma += 0.125 * (dt - self.ewma) if self.ewma >= 0 else dt - self.ewma
@@ -130,7 +121,7 @@ class StageCounters:
     def snapshot(self, in_q: ChannelStats | None, out_q: ChannelStats) -> StageStats:
         """Build the public snapshot of this stage."""
         with self.lock:
-            n = min(self._n_durations, _RING)
+            n = min(self._n_durations, DURATION_RING)
             durations = np.array(self._durations[:n], dtype=np.float64)
             now = time.perf_counter()
             life = max(now - self.t0, 1e-9)

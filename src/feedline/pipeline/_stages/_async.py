@@ -24,7 +24,8 @@ from typing import Any
 from .._defs import OpKind
 from .._queue import EMPTY, Channel
 from .._resume import TaggedAsyncOp
-from ._common import BATCH, INLINE_ABORT, FailureBudget, RunContext, StageBase
+from .._settings import BURST, BURST_ABORT
+from ._common import FailureBudget, RunContext, StageBase
 
 __all__ = ["AsyncSource", "AsyncStage", "LoopSignal"]
 
@@ -157,11 +158,9 @@ class AsyncStage(_AsyncProducer):
         input: Channel,
         output: Channel,
         budget: FailureBudget,
-        pull: Callable[[], bool],
         most: int | None = None,
     ) -> None:
         super().__init__(run, name, "pipe", concurrency, budget)
-        self._pull = pull  # runs a cheap upstream threaded job on the loop instead of waiting
         # A coroutine op on Tagged items (see _resume) is called here on the value, without
         # the wrapper's own coroutine per item.
         self._on_value = isinstance(op, TaggedAsyncOp)
@@ -192,14 +191,6 @@ class AsyncStage(_AsyncProducer):
         """Input arrived (wake one worker) or closed (wake all)."""
         if self._data.waiters:  # else no worker waits: as notify's own first check
             self._data.notify(wake_all=self._input.closed)
-
-    def wake_to_pull(self) -> None:
-        """Wake a worker that waits for input, so that it pulls a cheap upstream job (loop only).
-
-        Called when that job could go on (its output drained) but leaves it to us to run.
-        """
-        if self._data.waiters:
-            self._data.notify()
 
     async def run_stage(self) -> None:
         """Run the workers until the input is exhausted, then close the output."""
@@ -261,7 +252,6 @@ class AsyncStage(_AsyncProducer):
     async def _get(self) -> Any:
         # The next item, from the input or from those taken already (counted in then).
         inp = self._input
-        pulled = False
         while True:
             if self._taken:
                 return self._taken.popleft()
@@ -271,16 +261,11 @@ class AsyncStage(_AsyncProducer):
                 return item
             if inp.exhausted and not self._bursts:
                 return _END
-            if not pulled:
-                pulled = True
-                if self._pull():
-                    continue
             fut = self._data.wait()
             if len(inp) or self._taken or (inp.closed and not self._bursts):
                 self._data.discard(fut)
                 continue
             await fut
-            pulled = False  # woken: perhaps to pull (see wake_to_pull)
 
     async def _work(self) -> bool:
         # Returns True if the worker left as one too many (see _leaves).
@@ -295,7 +280,7 @@ class AsyncStage(_AsyncProducer):
                 return True
             taken = self._taken
             if bursts and self.cheap():
-                if not taken and (batch := self._input.try_get_many(BATCH)):
+                if not taken and (batch := self._input.try_get_many(BURST)):
                     c.items_in += len(batch)
                     taken.extend(batch)
                 if taken:
@@ -344,7 +329,7 @@ class AsyncStage(_AsyncProducer):
         return False
 
     async def _run_burst(self) -> bool:
-        """Start taken items in turn, up to ``BATCH`` calls, then hand the results on together.
+        """Start taken items in turn, up to ``BURST`` calls, then hand the results on together.
 
         For a cheap coroutine op in a stage free to reorder: the worker took a batch of items
         from its input in one go, and a burst costs one lock round trip each way and one clock
@@ -354,7 +339,7 @@ class AsyncStage(_AsyncProducer):
 
         If a call really waits, the loop runs ``_spill``, which hands on the results so far
         (in a task of their own, since the output may be full) and wakes the other workers
-        to start the taken items. A call over ``INLINE_ABORT`` that does not wait (the op
+        to start the taken items. A call over ``BURST_ABORT`` that does not wait (the op
         turned slow, blocking the loop) ends the burst. So a burst holds back results for
         at most 16 calls of under 200 us, or one slow call that does not wait.
 
@@ -375,7 +360,7 @@ class AsyncStage(_AsyncProducer):
         try:
             t = c.task_started()
             try:
-                for _ in range(BATCH):
+                for _ in range(BURST):
                     if not taken:
                         break
                     item = taken.popleft()
@@ -393,7 +378,7 @@ class AsyncStage(_AsyncProducer):
                         continue
                     start, t = t, c.lap(t)
                     burst.results.append(result)
-                    if t - start > INLINE_ABORT:
+                    if t - start > BURST_ABORT:
                         # The op turned slow (it may block the loop without waiting): the
                         # rest goes item by item, and what is done goes on now.
                         break

@@ -11,9 +11,10 @@ from typing import Any, Protocol
 from feedline.errors import PipelineFailure
 
 from .._resume import Tagged, sample_repr
+from .._settings import CHEAP_BELOW
 from ..stats import StageCounters
 
-__all__ = ["BATCH", "FailureBudget", "RunContext", "StageBase"]
+__all__ = ["FailureBudget", "RunContext", "StageBase"]
 
 _log = logging.getLogger("feedline.pipeline")
 
@@ -22,7 +23,6 @@ class RunContext(Protocol):
     """What a stage may ask of the running pipeline."""
 
     loop: asyncio.AbstractEventLoop
-    default_pool: Any
 
     @property
     def stopping(self) -> bool:
@@ -40,50 +40,8 @@ class RunContext(Protocol):
     def on_loop_thread(self) -> bool:
         """Whether the caller is the event-loop thread."""
 
-    def job_context(self) -> JobContext | None:
-        """The context of the job running on this thread, if it is one of this run's jobs."""
-
-    def pull(self, stage: Any) -> bool:
-        """Run a cheap threaded ``stage``'s job on this thread instead of waiting for it."""
-
     async def call_in_executor(self, executor: Any, fn: Callable[[Any], Any], item: Any) -> Any:
         """Await ``fn(item)`` run in a non-thread executor; stop() waits for such calls."""
-
-
-INLINE_BELOW = 20e-6
-"""A threaded stage whose op takes less than this (seconds, smoothed) may be run by the thread
-that hands it an item, instead of waking another thread: a wake-up costs more than the op."""
-
-BATCH = 16
-"""Items a cheap stage handles in one go where it can: a cheap coroutine stage takes this many
-from its input at once, and a cheap source makes up to this many (no more than the room in its
-output) before it puts them. One lock round trip and one wake-up of the next stage then serve
-them all. A call over ``INLINE_ABORT`` ends a batch, which so holds back what it made for at
-most 16 calls of under 200 us each plus that one call."""
-
-INLINE_ABORT = 200e-6
-"""An op call that takes longer than this ends the inline run it is part of: the stage was cheap
-but no longer is, and the thread that lent itself (a neighbour's job, a waiting consumer) must
-get back to its own work. What the stage holds is parked and resumed by a pool job."""
-
-
-class JobContext:
-    """Per-thread state of a running job: which stages it runs, which it should run next."""
-
-    __slots__ = ("deferred", "executor", "stack")
-
-    def __init__(self, executor: Any) -> None:
-        self.executor = executor
-        self.stack: set[Any] = set()  # stages whose job is on this thread's call stack
-        self.deferred: dict[Any, None] = {}  # cheap stages to run inline after the current item
-
-    def run_deferred(self) -> None:
-        """Run (or kick) the stages that were woken while the current item was handled."""
-        deferred = self.deferred
-        while deferred:
-            stage = next(iter(deferred))
-            del deferred[stage]
-            stage.run_inline(self)
 
 
 class FailureBudget:
@@ -164,8 +122,8 @@ class StageBase:
         self._throttle = LogThrottle()
 
     def cheap(self) -> bool:
-        """Whether the op's smoothed time is below :data:`INLINE_BELOW` (a thread wake-up)."""
-        return 0 <= self.counters.ewma < INLINE_BELOW
+        """Whether the op's smoothed time is below :data:`CHEAP_BELOW` (a thread wake-up)."""
+        return 0 <= self.counters.ewma < CHEAP_BELOW
 
     def record_failure(self, item: Any, error: Exception) -> None:
         """Count a failed item, log it (rate-limited), and stop the run past the budget.

@@ -5,25 +5,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from feedline._watchdog import TICK, StallWatch
 
 from .._queue import EMPTY, Channel
+from .._settings import CONSUMER_SPIN
 
 __all__ = ["SinkReader"]
-
-_SPIN = 100e-6
-"""Seconds the consumer yields (``sleep(0)`` releases the GIL) before it sleeps on the signal.
-Waking a sleeping thread costs 50-400 us on virtual machines; a producer that is mid-burst
-delivers the next item well within this time, so a short spin saves a sleep and a wake. The
-consumer spins only while items have recently arrived within that time after it began to wait:
-when they take longer, spinning would only take CPU from the stages. And it spins only behind an
-event-loop stage: a cheap threaded chain it runs itself, and behind an expensive one the cores
-are busy with the stage's threads, whose CPU a spin would take (measured in one 5-round
-comparison: SHA-256 on 4 threads over 2 cores, 0.89x ``ThreadPoolExecutor.map`` with the spin
-and 0.94x without)."""
 
 
 class SinkReader:
@@ -38,10 +27,9 @@ class SinkReader:
     finds it empty after it became full since it last did.
     """
 
-    def __init__(self, channel: Channel, pull: Callable[[], bool], spin: bool) -> None:
+    def __init__(self, channel: Channel, spin: bool) -> None:
         self._channel = channel
-        self._spin = spin  # whether to yield a while before sleeping (see _SPIN)
-        self._pull = pull  # runs a cheap upstream job here rather than sleeping
+        self._spin = spin  # whether to yield a while before sleeping (see CONSUMER_SPIN)
         self._signal = threading.Lock()
         self._signal.acquire()
         self._waiting = False
@@ -91,7 +79,7 @@ class SinkReader:
         wait_began = time.monotonic()
         deadline = None if timeout is None else wait_began + timeout
         started = time.perf_counter()
-        spin_until = started + _SPIN if self._spin and self._delay < _SPIN else 0.0
+        spin_until = started + CONSUMER_SPIN if self._spin and self._delay < CONSUMER_SPIN else 0.0
         while True:
             item = channel.try_get()
             if item is not EMPTY or channel.exhausted or self._interrupted:
@@ -99,12 +87,9 @@ class SinkReader:
                     delay = max(0.0, channel.last_put - started)
                     self._delay += 0.25 * (delay - self._delay)
                 return item
-            pulled = self._pull()  # moved items (here or upstream)?
             late = deadline is not None and time.monotonic() >= deadline
             if late and not len(channel) and not channel.closed:
                 raise TimeoutError(f"no item arrived from the pipeline within {timeout} s")
-            if pulled:
-                continue
             if spin_until and time.perf_counter() < spin_until:
                 time.sleep(0)
                 continue

@@ -15,21 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .._queue import EMPTY, Channel
 from .._resume import PassControl
-from ._common import (
-    BATCH,
-    INLINE_ABORT,
-    FailureBudget,
-    JobContext,
-    RunContext,
-    StageBase,
-)
+from ._common import FailureBudget, RunContext, StageBase
 
 __all__ = [
     "AggregateWork",
@@ -178,53 +170,14 @@ class DisaggregateWork(Work):
 
 
 class _PoolStage(StageBase):
-    """What the threaded stage and source share: cheapness, deferred and inline runs."""
-
-    _executor: Any
-    loop_puller: Any  # the consumer, if it is an event-loop stage (AsyncStage) that pulls us
-    upstream: Any = None  # the stage feeding this one (None for the source)
-    feeds_sink = False  # the last stage: the consumer takes its outputs
+    """What the threaded stage and source share: restarting when the output drains."""
 
     def _kick(self) -> None:
         raise NotImplementedError
 
-    def _job(self) -> None:
-        raise NotImplementedError
-
-    def cheap_on(self, executor: Any) -> bool:
-        """Whether another thread of ``executor``'s kind may run this stage's jobs itself."""
-        return self._executor is executor and self.cheap()
-
-    def _defer(self) -> bool:
-        # Called by a job of a neighbouring stage on this thread? Then, if this stage is cheap,
-        # let that thread run our job after its current item instead of waking another one.
-        ctx = self.run.job_context()
-        if ctx is None or self in ctx.stack or not self.cheap_on(ctx.executor):
-            return False
-        ctx.deferred[self] = None
-        return True
-
     def on_space(self) -> None:
         """Output drained: resume."""
-        pool = self.run.default_pool
-        puller = self.loop_puller
-        if puller is not None and self.run.on_loop_thread() and self.cheap_on(pool):
-            # Our event-loop consumer runs our cheap job itself when it needs items; a worker
-            # of it that already sleeps waiting for them is woken to do so.
-            puller.wake_to_pull()
-            return
-        if self.feeds_sink and self.cheap_on(pool) and self.run.pull(self):
-            return  # the consumer drained the sink: it refills it with our cheap job itself
-        if not self._defer():
-            self._kick()
-
-    def _run_here(self, ctx: JobContext) -> None:
-        # Run a claimed job on the calling thread, marked on its stack against re-entry.
-        ctx.stack.add(self)
-        try:
-            self._job()
-        finally:
-            ctx.stack.discard(self)
+        self._kick()
 
 
 class ThreadedStage(_PoolStage):
@@ -263,7 +216,6 @@ class ThreadedStage(_PoolStage):
         # lets two jobs take items 9 and 10 and number them the other way round.
         self._take_lock = threading.Lock()
         self._active = 0  # jobs submitted and not yet returned
-        self._queued = 0  # of those, jobs still waiting for a pool thread (a caller may steal them)
         self._busy = 0  # jobs inside user code
         self._next_seq = 0
         self._next_emit = 0
@@ -273,8 +225,6 @@ class ThreadedStage(_PoolStage):
         self._parked: deque[tuple[Iterator[Any], Any]] = deque()
         self._finish_claimed = False
         self._closed = False
-        self._last_call = 0.0  # seconds the latest op call took (see INLINE_ABORT)
-        self.loop_puller = None
 
     def set_concurrency(self, concurrency: int) -> None:
         """Run at most ``concurrency`` jobs from now on (the tuner's call, any thread).
@@ -304,40 +254,7 @@ class ThreadedStage(_PoolStage):
             # Every slot has a job, which will take the item. (Read without the lock: a job
             # that ends lowers the count under the lock and then kicks, seeing this item.)
             return
-        if not self._defer():
-            self._kick()
-
-    def run_inline(self, ctx: JobContext, kick: bool = True) -> bool:
-        """Run a job of this stage on the calling thread if there is work and a free slot.
-
-        Returns:
-            Whether a job ran. If not, and ``kick`` is set, the stage is kicked as usual.
-
-        """
-        with self._lock:
-            claim = (
-                not self._closed
-                and not self.run.stopping
-                and self._active < self._concurrency
-                and self._active == self._busy  # no idle job of ours would take the work
-                and (
-                    len(self._input) > 0
-                    or bool(self._parked)
-                    or self._has_unsent()
-                    or (self._input.exhausted and not self._finish_claimed)
-                )
-            )
-            if claim:
-                self._active += 1
-            elif self._queued and not self._closed and not self.run.stopping:
-                self._queued -= 1  # steal a job that is still waiting for a pool thread
-                claim = True
-        if not claim:
-            if kick:
-                self._kick()
-            return False
-        self._run_here(ctx)
-        return True
+        self._kick()
 
     def _has_unsent(self) -> bool:
         if self._ordered:
@@ -360,13 +277,9 @@ class ThreadedStage(_PoolStage):
             if self._input.exhausted and not self._finish_claimed:
                 waiting += 1
             idle = self._active - self._busy
-            # Parallel jobs cannot speed up an op cheaper than a thread wake-up: a cheap stage
-            # gets one job at a time (until its measured task time grows).
-            limit = 1 if self.cheap() else self._concurrency
-            n = min(limit - self._active, waiting - idle)
+            n = min(self._concurrency - self._active, waiting - idle)
             if n > 0:
                 self._active += n
-                self._queued += n
             elif (
                 self._active == 0
                 and self._finish_claimed
@@ -380,24 +293,14 @@ class ThreadedStage(_PoolStage):
             self._output.close()
             return
         for _ in range(n):
-            if not run.submit(self._executor, self._pooled_job):
+            if not run.submit(self._executor, self._job):
                 with self._lock:
-                    if self._queued:  # not stolen meanwhile (a thief runs it and counts it)
-                        self._queued -= 1
-                        self._active -= 1
+                    self._active -= 1
 
     # -- the job (executor thread) ---------------------------------------------------------------
 
-    def _pooled_job(self) -> None:
-        with self._lock:
-            if not self._queued:
-                return  # a waiting consumer ran this job already (run_inline stole it)
-            self._queued -= 1
-        self._job()
-
     def _job(self) -> None:
         run = self.run
-        ctx = run.job_context()
         try:
             while not run.stopping:
                 if self._surplus() and not self._has_unsent():
@@ -431,15 +334,7 @@ class ThreadedStage(_PoolStage):
                     if self._input.exhausted and self._claim_finish():
                         continue
                     return
-                if ctx is not None and ctx.deferred:
-                    ctx.run_deferred()  # refill from upstream before a possibly long op
-                ok = self._process(item, seq)
-                if ctx is not None:
-                    if ctx.deferred:
-                        ctx.run_deferred()  # hand our result on
-                    if self._last_call > INLINE_ABORT and self in ctx.stack:
-                        return  # see INLINE_ABORT
-                if not ok:
+                if not self._process(item, seq):
                     return
         except BaseException as error:  # a bug in the engine: never lose it silently
             run.fail(error)
@@ -475,7 +370,7 @@ class ThreadedStage(_PoolStage):
             self.record_failure(item, error)
             return self._emit(seq, _SKIP) if self._ordered else True
         with self._lock:
-            self._last_call = c.task_ended(t0)
+            c.task_ended(t0)
             self._busy -= 1
         if self._work.iterates:
             return self._drive(result, item)
@@ -498,20 +393,12 @@ class ThreadedStage(_PoolStage):
                 return True
             finally:
                 with self._lock:
-                    slow = c.task_ended(t0) > INLINE_ABORT
+                    c.task_ended(t0)
                     self._busy -= 1
             if not self._emit(-1, value):
                 with self._lock:
                     self._parked.append((outputs, item))
                 return False
-            ctx = run.job_context()
-            if ctx is not None:
-                if ctx.deferred:
-                    ctx.run_deferred()  # hand this output on before the generator's next step
-                if slow and self in ctx.stack:  # see INLINE_ABORT
-                    with self._lock:
-                        self._parked.append((outputs, item))  # a pool job resumes it
-                    return False
         return False
 
     # -- hand-over ---------------------------------------------------------------------------------
@@ -572,7 +459,15 @@ class ThreadedStage(_PoolStage):
 
 
 class ThreadedSource(_PoolStage):
-    """Iterates a sync iterable in a thread pool, one job at a time, and feeds the first channel."""
+    """Iterates a sync iterable in a thread pool, one job at a time, and feeds the first channel.
+
+    The job makes one value and puts it, until the output is full (its ``on_space`` starts the
+    next job) or the source ends. A continuous run's source (a :class:`PassControl`) is read
+    only so far ahead of the consumer: it says whether it may be read now, and wakes the stage
+    when it may. After the last value of a pass the job ends and a new one queues behind the
+    stages' jobs: the next pass may take long to begin (its ``set_epoch``, its first read),
+    and with a pool of one thread the stages after must finish the pass meanwhile.
+    """
 
     def __init__(
         self,
@@ -589,21 +484,9 @@ class ThreadedSource(_PoolStage):
         self._output = output
         self._lock = self.counters.lock
         self._iterator: Iterator[Any] | None = None
-        self._held: list[Any] = []  # values made but not yet put, in order
+        self._held: Any = EMPTY  # a value made but not yet put
         self._active = False
-        self._queued = False  # the active job still waits for a pool thread (may be stolen)
-        self._ended = False  # the iterator is exhausted (what it made may still be held)
         self._done = False  # ended, and the output closed
-        self.loop_puller = None
-        # A source that waits for others (it offers iter_until: a child process, a queue
-        # fed as its values are used) is never taken for cheap, however fast its values
-        # come: a batch would hold the values made while a call waits for one of them to be
-        # used, and a pull on the event loop or by the consumer would block that thread.
-        self._waits = bool(getattr(source, "waits", False))
-        # A continuous run's source (a PassControl) says when a value was the last of its
-        # pass: that value is handed on at once, not held in a batch while the next pass
-        # begins (its set_epoch, its first read). It is also read only so far ahead of the
-        # consumer: it says whether it may be read now, and wakes the stage when it may.
         passes = getattr(source, "passes", None)
         if not isinstance(passes, PassControl):
             passes = None
@@ -611,118 +494,58 @@ class ThreadedSource(_PoolStage):
         self._ready: Callable[[], bool] | None = passes.ready if passes else None
         if passes is not None:
             passes.wake_with(self._kick)
-        self._pass_ended = False  # the last value made ended a pass: hand it on, end the job
-        # Until a pool thread takes the next job: the next pass may take long to begin, and
-        # a thread that runs it inline (a stage refilling its input, the consumer) would hold
-        # the items it has, the last pass's among them, meanwhile.
-        self._after_pass = False
-
-    def cheap(self) -> bool:
-        """Whether the source's values come cheap (never for a source that waits)."""
-        return not self._waits and super().cheap()
 
     def on_data(self) -> None:
         """Unused: a source has no input."""
-
-    def run_inline(self, ctx: JobContext, kick: bool = True) -> bool:
-        """Run the source's job on the calling thread if it is idle and may proceed."""
-        if self._waits_for_consumer():
-            return False
-        with self._lock:
-            after_pass = self._after_pass
-        if after_pass:  # a pool thread goes on (see _after_pass)
-            self._kick()
-            return False
-        with self._lock:
-            claim = not self._active and not self._done and not self.run.stopping
-            if claim:
-                self._active = True
-            elif self._queued and not self.run.stopping:
-                self._queued = False  # steal the job still waiting for a pool thread
-                claim = True
-        if not claim:
-            return False
-        self._run_here(ctx)
-        return True
 
     def start(self) -> None:
         """Begin iterating."""
         self._kick()
 
-    def _waits_for_consumer(self) -> bool:
-        # Nothing to do until the consumer moves on: no value to put, and none may be read.
-        return self._ready is not None and not self._held and not self._ready()
-
     def _kick(self) -> None:
-        if self._waits_for_consumer():
+        ready = self._ready
+        if ready is not None and self._held is EMPTY and not ready():
             return  # woken again when it may be read
         with self._lock:
             if self._active or self._done or self.run.stopping:
                 return
             output = self._output
-            if (self._held or len(output) >= output.capacity) and not output.request_space():
+            if len(output) >= output.capacity and not output.request_space():
                 return
             self._active = True
-            self._queued = True
-        if not self.run.submit(self._executor, self._pooled_job):
+        if not self.run.submit(self._executor, self._job):
             with self._lock:
-                if self._queued:  # not stolen meanwhile
-                    self._active = False
-                    self._queued = False
-
-    def _pooled_job(self) -> None:
-        with self._lock:
-            if not self._queued:
-                return  # stolen by a waiting consumer
-            self._queued = False
-            self._after_pass = False
-        self._job()
+                self._active = False
 
     def _job(self) -> None:
         run = self.run
         output = self._output
-        ctx = run.job_context()
-        held = self._held
+        c = self.counters
         try:
             if self._iterator is None:
                 self._iterator = iter(self._source)
             iterator = self._iterator
-            slow = False
             while not run.stopping:
-                if held:
-                    del held[: output.try_put_many(held)]
-                    if held:
+                if self._held is not EMPTY:
+                    if not output.try_put(self._held):
                         return  # full: on_space starts the next job
-                    if self._pass_ended:
-                        # The next pass may take long to begin: leave this thread to the
-                        # stages after, which finish the pass (a pool thread goes on).
-                        self._pass_ended = False
-                        with self._lock:
-                            self._after_pass = True
-                        return
-                    if ctx is not None:
-                        if ctx.deferred:
-                            ctx.run_deferred()
-                        if slow and self in ctx.stack:  # see INLINE_ABORT
-                            return
-                if self._ended:
+                    self._held = EMPTY
+                    if self._boundary is not None and self._boundary():
+                        return  # a pass ended: see the class's docstring
+                if self._ready is not None and not self._ready():
+                    return  # too far ahead of the consumer: woken when it catches up
+                with self._lock:
+                    t0 = c.task_started()
+                try:
+                    self._held = next(iterator)
+                except StopIteration:
                     self._done = True
                     output.close()
                     return
-                if self._ready is not None and not self._ready():
-                    return  # too far ahead of the consumer: woken when it catches up
-                # A cheap source makes a batch, up to the room in its output: one put, and
-                # one wake-up of the next stage, for all of them. It waits for room first,
-                # since it gains nothing by making a value ahead; a source that does real
-                # work makes one ahead and holds it.
-                n = 1
-                if self.cheap():
-                    n = min(BATCH, output.capacity - len(output))
-                    if n <= 0:
-                        if output.request_space():
-                            continue
-                        return  # full: on_space starts the next job
-                slow = self._next_values(iterator, n, held)
+                finally:
+                    with self._lock:
+                        c.task_ended(t0)
+                        c.items_in += self._held is not EMPTY
         except BaseException as error:  # an error in the source ends the run and propagates
             self._done = True
             run.fail(error)
@@ -730,44 +553,6 @@ class ThreadedSource(_PoolStage):
             with self._lock:
                 self._active = False
             self._kick()  # catch wake-ups that arrived while this job was winding down
-
-    def _next_values(self, iterator: Iterator[Any], n: int, out: list[Any]) -> bool:
-        """Append up to ``n`` values of the source to ``out``; whether a call was slow.
-
-        Stops early at the end of the source (``_ended``) or after a call slower than
-        ``INLINE_ABORT``.
-        """
-        c = self.counters
-        made = 0
-        ends: list[float] = []  # when each call returned or raised
-        with self._lock:
-            start = c.task_started()
-        try:
-            t = start
-            while made < n:
-                try:
-                    value = next(iterator)
-                except StopIteration:
-                    self._ended = True
-                    return False
-                finally:
-                    ends.append(time.perf_counter())
-                out.append(value)
-                made += 1
-                if self._boundary is not None and self._boundary():
-                    self._pass_ended = True
-                    return True
-                if self._ready is not None and not self._ready():
-                    return False  # the next value waits for the consumer
-                if ends[-1] - t > INLINE_ABORT:
-                    return True
-                t = ends[-1]
-            return False
-        finally:
-            with self._lock:  # one round trip for every count
-                c.in_flight -= 1
-                c.items_in += made
-                c.laps(start, ends)
 
     def close(self) -> None:
         """Close the source iterator (a generator's ``finally`` runs). Call once no job runs."""
