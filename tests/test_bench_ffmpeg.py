@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from feedline.bench import _ffmpeg
+from feedline.bench._registry import SMOKE_ENV
 
 from ._system import starts_processes
 
@@ -103,6 +104,7 @@ def test_spdl_decodes_with_pyav_ffmpeg(tmp_path: Path) -> None:
 def test_bench_command_restarts_once_and_compares_with_spdl(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != _ffmpeg.MARKER}
     env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    env[SMOKE_ENV] = "1"  # the least the scenario does, SPDL's contender included
     out = tmp_path / "out"
     (tmp_path / "data").mkdir()
     args = ["decode", "--quick", "--data", str(tmp_path / "data"), "--out", str(out)]

@@ -400,7 +400,8 @@ def test_bench_autotune_quick_compares_the_tuned_pipeline_with_the_grid_s_best(
         assert tuned["ratio"] > 0
         assert tuned["extra"]["tuner_cpu_percent"] > 0
         assert rows[case, "best fixed configuration (grid search)"]["ratio"] == 1.0
-        # The chart over time has a point every 0.25 s with each stage's concurrency.
+        # The chart over time has a point every tick (0.25 s; a smoke run's 0.1 s) with each
+        # stage's concurrency.
         points = data["timelines"][case]
         assert len(points) >= 4
         assert all(c >= 1 for _, _, conc in points for c in conc.values())

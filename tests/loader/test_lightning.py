@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from pathlib import Path
@@ -10,7 +11,6 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
-L = pytest.importorskip("lightning.pytorch")
 
 from feedline import DataLoader  # noqa: E402
 
@@ -27,23 +27,32 @@ class _Indexed(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return torch.tensor(i), torch.full((3,), float(i))
 
 
-class _Model(L.LightningModule):  # type: ignore[misc]
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(3, 1)
-        self.trained: list[list[int]] = []
-        self.validated: list[list[int]] = []
+@functools.cache
+def _lightning() -> tuple[Any, Any]:
+    """lightning.pytorch and the test's model, made when the test runs: importing lightning
+    takes 4.5 s of CPU, which collecting the tests (in each pytest-xdist worker) would
+    otherwise pay."""
+    L = pytest.importorskip("lightning.pytorch")
 
-    def training_step(self, batch: Any, _: int) -> Any:
-        index, x = batch
-        self.trained.append(index.tolist())
-        return self.layer(x).pow(2).mean()
+    class Model(L.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 1)
+            self.trained: list[list[int]] = []
+            self.validated: list[list[int]] = []
 
-    def validation_step(self, batch: Any, _: int) -> None:
-        self.validated.append(batch[0].tolist())
+        def training_step(self, batch: Any, _: int) -> Any:
+            index, x = batch
+            self.trained.append(index.tolist())
+            return self.layer(x).pow(2).mean()
 
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+        def validation_step(self, batch: Any, _: int) -> None:
+            self.validated.append(batch[0].tolist())
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return L, Model
 
 
 def _loaders() -> tuple[DataLoader[Any], DataLoader[Any]]:
@@ -53,6 +62,7 @@ def _loaders() -> tuple[DataLoader[Any], DataLoader[Any]]:
 
 
 def _trainer(path: Path, **kw: Any) -> Any:
+    L, _ = _lightning()
     return L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -70,6 +80,7 @@ def _trainer(path: Path, **kw: Any) -> Any:
 # so feedline must not warn that the dataset's draws are not reproducible.
 @pytest.mark.filterwarnings("error:the dataset draws:RuntimeWarning")
 def test_fit_resumed_mid_epoch_sees_exactly_the_uninterrupted_batches(tmp_path: Path) -> None:
+    L, _Model = _lightning()
     logging.getLogger("lightning").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="lightning")
     torch.manual_seed(0)

@@ -60,11 +60,16 @@ class BenchOptions:
     steps: Callable[[str, int, int], None] | None = None
     smoke: bool = field(default_factory=_smoke_from_env)
 
+    @property
+    def smoke_run(self) -> bool:
+        """Whether this run is a smoke run: :attr:`smoke` with :attr:`quick`."""
+        return self.quick and self.smoke
+
     def size(self, full: _T, quick: _T, smoke: _T) -> _T:
         """``full``, or with ``quick`` the ``quick`` size (``smoke`` when :attr:`smoke`)."""
         if not self.quick:
             return full
-        return smoke if self.smoke else quick
+        return smoke if self.smoke_run else quick
 
 
 SCENARIOS: dict[str, str] = {

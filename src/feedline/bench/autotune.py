@@ -104,11 +104,13 @@ class _Case:
         build: Callable[[dict[str, Any], dict[str, Any]], Any],
         grid: dict[str, list[int]],
         rounds: int = 0,
+        tick: float = _TICK,
     ) -> None:
         self.name = name
         self.build = build  # (concurrency per stage, build() kwargs) -> Pipeline
         self.grid = grid
         self.rounds = rounds  # alternating rounds, if more than the scenario's (a noisy case)
+        self.tick = tick  # seconds between the points of its timelines
 
     def configurations(self) -> list[dict[str, Any]]:
         configs: list[dict[str, Any]] = [{}]
@@ -136,17 +138,18 @@ def _timeline(
     seconds: float,
     at: Callable[[float], None] | None = None,
     tuner_cpu: list[float] | None = None,
+    tick: float = _TICK,
 ) -> Timeline:
     """Iterate for ``seconds``: (time, items/s over the last tick, concurrency per stage).
 
-    ``tuner_cpu`` gets the tuner's CPU seconds over the run.
+    ``tuner_cpu`` gets the tuner's CPU seconds over the run; a point every ``tick`` seconds.
     """
     points: Timeline = []
     t0 = time.perf_counter()
     last_t, last_n = 0.0, 0
     for n, _ in enumerate(pipeline, 1):
         t = time.perf_counter() - t0
-        if t - last_t >= _TICK:
+        if t - last_t >= tick:
             conc = {s.name: s.concurrency for s in pipeline.stats().stages[1:]}
             points.append((t, (n - last_n) / (t - last_t), conc))
             last_t, last_n = t, n
@@ -181,7 +184,7 @@ def _reached(points: Timeline, target: float, after: float) -> float:
 def _grid(case: _Case, seconds: float, progress: Callable[[str], None]) -> dict[str, Any]:
     best: tuple[float, dict[str, Any]] | None = None
     for config in case.configurations():
-        rate = _rate(_timeline(case.build(config, {}), seconds), seconds / 3)
+        rate = _rate(_timeline(case.build(config, {}), seconds, tick=case.tick), seconds / 3)
         progress(f"{case.name}: grid {config}: {rate:,.0f} items/s")
         if best is None or rate > best[0]:
             best = rate, config
@@ -195,14 +198,18 @@ def run(options: BenchOptions) -> ScenarioResult:
     quick = options.quick
     repeats = 1 if quick else 3
     grid_s = options.size(1.5, 0.8, 0.3)
-    tuned_s = options.size(8.0, 2.0, 1.5)  # a smoke test's still has points to chart
+    tuned_s = options.size(8.0, 2.0, 0.8)
     steady_from = tuned_s / 2
-    # A smoke test searches two configurations per case, and waits less on the server's
-    # change of latency.
-    smoke = quick and options.smoke
+    # A smoke test searches two configurations per case, waits less on the server's change
+    # of latency, and charts a point every 0.1 s (its short runs still have several).
+    smoke = options.smoke_run
     wait_scale = 0.3 if smoke else 1.0
     pictures = jpeg_files(
-        16 if quick else 64, directory=options.data_dir, progress=progress, steps=options.steps
+        16 if quick else 64,
+        directory=options.data_dir,
+        progress=progress,
+        steps=options.steps,
+        small=options.smoke_run,
     )
     jpegs = read_all(pictures)
     blobs = random_files(cache_dir(options.data_dir), 4 if quick else 16, 1 << 20)
@@ -258,14 +265,15 @@ def run(options: BenchOptions) -> ScenarioResult:
                 rounds=0 if quick else 5,
             ),
         ]
+        if smoke:
+            for case in cases:
+                case.grid, case.tick = _two_configurations(case.grid), 0.1
         # First, while no 1 MB item has passed through this process's allocator yet (freed
         # memory it keeps would hide what the budget holds).
         budgeted = _memory_budget(
             cases[1], tuned_s, progress, notes, (pictures_server.pid, blob_server.pid)
         )
         for case in cases:
-            if smoke:
-                case.grid = _two_configurations(case.grid)
             progress(f"{case.name}: grid search over {case.grid}")
             best = _grid(case, grid_s, progress)
             rounds = max(repeats, case.rounds)
@@ -298,7 +306,8 @@ def run(options: BenchOptions) -> ScenarioResult:
         "items/s: steady rates, the tuned pipeline's from half-way through its run of "
         f"{tuned_s:g} s (it starts cold each round), the oracle's from a third of "
         f"{tuned_s / 2:g} s; ratios to the oracle, per round",
-        "s to 90 %: from a cold start to two ticks (0.25 s each) at 90 % of the oracle's rate",
+        f"s to 90 %: from a cold start to two ticks ({cases[0].tick:g} s each) at 90 % of the "
+        "oracle's rate",
         "the tuner: one look every 100 ms on the pipeline's event loop; tuner CPU: its thread "
         "time over the run, as a share of one core",
     ]
@@ -332,11 +341,13 @@ def _compare(
 
     def oracle() -> tuple[int, float]:
         seconds = tuned_s / 2
-        rate = _rate(_timeline(case.build(best, {}), seconds), seconds / 3)
+        rate = _rate(_timeline(case.build(best, {}), seconds, tick=case.tick), seconds / 3)
         return int(rate * 1000), 1000.0  # a rate: alternate() divides
 
     def tuned() -> tuple[int, float]:
-        points = _timeline(case.build({}, {"autotune": True}), tuned_s, tuner_cpu=cpu)
+        points = _timeline(
+            case.build({}, {"autotune": True}), tuned_s, tuner_cpu=cpu, tick=case.tick
+        )
         timelines.append(points)
         return int(_rate(points, steady_from) * 1000), 1000.0
 
@@ -377,9 +388,11 @@ def _latency_change(
         progress(f"{name}: the oracle at 100 ms")
         reads = [64, 128, 256] if scale >= 1 else [64, 128]
         best = _grid(
-            _Case(case.name, case.build, {"read": reads, "decode": [2]}), 2.0 * scale, progress
+            _Case(case.name, case.build, {"read": reads, "decode": [2]}, tick=case.tick),
+            2.0 * scale,
+            progress,
         )
-        oracle = _rate(_timeline(case.build(best, {}), 3.0 * scale), 1.0 * scale)
+        oracle = _rate(_timeline(case.build(best, {}), 3.0 * scale, tick=case.tick), 1.0 * scale)
         changed = tuned_s / 2
         for r in range(rounds):
             server.set_delay(0.01)
@@ -391,7 +404,9 @@ def _latency_change(
                     switched.append(t)
                     server.set_delay(0.1)
 
-            points = _timeline(case.build({}, {"autotune": True}), tuned_s + 4.0 * scale, at)
+            points = _timeline(
+                case.build({}, {"autotune": True}), tuned_s + 4.0 * scale, at, tick=case.tick
+            )
             if switched:
                 backs.append(_reached(points, 0.9 * oracle, switched[0]))
                 afters.append(_rate(points, switched[0] + 2.0 * scale))
@@ -429,7 +444,9 @@ def _memory_budget(
     base = sampler.peak_rss
     sampler.peak_rss = 0
     with sampler:
-        points = _timeline(case.build({}, {"autotune": True, "memory_budget": budget}), tuned_s)
+        points = _timeline(
+            case.build({}, {"autotune": True, "memory_budget": budget}), tuned_s, tick=case.tick
+        )
     grown = (sampler.peak_rss - base) / 2**20
     rate = _rate(points, tuned_s / 2)
     notes.append(

@@ -209,7 +209,8 @@ def run(options: BenchOptions) -> ScenarioResult:
     kinds = [("imagenet", 8 if quick else 64), ("large", 2 if quick else 16)]
     measurements: list[Measurement] = []
     for kind, count in kinds:
-        pictures = read_all(jpeg_files(count, kind, data_dir, progress, options.steps))
+        files = jpeg_files(count, kind, data_dir, progress, options.steps, options.smoke_run)
+        pictures = read_all(files)
         sizes = [len(p) for p in pictures]
         notes.append(f"{kind}: {count} JPEGs, mean {np.mean(sizes) / 1024:.0f} KiB")
         fast = [decode_image(p, size=SIZE) for p in pictures]

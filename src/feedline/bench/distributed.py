@@ -431,7 +431,12 @@ def run(options: BenchOptions) -> ScenarioResult:
     """Run the distributed scenario; ``options.quick`` shrinks it to a smoke test."""
     progress = options.progress
     files = jpeg_files(
-        16 if options.quick else 128, "imagenet", options.data_dir, progress, options.steps
+        16 if options.quick else 128,
+        "imagenet",
+        options.data_dir,
+        progress,
+        options.steps,
+        options.smoke_run,
     )
     count = options.size(1536, 256, 64)
     epochs = {kind: EPOCHS for kind in _NAMES}

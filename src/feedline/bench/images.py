@@ -183,7 +183,9 @@ def run(options: BenchOptions) -> ScenarioResult:
     repeats = 1 if quick else 5
     count = options.size(1024, 64, 32)
     cores = os.cpu_count() or 1
-    files = jpeg_files(count, "imagenet", options.data_dir, progress, options.steps)
+    files = jpeg_files(
+        count, "imagenet", options.data_dir, progress, options.steps, options.smoke_run
+    )
     paths = [str(p) for p in files]
     pictures = [Path(p).read_bytes() for p in paths]
     case = f"{count} JPEGs -> batches of {BATCH}x224x224x3"

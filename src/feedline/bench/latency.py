@@ -235,7 +235,9 @@ def run(options: BenchOptions) -> ScenarioResult:
     measurements: list[Measurement] = []
     count = options.size(640, 64, 32)
     workers = options.size((2, 4), (2, 4), (2,))  # a smoke test starts fewer processes
-    files = jpeg_files(8 if quick else 64, "imagenet", options.data_dir, progress, options.steps)
+    files = jpeg_files(
+        8 if quick else 64, "imagenet", options.data_dir, progress, options.steps, options.smoke_run
+    )
     cases: list[tuple[str, float, bool | None]] = [
         ("20 ms sleep", 0.020, None),
         ("20 ms GET", 0.020, False),

@@ -40,7 +40,9 @@ def run(options: BenchOptions) -> ScenarioResult:
     """Run the startup scenario; ``options.quick`` shrinks it to a smoke test."""
     repeats = 1 if options.quick else 5
     pictures = read_all(
-        jpeg_files(32, "imagenet", options.data_dir, options.progress, options.steps)
+        jpeg_files(
+            32, "imagenet", options.data_dir, options.progress, options.steps, options.smoke_run
+        )
     )
     DecodeDataset(pictures, "feedline")[0]  # import the decoder's libraries now, not in
     # whichever contender runs first
@@ -262,7 +264,9 @@ def _after_a_store(options: BenchOptions, repeats: int, workers: list[int]) -> l
         import obstore  # noqa: F401
     except ImportError:
         return []
-    files = jpeg_files(BATCH, "imagenet", options.data_dir, options.progress, options.steps)
+    files = jpeg_files(
+        BATCH, "imagenet", options.data_dir, options.progress, options.steps, options.smoke_run
+    )
     folder = files[0].parent
     with tempfile.TemporaryDirectory(prefix="feedline-startup-") as tmp:
         script = Path(tmp) / "first_batch.py"

@@ -329,7 +329,12 @@ def run(options: BenchOptions) -> ScenarioResult:
     jpegs = [
         str(p)
         for p in jpeg_files(
-            options.size(256, 64, 16), "imagenet", options.data_dir, progress, options.steps
+            options.size(256, 64, 16),
+            "imagenet",
+            options.data_dir,
+            progress,
+            options.steps,
+            options.smoke_run,
         )
     ]
     npzs = _npz_files(options.size(64, 16, 8), options.data_dir)

@@ -130,7 +130,12 @@ def run(options: BenchOptions) -> ScenarioResult:
     repeats = 1 if options.quick else 3
     shards, per_shard = (2, 16) if options.quick else (8, 96)
     pictures = jpeg_files(
-        32 if options.quick else 128, "imagenet", options.data_dir, options.progress, options.steps
+        32 if options.quick else 128,
+        "imagenet",
+        options.data_dir,
+        options.progress,
+        options.steps,
+        options.smoke_run,
     )
     paths = _write_shards(cache_dir(options.data_dir) / "shards-v1", pictures, shards, per_shard)
     megabytes = sum(p.stat().st_size for p in paths) / 1e6
