@@ -10,7 +10,7 @@ from ._hooks import TaskHook
 from ._lifetime import die_with_parent
 from ._mixture import Mixture
 from ._pipeline import Pipeline
-from ._queue import ChannelStats
+from ._queue_stats import ChannelStats
 from ._subprocess import SubprocessIterable, iterate_in_subprocess, run_pipeline_in_subprocess
 from ._tuning import Auto
 from .stats import PipelineStats, StageStats

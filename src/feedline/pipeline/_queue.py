@@ -15,13 +15,14 @@ import itertools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
+
+from ._queue_stats import ChannelStats, ChannelTally
 
 if TYPE_CHECKING:
     from ._growth import Growth
 
-__all__ = ["EMPTY", "Channel", "ChannelStats", "Endpoint", "Sizes"]
+__all__ = ["EMPTY", "Channel", "Endpoint", "Sizes"]
 
 _now = time.perf_counter
 
@@ -62,66 +63,6 @@ class _Nobody:
         pass
 
 
-@dataclass(frozen=True)
-class ChannelStats:
-    """A snapshot of one channel's statistics.
-
-    Attributes:
-        capacity: The most items the channel holds (now: a default-sized queue grows, see
-            :meth:`~feedline.PipelineBuilder.add_sink` and ``pipe(buffer_size=)``).
-        size: Items in the channel when the snapshot was taken.
-        puts: Items put so far.
-        gets: Items taken so far.
-        mean_occupancy: Time-averaged fill level, 0 to 1, each moment as a share of the
-            capacity at that moment.
-            Near 0: the consumer is starved (its producer is the slower side); near 1: the
-            producer is blocked (the consumer is slower).
-        empty_fraction: Share of the channel's life it was empty while still open: the
-            consumer had nothing to do because of upstream.
-        full_fraction: Share of the channel's life it was full: the producer could not hand
-            over results because of downstream.
-        life: Seconds the shares above are over: since the channel was made, or, for a
-            snapshot from :meth:`since`, between the two snapshots.
-
-    """
-
-    capacity: int
-    size: int
-    puts: int
-    gets: int
-    mean_occupancy: float
-    empty_fraction: float
-    full_fraction: float
-    life: float
-
-    def since(self, earlier: ChannelStats) -> ChannelStats:
-        """The same figures over the time between ``earlier`` (a snapshot) and this one."""
-        return ChannelStats(
-            capacity=self.capacity,
-            size=self.size,
-            puts=self.puts - earlier.puts,
-            gets=self.gets - earlier.gets,
-            mean_occupancy=window_share(
-                self.mean_occupancy, self.life, earlier.mean_occupancy, earlier.life
-            ),
-            empty_fraction=window_share(
-                self.empty_fraction, self.life, earlier.empty_fraction, earlier.life
-            ),
-            full_fraction=window_share(
-                self.full_fraction, self.life, earlier.full_fraction, earlier.life
-            ),
-            life=self.life - earlier.life,
-        )
-
-
-def window_share(share: float, life: float, earlier_share: float, earlier_life: float) -> float:
-    """A share of time (0 to 1) over the window between two snapshots of shares over a life."""
-    span = life - earlier_life
-    if span <= 0:
-        return share
-    return min(1.0, max(0.0, (share * life - earlier_share * earlier_life) / span))
-
-
 class Channel:
     """A bounded FIFO between two stages.
 
@@ -136,27 +77,15 @@ class Channel:
     __slots__ = (
         "_closed",
         "_consumer",
-        "_empty_since",
-        "_empty_time",
-        "_full_since",
-        "_full_time",
-        "_get_sum",
-        "_gets",
         "_growth",
         "_items",
         "_lock",
         "_low",
         "_measure_at",
-        "_occupancy",
-        "_occupancy_shares",
         "_producer",
         "_producer_refused",
-        "_put_sum",
-        "_puts",
-        "_t0",
+        "_tally",
         "capacity",
-        "fills",
-        "last_put",
         "name",
         "sizes",
     )
@@ -169,34 +98,16 @@ class Channel:
         # A refused producer is woken once the channel has drained to this level, not at the
         # first free slot: it then refills half the channel per wake-up instead of one item.
         self._low = capacity // 2
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards everything below, and the tally
         self._items: deque[Any] = deque()
         self._closed = False
         self._producer_refused = False
         self._consumer: Endpoint = _Nobody()
         self._producer: Endpoint = _Nobody()
-        now = _now()
-        self._t0 = now
-        self.last_put = now  # perf_counter() of the latest put
-        self.fills = 0  # times the channel became full
+        self._tally = ChannelTally(_now())
         self._growth = growth
         self.sizes: Sizes | None = None  # measures items put, for a memory budget
         self._measure_at = -1  # the count of gets whose item is measured (-1: none)
-        # Statistics are kept by events, not integrated on every call: the time-integral of
-        # the fill level is the sum of each item's stay, that is (sum of get times) - (sum of
-        # put times) + (items held) * now. Times are taken relative to _t0.
-        self._put_sum = 0.0
-        self._get_sum = 0.0
-        self._occupancy = 0.0  # the integral up to the last stats(), which folds the sums in
-        # The integral of the fill level as a share of the capacity, up to the last resize:
-        # the items held before it count against the capacity they had.
-        self._occupancy_shares = 0.0
-        self._empty_since: float | None = 0.0  # when it last became empty (None: not empty)
-        self._full_since: float | None = None  # when it last became full (None: not full)
-        self._empty_time = 0.0
-        self._full_time = 0.0
-        self._puts = 0
-        self._gets = 0
 
     def connect(self, producer: Endpoint, consumer: Endpoint) -> None:
         """Set who is told about data (``consumer``) and space (``producer``)."""
@@ -220,16 +131,9 @@ class Channel:
             if n >= self.capacity:
                 self._producer_refused = True
                 return False
-            now = _now()
-            t = now - self._t0
-            if n == 0:
-                self._end_empty(t)
-            if n + 1 == self.capacity:
-                self._filled(t)
-            self._put_sum += t
-            self.last_put = now
+            if self._tally.put(_now(), n, 1, self.capacity):
+                self._filled()
             items.append(item)
-            self._puts += 1
         if self.sizes is not None:
             self.sizes.put(item)
         self._consumer.on_data()
@@ -257,67 +161,30 @@ class Channel:
                 self._producer_refused = True
             if k <= 0:
                 return 0
-            now = _now()
-            t = now - self._t0
-            if n == 0:
-                self._end_empty(t)
-            if n + k == self.capacity:
-                self._filled(t)
-            self._put_sum += k * t
-            self.last_put = now
+            if self._tally.put(_now(), n, k, self.capacity):
+                self._filled()
             items.extend(batch if k == len(batch) else itertools.islice(batch, k))
-            self._puts += k
         if self.sizes is not None:
             self.sizes.put(batch[0])
         self._consumer.on_data()
         return k
 
-    # The helpers below are called with the lock held; t is the time since _t0.
+    # The helpers below are called with the lock held.
 
-    def _filled(self, t: float) -> None:
-        self._full_since = t
-        self.fills += 1
+    def _filled(self) -> None:
         growth = self._growth
-        if growth is not None and growth.found_full(self.fills, self._gets, self.capacity):
-            self._measure_at = self._gets + 1
-
-    def _end_empty(self, t: float) -> None:
-        if self._empty_since is not None:
-            self._empty_time += t - self._empty_since
-            self._empty_since = None
-
-    def _end_full(self, t: float) -> None:
-        if self._full_since is not None:
-            self._full_time += t - self._full_since
-            self._full_since = None
-
-    def _fold(self, t: float) -> None:
-        # Fold the sums into the integral, as if the items held left and came back now:
-        # exact, and it keeps both sums from growing for the channel's whole life.
-        n = len(self._items)
-        self._occupancy += self._get_sum + n * t - self._put_sum
-        self._get_sum, self._put_sum = 0.0, n * t
-
-    def _take_time(self, t: float, n: int) -> None:
-        # One item leaves a channel holding n.
-        self._get_sum += t
-        self._end_full(t)
-        if n == 1 and not self._closed:
-            self._empty_since = t
-
-    def _close_time(self, t: float) -> None:
-        # The channel no longer counts as starving its consumer, nor, since its producer is
-        # done, as blocking its producer.
-        self._end_empty(t)
-        self._end_full(t)
+        tally = self._tally
+        if growth is not None and growth.found_full(tally.fills, tally.gets, self.capacity):
+            self._measure_at = tally.gets + 1
 
     def _found_empty(self) -> None:
         growth = self._growth
-        if growth is not None and growth.found_empty(self.fills, self._gets):
+        gets = self._tally.gets
+        if growth is not None and growth.found_empty(self._tally.fills, gets):
             # Full since the consumer last found it empty: the channel's size, not the
             # producer's speed, kept the consumer waiting. The next item taken is measured
             # and decides how far the channel may grow.
-            self._measure_at = self._gets + 1
+            self._measure_at = gets + 1
 
     def try_get(self) -> Any:
         """Take the oldest item, or return :data:`EMPTY` at once if there is none."""
@@ -326,10 +193,8 @@ class Channel:
             if not items:
                 self._found_empty()
                 return EMPTY
-            t = _now() - self._t0
-            self._take_time(t, len(items))
+            got = self._tally.take(_now(), len(items), 1, self._closed)
             item = items.popleft()
-            self._gets = got = self._gets + 1
             measure = got == self._measure_at
             doubling, wake = self._took(measure)
         if wake or measure:
@@ -348,19 +213,13 @@ class Channel:
             if not n:
                 self._found_empty()
                 return []
-            t = _now() - self._t0
             if n <= limit:
                 taken = list(items)
                 items.clear()
-                if not self._closed:
-                    self._empty_since = t
             else:
                 taken = [items.popleft() for _ in range(limit)]
             k = len(taken)
-            self._get_sum += k * t
-            self._end_full(t)
-            first = self._gets + 1
-            self._gets += k
+            first = self._tally.take(_now(), n, k, self._closed) - k + 1
             at = self._measure_at - first  # the index of the item to measure, if taken now
             measure = 0 <= at < k
             doubling, wake = self._took(measure)
@@ -440,17 +299,10 @@ class Channel:
 
     def _resize(self, capacity: int) -> bool:
         # With the lock held. Returns whether a refused producer is to be told of room.
-        t = _now() - self._t0
-        self._fold(t)
-        self._occupancy_shares += self._occupancy / self.capacity
-        self._occupancy = 0.0
+        n = len(self._items)
+        self._tally.resized(_now(), n, self.capacity, capacity, self._closed)
         self.capacity = capacity
         self._low = capacity // 2
-        n = len(self._items)
-        if n < capacity:
-            self._end_full(t)
-        elif self._full_since is None and not self._closed:
-            self._full_since = t
         wake = self._producer_refused and n <= self._low
         if wake:
             self._producer_refused = False
@@ -461,27 +313,38 @@ class Channel:
         with self._lock:
             if self._closed:
                 return
-            self._close_time(_now() - self._t0)
+            self._tally.closed(_now())
             self._closed = True
         self._consumer.on_data()
 
     def abort(self) -> None:
         """Close the channel and drop what it holds (used when the pipeline stops)."""
         with self._lock:
-            t = _now() - self._t0
-            n = len(self._items)
-            self._get_sum += n * t  # the dropped items leave now
-            self._close_time(t)
+            self._tally.closed(_now(), dropped=len(self._items))
             self._closed = True
             self._items.clear()
             self._producer_refused = False
         self._consumer.on_data()
         self._producer.on_space()
 
+    # Unlocked reads of counts that only grow: a stale value is a moment old, and its
+    # readers (the stall watch, the tuner's rates, the sink's delay) only compare counts
+    # over time.
+
     @property
     def puts(self) -> int:
         """Items put so far."""
-        return self._puts
+        return self._tally.puts
+
+    @property
+    def fills(self) -> int:
+        """Times the channel became full."""
+        return self._tally.fills
+
+    @property
+    def last_put(self) -> float:
+        """``perf_counter()`` of the latest put."""
+        return self._tally.last_put
 
     # The reads below take the lock: a side that re-checks the channel after it announced that
     # it waits then sees every put and close before the other side's unlocked check of that
@@ -508,42 +371,12 @@ class Channel:
         """How the channel may grow (``None``: its size is fixed, the user's)."""
         return self._growth
 
-    def peek(self) -> Any:
-        """The item at the head, or ``EMPTY`` (unlocked: for measuring, not for taking)."""
-        try:
-            return self._items[0]
-        except IndexError:
-            return EMPTY
-
     def full_seconds(self) -> float:
         """Seconds the channel has been full since it was made."""
         with self._lock:
-            full = self._full_time
-            if self._full_since is not None:
-                full += _now() - self._t0 - self._full_since
-            return full
+            return self._tally.full_seconds(_now())
 
     def stats(self) -> ChannelStats:
         """Return a snapshot of the channel's statistics."""
         with self._lock:
-            t = _now() - self._t0
-            life = max(t, 1e-9)
-            n = len(self._items)
-            self._fold(t)
-            occupancy = self._occupancy_shares + self._occupancy / self.capacity
-            empty = self._empty_time
-            if self._empty_since is not None:
-                empty += t - self._empty_since
-            full = self._full_time
-            if self._full_since is not None:
-                full += t - self._full_since
-            return ChannelStats(
-                capacity=self.capacity,
-                size=n,
-                puts=self._puts,
-                gets=self._gets,
-                mean_occupancy=min(1.0, max(0.0, occupancy / life)),
-                empty_fraction=min(1.0, empty / life),
-                full_fraction=min(1.0, full / life),
-                life=life,
-            )
+            return self._tally.snapshot(_now(), len(self._items), self.capacity)

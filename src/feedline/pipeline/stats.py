@@ -20,7 +20,7 @@ import numpy as np
 
 from feedline._ledger import LedgerStats
 
-from ._queue import ChannelStats, window_share
+from ._queue_stats import ChannelStats, window_share
 from ._settings import DURATION_RING
 
 __all__ = ["PipelineStats", "StageStats"]
