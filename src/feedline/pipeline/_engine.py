@@ -31,6 +31,7 @@ from ._defs import (
 )
 from ._executors import Submitter, WorkerPool
 from ._growth import Growth
+from ._lifecycle import RunLifecycle
 from ._queue import EMPTY, Channel
 from ._resume import TaggedOp
 from ._settings import (
@@ -79,15 +80,8 @@ class Run:
         self._thread = threading.Thread(
             target=self._loop_main, name="feedline-event-loop", daemon=True
         )
-        self._stopping = False
-        self._stop_called = False  # the consumer asked to stop: later errors are not recorded
-        self._stopped = False  # a stop ran to its end
-        self._stop_lock = threading.Lock()  # the stop flags, the error and the job count
-        self._join_lock = threading.Lock()
-        self.error: BaseException | None = None
+        self._life = RunLifecycle()
         self.finished = False  # the consumer was told the epoch ended (not stopped part-way)
-        self._jobs = 0
-        self._jobs_done = threading.Event()
         self._loop_ready = threading.Event()
         self._stop_event: asyncio.Event | None = None
         self._t0 = time.perf_counter()
@@ -95,7 +89,6 @@ class Run:
         budget = FailureBudget(config.max_failures)
         self.stages: list[StageBase] = []
         self.channels: list[Channel] = []
-        self._async_stages: list[AsyncStage | AsyncSource] = []
 
         concurrency = [getattr(cfg, "concurrency", 1) for cfg in config.stages]
         # The source's queue holds two items per slot of the first stage: the source job
@@ -114,11 +107,9 @@ class Run:
         source: ThreadedSource | AsyncSource
         if src_cfg.is_async:
             source = AsyncSource(self, src_cfg.name, src_cfg.source, out, budget)  # type: ignore[arg-type]
-            self._async_stages.append(source)
         else:
             iterable = source_wrapper(src_cfg.source, self)
             source = ThreadedSource(self, src_cfg.name, iterable, self._pool, out, budget)
-        self._source = source
         self.stages.append(source)
         producers: list[Any] = [source]  # each is an Endpoint
 
@@ -199,7 +190,7 @@ class Run:
                     budget,
                     most=cfg.tune[1] if cfg.tune is not None else None,
                 )
-            stage = AsyncStage(
+            return AsyncStage(
                 self,
                 cfg.name,
                 cfg.op,
@@ -212,8 +203,6 @@ class Run:
                 budget,
                 most=cfg.tune[1] if cfg.tune is not None else None,
             )
-            self._async_stages.append(stage)
-            return stage
         if isinstance(cfg, AggregateConfig):
             work, kind = (
                 AggregateWork(cfg.size, cfg.drop_last, cfg.collect, cfg.epochs),
@@ -230,7 +219,7 @@ class Run:
     @property
     def stopping(self) -> bool:
         """True once the run is stopping."""
-        return self._stopping
+        return self._life.stopping
 
     def on_loop_thread(self) -> bool:
         """Whether the caller runs on the event-loop thread."""
@@ -238,13 +227,13 @@ class Run:
 
     def submit(self, executor: Submitter, fn: Callable[[], None]) -> bool:
         """Run ``fn`` in ``executor``, counted so that ``stop`` can wait for it."""
-        if not self._job_begin():
+        if not self._life.job_begin():
             return False
         try:
             executor.submit(self._tracked, fn)
         except RuntimeError as error:  # the executor was shut down under us
-            self._job_done()
-            if not self._stopping:
+            self._life.job_done()
+            if not self._life.stopping:
                 self.fail(
                     RuntimeError(
                         f"could not submit work to {type(executor).__name__}: {error}. An "
@@ -261,36 +250,22 @@ class Run:
         The call counts as a job: if the run stops while it is running (a process cannot be
         interrupted), ``stop()`` waits for it, so calls never outlive their run.
         """
-        if not self._job_begin():
+        life = self._life
+        if not life.job_begin():
             raise asyncio.CancelledError
         try:
             future = executor.submit(fn, item)
         except BaseException:
-            self._job_done()
+            life.job_done()
             raise
-        future.add_done_callback(lambda _: self._job_done())
+        future.add_done_callback(lambda _: life.job_done())
         return await asyncio.wrap_future(future)
 
     def _tracked(self, fn: Callable[[], None]) -> None:
         try:
             fn()
         finally:
-            self._job_done()
-
-    def _job_begin(self) -> bool:
-        # Count a job that stop() must wait for; refuse once the run is stopping.
-        with self._stop_lock:
-            if self._stopping:
-                return False
-            self._jobs += 1
-            return True
-
-    def _job_done(self) -> None:
-        with self._stop_lock:
-            self._jobs -= 1
-            done = self._jobs == 0 and self._stopping
-        if done:
-            self._jobs_done.set()
+            self._life.job_done()
 
     def item_failed(self, item: Any, stage: str) -> None:
         """The stage named ``stage`` failed on ``item`` within the failure budget, skipping it."""
@@ -299,23 +274,23 @@ class Run:
 
     def fail(self, error: BaseException) -> None:
         """Record the first error and begin stopping; the consumer's next ``get`` raises it."""
-        with self._stop_lock:
-            if self.error is None and not self._stop_called:
-                self.error = error
-        self.begin_stop()
+        self._begin_stop(error)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
         """Start the event-loop thread and the stages (nothing, if already stopping)."""
-        with self._stop_lock:  # so that a concurrent stop() sees the thread started, or none
-            if self._stopping or self._stopped:
-                return
-            self._t0 = time.perf_counter()
-            self._thread.start()
+        if not self._life.start(self._start_thread):
+            return
         self._loop_ready.wait()
-        if isinstance(self._source, ThreadedSource):
-            self._source.start()
+        source = self.stages[0]
+        if isinstance(source, ThreadedSource):
+            source.start()
+
+    def _start_thread(self) -> None:
+        # Under the lifecycle's lock: a concurrent stop() sees the thread started, or none.
+        self._t0 = time.perf_counter()
+        self._thread.start()
 
     def _loop_main(self) -> None:
         self._loop_ident = threading.get_ident()
@@ -332,7 +307,11 @@ class Run:
 
     async def _main(self) -> None:
         self._stop_event = asyncio.Event()
-        tasks = [asyncio.ensure_future(s.run_stage()) for s in self._async_stages]
+        tasks = [
+            asyncio.ensure_future(s.run_stage())
+            for s in self.stages
+            if isinstance(s, AsyncStage | AsyncSource)
+        ]
         for task in tasks:
             task.add_done_callback(self._task_done)
         interval = self.config.report_stats_interval
@@ -341,7 +320,7 @@ class Run:
         if self.tuner is not None:
             tasks.append(asyncio.ensure_future(self.tuner.run()))
         self._loop_ready.set()
-        if self._stopping:  # stopped before the loop came up
+        if self._life.stopping:  # stopped before the loop came up
             self._stop_event.set()
         await self._stop_event.wait()
         for task in tasks:
@@ -379,13 +358,14 @@ class Run:
             BaseException: The error that stopped the run (failure budget, source error).
 
         """
-        if self.error is not None:
-            raise self.error
+        life = self._life
+        if life.error is not None:
+            raise life.error
         item = self._sink.get(timeout)
         if item is EMPTY:
-            if self.error is not None:
-                raise self.error
-            if self._stopping:  # set before the sink is interrupted
+            if life.error is not None:
+                raise life.error
+            if life.stopping:  # set before the sink is interrupted
                 raise EOFError("the pipeline was stopped before the end of its epoch")
             self.finished = True
             raise EOFError("the pipeline has no more items in this epoch")
@@ -393,12 +373,11 @@ class Run:
 
     def begin_stop(self) -> None:
         """Stop taking work and wake every waiter; safe from any thread, returns at once."""
-        with self._stop_lock:
-            if self._stopping:
-                return
-            self._stopping = True
-            if self._jobs == 0:
-                self._jobs_done.set()
+        self._begin_stop(None)
+
+    def _begin_stop(self, error: BaseException | None) -> None:
+        if not self._life.begin_stop(error):
+            return
         for channel in self.channels:
             channel.abort()
         self._sink.interrupt()
@@ -419,38 +398,34 @@ class Run:
         self.begin_stop()
         if self.on_loop_thread():
             return
-        with self._stop_lock:
-            if self._stopped:
-                return
-            self._stop_called = True
-        with self._join_lock:  # one thread joins; another caller waits for it to finish
-            self._join_all()
+        life = self._life
+        life.begin_stop(asked=True)
+        with life.join_lock:  # one thread joins; another caller waits for it to finish
+            if not life.stopped:
+                self._join_all()
+                life.stopped = True
 
     def _join_all(self) -> None:
-        with self._stop_lock:
-            if self._stopped:
-                return
-            started = self._thread.ident is not None
-        if started:
+        # The thread was started under the lifecycle's lock, before the stop began, or never.
+        if self._thread.ident is not None:
             self._thread.join()
         waited = 0.0
-        while not self._jobs_done.wait(STOP_WARN_AFTER):
+        while left := self._life.wait_jobs(STOP_WARN_AFTER):
             waited += STOP_WARN_AFTER
             _log.warning(
                 "stopping the pipeline: %d job(s) still inside stage ops after %.0f s; "
                 "an op that never returns keeps its thread (and this stop) waiting",
-                self._jobs,
+                left,
                 waited,
             )
         self._pool.shutdown(wait=True)
         for stage in self.stages:  # no job left to fail: sum up what the logs held back
             stage.flush_failures()
-        if isinstance(self._source, ThreadedSource):
-            self._source.close()
+        source = self.stages[0]
+        if isinstance(source, ThreadedSource):
+            source.close()
         if not self.loop.is_closed():
             self.loop.close()
-        with self._stop_lock:
-            self._stopped = True
 
     # -- statistics ------------------------------------------------------------------------------
 
