@@ -167,52 +167,44 @@ class Run:
     def _make_stage(self, cfg: Any, inp: Channel, out: Channel, budget: FailureBudget) -> Any:
         work: Work
         if isinstance(cfg, PipeConfig):
+            # With one slot (and no tuner to add more), items are processed one at a time,
+            # so order is kept for free.
+            most = cfg.tune[1] if cfg.tune is not None else 0
+            ordered = cfg.output_order == "input" and max(cfg.concurrency, most) > 1
             threaded = cfg.kind in (OpKind.FUNCTION, OpKind.GENERATOR) and (
                 cfg.executor is None or isinstance(cfg.executor, ThreadPoolExecutor)
             )
-            if threaded:
-                if isinstance(cfg.op, TaggedOp):  # the usual case: no wrapper call per item
-                    work = ValueWork(cfg.op.op)
-                elif cfg.kind is OpKind.FUNCTION:
-                    work = FunctionWork(cfg.op)
-                else:
-                    work = GeneratorWork(cfg.op)
-                return ThreadedStage(
+            if not threaded:
+                return AsyncStage(
                     self,
                     cfg.name,
-                    "pipe",
-                    work,
+                    cfg.op,
+                    cfg.kind,
                     cfg.concurrency,
-                    cfg.executor or self._pool,
-                    cfg.output_order == "input",
+                    cfg.executor,
+                    ordered,
                     inp,
                     out,
                     budget,
-                    most=cfg.tune[1] if cfg.tune is not None else None,
                 )
-            return AsyncStage(
-                self,
-                cfg.name,
-                cfg.op,
-                cfg.kind,
-                cfg.concurrency,
-                cfg.executor,
-                cfg.output_order == "input",
-                inp,
-                out,
-                budget,
-                most=cfg.tune[1] if cfg.tune is not None else None,
-            )
-        if isinstance(cfg, AggregateConfig):
-            work, kind = (
-                AggregateWork(cfg.size, cfg.drop_last, cfg.collect, cfg.epochs),
-                "aggregate",
-            )
+            if isinstance(cfg.op, TaggedOp):  # the usual case: no wrapper call per item
+                work = ValueWork(cfg.op.op)
+            elif cfg.kind is OpKind.FUNCTION:
+                work = FunctionWork(cfg.op)
+            else:
+                work = GeneratorWork(cfg.op)
+            executor, kind, concurrency = cfg.executor or self._pool, "pipe", cfg.concurrency
+        elif isinstance(cfg, AggregateConfig):
+            work = AggregateWork(cfg.size, cfg.drop_last, cfg.collect, cfg.epochs)
+            executor, kind, concurrency, ordered = self._pool, "aggregate", 1, False
         elif isinstance(cfg, DisaggregateConfig):
-            work, kind = DisaggregateWork(cfg.split), "disaggregate"
+            work = DisaggregateWork(cfg.split)
+            executor, kind, concurrency, ordered = self._pool, "disaggregate", 1, False
         else:  # pragma: no cover - the builder only makes the kinds above
             raise TypeError(f"unknown stage config {cfg!r}")
-        return ThreadedStage(self, cfg.name, kind, work, 1, self._pool, False, inp, out, budget)
+        return ThreadedStage(
+            self, cfg.name, kind, work, concurrency, executor, ordered, inp, out, budget
+        )
 
     # -- RunContext ------------------------------------------------------------------------------
 

@@ -95,11 +95,7 @@ class LoopSignal:
 class _AsyncProducer(StageBase):
     """Hand-over to the output channel from coroutines."""
 
-    _output: Channel
-
-    def _init_output(self, output: Channel) -> None:
-        self._output = output
-        self._space = LoopSignal(self.run)
+    _space: LoopSignal  # wakes the workers waiting for room in the output
 
     def on_space(self) -> None:
         """Output drained (wake one waiting worker) or closed (wake all).
@@ -146,6 +142,8 @@ class _Burst:
 class AsyncStage(_AsyncProducer):
     """Runs an async op (or a sync op in a process pool) with ``concurrency`` workers."""
 
+    _input: Channel
+
     def __init__(
         self,
         run: RunContext,
@@ -158,28 +156,20 @@ class AsyncStage(_AsyncProducer):
         input: Channel,
         output: Channel,
         budget: FailureBudget,
-        most: int | None = None,
     ) -> None:
-        super().__init__(run, name, "pipe", concurrency, budget)
+        super().__init__(run, name, "pipe", concurrency, budget, input, output, ordered)
+        self._space = LoopSignal(run)
         # A coroutine op on Tagged items (see _resume) is called here on the value, without
         # the wrapper's own coroutine per item.
         self._on_value = isinstance(op, TaggedAsyncOp)
         self._op = op.op if isinstance(op, TaggedAsyncOp) else op
         self._kind = kind
-        self._concurrency = concurrency
         self._executor = executor
-        self._ordered = ordered and max(concurrency, most or 0) > 1
-        self._ahead = 2 * concurrency  # how far an ordered stage runs ahead: see _threaded
         self._workers = 0  # worker coroutines running
         self._tasks: set[asyncio.Task[None]] = set()
         self._started = self._ended = False
-        self._input = input
-        self._init_output(output)
         self._data = LoopSignal(run)
-        self._next_seq = 0
-        self._next_emit = 0
-        self._pending: dict[int, Any] = {}
-        self._window = LoopSignal(run)
+        self._window = LoopSignal(run)  # an ordered stage's: the oldest result went on
         # Items taken from the input in a batch and not yet started, for any worker to start
         # in order (see _run_burst).
         self._taken: deque[Any] = deque()
@@ -224,9 +214,7 @@ class AsyncStage(_AsyncProducer):
         More: new workers start (unless the stage has ended). Fewer: those beyond it end
         before their next item.
         """
-        self._concurrency = concurrency
-        self._ahead = 2 * concurrency
-        self.counters.set_concurrency(concurrency)
+        self._set_concurrency(concurrency)
         if self._started and not self._ended and self._workers < concurrency:
             self._spawn(concurrency - self._workers)
         elif self._workers > concurrency and self._data.waiters:
@@ -257,7 +245,8 @@ class AsyncStage(_AsyncProducer):
                 return self._taken.popleft()
             item = inp.try_get()
             if item is not EMPTY:
-                self.counters.items_in += 1
+                c = self.counters
+                c.items_in += 1
                 return item
             if inp.exhausted and not self._bursts:
                 return _END
@@ -272,9 +261,10 @@ class AsyncStage(_AsyncProducer):
         c = self.counters
         run = self.run
         kind = self._kind
-        bursts = kind is OpKind.COROUTINE and not self._ordered
+        order = self._order
+        bursts = kind is OpKind.COROUTINE and order is None
         while not run.stopping:
-            while self._ordered and self._next_seq - self._next_emit >= self._ahead:
+            while order is not None and order.full():
                 await self._window.wait()
             if self._leaves():
                 return True
@@ -297,8 +287,7 @@ class AsyncStage(_AsyncProducer):
                         return False
                 else:
                     c.items_in += 1
-            seq = self._next_seq
-            self._next_seq += 1
+            seq = -1 if order is None else order.number()
             if kind is OpKind.ASYNC_GENERATOR:
                 if not await self._run_async_generator(item):
                     return False
@@ -315,11 +304,11 @@ class AsyncStage(_AsyncProducer):
             except Exception as error:
                 c.task_ended(t0)
                 self.record_failure(item, error)
-                if self._ordered and not await self._emit(seq, _SKIP):
+                if order is not None and not await self._emit(seq, _SKIP):
                     return False
                 continue
             c.task_ended(t0)
-            fast = not self._ordered and self._output.try_put(result)  # no coroutine if room
+            fast = order is None and self._output.try_put(result)  # no coroutine if room
             if not fast and not await self._emit(seq, result):
                 return False
             # Let go of what was handed on before waiting for more: a worker that kept its
@@ -444,18 +433,17 @@ class AsyncStage(_AsyncProducer):
             await agen.aclose()
 
     async def _emit(self, seq: int, value: Any) -> bool:
-        if not self._ordered:
+        order = self._order
+        if order is None:
             return await self._put(value)
-        self._pending[seq] = value
-        if seq != self._next_emit:
+        order.pending[seq] = value
+        if seq != order.next_emit:
             return True
         # Only the worker holding the next sequence number flushes, so order is kept.
-        pending = self._pending
-        while self._next_emit in pending:
-            value = pending.pop(self._next_emit)
-            if value is not _SKIP and not await self._put(value):
+        while (head := order.head()) is not EMPTY:
+            if head is not _SKIP and not await self._put(head):
                 return False
-            self._next_emit += 1
+            order.advance()
             self._window.notify(wake_all=True)
         return True
 
@@ -471,9 +459,9 @@ class AsyncSource(_AsyncProducer):
         output: Channel,
         budget: FailureBudget,
     ) -> None:
-        super().__init__(run, name, "source", 1, budget)
+        super().__init__(run, name, "source", 1, budget, None, output)
+        self._space = LoopSignal(run)
         self._source = source
-        self._init_output(output)
 
     def on_data(self) -> None:
         """Unused: a source has no input."""

@@ -1,4 +1,4 @@
-"""What every stage shares: the run it belongs to, failure accounting and logging."""
+"""What every stage shares: its run and channels, input order, failure accounting and logging."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from typing import Any, Protocol
 
 from feedline.errors import PipelineFailure
 
+from .._queue import EMPTY, Channel
 from .._resume import Tagged, sample_repr
 from .._settings import CHEAP_BELOW
 from ..stats import StageCounters
 
-__all__ = ["FailureBudget", "RunContext", "StageBase"]
+__all__ = ["FailureBudget", "InputOrder", "RunContext", "StageBase"]
 
 _log = logging.getLogger("feedline.pipeline")
 
@@ -109,17 +110,80 @@ class LogThrottle:
         return held, self._last_held
 
 
+class InputOrder:
+    """``output_order="input"``: items numbered as they are taken, results handed on in order.
+
+    Results that finish early are held (``pending``) until those before them are handed on,
+    and a stage runs at most ``ahead`` items past the oldest one not handed on: twice its
+    concurrency, since with only ``concurrency`` a call that finished early would wait idle
+    for one slow item (measured: 25% less throughput decoding JPEGs on two threads). Not
+    locked: a threaded stage holds its hand-over lock around it, a loop stage runs on the
+    loop's thread.
+    """
+
+    __slots__ = ("ahead", "next_emit", "next_seq", "pending")
+
+    def __init__(self, concurrency: int) -> None:
+        self.ahead = 2 * concurrency
+        self.next_seq = 0  # the number of the next item taken
+        self.next_emit = 0  # the number of the next result to hand on
+        self.pending: dict[int, Any] = {}  # results by number, until handed on
+
+    def full(self) -> bool:
+        """Whether the stage is ``ahead`` items past the oldest not handed on."""
+        return self.next_seq - self.next_emit >= self.ahead
+
+    def number(self) -> int:
+        """The number of an item just taken."""
+        seq = self.next_seq
+        self.next_seq = seq + 1
+        return seq
+
+    def head(self) -> Any:
+        """The next result to hand on, or ``EMPTY`` while it is not done."""
+        return self.pending.get(self.next_emit, EMPTY)
+
+    def advance(self) -> None:
+        """The head was handed on (or skipped)."""
+        del self.pending[self.next_emit]
+        self.next_emit += 1
+
+
 class StageBase:
-    """Failure handling and statistics common to all stage runtimes."""
+    """Failure handling, statistics and channels common to all stage runtimes.
+
+    A stage reads ``_input`` (``None`` for a source), writes ``_output``, and runs at most
+    ``_concurrency`` calls at once, in input order if ``_order`` is set.
+    """
 
     def __init__(
-        self, run: RunContext, name: str, kind: str, concurrency: int, budget: FailureBudget
+        self,
+        run: RunContext,
+        name: str,
+        kind: str,
+        concurrency: int,
+        budget: FailureBudget,
+        input: Channel | None,
+        output: Channel,
+        ordered: bool = False,
     ) -> None:
         self.run = run
         self.name = name
         self.counters = StageCounters(name, kind, concurrency)
         self._budget = budget
         self._throttle = LogThrottle()
+        self._input = input
+        self._output = output
+        self._concurrency = concurrency
+        self._order = InputOrder(concurrency) if ordered else None
+
+    def _set_concurrency(self, concurrency: int) -> None:
+        # Run at most ``concurrency`` calls from now on (the tuner's call, any thread); a
+        # stage then starts or ends its jobs or workers.
+        self._concurrency = concurrency
+        if self._order is not None:
+            self._order.ahead = 2 * concurrency
+        self.counters.set_concurrency(concurrency)
 
     def cheap(self) -> bool:
         """Whether the op's smoothed time is below :data:`CHEAP_BELOW` (a thread wake-up)."""

@@ -170,18 +170,45 @@ class DisaggregateWork(Work):
 
 
 class _PoolStage(StageBase):
-    """What the threaded stage and source share: restarting when the output drains."""
+    """What the threaded stage and source share: restarting, and counting calls.
 
-    def _kick(self) -> None:
+    A job restarts when the output drains (``on_space``); calls are counted under the stage's
+    lock (``counters.lock``), which the jobs share.
+    """
+
+    def _kick(self, ended: int = 0) -> None:
         raise NotImplementedError
 
     def on_space(self) -> None:
         """Output drained: resume."""
         self._kick()
 
+    def _call_begins(self, items: int) -> float:
+        # A call of user code begins, on ``items`` new items; returns its start time.
+        c = self.counters
+        with c.lock:
+            c.items_in += items
+            return c.task_started()
+
+    def _call_ends(self, t0: float, items: int = 0) -> None:
+        # The call that began at ``t0`` ended (having made ``items`` new items: a source's).
+        c = self.counters
+        with c.lock:
+            c.task_ended(t0)
+            c.items_in += items
+
 
 class ThreadedStage(_PoolStage):
-    """A stage whose work runs as drain jobs in a thread pool (see the module docstring)."""
+    """A stage whose work runs as drain jobs in a thread pool (see the module docstring).
+
+    The stage's lock (``counters.lock``) guards the job count, the parked iterators and the
+    end of input; ``_emit_lock`` serialises the hand-over to the output channel and, in an
+    ordered stage, the taking and numbering of items. They cannot be one lock: a job holds
+    ``_emit_lock`` while the channels call the stages next to it (``on_data``,
+    ``on_space``), which take their own stage locks.
+    """
+
+    _input: Channel
 
     def __init__(
         self,
@@ -195,32 +222,13 @@ class ThreadedStage(_PoolStage):
         input: Channel,
         output: Channel,
         budget: FailureBudget,
-        most: int | None = None,
     ) -> None:
-        super().__init__(run, name, kind, concurrency, budget)
+        super().__init__(run, name, kind, concurrency, budget, input, output, ordered)
         self._work = work
-        self._concurrency = concurrency
         self._executor = executor
-        # With one slot (and no tuner to add more, up to ``most``), items are processed one
-        # at a time, so order is kept for free.
-        self._ordered = ordered and max(concurrency, most or 0) > 1
-        # How far ahead of the oldest unsent item an ordered stage may take items. Twice the
-        # concurrency: with only ``concurrency``, a job that finished early would wait idle for
-        # one slow item (measured: 25% less throughput decoding JPEGs on two threads).
-        self._window = 2 * concurrency
-        self._input = input
-        self._output = output
-        self._lock = self.counters.lock  # guards job counts, seq numbers, parked iterators
-        self._emit_lock = threading.Lock()  # serialises hand-over to the output channel
-        # An ordered stage numbers an item in the same step as it takes it; numbering later
-        # lets two jobs take items 9 and 10 and number them the other way round.
-        self._take_lock = threading.Lock()
+        self._emit_lock = threading.Lock()
         self._active = 0  # jobs submitted and not yet returned
-        self._busy = 0  # jobs inside user code
-        self._next_seq = 0
-        self._next_emit = 0
         self._ready: deque[Any] = deque()  # completion order: results waiting for room
-        self._pending: dict[int, Any] = {}  # input order: results by sequence number
         # iterators (generator ops, aggregate) paused because the output was full
         self._parked: deque[tuple[Iterator[Any], Any]] = deque()
         self._finish_claimed = False
@@ -232,10 +240,7 @@ class ThreadedStage(_PoolStage):
         More: jobs start for the waiting work. Fewer: the jobs beyond it end after their
         current item.
         """
-        with self._lock:
-            self._concurrency = concurrency
-            self._window = 2 * concurrency
-        self.counters.set_concurrency(concurrency)
+        self._set_concurrency(concurrency)  # the kick's lock orders it before the kick
         self._kick()
 
     def _surplus(self) -> bool:
@@ -243,7 +248,7 @@ class ThreadedStage(_PoolStage):
         # its ``finally`` takes it off the count. Read unlocked first: one comparison per item.
         if self._active <= self._concurrency:
             return False
-        with self._lock:
+        with self.counters.lock:
             return self._active > self._concurrency
 
     # -- endpoint callbacks (any thread) --------------------------------------------------------
@@ -257,26 +262,32 @@ class ThreadedStage(_PoolStage):
         self._kick()
 
     def _has_unsent(self) -> bool:
-        if self._ordered:
-            return self._next_emit in self._pending
+        # Unlocked (the hand-over's state, under _emit_lock, which a caller holding the stage
+        # lock must not take): a job that hands on or parks kicks after it, under the lock.
+        order = self._order
+        if order is not None:
+            return order.next_emit in order.pending
         return bool(self._ready)
 
-    def _kick(self) -> None:
+    def _kick(self, ended: int = 0) -> None:
+        # Start the jobs there is work for; ``ended``: jobs that returned (or never started),
+        # taken off the count first.
         run = self.run
         close = False
-        with self._lock:
+        with self.counters.lock:
+            self._active -= ended
             if self._closed or run.stopping:
                 return
             if self._has_unsent() and not self._output.request_space():
                 return  # nothing can move until the output drains; on_space will call again
             waiting = len(self._input)
-            if self._ordered:
-                window = self._window - (self._next_seq - self._next_emit)
-                waiting = max(0, min(waiting, window))
+            order = self._order
+            if order is not None:
+                waiting = max(0, min(waiting, order.ahead - (order.next_seq - order.next_emit)))
             waiting += len(self._parked) + (1 if self._has_unsent() else 0)
             if self._input.exhausted and not self._finish_claimed:
                 waiting += 1
-            idle = self._active - self._busy
+            idle = self._active - self.counters.in_flight
             n = min(self._concurrency - self._active, waiting - idle)
             if n > 0:
                 self._active += n
@@ -286,16 +297,15 @@ class ThreadedStage(_PoolStage):
                 and self._input.exhausted
                 and not self._parked
                 and not self._ready
-                and not self._pending
+                and not (order is not None and order.pending)
             ):
                 self._closed = close = True
         if close:
             self._output.close()
             return
-        for _ in range(n):
-            if not run.submit(self._executor, self._job):
-                with self._lock:
-                    self._active -= 1
+        refused = sum(not run.submit(self._executor, self._job) for _ in range(n))
+        if refused:  # the run is stopping: this only takes them off the count
+            self._kick(ended=refused)
 
     # -- the job (executor thread) ---------------------------------------------------------------
 
@@ -310,7 +320,7 @@ class ThreadedStage(_PoolStage):
                 if not self._flush() and self._backlog_full():
                     return
                 parked = None
-                with self._lock:
+                with self.counters.lock:
                     if self._parked:
                         parked = self._parked.popleft()
                 if parked is not None:
@@ -318,20 +328,24 @@ class ThreadedStage(_PoolStage):
                         return
                     continue
                 seq = -1
-                if self._ordered:
+                order = self._order
+                if order is not None:
                     # The window check, the take and the numbering are one step: checked apart,
-                    # two jobs could both pass the check and overfill the window.
-                    with self._take_lock:
-                        if self._next_seq - self._next_emit >= self._window:
+                    # two jobs could both pass the check and overfill the window, or number
+                    # items 9 and 10 the other way round.
+                    with self._emit_lock:
+                        if order.full():
                             return  # the reorder window is full; the next emit restarts us
                         item = self._input.try_get()
                         if item is not EMPTY:
-                            seq = self._next_seq
-                            self._next_seq += 1
+                            seq = order.number()
                 else:
                     item = self._input.try_get()
                 if item is EMPTY:
                     if self._input.exhausted and self._claim_finish():
+                        tail = self._work.finish()
+                        if tail is not None and not self._drive(tail, "<end of input>"):
+                            return
                         continue
                     return
                 if not self._process(item, seq):
@@ -339,51 +353,34 @@ class ThreadedStage(_PoolStage):
         except BaseException as error:  # a bug in the engine: never lose it silently
             run.fail(error)
         finally:
-            with self._lock:
-                self._active -= 1
-            self._kick()  # catch wake-ups that arrived while this job was winding down
+            self._kick(ended=1)  # and catch wake-ups that came while this job was ending
 
     def _claim_finish(self) -> bool:
-        with self._lock:
-            if self._finish_claimed:
-                return False
-            self._finish_claimed = True
-        tail = self._work.finish()
-        if tail is not None:
-            with self._lock:
-                self._parked.append((tail, "<end of input>"))
-        return True
+        # Whether this job is the one to run the work's end (its last group, parked if the
+        # output is full); until it has, the stage does not close its output.
+        with self.counters.lock:
+            claimed, self._finish_claimed = not self._finish_claimed, True
+        return claimed
 
     def _process(self, item: Any, seq: int) -> bool:
         """Run the op on item number ``seq``; False if the job must stop (output full)."""
-        c = self.counters
-        with self._lock:
-            c.items_in += 1
-            self._busy += 1
-            t0 = c.task_started()
+        t0 = self._call_begins(1)
         try:
             result = self._work(item)
         except Exception as error:
-            with self._lock:
-                c.task_ended(t0)
-                self._busy -= 1
+            self._call_ends(t0)
             self.record_failure(item, error)
-            return self._emit(seq, _SKIP) if self._ordered else True
-        with self._lock:
-            c.task_ended(t0)
-            self._busy -= 1
+            return self._emit(seq, _SKIP) if self._order is not None else True
+        self._call_ends(t0)
         if self._work.iterates:
             return self._drive(result, item)
         return self._emit(seq, result)
 
     def _drive(self, outputs: Iterator[Any], item: Any) -> bool:
         """Pull outputs from an iterator (running user code) and hand them on."""
-        c = self.counters
         run = self.run
         while not run.stopping:
-            with self._lock:
-                self._busy += 1
-                t0 = c.task_started()
+            t0 = self._call_begins(0)
             try:
                 value = next(outputs)
             except StopIteration:
@@ -392,11 +389,9 @@ class ThreadedStage(_PoolStage):
                 self.record_failure(item, error)
                 return True
             finally:
-                with self._lock:
-                    c.task_ended(t0)
-                    self._busy -= 1
+                self._call_ends(t0)
             if not self._emit(-1, value):
-                with self._lock:
+                with self.counters.lock:
                     self._parked.append((outputs, item))
                 return False
         return False
@@ -404,39 +399,43 @@ class ThreadedStage(_PoolStage):
     # -- hand-over ---------------------------------------------------------------------------------
 
     def _emit(self, seq: int, value: Any) -> bool:
-        """Hand a result on (or queue it); False if the output is full."""
+        """Hand a result on (or hold it) and what waits before it; False if the output is full.
+
+        ``value`` ``EMPTY``: only hand on what waits (:meth:`_flush`).
+        """
+        order = self._order
         with self._emit_lock:
-            if self._ordered:
-                self._pending[seq] = value
-                advanced = self._flush_ordered()
-                sent = self._next_emit not in self._pending
-            else:
-                if not self._ready and self._output.try_put(value):
+            if order is None:
+                ready = self._ready
+                if value is EMPTY:
+                    return self._flush_ready()
+                if not ready and self._output.try_put(value):
                     return True
-                self._ready.append(value)
-                return self._flush_ready() or len(self._ready) < self._concurrency
+                ready.append(value)
+                return self._flush_ready() or len(ready) < self._concurrency
+            if value is not EMPTY:
+                order.pending[seq] = value
+            start = order.next_emit
+            while (head := order.head()) is not EMPTY:
+                if head is not _SKIP and not self._output.try_put(head):
+                    break
+                order.advance()
+            advanced = order.next_emit != start
+            sent = order.head() is EMPTY
         if advanced:
             self._kick()  # the reorder window moved: more jobs may start
         return sent
 
     def _backlog_full(self) -> bool:
-        if self._ordered:
+        if self._order is not None:
             return True  # the reorder window already bounds what an ordered stage holds
         return len(self._ready) >= self._concurrency
 
     def _flush(self) -> bool:
         """Send what is waiting; False if the output is still full."""
-        if self._ordered:
-            with self._emit_lock:
-                advanced = self._flush_ordered()
-                sent = self._next_emit not in self._pending
-            if advanced:
-                self._kick()
-            return sent
-        if not self._ready:
-            return True
-        with self._emit_lock:
-            return self._flush_ready()
+        if self._order is None and not self._ready:
+            return True  # unlocked: only this stage's jobs add to it, each after its flush
+        return self._emit(-1, EMPTY)
 
     def _flush_ready(self) -> bool:
         ready = self._ready
@@ -445,17 +444,6 @@ class ThreadedStage(_PoolStage):
                 return False
             ready.popleft()
         return True
-
-    def _flush_ordered(self) -> bool:
-        pending = self._pending
-        start = self._next_emit
-        while self._next_emit in pending:
-            value = pending[self._next_emit]
-            if value is not _SKIP and not self._output.try_put(value):
-                break
-            del pending[self._next_emit]
-            self._next_emit += 1
-        return self._next_emit != start
 
 
 class ThreadedSource(_PoolStage):
@@ -478,11 +466,9 @@ class ThreadedSource(_PoolStage):
         output: Channel,
         budget: FailureBudget,
     ) -> None:
-        super().__init__(run, name, "source", 1, budget)
+        super().__init__(run, name, "source", 1, budget, None, output)
         self._source = source
         self._executor = executor
-        self._output = output
-        self._lock = self.counters.lock
         self._iterator: Iterator[Any] | None = None
         self._held: Any = EMPTY  # a value made but not yet put
         self._active = False
@@ -502,25 +488,26 @@ class ThreadedSource(_PoolStage):
         """Begin iterating."""
         self._kick()
 
-    def _kick(self) -> None:
+    def _kick(self, ended: int = 0) -> None:
+        # Start the job unless one runs; ``ended``: the job returned.
         ready = self._ready
-        if ready is not None and self._held is EMPTY and not ready():
-            return  # woken again when it may be read
-        with self._lock:
+        with self.counters.lock:
+            if ended:
+                self._active = False
             if self._active or self._done or self.run.stopping:
                 return
+            if ready is not None and self._held is EMPTY and not ready():
+                return  # woken again when it may be read
             output = self._output
             if len(output) >= output.capacity and not output.request_space():
                 return
             self._active = True
         if not self.run.submit(self._executor, self._job):
-            with self._lock:
-                self._active = False
+            self._kick(ended=1)  # the run is stopping: this only clears the flag
 
     def _job(self) -> None:
         run = self.run
         output = self._output
-        c = self.counters
         try:
             if self._iterator is None:
                 self._iterator = iter(self._source)
@@ -534,8 +521,7 @@ class ThreadedSource(_PoolStage):
                         return  # a pass ended: see the class's docstring
                 if self._ready is not None and not self._ready():
                     return  # too far ahead of the consumer: woken when it catches up
-                with self._lock:
-                    t0 = c.task_started()
+                t0 = self._call_begins(0)
                 try:
                     self._held = next(iterator)
                 except StopIteration:
@@ -543,16 +529,12 @@ class ThreadedSource(_PoolStage):
                     output.close()
                     return
                 finally:
-                    with self._lock:
-                        c.task_ended(t0)
-                        c.items_in += self._held is not EMPTY
+                    self._call_ends(t0, self._held is not EMPTY)
         except BaseException as error:  # an error in the source ends the run and propagates
             self._done = True
             run.fail(error)
         finally:
-            with self._lock:
-                self._active = False
-            self._kick()  # catch wake-ups that arrived while this job was winding down
+            self._kick(ended=1)  # and catch wake-ups that came while this job was ending
 
     def close(self) -> None:
         """Close the source iterator (a generator's ``finally`` runs). Call once no job runs."""
