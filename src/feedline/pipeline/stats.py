@@ -26,56 +26,75 @@ from ._settings import DURATION_RING
 __all__ = ["PipelineStats", "StageStats"]
 
 
+class SlotTime:
+    """A stage's concurrency over time, in slot-seconds: what its busy share is a share of.
+
+    A tuned stage's concurrency changes while it runs, so its slots are summed per period.
+    Not locked: the stage's counters hold their lock around it.
+    """
+
+    __slots__ = ("_before", "_since", "concurrency")
+
+    def __init__(self, concurrency: int, now: float) -> None:
+        self.concurrency = concurrency
+        self._before = 0.0  # slot-seconds before ``_since``
+        self._since = now
+
+    def set(self, concurrency: int, now: float) -> None:
+        """The concurrency is ``concurrency`` from ``now`` on."""
+        self._before += self.concurrency * (now - self._since)
+        self._since, self.concurrency = now, concurrency
+
+    def at(self, now: float) -> float:
+        """Slot-seconds from the start until ``now``."""
+        return self._before + self.concurrency * (now - self._since)
+
+
 class StageCounters:
     """Mutable counters one stage updates while it runs (internal)."""
 
     __slots__ = (
         "_durations",
         "_n_durations",
+        "_slots",
         "busy_time",
-        "concurrency",
         "ewma",
         "failures",
         "in_flight",
         "items_in",
         "kind",
-        "last_error",
-        "last_sample",
         "lock",
         "max_in_flight",
         "name",
-        "slot_time",
-        "slots_since",
         "t0",
     )
 
     def __init__(self, name: str, kind: str, concurrency: int) -> None:
         self.name = name
         self.kind = kind
-        self.concurrency = concurrency
         self.lock = threading.Lock()
         self.items_in = 0
         self.failures = 0
         self.busy_time = 0.0
         self.in_flight = 0
         self.max_in_flight = 0
-        self.last_error: BaseException | None = None
-        self.last_sample: str | None = None
         self._durations = [
             0.0
         ] * DURATION_RING  # a list: storing a float is 3x cheaper than in NumPy
         self._n_durations = 0
         self.ewma = -1.0  # smoothed seconds per call; negative until enough calls were seen
         self.t0 = time.perf_counter()
-        self.slot_time = 0.0  # slot-seconds before ``slots_since`` (concurrency x time)
-        self.slots_since = self.t0
+        self._slots = SlotTime(concurrency, self.t0)
+
+    @property
+    def concurrency(self) -> int:
+        """The most calls the stage runs at once, now."""
+        return self._slots.concurrency
 
     def set_concurrency(self, concurrency: int) -> None:
         """Record a new concurrency (the tuner's), keeping slot-time for the busy share."""
         with self.lock:
-            now = time.perf_counter()
-            self.slot_time += self.concurrency * (now - self.slots_since)
-            self.slots_since, self.concurrency = now, concurrency
+            self._slots.set(concurrency, time.perf_counter())
 
     @property
     def calls(self) -> int:
@@ -84,7 +103,7 @@ class StageCounters:
 
     def slots(self, now: float) -> float:
         """Slot-seconds since the stage started: its concurrency over time. ``lock`` held."""
-        return self.slot_time + self.concurrency * (now - self.slots_since)
+        return self._slots.at(now)
 
     def task_started(self) -> float:
         """Count one call entering the op; returns its start time. Call with ``lock`` held."""

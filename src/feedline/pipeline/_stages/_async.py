@@ -34,28 +34,39 @@ _SKIP: Any = object()
 
 
 class LoopSignal:
-    """Wakes coroutines waiting on the event loop; ``notify`` may be called from any thread."""
+    """Wakes coroutines waiting on the event loop; ``notify`` may be called from any thread.
 
-    def __init__(self, run: RunContext) -> None:
+    Args:
+        run: The run whose loop the waiters wait on.
+        lock: Guards the wake-ups asked for and not yet delivered: the stage's lock, which
+            its signals share (it is never held while another lock is taken).
+
+    """
+
+    def __init__(self, run: RunContext, lock: threading.Lock) -> None:
         self._run = run
-        self._lock = threading.Lock()
-        # Read-only outside this class, and exact on the loop thread (which alone adds and
-        # removes): empty means nobody to wake (see ``notify``), which a caller on the hot
-        # path may check before paying for the call.
+        self._lock = lock
+        # Changed only on the loop thread (``wait``, ``discard``, ``_deliver``), so without
+        # the lock; other threads only test it for emptiness (see ``notify``), which a
+        # caller on the hot path may do before paying for the call.
         self.waiters: deque[asyncio.Future[None]] = deque()
         self._wakes = 0  # wake-ups requested but not yet delivered
         self._scheduled = False
 
     def wait(self) -> asyncio.Future[None]:
-        """Register a waiter (loop thread only). Await it, or ``discard`` it."""
+        """Register a waiter (loop thread only). Await it, or ``discard`` it.
+
+        A waiter registers before it re-checks its condition on the channel, under the
+        channel's lock: that lock, not this one, orders the registration before a later
+        put's test of ``waiters`` (see "Memory ordering" in the README).
+        """
         fut: asyncio.Future[None] = self._run.loop.create_future()
-        with self._lock:
-            self.waiters.append(fut)
+        self.waiters.append(fut)
         return fut
 
     def discard(self, fut: asyncio.Future[None]) -> None:
-        """Withdraw a waiter that is no longer needed."""
-        with self._lock, contextlib.suppress(ValueError):
+        """Withdraw a waiter that is no longer needed (loop thread only)."""
+        with contextlib.suppress(ValueError):
             self.waiters.remove(fut)
 
     def notify(self, wake_all: bool = False) -> None:
@@ -158,7 +169,7 @@ class AsyncStage(_AsyncProducer):
         budget: FailureBudget,
     ) -> None:
         super().__init__(run, name, "pipe", concurrency, budget, input, output, ordered)
-        self._space = LoopSignal(run)
+        self._space = LoopSignal(run, self.counters.lock)
         # A coroutine op on Tagged items (see _resume) is called here on the value, without
         # the wrapper's own coroutine per item.
         self._on_value = isinstance(op, TaggedAsyncOp)
@@ -168,8 +179,9 @@ class AsyncStage(_AsyncProducer):
         self._workers = 0  # worker coroutines running
         self._tasks: set[asyncio.Task[None]] = set()
         self._started = self._ended = False
-        self._data = LoopSignal(run)
-        self._window = LoopSignal(run)  # an ordered stage's: the oldest result went on
+        self._data = LoopSignal(run, self.counters.lock)
+        # An ordered stage's: the oldest result went on, and the window moved.
+        self._window = LoopSignal(run, self.counters.lock)
         # Items taken from the input in a batch and not yet started, for any worker to start
         # in order (see _run_burst).
         self._taken: deque[Any] = deque()
@@ -460,7 +472,7 @@ class AsyncSource(_AsyncProducer):
         budget: FailureBudget,
     ) -> None:
         super().__init__(run, name, "source", 1, budget, None, output)
-        self._space = LoopSignal(run)
+        self._space = LoopSignal(run, self.counters.lock)
         self._source = source
 
     def on_data(self) -> None:

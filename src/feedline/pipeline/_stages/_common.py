@@ -203,8 +203,6 @@ class StageBase:
         where = f" ({source})" if source is not None else ""
         with c.lock:
             c.failures += 1
-            c.last_error = error
-            c.last_sample = sample
             failures, items = c.failures, c.items_in
             more = self._throttle.admit(f"sample {sample}{where}: {type(error).__name__}: {error}")
         if more is not None:
