@@ -310,22 +310,25 @@ class Channel:
 
     def close(self) -> None:
         """Mark the end of the stream: the producer will put nothing more."""
-        with self._lock:
-            if self._closed:
-                return
-            self._tally.closed(_now())
-            self._closed = True
-        self._consumer.on_data()
+        self._close(drop=False)
 
     def abort(self) -> None:
         """Close the channel and drop what it holds (used when the pipeline stops)."""
+        self._close(drop=True)
+
+    def _close(self, drop: bool) -> None:
         with self._lock:
-            self._tally.closed(_now(), dropped=len(self._items))
+            if self._closed and not drop:
+                return
+            items = self._items
+            self._tally.closed(_now(), dropped=len(items) if drop else 0)
             self._closed = True
-            self._items.clear()
-            self._producer_refused = False
+            if drop:
+                items.clear()
+                self._producer_refused = False
         self._consumer.on_data()
-        self._producer.on_space()
+        if drop:
+            self._producer.on_space()
 
     # Unlocked reads of counts that only grow: a stale value is a moment old, and its
     # readers (the stall watch, the tuner's rates, the sink's delay) only compare counts
@@ -350,21 +353,24 @@ class Channel:
     # it waits then sees every put and close before the other side's unlocked check of that
     # announcement (see "Memory ordering" in the README), with or without the GIL.
 
+    def state(self) -> tuple[int, bool]:
+        """How many items it holds, and whether the producer is done, read together."""
+        with self._lock:
+            return len(self._items), self._closed
+
     @property
     def closed(self) -> bool:
         """Whether the producer is done (items may remain)."""
-        with self._lock:
-            return self._closed
+        return self.state()[1]
 
     @property
     def exhausted(self) -> bool:
         """Closed and empty: the consumer will never get another item."""
-        with self._lock:
-            return self._closed and not self._items
+        held, closed = self.state()
+        return closed and not held
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._items)
+        return self.state()[0]
 
     @property
     def growth(self) -> Growth | None:

@@ -260,10 +260,12 @@ class AsyncStage(_AsyncProducer):
                 c = self.counters
                 c.items_in += 1
                 return item
-            if inp.exhausted and not self._bursts:
+            held, closed = inp.state()
+            if closed and not held and not self._bursts:
                 return _END
             fut = self._data.wait()
-            if len(inp) or self._taken or (inp.closed and not self._bursts):
+            held, closed = inp.state()
+            if held or self._taken or (closed and not self._bursts):
                 self._data.discard(fut)
                 continue
             await fut

@@ -88,13 +88,13 @@ class SinkReader:
                     self._delay += 0.25 * (delay - self._delay)
                 return item
             late = deadline is not None and time.monotonic() >= deadline
-            if late and not len(channel) and not channel.closed:
+            if late and channel.state() == (0, False):  # empty and open
                 raise TimeoutError(f"no item arrived from the pipeline within {timeout} s")
             if spin_until and time.perf_counter() < spin_until:
                 time.sleep(0)
                 continue
             self._waiting = True
-            if len(channel) or channel.closed or self._interrupted:
+            if channel.state() != (0, False) or self._interrupted:
                 self._waiting = False
                 continue
             watch = self.watch
@@ -107,7 +107,7 @@ class SinkReader:
             # Woken, timed out, or the lock held a spare release and returned at once: lower
             # the flag in every case, or every later put would release the lock for nothing.
             self._waiting = False
-            if not woken and not len(channel) and not channel.closed:
+            if not woken and channel.state() == (0, False):
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"no item arrived from the pipeline within {timeout} s")
                 if watch is not None:

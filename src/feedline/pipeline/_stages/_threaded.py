@@ -280,12 +280,14 @@ class ThreadedStage(_PoolStage):
                 return
             if self._has_unsent() and not self._output.request_space():
                 return  # nothing can move until the output drains; on_space will call again
-            waiting = len(self._input)
+            # One look: an input found open but closed meanwhile calls on_data, which kicks.
+            waiting, closed = self._input.state()
+            exhausted = closed and not waiting
             order = self._order
             if order is not None:
                 waiting = max(0, min(waiting, order.ahead - (order.next_seq - order.next_emit)))
             waiting += len(self._parked) + (1 if self._has_unsent() else 0)
-            if self._input.exhausted and not self._finish_claimed:
+            if exhausted and not self._finish_claimed:
                 waiting += 1
             idle = self._active - self.counters.in_flight
             n = min(self._concurrency - self._active, waiting - idle)
@@ -294,7 +296,7 @@ class ThreadedStage(_PoolStage):
             elif (
                 self._active == 0
                 and self._finish_claimed
-                and self._input.exhausted
+                and exhausted
                 and not self._parked
                 and not self._ready
                 and not (order is not None and order.pending)
