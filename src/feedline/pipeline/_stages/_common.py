@@ -117,8 +117,8 @@ class InputOrder:
     and a stage runs at most ``ahead`` items past the oldest one not handed on: twice its
     concurrency, since with only ``concurrency`` a call that finished early would wait idle
     for one slow item (measured: 25% less throughput decoding JPEGs on two threads). Not
-    locked: a threaded stage holds its hand-over lock around it, a loop stage runs on the
-    loop's thread.
+    locked: a threaded stage numbers items under its take lock and hands results on under
+    its hand-over lock; a loop stage runs on the loop's thread.
     """
 
     __slots__ = ("ahead", "next_emit", "next_seq", "pending")
