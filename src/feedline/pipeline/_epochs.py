@@ -16,7 +16,6 @@ epoch's last, partial group then, instead of filling it with the next epoch's it
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, cast
 
@@ -43,20 +42,22 @@ class Checkpoint:
     def __init__(self, passes: _Passes) -> None:
         self._passes = passes
         self.after: Account | None = None  # an aggregate's: the points after it
-        self._lock = threading.Lock()
-        self._left: dict[int, int] = {}  # numbers whose count is not one, nor done
         self._done = Progress()
+        # Numbers whose count is not one, nor done: under the lock of ``_done``, which they
+        # move into.
+        self._left: dict[int, int] = {}
 
     def change(self, tag: int | tuple[int, ...], change: int) -> None:
         """Add ``change`` to the items on their way for each number of ``tag``."""
-        with self._lock:
+        done = self._done
+        with done.lock:
             for number in (tag,) if isinstance(tag, int) else tag:
                 left = self._left.get(number, 1) + change
                 if left:
                     self._left[number] = left
                 else:
                     self._left.pop(number, None)
-                    self._done.mark(number)
+                    done.mark_held(number)
 
     def arrived(self, tag: int | tuple[int, ...]) -> None:
         """An item carrying ``tag`` reached this point (or failed before it)."""

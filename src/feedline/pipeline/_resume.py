@@ -260,7 +260,9 @@ class Progress:
     """
 
     def __init__(self, below: int = 0) -> None:
-        self._lock = threading.Lock()
+        # Also guards what its owner keeps with it (a Checkpoint's counts: see _epochs),
+        # which then marks with :meth:`mark_held`.
+        self.lock = threading.Lock()
         self._below = below
         self._ahead: set[int] = set()  # numbers above ``below`` that are done too
         # What was delivered and failed, apart from the watermark's bookkeeping, to check it
@@ -271,18 +273,22 @@ class Progress:
 
     def mark(self, tag: int | tuple[int, ...], failed: bool = False) -> None:
         """Record that the item(s) numbered ``tag`` were delivered (or ``failed``)."""
+        with self.lock:
+            self.mark_held(tag, failed)
+
+    def mark_held(self, tag: int | tuple[int, ...], failed: bool = False) -> None:
+        """:meth:`mark`, called with :attr:`lock` held."""
         ledger = self.ledger
         record = None if ledger is None else ledger.fail if failed else ledger.deliver
-        with self._lock:
-            if isinstance(tag, int):
-                self._mark(tag)
+        if isinstance(tag, int):
+            self._mark(tag)
+            if record is not None:
+                record(tag)
+        else:
+            for number in tag:
+                self._mark(number)
                 if record is not None:
-                    record(tag)
-            else:
-                for number in tag:
-                    self._mark(number)
-                    if record is not None:
-                        record(number)
+                    record(number)
 
     def plan(self, count: int) -> None:
         """The source's pass has ``count`` items in all (it was read to its end)."""
@@ -292,7 +298,7 @@ class Progress:
     def check_end(self) -> None:
         """At the epoch's end: each source item delivered or failed, once (``LedgerError``)."""
         if self.ledger is not None:
-            with self._lock:
+            with self.lock:
                 self.ledger.check_resume(self._below, self._ahead)
                 self.ledger.check_end()
 
@@ -310,7 +316,7 @@ class Progress:
     @property
     def below(self) -> int:
         """Every number under this is done."""
-        with self._lock:
+        with self.lock:
             return self._below
 
     def skipper(self) -> Callable[[int], bool]:
@@ -319,13 +325,13 @@ class Progress:
         A snapshot: items delivered during the pass move numbers from ``ahead`` to ``below``
         under the pass's feet, and a number must not look undone while that happens.
         """
-        with self._lock:
+        with self.lock:
             below, ahead = self._below, frozenset(self._ahead)
         return lambda number: number < below or number in ahead
 
     def state(self) -> dict[str, Any]:
         """A copy of the position, as :meth:`Pipeline.state_dict` returns it."""
-        with self._lock:
+        with self.lock:
             return {
                 "version": STATE_VERSION,
                 "done_below": self._below,

@@ -325,9 +325,12 @@ class ThreadedStage(_PoolStage):
                 if not self._flush() and self._backlog_full():
                     return
                 parked = None
-                with self.counters.lock:
-                    if self._parked:
-                        parked = self._parked.popleft()
+                # unlocked: a job that parks an iterator kicks as it ends (under the lock),
+                # and the job that kick starts sees it here.
+                if self._parked:
+                    with self.counters.lock:
+                        if self._parked:
+                            parked = self._parked.popleft()
                 if parked is not None:
                     if not self._drive(*parked):
                         return
