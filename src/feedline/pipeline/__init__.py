@@ -5,9 +5,10 @@ See ``README.md`` in this folder for how the parts fit together.
 
 from __future__ import annotations
 
+from feedline._proc.lifetime import die_with_parent
+
 from ._builder import PipelineBuilder
 from ._hooks import TaskHook
-from ._lifetime import die_with_parent
 from ._mixture import Mixture
 from ._pipeline import Pipeline
 from ._queue import ChannelStats

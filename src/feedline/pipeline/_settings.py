@@ -91,12 +91,6 @@ MIXTURE_JOIN_SECONDS = 5.0
 
 # -- processes ------------------------------------------------------------------------------
 
-POOL_CLOSE_GRACE = 0.5
-"""Seconds a closing ``PipePool`` gives its idle workers to end on their own."""
-
-WRITEV_BUFFERS = 64
-"""The most buffers a pool worker hands to one ``writev``."""
-
 CHILD_POLL = 0.2
 """Seconds between checks that a child process is alive while waiting for it."""
 

@@ -3,7 +3,7 @@
 The "multi-threading in a subprocess" pattern: a child process runs a pipeline with its own
 event loop and thread pool (decoding, collation: work that may hold the GIL), and the parent
 receives finished items, typically batches, through a bounded inter-process queue, keeping its
-own GIL for the training loop. Arrays cross through shared memory (see :mod:`._shm`).
+own GIL for the training loop. Arrays cross through shared memory (see :mod:`feedline._proc.shm`).
 
 Protocol (parent -> child on the command queue, child -> parent on the data queue)::
 
@@ -33,6 +33,17 @@ from concurrent.futures import Executor
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Generic, TypeVar
 
+from feedline._proc.lifetime import die_with_parent
+from feedline._proc.queues import close_queue, write_first
+from feedline._proc.shm import (
+    SHM_AVAILABLE,
+    SegmentNames,
+    pack,
+    release,
+    remove_prefixed,
+    set_segment_names,
+    unpack,
+)
 from feedline._watchdog import StallWatch, describe_child, dump_stacks_on_signal
 from feedline.errors import (
     ConfigurationError,
@@ -45,9 +56,7 @@ from feedline.errors import (
 )
 
 from ._builder import PipelineBuilder
-from ._lifetime import die_with_parent
 from ._pipeline import Pipeline
-from ._queues import close_queue, write_first
 from ._recipes import made_again, with_recipes
 from ._settings import (
     CHILD_CLOSE_GRACE,
@@ -55,15 +64,6 @@ from ._settings import (
     CHILD_POLL,
     CHILD_STARTUP_SECONDS,
     SHM_MIN_BYTES,
-)
-from ._shm import (
-    SHM_AVAILABLE,
-    SegmentNames,
-    pack,
-    release,
-    remove_prefixed,
-    set_segment_names,
-    unpack,
 )
 
 __all__ = ["SubprocessIterable", "iterate_in_subprocess", "run_pipeline_in_subprocess"]
