@@ -40,11 +40,9 @@ from typing import Any, TypeVar
 from feedline.errors import add_note, not_rebuilt
 
 from .pipe_worker import HEADER, READY, read_message, serve, write_views
+from .settings import POOL_CLOSE_GRACE
 
 __all__ = ["PipePool"]
-
-POOL_CLOSE_GRACE = 0.5
-"""Seconds a closing pool gives its idle workers to end on their own."""
 
 T = TypeVar("T")
 

@@ -18,10 +18,9 @@ from typing import Any
 
 from feedline.errors import portable
 
-__all__ = ["HEADER", "READY", "read_message", "serve", "write_views"]
+from .settings import WRITEV_BUFFERS
 
-WRITEV_BUFFERS = 64
-"""The most buffers a worker hands to one ``writev``."""
+__all__ = ["HEADER", "READY", "read_message", "serve", "write_views"]
 
 HEADER = struct.Struct("<QQ?")
 """Payload bytes, call number, whether the call succeeded."""

@@ -31,10 +31,10 @@ import numpy as np
 
 from feedline._proc.forking import fork_hazards
 from feedline._proc.queues import close_queue, write_first
+from feedline._proc.settings import CHILD_CLOSE_GRACE, SHM_MIN_BYTES
 from feedline._watchdog import STALL_AFTER, StallWatch
 from feedline.errors import ConfigurationError
 from feedline.pipeline import PipelineBuilder, SubprocessIterable
-from feedline.pipeline._settings import CHILD_CLOSE_GRACE, SHM_MIN_BYTES
 
 from ._collate import shm_collate_for
 from ._concurrency import FetchConcurrency
