@@ -41,7 +41,7 @@ def own_segments(pid: int | None = None) -> set[str]:
     """The shared-memory segments in /dev/shm that feedline made for this process.
 
     feedline names every segment after the process that started the tree of processes it
-    was made in (``psm_fl<pid>_``, see ``feedline.pipeline._shm``): this test process's own,
+    was made in (``psm_fl<pid>_``, see ``feedline._proc.shm``): this test process's own,
     its children's and theirs. Other programs on the machine (another test run, PyTorch)
     make segments too, at any time: counting theirs fails a test for what it did not do.
 

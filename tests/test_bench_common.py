@@ -151,6 +151,11 @@ class _ForkServerLoader:
 def test_time_loader_counts_the_cpu_of_a_fork_server_s_workers() -> None:
     # The fork server waits for its workers, this process never does: RUSAGE_CHILDREN alone
     # leaves their CPU out, and a reading of the live processes would miss those that ended.
+    # The server itself starts first, with a process that ends at once: its imports (torch,
+    # preloaded for the test run) are not the loader's.
+    first = multiprocessing.get_context("forkserver").Process(target=_burn, args=(0.0,))
+    first.start()
+    first.join()
     run = time_loader(lambda: _ForkServerLoader(0.6), memory=True)
     assert run.items == 2
     assert 0.5 <= run.cpu_s < 3

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from feedline.pipeline._forking import fork_hazards
+from feedline._proc.forking import fork_hazards
 
 
 def no_children_left() -> None:

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from feedline import DataLoader  # noqa: E402
-from feedline.pipeline._forking import fork_hazards  # noqa: E402
+from feedline._proc.forking import fork_hazards  # noqa: E402
 
 from .._system import starts_processes, zombies  # noqa: E402
 from ._procs import alone, no_children_left  # noqa: E402
@@ -26,7 +26,7 @@ _SCRIPT = """
 import sys, threading, time
 import feedline, torch
 from feedline import RemoteStore
-from feedline.pipeline._forking import fork_hazards
+from feedline._proc.forking import fork_hazards
 
 class Reads(torch.utils.data.Dataset):
     def __init__(self, store, keys):
@@ -60,7 +60,7 @@ def test_fork_hazards_name_native_threads_python_does_not_see(tmp_path: Path) ->
         """
         import sys, threading, time
         from feedline import RemoteStore
-        from feedline.pipeline._forking import fork_hazards
+        from feedline._proc.forking import fork_hazards
         store = RemoteStore(sys.argv[1])
         before = fork_hazards()
         store.read_sync("a")
@@ -161,7 +161,7 @@ def test_live_persistent_workers_do_not_push_the_next_loader_off_fork() -> None:
 def _make_a_segment() -> None:
     import numpy as np
 
-    from feedline.pipeline._shm import shared_empty
+    from feedline._proc.shm import shared_empty
 
     array = shared_empty((1000,), np.uint8)  # registered with the resource tracker
     del array

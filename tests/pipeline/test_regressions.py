@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from feedline import PipelineBuilder, iterate_in_subprocess
+from feedline._proc.shm import SHM_AVAILABLE, pack, release
 from feedline.pipeline._engine import Run
 from feedline.pipeline._pipeline import _wrap_source
-from feedline.pipeline._shm import SHM_AVAILABLE, pack, release
 
 from .._system import own_segments, starts_processes
 from . import _helpers

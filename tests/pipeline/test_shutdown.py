@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from feedline import PipelineBuilder, iterate_in_subprocess, run_pipeline_in_subprocess
-from feedline.pipeline import _executors, _subprocess
+from feedline._proc import subprocess as _subprocess
+from feedline.pipeline import _executors
 
 from .._system import own_segments, starts_processes
 from . import _helpers

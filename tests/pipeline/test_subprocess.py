@@ -164,7 +164,7 @@ def test_torch_tensors_cross_as_arrays_with_their_values_and_types() -> None:
     assert small.dtype == torch.int64
     assert torch.equal(big, expected[1])
     # The large one went through shared memory, the small one by value.
-    from feedline.pipeline._shm import ShmArray, TensorRef, pack, release
+    from feedline._proc.shm import ShmArray, TensorRef, pack, release
 
     packed = pack(expected[:2], 64 * 1024)
     assert isinstance(packed[1], TensorRef)

@@ -66,7 +66,7 @@ class Collated(NamedTuple):
     """A batch collated in a worker process, with what the parent needs to account for it.
 
     A named tuple, so that the batch's arrays and tensors cross to the parent through shared
-    memory (see :mod:`feedline.pipeline._shm`) rather than torch's pickling, which hands each
+    memory (see :mod:`feedline._proc.shm`) rather than torch's pickling, which hands each
     tensor's file descriptor over in a round trip with the worker: a worker busy with its next
     batches answered it 15 ms or more late.
 

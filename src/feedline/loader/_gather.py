@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait as wait_for
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
-from feedline.pipeline._settings import CHILD_POLL
-from feedline.pipeline._subprocess import _Abandoned
+from feedline._proc.settings import CHILD_POLL
+from feedline._proc.subprocess import Abandoned
 
 from ._deal import Dealer
 from ._fetch import Task
@@ -209,7 +209,7 @@ class WorkerEpoch:
         handles = {h: w for w in candidates for h in processes[w].wait_handles()}
         ready = wait_for(list(handles), timeout=CHILD_POLL)
         if self._stopping is not None and self._stopping():
-            raise _Abandoned
+            raise Abandoned
         if ready:
             self._waiting_since = None
         else:  # nothing from any of them yet: the stall watch is ticked
@@ -235,7 +235,7 @@ class WorkerEpoch:
                     yield from self._in_turn(dealer, send)
                 else:
                     yield from self._as_they_come(dealer, send)
-            except _Abandoned:
+            except Abandoned:
                 return  # the pipeline stopped meanwhile: settled below
             for it in iterators:  # let each child end its pass
                 for _ in it:

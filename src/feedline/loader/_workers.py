@@ -29,12 +29,12 @@ from typing import Any
 
 import numpy as np
 
+from feedline._proc.forking import fork_hazards
+from feedline._proc.queues import close_queue, write_first
+from feedline._proc.settings import CHILD_CLOSE_GRACE, SHM_MIN_BYTES
 from feedline._watchdog import STALL_AFTER, StallWatch
 from feedline.errors import ConfigurationError
 from feedline.pipeline import PipelineBuilder, SubprocessIterable
-from feedline.pipeline._forking import fork_hazards
-from feedline.pipeline._queues import close_queue, write_first
-from feedline.pipeline._settings import CHILD_CLOSE_GRACE, SHM_MIN_BYTES
 
 from ._collate import shm_collate_for
 from ._concurrency import FetchConcurrency
@@ -329,7 +329,7 @@ class WorkerSet:
             epoch and after the seeding (as in PyTorch).
         mp_context: Start method (``"spawn"`` or ``"forkserver"``), or ``None``: ``"fork"``
             where no thread of the process makes it unsafe as an epoch starts (what PyTorch
-            does, without its risk: see :mod:`feedline.pipeline._forking`), else
+            does, without its risk: see :mod:`feedline._proc.forking`), else
             ``"forkserver"``.
         timeout: Seconds to wait for a batch (None: no limit).
         persistent: The workers serve several epochs: an epoch left early lets each finish

@@ -5,13 +5,15 @@ See ``README.md`` in this folder for how the parts fit together.
 
 from __future__ import annotations
 
+from feedline._proc.lifetime import die_with_parent
+from feedline._proc.subprocess import SubprocessIterable, iterate_in_subprocess
+
 from ._builder import PipelineBuilder
 from ._hooks import TaskHook
-from ._lifetime import die_with_parent
+from ._in_subprocess import run_pipeline_in_subprocess
 from ._mixture import Mixture
 from ._pipeline import Pipeline
 from ._queue_stats import ChannelStats
-from ._subprocess import SubprocessIterable, iterate_in_subprocess, run_pipeline_in_subprocess
 from ._tuning import Auto
 from .stats import PipelineStats, StageStats
 

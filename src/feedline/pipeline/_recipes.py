@@ -8,7 +8,8 @@ it was made with (the number of workers, the initializer and its arguments, a th
 thread names, a process pool's start method and tasks per worker). The child makes an
 equivalent executor from each recipe before it builds the pipeline, owns it, and shuts it down
 when it leaves; the executor given in this process is never used by that pipeline. A process
-pool made there also ends its workers with the child (:func:`._lifetime.die_with_parent`).
+pool made there also ends its workers with the child
+(:func:`feedline._proc.lifetime.die_with_parent`).
 
 An executor of any other kind goes as it is if it pickles (a process region's placeholder
 does); otherwise the builder is refused before any process starts, with a
@@ -24,10 +25,10 @@ from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+from feedline._proc.lifetime import die_with_parent
 from feedline.errors import ConfigurationError
 
 from ._builder import PipelineBuilder
-from ._lifetime import die_with_parent
 
 __all__ = ["ExecutorRecipe", "made_again", "recipe_of", "with_recipes"]
 

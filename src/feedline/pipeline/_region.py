@@ -14,7 +14,7 @@ server, since the pipeline's threads make a plain fork unsafe), serve the epochs
 to their end, end with their parent if it is killed, and are shut down when an epoch is
 stopped part-way or fails (the next item starts new ones) and when the pipeline is dropped;
 segments a worker made and nobody mapped are removed then. The processes are a
-:class:`~feedline.pipeline._pipe_pool.PipePool`: a pipe each way per worker, no helper threads.
+:class:`~feedline._proc.pipe_pool.PipePool`: a pipe each way per worker, no helper threads.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
-from ._lifetime import die_with_parent
-from ._pipe_pool import PipePool
+from feedline._proc.lifetime import die_with_parent
+from feedline._proc.pipe_pool import PipePool
+from feedline._proc.shm import SegmentNames, pack, remove_prefixed, set_segment_names, unpack
+
 from ._resume import Tagged, TaggedOp
-from ._shm import SegmentNames, pack, remove_prefixed, set_segment_names, unpack
 
 __all__ = ["RegionPool", "RunOfStages"]
 

@@ -32,8 +32,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from feedline._proc.forking import PerProcess
 from feedline.errors import ConfigurationError
-from feedline.pipeline._forking import PerProcess
 
 __all__ = ["CacheStats", "ObjectCache"]
 

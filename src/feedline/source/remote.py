@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from feedline._proc.forking import PerProcess, note_obstore_request, obstore_started_in
 from feedline._watchdog import register
 from feedline.errors import ConfigurationError, RemoteReadError
 from feedline.loader.paths import PathList
-from feedline.pipeline._forking import PerProcess, note_obstore_request, obstore_started_in
 
 from ._failures import bad_range, describe, failure
 from ._parts import PartSizer

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from feedline.pipeline._shm import SHM_AVAILABLE, ShmArray, pack, shared_empty, unpack
+from feedline._proc.shm import SHM_AVAILABLE, ShmArray, pack, shared_empty, unpack
 
 from .._system import own_segments
 

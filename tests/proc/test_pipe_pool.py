@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from feedline import PipelineBuilder, PipelineFailure
-from feedline.pipeline._pipe_pool import PipePool
+from feedline._proc.pipe_pool import PipePool
 
 from .._system import own_segments, starts_processes, zombies
-from ._helpers import (
+from ..pipeline._helpers import (
     NeedsTwoArgs,
     big_bytes,
     call_sys_exit,
@@ -237,7 +237,7 @@ def test_an_op_may_start_processes_and_may_call_sys_exit() -> None:
 def test_a_close_interrupted_part_way_is_finished_by_the_next(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from feedline.pipeline import _pipe_pool
+    from feedline._proc import pipe_pool as _pipe_pool
 
     pool = PipePool(2, _CTX, "test")
     assert pool.submit(square, 2).result(30) == 4
@@ -301,8 +301,8 @@ def test_the_calls_a_dead_worker_never_read_are_those_whole_in_its_pipe() -> Non
     from concurrent.futures import Future
     from multiprocessing.connection import Connection
 
-    from feedline.pipeline._pipe_pool import _Worker
-    from feedline.pipeline._pipe_worker import HEADER
+    from feedline._proc.pipe_pool import _Worker
+    from feedline._proc.pipe_worker import HEADER
 
     read_end, write_end = os.pipe()
     worker = _Worker(None, Connection(write_end), Connection(read_end))

@@ -1,9 +1,11 @@
-"""Run an iterable, or a whole pipeline, in a child process and iterate it from the parent.
+"""Run an iterable in a child process and iterate it from the parent, one pass per epoch.
 
 The "multi-threading in a subprocess" pattern: a child process runs a pipeline with its own
-event loop and thread pool (decoding, collation: work that may hold the GIL), and the parent
-receives finished items, typically batches, through a bounded inter-process queue, keeping its
-own GIL for the training loop. Arrays cross through shared memory (see :mod:`._shm`).
+event loop and thread pool (decoding, collation: work that may hold the GIL; see
+:func:`~feedline.run_pipeline_in_subprocess`), and the parent receives finished items,
+typically batches, through a bounded inter-process queue, keeping its own GIL for the
+training loop. Arrays cross through shared memory (see :mod:`.shm`). When the child leaves,
+it closes what the factory made, if that has a ``close()`` (a pipeline and its executors).
 
 Protocol (parent -> child on the command queue, child -> parent on the data queue)::
 
@@ -18,7 +20,6 @@ An epoch that the parent abandons is interrupted through an Event; the child ans
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import multiprocessing as mp
 import os
@@ -29,7 +30,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Executor
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Generic, TypeVar
 
@@ -44,19 +44,16 @@ from feedline.errors import (
     portable,
 )
 
-from ._builder import PipelineBuilder
-from ._lifetime import die_with_parent
-from ._pipeline import Pipeline
-from ._queues import close_queue, write_first
-from ._recipes import made_again, with_recipes
-from ._settings import (
+from .lifetime import die_with_parent
+from .queues import close_queue, write_first
+from .settings import (
     CHILD_CLOSE_GRACE,
     CHILD_DRAIN_SECONDS,
     CHILD_POLL,
     CHILD_STARTUP_SECONDS,
     SHM_MIN_BYTES,
 )
-from ._shm import (
+from .shm import (
     SHM_AVAILABLE,
     SegmentNames,
     pack,
@@ -66,7 +63,7 @@ from ._shm import (
     unpack,
 )
 
-__all__ = ["SubprocessIterable", "iterate_in_subprocess", "run_pipeline_in_subprocess"]
+__all__ = ["Abandoned", "SubprocessIterable", "iterate_in_subprocess"]
 
 T = TypeVar("T")
 
@@ -132,8 +129,9 @@ def _child_main(
     try:
         _serve(iterable, cmd_q, data_q, stop, shm_min, names, begin)
     finally:
-        if isinstance(iterable, _ChildPipeline):
-            iterable.close()  # its executors are this process's to shut down
+        close = getattr(iterable, "close", None)
+        if callable(close):  # what the factory made is this process's to close (a pipeline)
+            close()
 
 
 def _serve(
@@ -163,11 +161,11 @@ def _serve(
             data_q.put(("error", *portable(error)))
 
 
-class _Abandoned(Exception):
+class Abandoned(Exception):
     """The consumer's pipeline stopped while this epoch waited for the child."""
 
 
-class _Closed(_Abandoned):
+class _Closed(Abandoned):
     """close() ended (or is ending) the child of this epoch: the epoch ends, as if stopped."""
 
 
@@ -419,7 +417,7 @@ class SubprocessIterable(Generic[T]):
                 return message  # type: ignore[no-any-return]
             except (queue.Empty, EOFError, OSError) as error:
                 if stopping is not None and stopping():
-                    raise _Abandoned from None
+                    raise Abandoned from None
                 self.watch.tick(start)
                 process = self._child.process
                 if process is not None and not isinstance(error, queue.Empty):
@@ -491,7 +489,7 @@ class SubprocessIterable(Generic[T]):
         iterator then ends without error. A pipeline whose source this is passes its own
         stop, so stopping that pipeline (Ctrl-C, ``break``) does not wait for the child.
         With ``settle=False`` the iterator leaves the child as it is and raises
-        ``_Abandoned`` instead: its owner settles several children together (it raises that,
+        ``Abandoned`` instead: its owner settles several children together (it raises that,
         too, when :meth:`close` ended the child meanwhile).
         """
         if self._iterating:
@@ -551,9 +549,9 @@ class SubprocessIterable(Generic[T]):
         except _Closed:
             finished = True  # whoever closed it ends the child: nothing to settle
             if not settle:
-                raise  # an _Abandoned: the owner ends its epoch
+                raise  # an Abandoned: the owner ends its epoch
             return
-        except _Abandoned:
+        except Abandoned:
             if not settle:
                 self._settled = True  # the owner settles this child
                 raise
@@ -715,90 +713,6 @@ def iterate_in_subprocess(
             ) from error
     return SubprocessIterable(
         factory,
-        buffer_size=buffer_size,
-        timeout=timeout,
-        mp_context=mp_context,
-        shm_min_bytes=shm_min_bytes,
-    )
-
-
-class _ChildPipeline:
-    """The pipeline a child built, with the executors it made for its stages (it owns them)."""
-
-    def __init__(self, pipeline: Pipeline[Any], executors: list[Executor]) -> None:
-        self._pipeline = pipeline
-        self._executors = executors
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._pipeline)
-
-    def close(self) -> None:
-        """Stop the pipeline and shut its executors down (the child is leaving)."""
-        self._pipeline.stop()
-        for executor in self._executors:
-            executor.shutdown(wait=True, cancel_futures=True)
-
-
-def _build(builder: PipelineBuilder[Any], options: dict[str, Any]) -> Iterable[Any]:
-    # In the child. It may start processes (process pools, process regions), as the main
-    # process may: its parent still ends it as a daemon, and those processes end with it.
-    mp.current_process().daemon = False
-    builder, executors = made_again(builder)
-    try:
-        return _ChildPipeline(builder.build(**options), executors)
-    except BaseException:
-        for executor in executors:
-            executor.shutdown(wait=False, cancel_futures=True)
-        raise
-
-
-def run_pipeline_in_subprocess(
-    builder: PipelineBuilder[T],
-    *,
-    num_threads: int | None = None,
-    max_failures: int | float | None = 0,
-    report_stats_interval: float | None = None,
-    autotune: bool = False,
-    memory_budget: int | None = None,
-    cpu_budget: float | None = None,
-    buffer_size: int = 3,
-    timeout: float | None = None,
-    mp_context: str = "spawn",
-    shm_min_bytes: int = SHM_MIN_BYTES,
-) -> SubprocessIterable[T]:
-    """Build and run the pipeline that ``builder`` describes in a child process.
-
-    The builder (its source and ops) is pickled to the child, which builds the pipeline with
-    ``num_threads``, ``max_failures``, ``report_stats_interval``, ``autotune``,
-    ``memory_budget`` and ``cpu_budget`` (see :meth:`PipelineBuilder.build`; the tuner runs
-    in the child, and each epoch starts where the last one's left the concurrency) and runs
-    one epoch each time the result is iterated. The
-    other arguments are those of :func:`iterate_in_subprocess`. The result is iterable, so it
-    can be the source of another pipeline (for example one that moves batches to the GPU).
-
-    A stage's own ``executor=`` does not cross to the child (it holds threads, locks,
-    worker processes): a ``ThreadPoolExecutor`` or ``ProcessPoolExecutor`` is made again
-    there, of the same kind with the same ``max_workers``, initializer and start method; the
-    child owns it and shuts it down when it leaves, and the one given here runs nothing.
-    The child may start processes (process pools, ``pipe_in_processes`` regions); they end
-    with it.
-
-    Raises:
-        ConfigurationError: On invalid arguments; or a stage's executor of another kind that
-            does not pickle (or an initializer that does not), naming the stage.
-
-    """
-    options: dict[str, Any] = {
-        "num_threads": num_threads,
-        "max_failures": max_failures,
-        "report_stats_interval": report_stats_interval,
-        "autotune": autotune,
-        "memory_budget": memory_budget,
-        "cpu_budget": cpu_budget,
-    }
-    builder.build(**options)  # validate here, where the error is easy to read
-    return iterate_in_subprocess(
-        functools.partial(_build, with_recipes(builder), options),
         buffer_size=buffer_size,
         timeout=timeout,
         mp_context=mp_context,

@@ -6,7 +6,7 @@ import multiprocessing as mp
 import threading
 import time
 
-from feedline.pipeline._queues import close_queue, write_first
+from feedline._proc.queues import close_queue, write_first
 
 
 def _feeders_end() -> bool:

@@ -1,4 +1,4 @@
-"""The worker side of a :class:`~feedline.pipeline._pipe_pool.PipePool`, and its framing.
+"""The worker side of a :class:`~feedline._proc.pipe_pool.PipePool`, and its framing.
 
 Each message on a pipe is a header (payload bytes, call number, whether the call succeeded)
 and a pickle. A worker first sends an empty answer to call 0 once its initializer ran (it is
@@ -18,7 +18,7 @@ from typing import Any
 
 from feedline.errors import portable
 
-from ._settings import WRITEV_BUFFERS
+from .settings import WRITEV_BUFFERS
 
 __all__ = ["HEADER", "READY", "read_message", "serve", "write_views"]
 

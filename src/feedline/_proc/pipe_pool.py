@@ -7,7 +7,7 @@ on both sides, which a stage of a few milliseconds per item pays for with a good
 on a small machine. :class:`PipePool` sends each call straight down the pipe of the worker with
 the fewest calls, from the submitting thread, and one thread per pool waits on every worker's
 result pipe and exit at once. A worker reads its next call only when it has answered the last
-(the worker's side: ``_pipe_worker``).
+(the worker's side: ``pipe_worker``).
 
 Writes never block the submitting thread (the event loop, for a pipeline): the task pipes do
 not block, and what a full pipe cannot take waits in the worker's outbox until the pool's
@@ -39,8 +39,8 @@ from typing import Any, TypeVar
 
 from feedline.errors import add_note, not_rebuilt
 
-from ._pipe_worker import HEADER, READY, read_message, serve, write_views
-from ._settings import POOL_CLOSE_GRACE
+from .pipe_worker import HEADER, READY, read_message, serve, write_views
+from .settings import POOL_CLOSE_GRACE
 
 __all__ = ["PipePool"]
 

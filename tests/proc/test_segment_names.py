@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from feedline import run_pipeline_in_subprocess
-from feedline.pipeline import _shm
-from feedline.pipeline._shm import (
+from feedline._proc import shm as _shm
+from feedline._proc.shm import (
     SHM_AVAILABLE,
     SegmentNames,
     pack,
@@ -25,7 +25,7 @@ from feedline.pipeline._shm import (
 )
 
 from .._system import own_segments, starts_processes
-from . import _helpers
+from ..pipeline import _helpers
 
 pytestmark = [
     pytest.mark.skipif(not SHM_AVAILABLE, reason="needs /dev/shm"),
@@ -39,7 +39,7 @@ _MINE = f"psm_fl{os.getpid()}_"
 _OTHER_PROGRAM = """
 import sys
 import numpy as np
-from feedline.pipeline._shm import pack, release
+from feedline._proc.shm import pack, release
 
 packed = pack(np.zeros(100_000), 1024)
 print(packed.name, flush=True)
