@@ -402,7 +402,7 @@ class Run:
         if self._thread.ident is not None:
             self._thread.join()
         waited = 0.0
-        while left := self._life.wait_jobs(STOP_WARN_AFTER):
+        while (left := self._life.wait_jobs(STOP_WARN_AFTER)) is not None:
             waited += STOP_WARN_AFTER
             _log.warning(
                 "stopping the pipeline: %d job(s) still inside stage ops after %.0f s; "

@@ -91,9 +91,11 @@ class RunLifecycle:
                 self._jobs_done.set()
             return True
 
-    def wait_jobs(self, timeout: float) -> int:
-        """Wait up to ``timeout`` s for the counted jobs to end; how many are left (0: all)."""
+    def wait_jobs(self, timeout: float) -> int | None:
+        """Wait up to ``timeout`` s for the counted jobs to end: ``None`` once they have.
+
+        Otherwise how many are left, read without the lock: a count for a warning.
+        """
         if self._jobs_done.wait(timeout):
-            return 0
-        with self._lock:
-            return self._jobs
+            return None
+        return self._jobs

@@ -533,13 +533,18 @@ class _Passes(PassControl):
     that the stages after know the epoch is over when that item reaches them. A pass that
     yields nothing ends the run. Instead of waiting for the consumer, the source stage asks
     :meth:`ready` before each read and is woken when the consumer moves on.
+
+    No lock: the pass ends only grow, each appended by the source's thread before it puts
+    the items after it, so a thread that took such an item from a channel sees it (the
+    channel's lock orders them); the consumer's epoch only grows, and the consumer wakes the
+    source stage after it moves it, under that stage's lock (see "Memory ordering" in the
+    README).
     """
 
     def __init__(self, source: Any, first_epoch: int, ahead: int) -> None:
         self._source = source
         self._first = first_epoch
         self._ends: list[int] = []  # after pass k, this many items were numbered in all
-        self._lock = threading.Lock()
         self._last = False  # the item just yielded ended its pass
         self._count = 0  # items read from the source so far
         self._ahead = ahead
@@ -562,13 +567,13 @@ class _Passes(PassControl):
                 count += 1
                 self._count = count + (following is not end)
                 if following is end:
-                    self._ended(count)
+                    self._ends.append(count)
                     self._last = True
                 yield item
                 self._last = False
                 item = following
             if count == before:
-                self._ended(count)
+                self._ends.append(count)
                 return
 
     def boundary(self) -> bool:
@@ -582,9 +587,8 @@ class _Passes(PassControl):
         ``ahead`` items past the end of the consumer's epoch: a slow item that holds the
         consumer's loop up holds up the reads too, instead of items piling up for later loops.
         """
-        with self._lock:
-            k = self._consumer - self._first
-            return k >= len(self._ends) or self._count < self._ends[k] + self._ahead
+        k = self._consumer - self._first
+        return k >= len(self._ends) or self._count < self._ends[k] + self._ahead
 
     def wake_with(self, wake: Callable[[], None]) -> None:
         """Call ``wake`` when the source may be read again (the source stage's kick)."""
@@ -592,25 +596,18 @@ class _Passes(PassControl):
 
     def consumer_at(self, epoch: int) -> None:
         """The consumer's loop is in ``epoch`` (or runs it next): reads may go further."""
-        with self._lock:
-            self._consumer = epoch
+        self._consumer = epoch
         if self._wake is not None:
             self._wake()
 
-    def _ended(self, count: int) -> None:
-        with self._lock:
-            self._ends.append(count)
-
     def epoch_of(self, number: int) -> int:
         """The epoch of the item numbered ``number``."""
-        with self._lock:
-            return self._first + bisect.bisect_right(self._ends, number)
+        return self._first + bisect.bisect_right(self._ends, number)
 
     def complete(self, epoch: int, below: int) -> bool:
         """Whether every item of ``epoch`` is done, when every number under ``below`` is."""
         k = epoch - self._first
-        with self._lock:
-            return k < len(self._ends) and below >= self._ends[k]
+        return k < len(self._ends) and below >= self._ends[k]
 
 
 def _wrap_source(source: Any, run: Run) -> Any:
