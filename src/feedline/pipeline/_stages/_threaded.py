@@ -248,11 +248,10 @@ class ThreadedStage(_PoolStage):
 
     def _surplus(self) -> bool:
         # Whether this job is one too many (the tuner lowered the concurrency): it ends, and
-        # its ``finally`` takes it off the count. Read unlocked first: one comparison per item.
-        if self._active <= self._concurrency:
-            return False
-        with self.counters.lock:
-            return self._active > self._concurrency
+        # its ``finally`` takes it off the count. Unlocked, as a lock would not make it exact
+        # either (jobs that leave count as active until they have left): if more jobs leave
+        # than the surplus, their ``finally`` kicks start jobs for the work that waits.
+        return self._active > self._concurrency
 
     # -- endpoint callbacks (any thread) --------------------------------------------------------
 
