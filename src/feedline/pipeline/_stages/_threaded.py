@@ -443,7 +443,7 @@ class ThreadedStage(_PoolStage):
     def _flush(self) -> bool:
         """Send what is waiting; False if the output is still full."""
         if self._order is None and not self._ready:
-            return True  # unlocked: only this stage's jobs add to it, each after its flush
+            return True  # unlocked: what a stale read misses, the next emit hands on first
         return self._emit(-1, EMPTY)
 
     def _flush_ready(self) -> bool:
