@@ -80,7 +80,7 @@ class Run:
         self._thread = threading.Thread(
             target=self._loop_main, name="feedline-event-loop", daemon=True
         )
-        self._life = RunLifecycle()
+        self.life = RunLifecycle()  # read by the stages: ``life.stopping`` with no call
         self.finished = False  # the consumer was told the epoch ended (not stopped part-way)
         self._loop_ready = threading.Event()
         self._stop_event: asyncio.Event | None = None
@@ -211,7 +211,7 @@ class Run:
     @property
     def stopping(self) -> bool:
         """True once the run is stopping."""
-        return self._life.stopping
+        return self.life.stopping
 
     def on_loop_thread(self) -> bool:
         """Whether the caller runs on the event-loop thread."""
@@ -219,13 +219,13 @@ class Run:
 
     def submit(self, executor: Submitter, fn: Callable[[], None]) -> bool:
         """Run ``fn`` in ``executor``, counted so that ``stop`` can wait for it."""
-        if not self._life.job_begin():
+        if not self.life.job_begin():
             return False
         try:
             executor.submit(self._tracked, fn)
         except RuntimeError as error:  # the executor was shut down under us
-            self._life.job_done()
-            if not self._life.stopping:
+            self.life.job_done()
+            if not self.life.stopping:
                 self.fail(
                     RuntimeError(
                         f"could not submit work to {type(executor).__name__}: {error}. An "
@@ -242,7 +242,7 @@ class Run:
         The call counts as a job: if the run stops while it is running (a process cannot be
         interrupted), ``stop()`` waits for it, so calls never outlive their run.
         """
-        life = self._life
+        life = self.life
         if not life.job_begin():
             raise asyncio.CancelledError
         try:
@@ -257,7 +257,7 @@ class Run:
         try:
             fn()
         finally:
-            self._life.job_done()
+            self.life.job_done()
 
     def item_failed(self, item: Any, stage: str) -> None:
         """The stage named ``stage`` failed on ``item`` within the failure budget, skipping it."""
@@ -272,7 +272,7 @@ class Run:
 
     def start(self) -> None:
         """Start the event-loop thread and the stages (nothing, if already stopping)."""
-        if not self._life.start(self._start_thread):
+        if not self.life.start(self._start_thread):
             return
         self._loop_ready.wait()
         source = self.stages[0]
@@ -312,7 +312,7 @@ class Run:
         if self.tuner is not None:
             tasks.append(asyncio.ensure_future(self.tuner.run()))
         self._loop_ready.set()
-        if self._life.stopping:  # stopped before the loop came up
+        if self.life.stopping:  # stopped before the loop came up
             self._stop_event.set()
         await self._stop_event.wait()
         for task in tasks:
@@ -350,7 +350,7 @@ class Run:
             BaseException: The error that stopped the run (failure budget, source error).
 
         """
-        life = self._life
+        life = self.life
         if life.error is not None:
             raise life.error
         item = self._sink.get(timeout)
@@ -368,7 +368,7 @@ class Run:
         self._begin_stop(None)
 
     def _begin_stop(self, error: BaseException | None) -> None:
-        if not self._life.begin_stop(error):
+        if not self.life.begin_stop(error):
             return
         for channel in self.channels:
             channel.abort()
@@ -390,7 +390,7 @@ class Run:
         self.begin_stop()
         if self.on_loop_thread():
             return
-        life = self._life
+        life = self.life
         life.begin_stop(asked=True)
         with life.join_lock:  # one thread joins; another caller waits for it to finish
             if not life.stopped:
@@ -402,7 +402,7 @@ class Run:
         if self._thread.ident is not None:
             self._thread.join()
         waited = 0.0
-        while (left := self._life.wait_jobs(STOP_WARN_AFTER)) is not None:
+        while (left := self.life.wait_jobs(STOP_WARN_AFTER)) is not None:
             waited += STOP_WARN_AFTER
             _log.warning(
                 "stopping the pipeline: %d job(s) still inside stage ops after %.0f s; "

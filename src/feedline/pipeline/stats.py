@@ -119,6 +119,22 @@ class StageCounters:
         self._record(dt)
         return dt
 
+    def begin(self, items: int) -> float:
+        """:meth:`task_started` under :attr:`lock`, with ``items`` new items in."""
+        with self.lock:
+            self.items_in += items
+            self.in_flight += 1
+            if self.in_flight > self.max_in_flight:
+                self.max_in_flight = self.in_flight
+            return time.perf_counter()
+
+    def end(self, t_start: float, items: int = 0) -> None:
+        """:meth:`task_ended` under :attr:`lock`, with ``items`` new items in (a source's)."""
+        with self.lock:
+            self.in_flight -= 1
+            self._record(time.perf_counter() - t_start)
+            self.items_in += items
+
     def lap(self, t_start: float) -> float:
         """Record a call that began at ``t_start`` and ended now; returns now.
 

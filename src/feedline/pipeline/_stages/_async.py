@@ -274,10 +274,11 @@ class AsyncStage(_AsyncProducer):
         # Returns True if the worker left as one too many (see _leaves).
         c = self.counters
         run = self.run
+        life = run.life
         kind = self._kind
         order = self._order
         bursts = kind is OpKind.COROUTINE and order is None
-        while not run.stopping:
+        while not life.stopping:
             while order is not None and order.full():
                 await self._window.wait()
             if self._leaves():

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from feedline.errors import PipelineFailure
 
+from .._lifecycle import RunLifecycle
 from .._queue import EMPTY, Channel
 from .._resume import Tagged, sample_repr
 from .._settings import CHEAP_BELOW
@@ -24,6 +25,7 @@ class RunContext(Protocol):
     """What a stage may ask of the running pipeline."""
 
     loop: asyncio.AbstractEventLoop
+    life: RunLifecycle  # ``life.stopping``: the flag behind ``stopping``, read per item
 
     @property
     def stopping(self) -> bool:

@@ -170,10 +170,9 @@ class DisaggregateWork(Work):
 
 
 class _PoolStage(StageBase):
-    """What the threaded stage and source share: restarting, and counting calls.
+    """What the threaded stage and source share: restarting when the output drains.
 
-    A job restarts when the output drains (``on_space``); calls are counted under the stage's
-    lock (``counters.lock``), which the jobs share.
+    Their jobs count calls under the stage's lock (``counters.begin`` and ``end``).
     """
 
     def _kick(self, ended: int = 0) -> None:
@@ -182,20 +181,6 @@ class _PoolStage(StageBase):
     def on_space(self) -> None:
         """Output drained: resume."""
         self._kick()
-
-    def _call_begins(self, items: int) -> float:
-        # A call of user code begins, on ``items`` new items; returns its start time.
-        c = self.counters
-        with c.lock:
-            c.items_in += items
-            return c.task_started()
-
-    def _call_ends(self, t0: float, items: int = 0) -> None:
-        # The call that began at ``t0`` ended (having made ``items`` new items: a source's).
-        c = self.counters
-        with c.lock:
-            c.task_ended(t0)
-            c.items_in += items
 
 
 class ThreadedStage(_PoolStage):
@@ -307,7 +292,10 @@ class ThreadedStage(_PoolStage):
         if close:
             self._output.close()
             return
-        refused = sum(not run.submit(self._executor, self._job) for _ in range(n))
+        refused = 0
+        for _ in range(n):
+            if not run.submit(self._executor, self._job):
+                refused += 1
         if refused:  # the run is stopping: this only takes them off the count
             self._kick(ended=refused)
 
@@ -315,8 +303,9 @@ class ThreadedStage(_PoolStage):
 
     def _job(self) -> None:
         run = self.run
+        life = run.life
         try:
-            while not run.stopping:
+            while not life.stopping:
                 if self._surplus() and not self._has_unsent():
                     return
                 # Each slot may hold one finished result while the output is full, so a
@@ -373,23 +362,25 @@ class ThreadedStage(_PoolStage):
 
     def _process(self, item: Any, seq: int) -> bool:
         """Run the op on item number ``seq``; False if the job must stop (output full)."""
-        t0 = self._call_begins(1)
+        c = self.counters
+        t0 = c.begin(1)
         try:
             result = self._work(item)
         except Exception as error:
-            self._call_ends(t0)
+            c.end(t0)
             self.record_failure(item, error)
             return self._emit(seq, _SKIP) if self._order is not None else True
-        self._call_ends(t0)
+        c.end(t0)
         if self._work.iterates:
             return self._drive(result, item)
         return self._emit(seq, result)
 
     def _drive(self, outputs: Iterator[Any], item: Any) -> bool:
         """Pull outputs from an iterator (running user code) and hand them on."""
-        run = self.run
-        while not run.stopping:
-            t0 = self._call_begins(0)
+        c = self.counters
+        life = self.run.life
+        while not life.stopping:
+            t0 = c.begin(0)
             try:
                 value = next(outputs)
             except StopIteration:
@@ -398,7 +389,7 @@ class ThreadedStage(_PoolStage):
                 self.record_failure(item, error)
                 return True
             finally:
-                self._call_ends(t0)
+                c.end(t0)
             if not self._emit(-1, value):
                 with self.counters.lock:
                     self._parked.append((outputs, item))
@@ -516,12 +507,14 @@ class ThreadedSource(_PoolStage):
 
     def _job(self) -> None:
         run = self.run
+        life = run.life
         output = self._output
+        c = self.counters
         try:
             if self._iterator is None:
                 self._iterator = iter(self._source)
             iterator = self._iterator
-            while not run.stopping:
+            while not life.stopping:
                 if self._held is not EMPTY:
                     if not output.try_put(self._held):
                         return  # full: on_space starts the next job
@@ -530,7 +523,7 @@ class ThreadedSource(_PoolStage):
                         return  # a pass ended: see the class's docstring
                 if self._ready is not None and not self._ready():
                     return  # too far ahead of the consumer: woken when it catches up
-                t0 = self._call_begins(0)
+                t0 = c.begin(0)
                 try:
                     self._held = next(iterator)
                 except StopIteration:
@@ -538,7 +531,7 @@ class ThreadedSource(_PoolStage):
                     output.close()
                     return
                 finally:
-                    self._call_ends(t0, self._held is not EMPTY)
+                    c.end(t0, self._held is not EMPTY)
         except BaseException as error:  # an error in the source ends the run and propagates
             self._done = True
             run.fail(error)
