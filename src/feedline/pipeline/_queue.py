@@ -361,7 +361,8 @@ class Channel:
     @property
     def closed(self) -> bool:
         """Whether the producer is done (items may remain)."""
-        return self.state()[1]
+        with self._lock:  # not through state(): a loop stage asks at each wake-up
+            return self._closed
 
     @property
     def exhausted(self) -> bool:
