@@ -76,11 +76,11 @@ class Run:
         self._on_failed = on_failed  # told of each item a stage failed on and skipped
         self.loop = asyncio.new_event_loop()
         self._loop_ident: int | None = None
-        self._pool = WorkerPool(config.num_threads, "feedline-worker")
+        self.life = RunLifecycle()  # read by the stages: ``life.stopping`` with no call
+        self._pool = WorkerPool(config.num_threads, "feedline-worker", self.life.lock)
         self._thread = threading.Thread(
             target=self._loop_main, name="feedline-event-loop", daemon=True
         )
-        self.life = RunLifecycle()  # read by the stages: ``life.stopping`` with no call
         self.finished = False  # the consumer was told the epoch ended (not stopped part-way)
         self._loop_ready = threading.Event()
         self._stop_event: asyncio.Event | None = None

@@ -33,10 +33,13 @@ class WorkerPool:
     Args:
         max_workers: The most threads the pool starts.
         name: Prefix of the threads' names.
+        lock: Guards the pool's threads and idle count: its run's lock (the lifecycle's,
+            which counts the same jobs), held only for a few assignments and never while
+            another lock is taken.
 
     """
 
-    def __init__(self, max_workers: int, name: str) -> None:
+    def __init__(self, max_workers: int, name: str, lock: threading.Lock) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         self.max_workers = max_workers
@@ -44,7 +47,7 @@ class WorkerPool:
         self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = (
             queue.SimpleQueue()
         )
-        self._lock = threading.Lock()
+        self._lock = lock
         self._threads: list[threading.Thread] = []
         self._idle = 0  # threads waiting for work that no submission has claimed yet
         self._shutdown = False

@@ -13,24 +13,25 @@ class RunLifecycle:
 
     Stopping is two-phase (see ``Run``): :meth:`begin_stop` sets ``stopping``, after which no
     job is counted in; the joining thread then waits (:meth:`wait_jobs`) for the jobs counted
-    before. The flags, the error and the job count share one lock; joining has a lock of its
-    own (:attr:`join_lock`), held for as long as the join takes, which jobs ending must not
-    wait for.
+    before. The flags, the error and the job count share one lock (:attr:`lock`, which the
+    run's worker pool shares for its threads); joining has a lock of its own
+    (:attr:`join_lock`), held for as long as the join takes, which jobs ending must not wait
+    for.
     """
 
     __slots__ = (
         "_jobs",
         "_jobs_done",
-        "_lock",
         "_stop_called",
         "error",
         "join_lock",
+        "lock",
         "stopped",
         "stopping",
     )
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         # One thread joins at a time, another caller waits for it. ``stopped`` (a join ran
         # to its end) is read and written only with it held.
         self.join_lock = threading.Lock()
@@ -48,7 +49,7 @@ class RunLifecycle:
 
         Under the lock, so that a stop that comes later sees what ``begin`` started.
         """
-        with self._lock:
+        with self.lock:
             if self.stopping:
                 return False
             begin()
@@ -56,7 +57,7 @@ class RunLifecycle:
 
     def job_begin(self) -> bool:
         """Count a job that the stop must wait for; False (not counted) once stopping."""
-        with self._lock:
+        with self.lock:
             if self.stopping:
                 return False
             self._jobs += 1
@@ -64,7 +65,7 @@ class RunLifecycle:
 
     def job_done(self) -> None:
         """A job counted by :meth:`job_begin` ended."""
-        with self._lock:
+        with self.lock:
             self._jobs -= 1
             done = self._jobs == 0 and self.stopping
         if done:
@@ -80,7 +81,7 @@ class RunLifecycle:
                 ``asked`` once the stop has begun): errors from then on are not recorded.
 
         """
-        with self._lock:
+        with self.lock:
             if error is not None and self.error is None and not self._stop_called:
                 self.error = error
             self._stop_called = self._stop_called or asked
