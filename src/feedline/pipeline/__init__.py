@@ -6,6 +6,7 @@ See ``README.md`` in this folder for how the parts fit together.
 from __future__ import annotations
 
 from ._builder import PipelineBuilder
+from ._decide_calls import CallsSample, CallsState, decide_calls
 from ._hooks import TaskHook
 from ._lifetime import die_with_parent
 from ._mixture import Mixture
@@ -17,6 +18,8 @@ from .stats import PipelineStats, StageStats
 
 __all__ = [
     "Auto",
+    "CallsSample",
+    "CallsState",
     "ChannelStats",
     "Mixture",
     "Pipeline",
@@ -25,6 +28,7 @@ __all__ = [
     "StageStats",
     "SubprocessIterable",
     "TaskHook",
+    "decide_calls",
     "die_with_parent",
     "iterate_in_subprocess",
     "run_pipeline_in_subprocess",
