@@ -566,6 +566,13 @@ def test_calls_decisions(case: CallsCase) -> None:
     assert case.why in why if case.why else why == "", why
 
 
+def test_every_calls_rule_has_a_row() -> None:
+    whys = {_play_calls(case)[1] for case in CALLS_CASES}
+    for reason in ("calls wait", "cores full", "consumer computes"):
+        assert any(reason in why for why in whys), reason
+    assert "" in whys  # and rows where nothing changes
+
+
 def test_a_consumer_no_longer_fed_gives_the_cores_back_at_once() -> None:
     state, limit = CallsState(cores=2, high=64), 1
     for _ in range(FED_BATCHES):
