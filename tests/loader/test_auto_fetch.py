@@ -14,8 +14,8 @@ torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 
 from feedline import Auto, ConfigurationError, DataLoader  # noqa: E402
+from feedline.loader._calls import FED_BATCHES  # noqa: E402
 from feedline.loader._concurrency import FETCH_HIGH, FetchConcurrency  # noqa: E402
-from feedline.pipeline._decide_calls import FED_BATCHES  # noqa: E402
 
 from .._system import own_segments, starts_processes, zombies  # noqa: E402
 from ._datasets import Nested, Slow  # noqa: E402

@@ -26,8 +26,8 @@ from typing import Any, NamedTuple
 
 from feedline._failures import FailureBudget, LogThrottle
 from feedline.errors import PipelineFailure, add_note, rebuilds
-from feedline.pipeline import CallsSample, CallsState, decide_calls
 
+from ._calls import CallsSample, CallsState, decide_calls
 from ._pool import LimitedPool, thread_times
 from ._seeds import RngWatch, asked, done_fetching, fetching
 
@@ -162,7 +162,7 @@ class BatchFetcher:
     :attr:`JOB_SECONDS`, so that the cost of a job (a queue hand-off, a thread wake-up) does
     not dwarf them.
 
-    The calls at once are the tuner's to decide (:func:`feedline.pipeline.decide_calls`):
+    The calls at once are decided by :func:`~._calls.decide_calls`:
     the fetcher measures windows (how busy this process kept the cores, how long the calls'
     threads queued for one, which of them run now, whether its consumer computes) every
     :attr:`ADJUST_SECONDS`, and every :attr:`SLOW_START_SECONDS` while the first batch is

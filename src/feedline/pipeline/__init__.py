@@ -9,7 +9,6 @@ from feedline._proc.lifetime import die_with_parent
 from feedline._proc.subprocess import SubprocessIterable, iterate_in_subprocess
 
 from ._builder import PipelineBuilder
-from ._decide_calls import CallsSample, CallsState, decide_calls
 from ._hooks import TaskHook
 from ._in_subprocess import run_pipeline_in_subprocess
 from ._mixture import Mixture
@@ -20,8 +19,6 @@ from .stats import PipelineStats, StageStats
 
 __all__ = [
     "Auto",
-    "CallsSample",
-    "CallsState",
     "ChannelStats",
     "Mixture",
     "Pipeline",
@@ -30,7 +27,6 @@ __all__ = [
     "StageStats",
     "SubprocessIterable",
     "TaskHook",
-    "decide_calls",
     "die_with_parent",
     "iterate_in_subprocess",
     "run_pipeline_in_subprocess",

@@ -1,12 +1,12 @@
-"""The tuner's rules for a pool's calls at once: a pure function from a short window to a limit.
+"""The fetcher's rules for its calls at once: a pure function from a short window to a limit.
 
-:func:`decide` (:mod:`._decide`) tunes stages on windows of a quarter second or more, judged by
-what the output did. A pool of blocking calls behind one stage (the DataLoader's ``dataset[i]``
-calls, several per batch) needs an answer within milliseconds (a 20 ms GET should reach full
+The pipeline's tuner (``feedline.pipeline._decide``) tunes stages on windows of a quarter
+second or more, judged by what the output did. The fetcher's pool of ``dataset[i]`` calls,
+several per batch, needs an answer within milliseconds (a 20 ms GET should reach full
 concurrency within about 20 ms of the first batch), from what the calls do to the cores rather
-than from a rate. Its owner measures windows of a few ms (:class:`CallsSample`) and asks
-:func:`decide_calls`; no clock, no threads: the rows of ``tests/pipeline/test_tuner_decisions.py``
-give samples by hand. In each window, in this order:
+than from a rate. :class:`~._fetch.BatchFetcher` measures windows of a few ms
+(:class:`CallsSample`) and asks :func:`decide_calls`; no clock, no threads: the rows of
+``tests/loader/test_calls.py`` give samples by hand. In each window, in this order:
 
 ==========================  ===============================================================
 the consumer computes       its thread found its batches ready :data:`FED_BATCHES` times in a
