@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 
 from feedline import Auto, ConfigurationError, DataLoader  # noqa: E402
+from feedline.loader._calls import FED_BATCHES  # noqa: E402
 from feedline.loader._concurrency import FETCH_HIGH, FetchConcurrency  # noqa: E402
 
 from .._system import own_segments, starts_processes, zombies  # noqa: E402
@@ -194,7 +195,7 @@ def test_a_consumer_that_computes_keeps_a_core_and_one_that_waits_gets_them_all(
 
     try:
         fetch()
-        for _ in range(fetcher.FED_BATCHES):
+        for _ in range(FED_BATCHES):
             fetcher.consumer_took(waited=False, computing=0.9)
         limits = []
         for _ in range(200):  # the items' calls measured: they compute (a few ms each)
@@ -205,7 +206,7 @@ def test_a_consumer_that_computes_keeps_a_core_and_one_that_waits_gets_them_all(
         assert limits[-1] == cores - 1, limits
         fetcher.consumer_took(waited=False, computing=0.1)  # it sleeps between batches
         assert fetcher._pool.limit >= cores
-        for _ in range(fetcher.FED_BATCHES):
+        for _ in range(FED_BATCHES):
             fetcher.consumer_took(waited=False, computing=0.9)
         for _ in range(200):
             fetch()
@@ -272,7 +273,7 @@ def test_a_fed_consumer_has_the_fetch_threads_times_read_on_one_job_in_eight(
     try:
         fetcher.fetch_now((0, list(range(8))))
         assert not reads  # not fed: no reads
-        for _ in range(fetcher.FED_BATCHES):
+        for _ in range(FED_BATCHES):
             fetcher.consumer_took(waited=False, computing=0.9)
         for b in range(1, 41):
             fetcher.fetch_now((b, list(range(8 * b, 8 * b + 8))))
@@ -281,7 +282,7 @@ def test_a_fed_consumer_has_the_fetch_threads_times_read_on_one_job_in_eight(
         # Two reads (before and after) per measured job; two threads may both take a turn.
         assert 2 <= len(reads) <= 2 * (fed_jobs // fetcher.SAMPLE_EVERY + 2), (reads, jobs)
         fetcher.consumer_took(waited=True, computing=None)  # it waited: not fed
-        for _ in range(fetcher.FED_BATCHES):
+        for _ in range(FED_BATCHES):
             fetcher.consumer_took(waited=False, computing=0.9)
         before = len(reads)
         fetcher.fetch_now((41, [0]))  # one item, one job: measured

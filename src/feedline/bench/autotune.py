@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from feedline.pipeline._tuning import usable_cores
+from feedline._cores import usable_cores
 
 from ._common import Contender, Measurement, ScenarioResult, alternate, drop_cpu, make_result
 from ._data import cache_dir, jpeg_files, random_files, read_all

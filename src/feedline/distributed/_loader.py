@@ -690,7 +690,7 @@ class DistributedLoader(Generic[T]):
         return data
 
     def _failed(self, index: int, error: Exception) -> None:
-        from feedline.pipeline._stages._common import FailureBudget
+        from feedline._failures import FailureBudget
 
         with self._lock:
             self._stats.failures += 1

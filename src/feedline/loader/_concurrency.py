@@ -2,11 +2,11 @@
 
 A number fixes the threads that call ``dataset[i]`` (per process) and leaves the batches in
 flight at ``prefetch_factor``. ``"auto"`` (or :class:`~feedline.Auto` with bounds on the calls
-at once) hands both to the engine: the fetcher's pool may grow to ``Auto.high`` threads (it
-admits more calls while the cores are idle and calls wait, see
-:class:`~feedline.loader._fetch.BatchFetcher`), and the fetch stage's batches in flight become
-a tuned knob of the pipeline (:mod:`feedline.pipeline._tuner`), raised while the consumer
-waits for batches and more of them in flight bring more out. Items that wait on a slow
+at once) hands both to rules that adapt them: the fetcher's pool may grow to ``Auto.high``
+threads, its calls at once set by :func:`~._calls.decide_calls` from the fetcher's
+measurements (more while the cores are idle and calls wait), and the fetch stage's batches in
+flight become a tuned knob of the pipeline (:mod:`feedline.pipeline._tuner`), raised while the
+consumer waits for batches and more of them in flight bring more out. Items that wait on a slow
 store get hundreds of calls at once; items that compute keep about one per core.
 """
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -23,9 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from feedline._failures import FailureBudget, LogThrottle
 from feedline.errors import PipelineFailure, add_note, rebuilds
-from feedline.pipeline._stages._common import FailureBudget, LogThrottle
 
+from ._calls import CallsSample, CallsState, decide_calls
 from ._pool import LimitedPool, thread_times
 from ._seeds import RngWatch, asked, done_fetching, fetching
 
@@ -155,26 +157,18 @@ class BatchFetcher:
     """Fetches a batch's items on its own thread pool, at most ``concurrency`` calls at a time.
 
     A batch's items go to the pool as jobs; the job that finishes last wakes the event loop,
-    once per batch rather than once per item. Three measurements steer it:
+    once per batch rather than once per item. Items that take long (I/O) go one per job, for
+    the most concurrency; items that take microseconds go in chunks of about
+    :attr:`JOB_SECONDS`, so that the cost of a job (a queue hand-off, a thread wake-up) does
+    not dwarf them.
 
-    * **Jobs per batch.** Items that take long (I/O) go one per job, for the most concurrency;
-      items that take microseconds go in chunks of about :attr:`JOB_SECONDS`, so that the cost
-      of a job (a queue hand-off, a thread wake-up) does not dwarf them.
-    * **Calls at once.** Every :attr:`ADJUST_SECONDS`, the fetcher looks at how busy this
-      process kept the cores, and how long the calls' threads queued for a core.
-      Saturated, or the calls queued over :attr:`QUEUED_SHARE` of the time (the cores are
-      full, also when other processes fill them, which makes this process look idle): it
-      admits fewer calls at once (down to cores + 1). Cores idle while calls wait: more (up
-      to ``concurrency``; twice as many while the cores are less than half busy), first
-      come first served, unless most calls running are on a
-      core or queued for one, more of them than cores. So I/O-bound items get every thread,
-      and CPU-bound ones run a few at a time, oldest batch first, instead of every batch in
-      flight sharing the cores and finishing late together.
-    * **Slow start.** The first batch starts with cores + 1 calls at once, doubled every
-      :attr:`SLOW_START_SECONDS` while cores are idle and calls wait.
-    * **The first batch runs alone**, until it is fetched (or, with ``wait_for_delivery``,
-      until :meth:`first_delivered` says the consumer holds it), so that it comes as soon as
-      it can.
+    The calls at once are decided by :func:`~._calls.decide_calls`:
+    the fetcher measures windows (how busy this process kept the cores, how long the calls'
+    threads queued for one, which of them run now, whether its consumer computes) every
+    :attr:`ADJUST_SECONDS`, and every :attr:`SLOW_START_SECONDS` while the first batch is
+    fetched (the slow start), and sets the limit decided. The first batch runs alone, until
+    it is fetched (or, with ``wait_for_delivery``, until :meth:`first_delivered` says the
+    consumer holds it), so that it comes as soon as it can.
 
     Args:
         dataset: Anything with ``__getitem__``.
@@ -199,12 +193,6 @@ class BatchFetcher:
     JOB_SECONDS = 0.002
     ADJUST_SECONDS = 0.05
     SLOW_START_SECONDS = 0.004
-    QUEUED_SHARE = 0.25
-    """Calls whose threads spent more than this share of a window runnable but waiting for a
-    core (:meth:`LimitedPool.queued_seconds`) find the cores full: more of them at once
-    would only queue. Measured on 2 cores: three CPU-bound calls alone queue about a third
-    of the time, and about 60% with two other processes spinning; calls waiting on I/O
-    hardly at all."""
     SAMPLE_EVERY = 8
     """While the consumer is fed, one job in this many measures whether the calls compute or
     wait (:func:`~feedline.loader._pool.thread_times`: two reads of a ``/proc`` file, each
@@ -212,9 +200,6 @@ class BatchFetcher:
     the GIL back from the training thread, which then sleeps until it is handed back (about
     0.1 ms on a small VM): measured on every job, a loop launching many small ops ran 10.1
     steps/s beside 16 JPEG decodes per step, 11.2 measured on one job in 8."""
-    FED_BATCHES = 3
-    """Batches in a row the consumer found ready, computing between them, before it counts
-    as fed (see :meth:`consumer_took`)."""
     DELIVERY_GRACE_SECONDS = 0.05
     """With ``wait_for_delivery``: how long the other batches wait for :meth:`first_delivered`
     once the first batch is fetched. Collation and hand-over take a few ms; a consumer that
@@ -240,7 +225,6 @@ class BatchFetcher:
         # As PyTorch's fetcher: a dataset with __getitems__ of its own gets a batch's indices
         # in one call (each batch one job, several batches at once), where batches are asked.
         self._many = batch_getter(dataset) if batched else None
-        self._least = least  # the fewest calls at once it lowers to (Auto.low)
         self._start = start  # calls at once to begin with (Auto.start; None: by the cores)
         self._dataset = dataset
         self._origin = origin
@@ -254,6 +238,7 @@ class BatchFetcher:
         self._concurrency = concurrency
         self._pool = LimitedPool(concurrency, "feedline-fetch")
         self._cores = cores or os.cpu_count() or 1
+        self._calls = CallsState(self._cores, least, concurrency)
         self._item_seconds: float | None = None  # running mean; None: assume slow
         self._adjusting = threading.Lock()
         self._window_start = 0.0  # the measuring window: its start, and this process's CPU
@@ -265,8 +250,6 @@ class BatchFetcher:
         self._first_number: int | None = None
         self._running = False  # a call of dataset[i] has begun (see _begin_window)
         self._first_fetched = False  # the first batch's items are all in
-        self._ready_in_a_row = 0  # batches the consumer found ready, in a row
-        self._fed = False  # the consumer computes, not waits: leave it a core
         self._waited_share: float | None = None  # of the calls' time off the cores, when fed
         self._jobs_run = 0
         self.inline = concurrency > 1 and self._cores == 1
@@ -320,53 +303,47 @@ class BatchFetcher:
     def _measured(self, per_item: float) -> None:
         mean = self._item_seconds
         self._item_seconds = per_item if mean is None else 0.8 * mean + 0.2 * per_item
-        self._adjust(self.ADJUST_SECONDS, grow=lambda limit: limit + max(1, limit // 4))
+        self._adjust(self.ADJUST_SECONDS)
 
-    def _adjust(self, window: float, grow: Callable[[int], int]) -> None:
+    def _adjust(self, window: float, starting: bool = False) -> None:
+        # Close the window if it is ``window`` seconds old, and set the calls at once the
+        # tuner's rules decide from it.
         now = time.perf_counter()
         if now - self._window_start < window or not self._adjusting.acquire(False):
             return
         try:
-            share = self._waited_share
-            if self._fed and share is not None and share < self.QUEUED_SHARE:
-                # Calls that compute, for a consumer that finds its batches ready: it
-                # computes on a core of its own, and they keep to the others. The threads'
-                # /proc files are not read (each read hands the GIL to and fro, see
-                # SAMPLE_EVERY); the next window starts without their queueing.
+            pool, share = self._pool, self._waited_share
+            if self._calls.holds(share):
+                # The threads' /proc files are not read (each read hands the GIL to and fro,
+                # see SAMPLE_EVERY); the next window starts without their queueing.
+                sample = CallsSample(pool.limit, busy=0.0, off_cores=share)
                 self._window_start, self._window_cpu = now, time.process_time()
                 self._window_queued = None
-                self._pool.set_limit(max(self._least, self._cores - 1))
-                return
-            cpu, queued = time.process_time(), self._pool.queued_seconds()
-            wall = now - self._window_start
-            busy = (cpu - self._window_cpu) / wall / self._cores
-            limit = self._pool.limit
-            sampled = min(limit, self._pool.sampled_threads)  # threads read that ran calls
-            full = (
-                queued is not None
-                and self._window_queued is not None
-                and queued - self._window_queued > self.QUEUED_SHARE * wall * sampled
-            )
-            self._window_start, self._window_cpu, self._window_queued = now, cpu, queued
-            if busy > 0.92 or full:  # more calls at once would only queue for the cores
-                limit = max(self._least, self._cores + 1, int(limit * 0.8))
-            elif busy < 0.85 and self._pool.waiting and not self._cpu_bound_now():
-                # Idle cores, calls waiting: admit more; twice as many while the cores are
-                # mostly idle (calls that wait on I/O), as in the slow start.
-                limit = min(self._concurrency, 2 * limit if busy < 0.5 else grow(limit))
-            self._pool.set_limit(limit)
+            else:
+                sample = self._sample(now, starting)
+            limit, _ = decide_calls(self._calls, sample)
+            pool.set_limit(limit)
         finally:
             self._adjusting.release()
 
-    def _cpu_bound_now(self) -> bool:
-        # Most calls running now are on a core or queued for one, and they outnumber the
-        # cores: more at once would only queue. Other processes on the cores make this
-        # process look idle, and a window of a few ms can miss the calls' run-queue delay
-        # (measured: 21 threads for 96 CPU-bound calls on 2 cores beside 2 spinning
-        # processes). Calls that wait on I/O are hardly ever caught on a core.
-        on_cores = self._pool.running_on_cores()
-        running = min(self._pool.running, self._pool.sampled_threads)
-        return on_cores is not None and on_cores > max(self._cores, running // 2)
+    def _sample(self, now: float, starting: bool) -> CallsSample:
+        # The window from its start to ``now``, and a new one from here.
+        pool, limit = self._pool, self._pool.limit
+        cpu, queued = time.process_time(), pool.queued_seconds()
+        wall = now - self._window_start
+        sampled = min(limit, pool.sampled_threads)  # threads read that ran calls
+        share = None
+        if queued is not None and self._window_queued is not None and sampled and wall > 0:
+            share = (queued - self._window_queued) / (wall * sampled)
+        busy = (cpu - self._window_cpu) / wall / self._cores if wall > 0 else 0.0
+        self._window_start, self._window_cpu, self._window_queued = now, cpu, queued
+        sample = CallsSample(
+            limit, busy, share, pool.waiting, starting=starting, off_cores=self._waited_share
+        )
+        if sample.may_grow():  # which calls run now: read only when it could matter
+            running = min(pool.running, pool.sampled_threads)
+            sample = dataclasses.replace(sample, on_cores=pool.running_on_cores(), running=running)
+        return sample
 
     def _some_call_waits(self) -> bool:
         # A call running now is off the cores (waiting on I/O, a sleep, a lock): more calls at
@@ -401,7 +378,7 @@ class BatchFetcher:
         if first is None or first.is_set() or self._first_fetched:
             return
         if self._running:
-            self._adjust(self.SLOW_START_SECONDS, grow=lambda limit: 2 * limit)
+            self._adjust(self.SLOW_START_SECONDS, starting=True)
         loop.call_later(self.SLOW_START_SECONDS, self._slow_start, loop)
 
     async def fetch(self, task: Task) -> Any:
@@ -417,7 +394,7 @@ class BatchFetcher:
         elif self._first is None:
             self._first, self._first_number = asyncio.Event(), number
             self.loop = asyncio.get_running_loop()
-            self._pool.set_limit(max(self._least, self._start or self._cores + 1))
+            self._pool.set_limit(self._calls.first(self._start, spare=1))
             self._new_window(time.perf_counter())
             self.loop.call_later(self.SLOW_START_SECONDS, self._slow_start, self.loop)
         elif number != self._first_number:
@@ -443,16 +420,13 @@ class BatchFetcher:
                     self._first.set()
 
     def consumer_took(self, waited: bool, computing: float | None) -> None:
-        """Say how the consumer took its last batch. Thread-safe.
+        """Say how the consumer took its last batch (see :meth:`CallsState.took`). Thread-safe.
 
-        After :attr:`FED_BATCHES` batches in a row that were ready when asked for, while
-        the consumer's thread computed most of the time between them, it is *fed*: it
-        needs a core of its own. Calls that compute (they spend under
-        :attr:`QUEUED_SHARE` of their time off the cores) are then held to the other
-        cores, so that they do not push the training thread off its core (measured on 2
-        cores: a training step of 80 ms took 90 ms beside 3 JPEG decodes at once). A
-        consumer whose thread sleeps (a blocking wait on a GPU, on I/O) leaves its core to
-        them; a batch it waits for lifts the hold at once.
+        A consumer that computes and finds its batches ready needs a core of its own: calls
+        that compute are then held to the other cores (measured on 2 cores: a training step
+        of 80 ms took 90 ms beside 3 JPEG decodes at once). One whose thread sleeps (a
+        blocking wait on a GPU, on I/O) leaves its core to them; a batch it waits for lifts
+        the hold at once.
 
         Args:
             waited: It waited for the batch (it was not ready).
@@ -460,16 +434,14 @@ class BatchFetcher:
                 on a core (``None``: unknown).
 
         """
-        computes = computing is not None and computing > 0.5
-        self._ready_in_a_row = self._ready_in_a_row + 1 if computes and not waited else 0
-        fed = self._ready_in_a_row >= self.FED_BATCHES
-        if fed != self._fed:
-            self._fed = fed
+        fed, limit = self._calls.fed, self._pool.limit
+        self._calls, to = self._calls.took(waited, computing, limit)
+        if self._calls.fed != fed:
             self._jobs_run = 0  # the next job measures (see SAMPLE_EVERY)
-            if not fed:
+            if not self._calls.fed:
                 self._waited_share = None  # measured again when it is fed again
-                if self._pool.limit < self._cores + 1:
-                    self._pool.set_limit(max(self._least, self._cores + 1))
+        if to != limit:
+            self._pool.set_limit(to)
 
     def first_delivered(self) -> None:
         """Let the other batches start: the consumer holds the first one. Thread-safe."""
@@ -505,11 +477,7 @@ class BatchFetcher:
         first = not self._first_fetched
         watch = self._watch if first else None
         if first:
-            # As many calls as cores to start with (a worker: its share, often one), not
-            # cores + 1 as in the pipeline: each extra CPU-bound call only queues for a core
-            # beside the other workers' (measured: the first batch of 2 workers 10 ms later).
-            # Items that wait on I/O leave the cores idle, and the slow start admits more.
-            self._pool.set_limit(max(self._least, self._start or self._cores))
+            self._pool.set_limit(self._calls.first(self._start, spare=0))
             self._new_window(time.perf_counter())
         try:
             if watch is not None:
@@ -528,7 +496,7 @@ class BatchFetcher:
             done = self._submit(number, indices, finished.set, items, start)
             while not finished.wait(self.SLOW_START_SECONDS):
                 if self._running and self._some_call_waits():
-                    self._adjust(self.SLOW_START_SECONDS, grow=lambda limit: 2 * limit)
+                    self._adjust(self.SLOW_START_SECONDS, starting=True)
             if watch is not None:
                 watch.check()
             return done[0]
@@ -610,7 +578,7 @@ class BatchFetcher:
         wall = time.perf_counter()
         if not self._running:
             self._begin_window(wall)
-        before = thread_times() if self._fed and self._sample_due() else None
+        before = thread_times() if self._calls.fed and self._sample_due() else None
         # The item being fetched, for get_item_info(): one attribute per item, set for the
         # first batch and then only if the dataset asked for it (items of a microsecond
         # lost 15% of their rate to it); the seed is derived only when asked for.

@@ -6,26 +6,18 @@ Config only, like :mod:`._defs`; :mod:`._tuner` does the tuning.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
+from feedline._cores import usable_cores
 from feedline.errors import ConfigurationError
 
-__all__ = ["THREAD_HIGH", "LOOP_HIGH", "Auto", "Tuning", "usable_cores"]
+__all__ = ["THREAD_HIGH", "LOOP_HIGH", "Auto", "Tuning"]
 
 THREAD_HIGH = 32
 """The most calls a tuned stage on threads runs at once, unless its ``Auto`` says otherwise."""
 
 LOOP_HIGH = 256
 """The most calls a tuned coroutine stage (on the event loop) runs at once, by default."""
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
