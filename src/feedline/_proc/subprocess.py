@@ -501,9 +501,7 @@ class SubprocessIterable(Generic[T]):
             self._end_unsettled()
             self._launch()
             if not self._requested:
-                self._child.stop.clear()
-                self._child.epoch_open = True
-                self._child.cmd_q.put("epoch")  # read by the child once it is ready
+                self._ask_epoch()
             self._requested = False
         except BaseException:
             self._iterating = False
@@ -578,13 +576,17 @@ class SubprocessIterable(Generic[T]):
             self._end_unsettled()
             self._launch()
             if not self._requested:
-                self._child.stop.clear()
-                self._child.epoch_open = True
-                self._child.cmd_q.put("epoch")
+                self._ask_epoch()
                 self._requested = True
         except BaseException:
             self.close()
             raise
+
+    def _ask_epoch(self) -> None:
+        # Ask the child for a pass (read by the child once it is ready).
+        self._child.stop.clear()
+        self._child.epoch_open = True
+        self._child.cmd_q.put("epoch")
 
     def wait_handles(self) -> list[Any]:
         """What ``multiprocessing.connection.wait`` can wait on for this child's next message.
