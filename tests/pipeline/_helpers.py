@@ -360,3 +360,29 @@ def assert_nothing_left(threads: set[threading.Thread], segments: set[str]) -> N
     assert zombies() == []
     assert own_segments() == segments
     assert sorted(t.name for t in live_threads() - threads) == []
+
+
+def holds_the_gil(x: int) -> tuple[int, int]:
+    """``x`` and the pid that computed it, after a millisecond of pure Python (it holds the
+    GIL throughout, so threads take turns)."""
+    end = time.perf_counter() + 0.001
+    while time.perf_counter() < end:
+        pass
+    return x, os.getpid()
+
+
+def waits_a_little(x: int) -> int:
+    """``x``, after 2 ms of sleep (off the cores, the GIL released)."""
+    time.sleep(0.002)
+    return x
+
+
+class Unlucky(Exception):
+    """What :func:`holds_the_gil_unless_seven` raises."""
+
+
+def holds_the_gil_unless_seven(x: int) -> tuple[int, int]:
+    """:func:`holds_the_gil`, raising :class:`Unlucky` for every ``x`` that ends in 7."""
+    if x % 10 == 7:
+        raise Unlucky(f"{x} ends in 7")
+    return holds_the_gil(x)

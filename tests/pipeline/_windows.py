@@ -33,6 +33,7 @@ class W:
     first: bool = False
     ended: bool = False
     room: int | None = None
+    cpu: PerStage = 0.0  # cores each stage's calls on threads kept busy
 
 
 def _each(value: PerStage, n: int) -> list[float]:
@@ -47,6 +48,8 @@ class Play:
         names: The stages' names.
         high: Each stage's upper bound (one for all, or one per stage); the lower is 1.
         memory: What the tuner knows of the first stage to begin with.
+        movable: The first stage may move to worker processes (``executor="auto"``); it
+            moves when decided (``moves=False``: its workers do not take the op).
 
     """
 
@@ -56,9 +59,13 @@ class Play:
         names: Sequence[str] = ("s",),
         high: int | Sequence[int] = 8,
         memory: Memory | None = None,
+        movable: bool = False,
+        moves: bool = True,
     ) -> None:
         self.names = list(names)
         self.concurrency = list(start)
+        self.movable, self.moves = movable, moves
+        self.processes = [0] * len(start)
         self.high = [high] * len(start) if isinstance(high, int) else list(high)
         self.state = State.start(len(start))
         if memory is not None:
@@ -70,6 +77,7 @@ class Play:
         """Decide on one window; returns its decisions as ``"s raise 8; s keep 8"``."""
         n = len(self.names)
         tasks, busies, blocked = _each(w.task, n), _each(w.busy, n), _each(w.blocked, n)
+        cpus, procs = _each(w.cpu, n), self.processes
         self.t += w.seconds
         stages = tuple(
             StageSample(
@@ -78,8 +86,12 @@ class Play:
                 busy=busies[i],
                 task=tasks[i],
                 blocked=blocked[i],
-                high=self.high[i],
+                low=self.concurrency[i] if procs[i] else 1,
+                high=self.concurrency[i] if procs[i] else self.high[i],
                 room=w.room,
+                cpu=cpus[i],
+                movable=i == 0 and self.movable and not procs[i],
+                processes=procs[i],
             )
             for i in range(n)
         )
@@ -95,6 +107,10 @@ class Play:
         self.state, decisions = decide(self.state, sample)
         for d in decisions:
             self.concurrency[d.stage] = d.to
+            if d.action == "move" and self.moves:
+                self.processes[d.stage] = d.processes
+            elif d.action == "back":
+                self.processes[d.stage] = 0
             self.log.append(f"{self.names[d.stage]}: {d.why}")
         return "; ".join(f"{self.names[d.stage]} {d.action} {d.to}" for d in decisions)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from feedline.pipeline._decide import CEILING_TTL, Memory
+from feedline.pipeline._decide import CEILING_TTL, MOVE_TTL, Memory
 
 from ._windows import Play, W, computes, gate, holds_the_gil, server, waits
 
@@ -35,6 +35,8 @@ class Case:
     high: int | tuple[int, ...] = 8
     memory: Memory | None = None
     after: dict[str, Any] = field(default_factory=dict)  # the first stage's Memory fields
+    movable: bool = False  # the first stage may move to processes (executor="auto")
+    moves: bool = True  # ... and its workers take the op
 
 
 def _slowed(*then: W) -> list[W]:
@@ -404,6 +406,66 @@ CASES = [
         memory=Memory(ceiling=32, ceiling_until=CEILING_TTL, task=0.01, settle=1),
         after={"ceiling": 32},
     ),
+    # -- moving a stage of executor="auto" to processes --------------------------------------------
+    # 2 calls of 3 ms that hold the GIL: 4 are no faster, the calls keep 1 core busy, 1 idle.
+    Case(
+        "a stage that holds the GIL moves to processes, kept where the output grows",
+        [W(330, 1.0, 0.006, cpu=1.0), W(340, 1.0, 0.012, cpu=1.0), W(600, 0.3, 0.006)],
+        ["s raise 4", "s move 4", "s keep 4"],
+        start=(2,),
+        movable=True,
+    ),
+    Case(
+        "in processes it is not raised, trimmed nor lowered",
+        [W(330, 1.0, 0.006, cpu=1.0), W(340, 1.0, 0.012, cpu=1.0), *[W(600, 0.3, 0.006)] * 4],
+        ["s raise 4", "s move 4", "s keep 4", "", "", ""],
+        start=(2,),
+        movable=True,
+    ),
+    Case(
+        "moved back where the output does not grow, and not tried again for MOVE_TTL",
+        [
+            W(330, 1.0, 0.006, cpu=1.0),
+            W(340, 1.0, 0.012, cpu=1.0),
+            W(350, 1.0, 0.006),
+            W(330, 1.0, 0.006, cpu=1.0),
+            W(340, 1.0, 0.012, cpu=1.0),
+        ],
+        ["s raise 4", "s move 4", "s back 2", "s raise 3", "s lower 1"],
+        start=(2,),
+        movable=True,
+        after={"no_move_until": 0.9 + MOVE_TTL},
+    ),
+    Case(
+        "moved back where its workers did not take the op",
+        [W(330, 1.0, 0.006, cpu=1.0), W(340, 1.0, 0.012, cpu=1.0), W(330, 1.0, 0.006, cpu=1.0)],
+        ["s raise 4", "s move 4", "s back 2"],
+        start=(2,),
+        movable=True,
+        moves=False,
+    ),
+    Case(
+        # A decode that releases the GIL at one call per core: cores busy, none idle.
+        "not an op whose raise found the cores busy",
+        [W(500, 1.4, 0.004, cpu=1.4), W(510, 1.6, 0.008, cpu=1.6)],
+        ["s raise 4", "s undo 2"],
+        start=(2,),
+        movable=True,
+    ),
+    Case(
+        # Calls that wait on a server at its limit: little CPU, processes would not help.
+        "not calls that wait",
+        [W(330, 0.2, 0.006, cpu=0.1), W(340, 0.2, 0.012, cpu=0.1)],
+        ["s raise 4", "s lower 1"],
+        start=(2,),
+        movable=True,
+    ),
+    Case(
+        "not a stage that cannot move",
+        [W(330, 1.0, 0.006, cpu=1.0), W(340, 1.0, 0.012, cpu=1.0)],
+        ["s raise 4", "s lower 1"],
+        start=(2,),
+    ),
     Case(
         # Kept at 24 with the consumer the slower side (half is tried there, and put back),
         # five windows pass; the next raise doubles.
@@ -430,7 +492,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_decisions(case: Case) -> None:
-    play = Play(case.start, case.names, case.high, case.memory)
+    play = Play(case.start, case.names, case.high, case.memory, case.movable, case.moves)
     got = [play.window(w) for w in case.windows]
     assert got == case.expect, play.decisions
     memory = play.memory()
@@ -440,7 +502,7 @@ def test_decisions(case: Case) -> None:
 
 def test_every_rule_has_a_row() -> None:
     # Each action, and each reason a raise gives, shows in the table.
-    play_all = [Play(c.start, c.names, c.high, c.memory) for c in CASES]
+    play_all = [Play(c.start, c.names, c.high, c.memory, c.movable, c.moves) for c in CASES]
     texts = []
     for play, case in zip(play_all, CASES, strict=True):
         for w in case.windows:
@@ -460,6 +522,10 @@ def test_every_rule_has_a_row() -> None:
         "the consumer is slower",
         "it used",
         "against the start-up",
+        "trying 2 processes",
+        "processes (2) kept",
+        "processes did not pay",
+        "it could not move",
     ):
         assert reason in text, reason
 

@@ -42,7 +42,7 @@ from feedline.errors import add_note, not_rebuilt
 from .pipe_worker import HEADER, READY, read_message, serve, write_views
 from .settings import POOL_CLOSE_GRACE
 
-__all__ = ["PipePool"]
+__all__ = ["PipePool", "rebuilt"]
 
 T = TypeVar("T")
 
@@ -193,6 +193,13 @@ class PipePool(Executor):
         gen = self._generation
         return gen is not None and gen.broken is not None
 
+    @property
+    def idle(self) -> bool:
+        """Whether no call is under way (none sent, or every one answered)."""
+        with self._lock:
+            gen = self._generation
+            return gen is None or not any(w.calls for w in gen.workers)
+
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         """Send ``fn(*args, **kwargs)`` to the worker with the fewest calls (starting workers).
 
@@ -336,7 +343,7 @@ class PipePool(Executor):
             )
             return True
         if not ok:
-            future.set_exception(_rebuilt(value, self.name, pid))
+            future.set_exception(rebuilt(value, self.name, pid))
             return True
         if self._on_result is not None:
             try:
@@ -432,7 +439,8 @@ def _watch(gen: _Generation, selector: selectors.BaseSelector, watched: set[_Wor
                 selector.unregister(worker.fd_out)
 
 
-def _rebuilt(value: Any, name: str, pid: int | None) -> BaseException:
+def rebuilt(value: Any, name: str, pid: int | None) -> BaseException:
+    """The exception a worker sent as ``portable(error)``, with where it was raised."""
     error, text = value
     where = f"worker process {pid} of {name}"
     if error is not None:

@@ -26,6 +26,7 @@ from ._defs import (
 )
 from ._hooks import TaskHook, hooked
 from ._pipeline import Pipeline
+from ._placement import Placement, cannot_move
 from ._region import RegionPool, RunOfStages
 from ._resume import (
     TaggedAsyncGenerator,
@@ -80,14 +81,26 @@ class _RegionPlaceholder(Executor):
         self.processes, self.mp_context = processes, mp_context
 
 
-def _with_region_pools(stages: tuple[StageConfig, ...]) -> tuple[StageConfig, ...]:
-    # Each process region of a new pipeline gets a pool of its own (the pipeline closes it).
+def _with_region_pools(
+    stages: tuple[StageConfig, ...], hooks: bool = False
+) -> tuple[StageConfig, ...]:
+    # Each process region of a new pipeline gets a pool of its own, and each stage that may
+    # move to processes a Placement (the pipeline closes both).
     out: list[StageConfig] = []
     for s in stages:
         if isinstance(s, PipeConfig) and isinstance(s.executor, _RegionPlaceholder):
             s = dataclasses.replace(
                 s, executor=RegionPool(s.executor.processes, s.executor.mp_context, s.name)
             )
+        elif isinstance(s, PipeConfig) and s.placement == "auto":
+            op = s.op.op if isinstance(s.op, TaggedOp) else s.op
+            if s.kind is not OpKind.FUNCTION:
+                stays: str | None = f"a {s.kind.value} op does not cross to processes"
+            elif hooks:
+                stays = "task hooks run in this process"
+            else:
+                stays = cannot_move(op)
+            s = dataclasses.replace(s, placement=Placement(op, s.name, stays))
         out.append(s)
     return tuple(out)
 
@@ -211,7 +224,7 @@ class PipelineBuilder(Generic[T]):
         op: Callable[..., Any],
         *,
         concurrency: int | str | Auto | None = None,
-        executor: Executor | None = None,
+        executor: Executor | str | None = None,
         output_order: str = "completion",
         name: str | None = None,
         buffer_size: int | None = None,
@@ -227,10 +240,17 @@ class PipelineBuilder(Generic[T]):
                 ``"auto"`` or :class:`~feedline.pipeline.Auto` (with bounds), set while the
                 pipeline runs from what it measures (see :meth:`build`'s ``autotune``); or
                 ``None`` (default): 1, or ``"auto"`` with ``build(autotune=True)``.
-            executor: Run this (sync, non-generator for process pools) stage in this executor
-                instead of the pipeline's thread pool: a one-thread ``ThreadPoolExecutor`` for
-                work that keeps per-thread state (a CUDA stream), a ``ProcessPoolExecutor`` for
-                code that holds the GIL. The pipeline does not shut it down.
+            executor: Where a sync op's calls run. ``None`` (default): the pipeline's thread
+                pool. ``"auto"``: there at first, and the tuner moves the stage to worker
+                processes (a process region of as many workers as the cores its calls
+                could use) if its calls hold the GIL (more threads do not pay while cores
+                are idle and the calls compute), keeping the move only if the output rises;
+                the concurrency is tuned too (an int is refused). ``stats()`` says where each
+                stage runs, and why one cannot move. ``"threads"``: the thread pool, and
+                never moved by ``build(autotune=True)``. An ``Executor``: that executor, which
+                the pipeline does not shut down: a one-thread ``ThreadPoolExecutor`` for work
+                that keeps per-thread state (a CUDA stream), a ``ProcessPoolExecutor`` (sync
+                functions only).
             output_order: ``"completion"`` (default) passes results on as soon as they are
                 ready; ``"input"`` keeps the order of the input, at the cost of head-of-line
                 waiting.
@@ -276,16 +296,33 @@ class PipelineBuilder(Generic[T]):
             )
         kind = op_kind(op)
         stage_name = self._claim(name, _op_name(op))
+        if executor is not None and kind in (OpKind.COROUTINE, OpKind.ASYNC_GENERATOR):
+            raise ConfigurationError(
+                f"stage {stage_name!r}: {kind.value} ops run on the event loop, so "
+                "executor= has no effect; drop executor= or pass a sync function"
+            )
+        placement = executor if isinstance(executor, str) else None
+        if placement is not None:
+            executor = None
+            if placement not in ("auto", "threads"):
+                raise ConfigurationError(
+                    f"stage {stage_name!r}: executor must be 'auto', 'threads', None or a "
+                    f"concurrent.futures.Executor, got {placement!r}"
+                )
+            if placement == "auto" and not unset and auto is None:
+                raise ConfigurationError(
+                    f"stage {stage_name!r}: executor='auto' tunes the stage, so "
+                    f"concurrency={concurrency} cannot hold; drop concurrency=, or pass "
+                    "'auto' or Auto(low, high) for bounds"
+                )
+            if placement == "auto" and auto is None:
+                auto = Auto()
+                concurrency = auto.start or auto.low
         if executor is not None:
             if not isinstance(executor, Executor):
                 raise ConfigurationError(
                     f"stage {stage_name!r}: executor must be a concurrent.futures.Executor "
                     f"(ThreadPoolExecutor or ProcessPoolExecutor), got {type(executor).__name__}"
-                )
-            if kind in (OpKind.COROUTINE, OpKind.ASYNC_GENERATOR):
-                raise ConfigurationError(
-                    f"stage {stage_name!r}: {kind.value} ops run on the event loop, so "
-                    "executor= has no effect; drop executor= or pass a sync function"
                 )
             if kind is OpKind.GENERATOR and not isinstance(executor, ThreadPoolExecutor):
                 raise ConfigurationError(
@@ -328,6 +365,7 @@ class PipelineBuilder(Generic[T]):
                 grows=grows,
                 auto=auto,
                 default_concurrency=unset,
+                placement=placement,
             )
         )
         return self
@@ -686,7 +724,7 @@ class PipelineBuilder(Generic[T]):
                     f"hooks: {type(hook).__name__} has no {', '.join(missing)}; subclass "
                     "feedline.pipeline.TaskHook and override the methods you need"
                 )
-        stages = _with_region_pools(self._tagged_stages(hooks))
+        stages = _with_region_pools(self._tagged_stages(hooks), bool(hooks))
         config = PipelineConfig(
             source=self._source,
             stages=stages,
@@ -771,7 +809,10 @@ def _autotuned(stage: StageConfig) -> StageConfig:
     generator = stage.kind in (OpKind.GENERATOR, OpKind.ASYNC_GENERATOR)
     if generator and stage.output_order == "input":
         return stage
-    return dataclasses.replace(stage, auto=Auto())
+    # A sync function on the pipeline's threads may move to processes (executor="auto").
+    movable = stage.kind is OpKind.FUNCTION and stage.executor is None
+    placement = "auto" if movable and stage.placement is None else stage.placement
+    return dataclasses.replace(stage, auto=Auto(), placement=placement)
 
 
 def _resolve_auto(stage: StageConfig, num_threads: int) -> StageConfig:

@@ -33,6 +33,12 @@ raise the bottleneck        the busiest stage (:data:`BUSY`, its output not full
 trim                        a stage that used few of its slots :data:`TRIM_AFTER` windows in
                             a row is lowered to what it used, plus room.
 ==========================  ===============================================================
+
+A stage of ``executor="auto"`` on threads whose raise did not pay, while its calls computed
+(:data:`MOVE_CPU`) and cores stayed idle (:data:`MOVE_IDLE`), holds the GIL: instead of fewer
+calls, it is tried in worker processes (as many as the cores its calls and the idle ones
+make, two calls in flight each), kept if the output grew by :data:`MOVE_GAIN`, else moved back
+and not tried again for :data:`MOVE_TTL`. In processes its concurrency is not tuned.
 """
 
 from __future__ import annotations
@@ -114,6 +120,21 @@ of microseconds would ask for thousands)."""
 TRIM_AFTER = 3
 """Windows in a row a stage must use few of its slots before it is lowered."""
 
+MOVE_CPU = 0.5
+"""A stage whose calls on threads kept this many cores busy, or more, computes: if more calls
+did not pay while cores stayed idle, the GIL holds it back (calls that wait use little CPU,
+and processes would not help them)."""
+
+MOVE_IDLE = 0.5
+"""Cores of the CPU budget that must be idle for a move to processes to have room to pay."""
+
+MOVE_GAIN = 1.1
+"""A move to processes is kept if the output rate grew by this factor (a process hop costs
+a pickle and a wake-up per item: a smaller gain is not worth it, nor told from noise)."""
+
+MOVE_TTL = 300.0
+"""Seconds after a move that did not pay before the stage is tried in processes again."""
+
 
 @dataclass(frozen=True)
 class StageSample:
@@ -128,6 +149,10 @@ class StageSample:
         low: The least concurrency it may have.
         high: The most.
         room: Calls more the memory budget holds (``None``: no budget).
+        cpu: Cores its calls on threads kept busy (measured for stages that may move).
+        movable: It may move to worker processes (``executor="auto"``, on threads).
+        processes: Worker processes its calls run in (0: threads); its concurrency is not
+            tuned there.
 
     """
 
@@ -139,6 +164,9 @@ class StageSample:
     low: int = 1
     high: int = 32
     room: int | None = None
+    cpu: float = 0.0
+    movable: bool = False
+    processes: int = 0
 
     @property
     def in_flight(self) -> float:
@@ -192,6 +220,8 @@ class Memory:
         jump_until: ... in windows up to this one.
         idle: Windows in a row it used few of its slots.
         settle: A window that ends a put-back trial's calls: it judges no conditions.
+        no_move_until: ``Sample.t`` before which it is not tried in processes (a move that
+            did not pay).
 
     """
 
@@ -204,6 +234,7 @@ class Memory:
     jump_until: int = -1
     idle: int = 0
     settle: int = -1
+    no_move_until: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -223,6 +254,7 @@ class Trial:
             :data:`COMPUTES`).
         cold: Decided on the run's first window, whose rate the start-up held down, by a
             rate alone (not to feed the next stage).
+        move: A move to worker processes (``after`` calls in flight there).
 
     """
 
@@ -236,6 +268,7 @@ class Trial:
     in_flight: float = 0.0
     cores: float = 0.0
     cold: bool = False
+    move: bool = False
 
 
 @dataclass(frozen=True)
@@ -259,9 +292,11 @@ class Decision:
     Attributes:
         stage: Its index in ``Sample.stages``.
         action: ``raise`` or ``lower`` (a trial), ``keep`` (a trial kept), ``undo`` (back to
-            where it was), ``trim`` (lowered, no trial).
+            where it was), ``trim`` (lowered, no trial), ``move`` (to worker processes, a
+            trial), ``back`` (from them to threads).
         to: The concurrency it gets (or keeps).
         why: For ``stats().tuning``: ``"4 -> 8 kept (1,000 -> 1,500 items/s)"``.
+        processes: For ``move``: how many worker processes.
 
     """
 
@@ -269,6 +304,7 @@ class Decision:
     action: str
     to: int
     why: str
+    processes: int = 0
 
 
 def decide(state: State, s: Sample) -> tuple[State, list[Decision]]:
@@ -305,6 +341,14 @@ def _judge(
     st, m = s.stages[i], mem[i]
     capacity = after / st.task if st.task > 0 else 0.0
     rates = f"({trial.rate:,.0f} -> {s.rate:,.0f} items/s)"
+    if trial.move:
+        if st.processes and (s.rate >= trial.rate * MOVE_GAIN or s.ended):
+            out.append(Decision(i, "keep", after, f"processes ({st.processes}) kept {rates}"))
+        else:
+            mem[i] = replace(m, no_move_until=s.t + MOVE_TTL, settle=window + 1)
+            why = f"processes did not pay {rates}" if st.processes else "it could not move"
+            out.append(Decision(i, "back", before, f"{why}, back on threads at {before}"))
+        return None
     if after < before:  # fewer: kept if as fast, and if the stage can still end its calls
         as_fast = (
             trial.rate > 0
@@ -340,8 +384,16 @@ def _judge(
         )
         return None
     m = mem[i] = replace(m, ceiling=after, ceiling_until=s.t + CEILING_TTL, task=trial.task)
-    lower = max(st.low, before // 2, math.ceil(LOWER_CORES * s.cores))
     why = f"{after} did not pay {rates}"
+    idle = s.cpu_budget - s.cores
+    if st.movable and s.t >= m.no_move_until and st.cpu >= MOVE_CPU and idle >= MOVE_IDLE:
+        # The calls compute, and more of them gained nothing with cores idle: the GIL.
+        n = min(int(s.cpu_budget), round(st.cpu + idle), st.high // 2)
+        if n >= 2 and not s.ended:
+            why = f"{why}; its calls kept {st.cpu:.1f} cores busy, {idle:.1f} idle"
+            out.append(Decision(i, "move", 2 * n, f"{why}: trying {n} processes", n))
+            return Trial(i, before, 2 * n, max(trial.rate, s.rate), move=True)
+    lower = max(st.low, before // 2, math.ceil(LOWER_CORES * s.cores))
     if (
         lower < before
         and (m.floor is None or lower > m.floor)

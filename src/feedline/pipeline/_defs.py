@@ -79,6 +79,9 @@ class PipeConfig:
     tune: tuple[int, int] | None = None
     auto: Any = None  # the Auto asked for (resolved by build() into concurrency and tune)
     default_concurrency: bool = False  # no concurrency given: build(autotune=True) tunes it
+    # executor="auto": the stage may move to processes ("auto"; build() makes it a Placement),
+    # "threads": it never moves, None: build(autotune=True) decides.
+    placement: Any = None
 
 
 @dataclass(frozen=True)

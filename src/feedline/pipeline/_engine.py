@@ -32,6 +32,7 @@ from ._defs import (
 from ._executors import Submitter, WorkerPool
 from ._growth import Growth
 from ._lifecycle import RunLifecycle
+from ._placement import PlacedWork, Placement
 from ._queue import EMPTY, Channel
 from ._resume import TaggedOp
 from ._settings import (
@@ -107,6 +108,7 @@ class Run:
         source: ThreadedSource | AsyncSource
         if src_cfg.is_async:
             source = AsyncSource(self, src_cfg.name, src_cfg.source, out, budget)  # type: ignore[arg-type]
+            source.counters.where = "event loop"
         else:
             iterable = source_wrapper(src_cfg.source, self)
             source = ThreadedSource(self, src_cfg.name, iterable, self._pool, out, budget)
@@ -124,7 +126,8 @@ class Run:
             self.channels.append(out)
             stage = self._make_stage(cfg, inp, out, budget)
             if isinstance(cfg, PipeConfig) and cfg.tune is not None:
-                knobs.append(Knob(stage, i + 1, *cfg.tune))
+                placement = cfg.placement if isinstance(cfg.placement, Placement) else None
+                knobs.append(Knob(stage, i + 1, *cfg.tune, placement=placement))
             inp.connect(producers[-1], stage)
             producers.append(stage)
             self.stages.append(stage)
@@ -175,7 +178,7 @@ class Run:
                 cfg.executor is None or isinstance(cfg.executor, ThreadPoolExecutor)
             )
             if not threaded:
-                return AsyncStage(
+                loop_stage = AsyncStage(
                     self,
                     cfg.name,
                     cfg.op,
@@ -187,7 +190,12 @@ class Run:
                     out,
                     budget,
                 )
-            if isinstance(cfg.op, TaggedOp):  # the usual case: no wrapper call per item
+                loop_stage.counters.where = _runs_in(cfg.executor)
+                return loop_stage
+            placement = cfg.placement if isinstance(cfg.placement, Placement) else None
+            if placement is not None and placement.stays is None:  # threads or processes
+                work = PlacedWork(placement, isinstance(cfg.op, TaggedOp))
+            elif isinstance(cfg.op, TaggedOp):  # the usual case: no wrapper call per item
                 work = ValueWork(cfg.op.op)
             elif cfg.kind is OpKind.FUNCTION:
                 work = FunctionWork(cfg.op)
@@ -202,9 +210,14 @@ class Run:
             executor, kind, concurrency, ordered = self._pool, "disaggregate", 1, False
         else:  # pragma: no cover - the builder only makes the kinds above
             raise TypeError(f"unknown stage config {cfg!r}")
-        return ThreadedStage(
+        stage = ThreadedStage(
             self, cfg.name, kind, work, concurrency, executor, ordered, inp, out, budget
         )
+        if isinstance(cfg, PipeConfig) and isinstance(cfg.placement, Placement):
+            stage.counters.where = cfg.placement.where
+        elif executor is not self._pool:
+            stage.counters.where = "threads (its own executor)"
+        return stage
 
     # -- RunContext ------------------------------------------------------------------------------
 
@@ -438,3 +451,11 @@ class Run:
             tuning=tuple(self.tuner.decisions) if self.tuner is not None else (),
             tuner_cpu=self.tuner.cpu_s if self.tuner is not None else 0.0,
         )
+
+
+def _runs_in(executor: Any) -> str:
+    # StageStats.runs_in of a stage on the event loop.
+    if executor is None:
+        return "event loop"
+    processes = getattr(executor, "processes", None)  # a process region
+    return f"processes ({processes})" if processes else "process pool"

@@ -18,6 +18,7 @@ from feedline.errors import ConfigurationError
 from ._defs import AggregateConfig, DisaggregateConfig, OpKind, PipeConfig, PipelineConfig
 from ._engine import Run
 from ._epochs import Accounting, Checkpoint
+from ._placement import Placement
 from ._region import RegionPool
 from ._resume import PassControl, Progress, Tagged, tag_async_source, tag_source
 from ._settings import CONTINUOUS_AHEAD, SOURCE_POLL
@@ -33,7 +34,7 @@ class _Holder:
 
     __slots__ = ("hooks", "lock", "regions", "run")
 
-    def __init__(self, regions: list[RegionPool], hooks: list[tuple[Any, str]]) -> None:
+    def __init__(self, regions: list[RegionPool | Placement], hooks: list[tuple[Any, str]]) -> None:
         self.run: Run | None = None
         self.lock = threading.Lock()
         self.regions = regions
@@ -105,9 +106,15 @@ class Pipeline(Generic[T]):
 
     def __init__(self, config: PipelineConfig) -> None:
         self._config = config
-        regions = [s.executor for s in config.stages if isinstance(s, PipeConfig)]
+        pipes = [s for s in config.stages if isinstance(s, PipeConfig)]
+        regions: list[RegionPool | Placement] = [
+            pool
+            for s in pipes
+            for pool in (s.executor, s.placement)
+            if isinstance(pool, RegionPool | Placement)
+        ]
         hooks = [(hook, stage) for stage in config.hooked_stages for hook in config.hooks]
-        self._holder = _Holder([pool for pool in regions if isinstance(pool, RegionPool)], hooks)
+        self._holder = _Holder(regions, hooks)
         self._last: Run | None = None
         self._iterating = False
         self._finalizer = weakref.finalize(self, _Holder.close, self._holder)

@@ -107,6 +107,11 @@ class RegionPool(Executor):
         """Whether a worker died as it started: every item fails until :meth:`close`."""
         return self._pool.broken
 
+    @property
+    def idle(self) -> bool:
+        """Whether no call is under way in the workers."""
+        return self._pool.idle
+
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         """Run ``fn(*args, **kwargs)`` in a worker (starting the workers if they are not).
 

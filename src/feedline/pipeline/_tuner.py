@@ -98,6 +98,7 @@ class Knob:
         index: Where it sits: ``Run.stages[index]``, its output ``Run.channels[index]``.
         low: The least concurrency it may have.
         high: The most.
+        placement: Where its calls run, for a stage of ``executor="auto"`` (else ``None``).
 
     """
 
@@ -105,6 +106,7 @@ class Knob:
     index: int
     low: int
     high: int
+    placement: Any = None
 
     @property
     def name(self) -> str:
@@ -128,6 +130,7 @@ class _Mark:
     calls: list[int]  # per knob: calls ended
     slots: list[float]  # per knob: slot-seconds (concurrency x time)
     full: list[float]  # per knob: seconds its output was full; the sink's last
+    used: list[float]  # per knob: CPU seconds of its calls on threads (stages that may move)
 
 
 class Tuner:
@@ -176,7 +179,7 @@ class Tuner:
         """Each tuned stage's concurrency, by name, leaving out a trial under way."""
         found = {k.name: k.concurrency for k in self.knobs}
         trial = self.state.trial
-        if trial is not None:
+        if trial is not None and not trial.move:  # a move stands until judged
             found[self.knobs[trial.stage].name] = trial.before
         return found
 
@@ -200,6 +203,19 @@ class Tuner:
         budget = self._tuning.memory_budget
         if budget is not None:
             self._keep_within(budget)
+        moving = False
+        for knob in self.knobs:
+            placement = knob.placement
+            if placement is not None:
+                probing = placement.moving
+                moving = placement.poll() or moving
+                if probing and placement.processes:  # moved: queues that hold its chunks
+                    c = knob.concurrency
+                    self._set(knob, c, items=c * placement.takes)
+                placement.tidy()
+        if moving:  # a move's window starts once its workers answer
+            self._mark = self._take_mark()
+            return
         now, mark = time.perf_counter(), self._mark
         first = self.state.window == 0
         slowest = max((max(k.stage.counters.ewma, 0.0) for k in self.knobs), default=0.0)
@@ -222,6 +238,9 @@ class Tuner:
             calls = now.calls[i] - mark.calls[i]
             busy = now.busy[i] - mark.busy[i]
             slots = now.slots[i] - mark.slots[i]
+            placement = knob.placement
+            processes = placement.processes if placement is not None else 0
+            fixed = knob.concurrency if processes else 0  # not tuned in processes
             stages.append(
                 StageSample(
                     knob.name,
@@ -229,9 +248,12 @@ class Tuner:
                     busy=busy / slots if slots > 0 else 0.0,
                     task=busy / calls if calls > 0 and busy > 0 else 0.0,
                     blocked=(now.full[i] - mark.full[i]) / dt,
-                    low=knob.low,
-                    high=knob.high,
+                    low=fixed or knob.low,
+                    high=fixed or knob.high,
                     room=self._room(knob),
+                    cpu=(now.used[i] - mark.used[i]) / dt,
+                    movable=placement is not None and placement.stays is None and not processes,
+                    processes=processes,
                 )
             )
         return Sample(
@@ -249,16 +271,25 @@ class Tuner:
         """Set the concurrency each decision gives, and record it."""
         for d in decisions:
             knob = self.knobs[d.stage]
+            why = d.why
+            if d.action == "move":
+                knob.placement.move(d.processes)
+            elif d.action == "back":
+                knob.placement.back()
+                if knob.placement.stays is not None:
+                    why = f"{why} (it stays: {knob.placement.stays})"
             if d.to != knob.concurrency:
                 self._set(knob, d.to)
-            self._note(f"{knob.name}: {d.why}")
+            self._note(f"{knob.name}: {why}")
 
     def _note(self, decision: str) -> None:
         t = time.perf_counter() - self._t0
         self.decisions.append(f"{t:.1f}s {decision}")
         _log.debug("tuner: %s", decision)
 
-    def _set(self, knob: Knob, concurrency: int, alone: bool = False) -> None:
+    def _set(
+        self, knob: Knob, concurrency: int, alone: bool = False, items: int | None = None
+    ) -> None:
         # Change the stage's concurrency, and size its default-sized queues as the build does
         # for a stage of that concurrency: the one before it holds enough to feed each slot,
         # the one after it enough for each slot's result (a stage that keeps input order
@@ -266,7 +297,8 @@ class Tuner:
         # sized for the larger (a decode of 2 put back after a trial must not shrink the queue
         # its 64 reads fill), but by this stage ``alone`` for the memory budget (halving it
         # must free what its queues hold). Within the queue's byte limits (Growth) and the
-        # budget; a queue that grew on its own (after a cheap stage) keeps its size.
+        # budget; a queue that grew on its own (after a cheap stage) keeps its size. A stage
+        # that takes chunks (in processes) has them sized for ``items`` instead.
         knob.stage.set_concurrency(concurrency)
         for index in (knob.index - 1, knob.index):
             channel = self._channels[index]
@@ -274,7 +306,7 @@ class Tuner:
             if channel is self._sink or growth is None:
                 continue
             other = 0 if alone else self._neighbour(index, knob)
-            size = min(max(concurrency, other), growth.grow_to)
+            size = min(max(items or concurrency, other), growth.grow_to)
             budget, each = self._tuning.memory_budget, self._bytes(index)
             if budget is not None and each > 0:
                 size = min(size, max(growth.first, int(budget // (4 * each))))
@@ -293,7 +325,7 @@ class Tuner:
 
     def _take_mark(self, now: float | None = None) -> _Mark:
         t = time.perf_counter() if now is None else now
-        busy, calls, slots, full = [], [], [], []
+        busy, calls, slots, full, used = [], [], [], [], []
         for knob in self.knobs:
             c = knob.stage.counters
             with c.lock:
@@ -301,8 +333,9 @@ class Tuner:
                 calls.append(c.calls)
                 slots.append(c.slots(t))
             full.append(self._channels[knob.index].full_seconds())
+            used.append(knob.placement.cpu_seconds() if knob.placement is not None else 0.0)
         full.append(self._sink.full_seconds())
-        return _Mark(t, self._out.puts, time.process_time(), busy, calls, slots, full)
+        return _Mark(t, self._out.puts, time.process_time(), busy, calls, slots, full, used)
 
     # -- memory ----------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -67,6 +68,7 @@ class StageCounters:
         "max_in_flight",
         "name",
         "t0",
+        "where",
     )
 
     def __init__(self, name: str, kind: str, concurrency: int) -> None:
@@ -85,6 +87,8 @@ class StageCounters:
         self.ewma = -1.0  # smoothed seconds per call; negative until enough calls were seen
         self.t0 = time.perf_counter()
         self._slots = SlotTime(concurrency, self.t0)
+        # StageStats.runs_in: a text, or a function that tells it (a stage that may move).
+        self.where: str | Callable[[], str] = "threads"
 
     @property
     def concurrency(self) -> int:
@@ -134,6 +138,17 @@ class StageCounters:
             self.in_flight -= 1
             self._record(time.perf_counter() - t_start)
             self.items_in += items
+
+    def end_many(self, t_start: float, calls: int) -> None:
+        """:meth:`end` for ``calls`` calls made as one (a chunk sent to a worker process).
+
+        Each is recorded as an equal share of the time.
+        """
+        with self.lock:
+            self.in_flight -= 1
+            dt = (time.perf_counter() - t_start) / max(calls, 1)
+            for _ in range(calls):
+                self._record(dt)
 
     def lap(self, t_start: float) -> float:
         """Record a call that began at ``t_start`` and ended now; returns now.
@@ -185,6 +200,7 @@ class StageCounters:
                 blocked=out_q.full_fraction,
                 queue=out_q,
                 life=life,
+                runs_in=self.where() if callable(self.where) else self.where,
             )
 
 
@@ -215,6 +231,10 @@ class StageStats:
             snapshot from :meth:`PipelineStats.since`, between the two snapshots.
         slot_seconds: The stage's concurrency integrated over ``life`` (what ``busy`` is a
             share of).
+        runs_in: Where its calls run: ``"threads"``, ``"event loop"``, ``"processes (N)"``
+            (a process region, or a stage of ``executor="auto"`` moved there), ``"process
+            pool"``; a stage of ``executor="auto"`` that cannot move says why, as
+            ``"threads (stays: ...)"``.
 
     """
 
@@ -236,6 +256,7 @@ class StageStats:
     queue: ChannelStats
     life: float
     slot_seconds: float = 0.0
+    runs_in: str = "threads"
 
     def since(self, earlier: StageStats) -> StageStats:
         """The counts and shares between ``earlier`` (a snapshot) and this one.

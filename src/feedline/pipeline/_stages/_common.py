@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from concurrent import futures
 from typing import Any, Protocol
 
 from feedline._failures import FailureBudget, LogThrottle
@@ -130,8 +131,11 @@ class StageBase:
         """Count a failed item, log it (rate-limited), and stop the run past the budget.
 
         The item is named by its value and, for an item that carries it (``Tagged``, see
-        ``_resume``), by the source item it came from.
+        ``_resume``), by the source item it came from. A call that a stopping run's process
+        pool cancelled is not the item's failure: nothing is counted.
         """
+        if isinstance(error, futures.CancelledError) and self.run.stopping:
+            return
         c = self.counters
         if isinstance(item, Tagged):
             sample, source = sample_repr(item.value), item.source()

@@ -37,12 +37,29 @@ __all__ = [
 _SKIP: Any = object()  # a failed item's place in an ordered stage
 
 
+class _HandOff:
+    # A chunk's hand-off failed: each of its items fails with that error.
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def failed(self, stage: str) -> Exception:
+        return self.error
+
+
 class Work:
     """What a threaded stage does with one input item."""
 
     iterates = False  # True: __call__ returns an iterator of outputs; user code runs in next()
+    takes = 1  # items a job takes at once: more than one calls many() (a stage in processes)
 
     def __call__(self, item: Any) -> Any:
+        raise NotImplementedError
+
+    def many(self, items: list[Any]) -> list[Any]:
+        """The result of each item (for ``takes`` > 1).
+
+        For an item whose call raised: an object whose ``failed(stage)`` is the exception.
+        """
         raise NotImplementedError
 
     def finish(self) -> Iterator[Any] | None:
@@ -325,7 +342,17 @@ class ThreadedStage(_PoolStage):
                     continue
                 seq = -1
                 order = self._order
-                if order is not None:
+                takes = self._work.takes
+                if takes > 1:  # a stage in processes: a chunk a hand-off
+                    batch = self._take_many(takes)
+                    if batch is None:
+                        return  # the reorder window is full; the next emit restarts us
+                    if batch:
+                        if not self._process_many(batch):
+                            return
+                        continue
+                    item = EMPTY
+                elif order is not None:
                     # The window check, the take and the numbering are one step: checked apart,
                     # two jobs could both pass the check and overfill the window, or number
                     # items 9 and 10 the other way round. (The check reads ``next_emit``
@@ -374,6 +401,41 @@ class ThreadedStage(_PoolStage):
         if self._work.iterates:
             return self._drive(result, item)
         return self._emit(seq, result)
+
+    def _take_many(self, most: int) -> list[tuple[int, Any]] | None:
+        # Up to ``most`` items waiting, numbered where the stage keeps input order (None: its
+        # window is full). Never waits for more.
+        order = self._order
+        if order is None:
+            return [(-1, item) for item in self._input.try_get_many(most)]
+        taken: list[tuple[int, Any]] = []
+        with self._take_lock:
+            while len(taken) < most and not order.full():
+                item = self._input.try_get()
+                if item is EMPTY:
+                    break
+                taken.append((order.number(), item))
+            return taken if taken or not order.full() else None
+
+    def _process_many(self, batch: list[tuple[int, Any]]) -> bool:
+        """Run the op on a chunk at once (``Work.many``); False if the job must stop."""
+        c = self.counters
+        t0 = c.begin(len(batch))
+        try:
+            outs = self._work.many([item for _, item in batch])
+        except Exception as error:  # the hand-off failed (a worker died): every item with it
+            outs = [_HandOff(error)] * len(batch)
+        c.end_many(t0, len(batch))
+        going = True
+        for (seq, item), out in zip(batch, outs, strict=True):
+            failed = getattr(out, "failed", None)
+            if failed is not None:
+                self.record_failure(item, failed(self.name))
+                if self._order is None:
+                    continue
+                out = _SKIP
+            going = self._emit(seq, out) and going  # each is handed on or held
+        return going
 
     def _drive(self, outputs: Iterator[Any], item: Any) -> bool:
         """Pull outputs from an iterator (running user code) and hand them on."""

@@ -1,0 +1,306 @@
+"""Stages of ``executor="auto"``: on threads, moved to worker processes where the GIL holds them.
+
+The decision itself, from windows given by hand, is in ``test_tuner_decisions.py``; here real
+runs show what a move does: where the calls run, that no item is lost or repeated across it,
+that a stage that cannot move says why, and that no process outlives the pipeline. Whether
+processes pay is the machine's to measure (a loaded one rightly finds they do not), so the
+tests that need a move kept or undone set the gain it must bring.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import multiprocessing
+import os
+import re
+import sys
+import time
+import types
+from typing import Any
+
+import pytest
+
+from feedline import ConfigurationError, PipelineBuilder
+from feedline.pipeline import _decide
+from feedline.pipeline._placement import cannot_move
+
+from .._system import starts_processes, zombies
+from ._helpers import holds_the_gil, holds_the_gil_unless_seven, waits_a_little
+from .test_tuner import decided, run_for, run_until
+
+pytestmark = starts_processes
+
+gil = pytest.mark.skipif(
+    not getattr(sys, "_is_gil_enabled", lambda: True)(),
+    reason="free-threaded Python: threads run Python code side by side, nothing moves",
+)
+
+
+def _gone() -> None:
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert multiprocessing.active_children() == []
+    assert zombies() == []
+
+
+def _runs_in(pipeline: Any) -> str:
+    return str(pipeline.stats().stages[1].runs_in)
+
+
+@gil
+def test_a_stage_that_holds_the_gil_moves_mid_epoch_and_loses_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_decide, "MOVE_GAIN", 0.0)  # kept, whatever this machine measures
+    pipeline = (
+        PipelineBuilder()
+        .add_source(itertools.count())
+        .pipe(holds_the_gil, executor="auto", output_order="input")
+        .add_sink()
+        .build()
+    )
+    seen: list[tuple[int, int]] = []
+    where: set[str] = set()
+    it = iter(pipeline)
+    t0 = time.monotonic()
+    for item in it:
+        seen.append(item)
+        if len(seen) % 50 == 0:
+            stats = pipeline.stats()
+            where.add(stats.stages[1].runs_in)
+            kept = any(re.search(r"processes \(2\) kept", d) for d in stats.tuning)
+            if kept and sum(pid != os.getpid() for _, pid in seen) >= 200:
+                break
+        assert time.monotonic() - t0 < 60, pipeline.stats()
+    it.close()
+    assert [x for x, _ in seen] == list(range(len(seen)))  # none lost, none twice, in order
+    pids = {pid for _, pid in seen}
+    assert os.getpid() in pids  # on threads first...
+    assert len(pids - {os.getpid()}) >= 1  # ... then in the workers
+    assert where >= {"threads", "processes (2)"}
+    decisions = "\n".join(pipeline.stats().tuning)
+    assert re.search(
+        r"its calls kept [\d.]+ cores busy, [\d.]+ idle: trying 2 processes", decisions
+    )
+    # The next epoch starts where this one left the stage: in processes.
+    for _ in pipeline:
+        assert _runs_in(pipeline) == "processes (2)"
+        break
+    del pipeline, it
+    _gone()
+
+
+@gil
+def test_in_processes_an_item_whose_call_raises_fails_alone(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_decide, "MOVE_GAIN", 0.0)
+    pipeline = (
+        PipelineBuilder()
+        .add_source(itertools.count())
+        .pipe(holds_the_gil_unless_seven, executor="auto", output_order="input")
+        .add_sink()
+        .build(max_failures=None)
+    )
+    seen: list[int] = []
+    moved_at = None
+    for x, pid in pipeline:
+        seen.append(x)
+        if moved_at is None and pid != os.getpid():
+            moved_at = len(seen)
+        if moved_at is not None and len(seen) >= moved_at + 300:
+            break
+    placement = pipeline._config.stages[0].placement
+    assert placement.takes > 1  # the items went in chunks
+    assert seen == [x for x in range(seen[-1] + 1) if x % 10 != 7]  # each 7 alone, in order
+    assert "Unlucky: " in caplog.text
+    assert "ends in 7" in caplog.text
+    assert "source item 7" in caplog.text  # the failure names its source item
+    del pipeline
+    _gone()
+
+
+@gil
+def test_a_move_that_does_not_pay_goes_back_to_threads_and_ends_its_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_decide, "MOVE_GAIN", 100.0)  # never pays
+    n = 6000
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(n))
+        .pipe(holds_the_gil, executor="auto")
+        .add_sink()
+        .build()
+    )
+    seen = []
+    back = False
+    for item in pipeline:
+        seen.append(item[0])
+        if not back and len(seen) % 50 == 0:
+            back = any("processes did not pay" in d for d in pipeline.stats().tuning)
+        if back and not multiprocessing.active_children():
+            break  # the retired workers ended while the epoch goes on
+    else:
+        raise AssertionError(f"no move and back within the epoch: {pipeline.stats()}")
+    assert _runs_in(pipeline) == "threads"
+    assert len(set(seen)) == len(seen)
+    del pipeline
+    _gone()
+
+
+def test_an_op_that_waits_stays_on_threads() -> None:
+    pipeline = (
+        PipelineBuilder()
+        .add_source(itertools.count())
+        .pipe(waits_a_little)
+        .add_sink()
+        .build(autotune=True)  # every sync stage without an executor may move
+    )
+    stats = run_for(pipeline, 2.0)
+    assert stats.stages[1].runs_in.startswith("threads")  # (stays: ...) on free-threaded Python
+    assert not any("processes" in d for d in stats.tuning), stats
+    assert multiprocessing.active_children() == []
+    del pipeline
+    _gone()
+
+
+def test_a_stage_that_cannot_move_says_why() -> None:
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(10))
+        .pipe(lambda x: x + 1, executor="auto", name="lam")
+        .pipe(str, executor="threads")
+        .add_sink()
+        .build()
+    )
+    assert sorted(pipeline, key=int) == [str(i + 1) for i in range(10)]
+    lam, pinned = pipeline.stats().stages[1:]
+    if getattr(sys, "_is_gil_enabled", lambda: True)():
+        assert lam.runs_in.startswith("threads (stays: the op cannot be pickled")
+        assert "define it at module level" in lam.runs_in
+    else:
+        assert lam.runs_in.startswith("threads (stays: free-threaded Python")
+    assert pinned.runs_in == "threads"
+
+
+def test_free_threaded_python_moves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "_is_gil_enabled", lambda: False, raising=False)
+    assert cannot_move(holds_the_gil) == (
+        "free-threaded Python runs Python code on threads side by side"
+    )
+    monkeypatch.setattr(sys, "_is_gil_enabled", lambda: True, raising=False)
+    assert cannot_move(holds_the_gil) is None
+
+
+# An op the workers cannot import: its module exists in this process only.
+_ghost = types.ModuleType("feedline_tests_ghost")
+exec(  # a module made here on purpose
+    "import time\n"
+    "def spin(x):\n"
+    "    end = time.perf_counter() + 0.001\n"
+    "    while time.perf_counter() < end:\n"
+    "        pass\n"
+    "    return x\n",
+    _ghost.__dict__,
+)
+
+
+@gil
+def test_an_op_its_workers_cannot_import_stays_on_threads_and_loses_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, _ghost.__name__, _ghost)
+    n = 6000
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(n))
+        .pipe(_ghost.spin, executor="auto", output_order="input")
+        .add_sink()
+        .build()
+    )
+    out = []
+    stays = ""
+    for x in pipeline:
+        out.append(x)
+        if len(out) % 100 == 0 and not stays:
+            runs_in = _runs_in(pipeline)
+            stays = runs_in if "stays" in runs_in else ""
+    assert out == list(range(n))
+    assert "its workers did not take the op" in stays, pipeline.stats()
+    assert any("it could not move" in d for d in pipeline.stats().tuning)
+    del pipeline
+    _gone()
+
+
+@gil
+def test_ctrl_c_during_a_move_leaves_no_process(caplog: pytest.LogCaptureFixture) -> None:
+    pipeline = (
+        PipelineBuilder()
+        .add_source(itertools.count())
+        .pipe(holds_the_gil, executor="auto")
+        .add_sink()
+        .build()
+    )
+    with pytest.raises(KeyboardInterrupt):
+        run_until(pipeline, decided("trying 2 processes"))
+        raise KeyboardInterrupt
+    assert multiprocessing.active_children() == []  # ended with the epoch, no GC needed
+    assert zombies() == []
+    # Calls the stop cancelled in the workers are not the items' failures.
+    assert "failed on sample" not in caplog.text
+    assert pipeline.stats().stages[1].failures == 0
+    del pipeline
+    _gone()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"executor": "processes"}, "executor must be 'auto', 'threads', None or"),
+        ({"executor": "auto", "concurrency": 4}, "executor='auto' tunes the stage"),
+    ],
+)
+def test_executor_arguments_that_cannot_work(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        PipelineBuilder().add_source(range(3)).pipe(holds_the_gil, **kwargs)
+
+
+def test_a_coroutine_cannot_be_placed() -> None:
+    async def op(x: int) -> int:
+        return x
+
+    with pytest.raises(ConfigurationError, match="run on the event loop"):
+        PipelineBuilder().add_source(range(3)).pipe(op, executor="auto")
+
+
+class _Chunk:
+    # 1 MiB that counts how often it was pickled.
+    pickled = 0
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        _Chunk.pickled += 1
+        return (bytes, (bytes(1 << 20),))
+
+
+class _Holder:
+    # A large object whose bound method would travel with every item.
+    def __init__(self) -> None:
+        self.chunks = [_Chunk() for _ in range(64)]
+
+    def size(self, x: int) -> int:
+        return x + len(self.chunks)
+
+
+def test_an_op_that_pickles_large_stays_without_pickling_it_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sys, "_is_gil_enabled", lambda: True, raising=False)
+    _Chunk.pickled = 0
+    why = cannot_move(_Holder().size)
+    assert why is not None
+    assert "pickles to over 1 MiB" in why
+    assert _Chunk.pickled <= 2  # it stopped at the limit
