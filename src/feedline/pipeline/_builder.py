@@ -594,7 +594,10 @@ class PipelineBuilder(Generic[T]):
                 few of their slots, and re-converges when the ops' times change. Each
                 epoch starts where the last left off. ``stats()`` shows each stage's
                 concurrency now and the tuner's last decisions, each logged at DEBUG level.
-                A stage given a number is never changed.
+                A stage given a number is never changed. A sync function stage without an
+                executor may move to worker processes, as with ``executor="auto"`` (its op
+                then runs in another process: it must not count on this one's state; give it
+                ``executor="threads"`` to keep it here).
             memory_budget: The most bytes of items held in the queues and in the calls in
                 flight. Items are measured as they are put in queues (one in eight, with
                 ``approx_nbytes``: arrays, tensors, bytes, and lists, dicts or dataclasses
