@@ -156,7 +156,7 @@ class Placement:
         # unlocked: set by the tuner's thread (the event loop), read by each call; a call that
         # read the old value runs where it was sent, a retired region stays open for it.
         self._region: RegionPool | None = None
-        self._probe: tuple[RegionPool, Future[Any], float] | None = None  # a move under way
+        self._probe: tuple[RegionPool, list[Future[Any]], float] | None = None  # a move under way
         self._retired: list[RegionPool] = []  # regions moved away from, closed when idle
         # CPU seconds and count of the calls run on threads, per thread (each key is written
         # by its own thread only, so no update is lost on free-threaded Python either).
@@ -233,29 +233,29 @@ class Placement:
     # -- moves (the tuner's thread) --------------------------------------------------------------
 
     def move(self, processes: int) -> None:
-        """Start ``processes`` workers and probe them; calls stay on threads until it answers."""
+        """Start ``processes`` workers and probe each; calls stay on threads until all answer."""
         if self.stays is not None or self._region is not None or self._probe is not None:
             return
         region = RegionPool(processes, self._mp_context, self.name)
-        try:
-            probe = region.submit(_unpickled, self._run)
+        try:  # one probe for each worker (each goes to the worker with the fewest calls)
+            probes = [region.submit(_unpickled, self._run) for _ in range(processes)]
         except Exception as error:  # the workers could not start
             region.close()
             self.stays = f"its workers did not start ({type(error).__name__}: {error})"
             return
-        self._probe = (region, probe, time.monotonic())
+        self._probe = (region, probes, time.monotonic())
 
     def poll(self) -> bool:
         """Finish a move whose probe answered; True while one still waits."""
         if self._probe is None:
             return False
-        region, probe, t0 = self._probe
-        if not probe.done():
+        region, probes, t0 = self._probe
+        if not all(probe.done() for probe in probes):
             if time.monotonic() - t0 < PROBE_LIMIT:
                 return True
             error: BaseException | None = TimeoutError(f"no answer in {PROBE_LIMIT:g} s")
         else:
-            error = probe.exception()
+            error = next((e for p in probes if (e := p.exception()) is not None), None)
         self._probe = None
         if error is None:
             self.takes = self._chunk()
