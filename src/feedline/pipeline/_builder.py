@@ -27,14 +27,7 @@ from ._defs import (
 from ._hooks import TaskHook, hooked
 from ._pipeline import Pipeline
 from ._region import RegionPool, RunOfStages
-from ._resume import (
-    TaggedAsyncGenerator,
-    TaggedAsyncOp,
-    TaggedGenerator,
-    TaggedOp,
-    merge_group,
-    split_group,
-)
+from ._resume import TaggedAsyncGenerator, TaggedGenerator, TaggedOp
 from ._settings import DEFAULT_SINK, MAX_DEFAULT_SINK, MAX_DEFAULT_THREADS
 from ._tuning import THREAD_HIGH, Auto, Tuning
 
@@ -730,11 +723,11 @@ class PipelineBuilder(Generic[T]):
                 )
 
     def _tagged_stages(self, hooks: tuple[TaskHook, ...] = ()) -> tuple[StageConfig, ...]:
-        # Items travel as Tagged records (see _resume): every op works on the value, groups
-        # merge and split the numbers and source items.
+        # Items travel as Tagged records (see _resume): every op works on the value (a
+        # coroutine stage calls its op on it), groups merge and split the source items.
         wrappers: dict[OpKind, Callable[[Any], Callable[..., Any]]] = {
             OpKind.FUNCTION: TaggedOp,
-            OpKind.COROUTINE: TaggedAsyncOp,
+            OpKind.COROUTINE: lambda op: op,
             OpKind.GENERATOR: TaggedGenerator,
             OpKind.ASYNC_GENERATOR: TaggedAsyncGenerator,
         }
@@ -742,11 +735,8 @@ class PipelineBuilder(Generic[T]):
         for s in self._stages:
             if isinstance(s, PipeConfig):
                 op = hooked(s.op, s.kind, s.name, hooks) if hooks and _hookable(s) else s.op
-                stages.append(dataclasses.replace(s, op=wrappers[s.kind](op)))
-            elif isinstance(s, AggregateConfig):
-                stages.append(dataclasses.replace(s, collect=merge_group))
-            else:
-                stages.append(dataclasses.replace(s, split=split_group))
+                s = dataclasses.replace(s, op=wrappers[s.kind](op))
+            stages.append(s)
         return tuple(stages)
 
     def _sink_config(self) -> SinkConfig:

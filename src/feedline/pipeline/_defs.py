@@ -13,6 +13,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ._resume import merge_group, split_group
+
 __all__ = [
     "AggregateConfig",
     "DisaggregateConfig",
@@ -89,7 +91,7 @@ class AggregateConfig:
     drop_last: bool
     name: str
     buffer_size: int
-    collect: Callable[[list[Any]], Any] | None = None  # makes what is emitted of a group
+    collect: Callable[[list[Any]], Any] = merge_group  # makes what is emitted of a group
     grows: bool = True
     epochs: Any = None  # a continuous run's _epochs.Checkpoint: groups end with their epoch
 
@@ -101,7 +103,7 @@ class DisaggregateConfig:
     name: str
     buffer_size: int
     grows: bool = True
-    split: Callable[[Any], Iterable[Any]] | None = None  # the elements of an item (default: it)
+    split: Callable[[Any], Iterable[Any]] = split_group  # the elements of an item
 
 
 StageConfig = PipeConfig | AggregateConfig | DisaggregateConfig

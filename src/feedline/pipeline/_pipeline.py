@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import bisect
 import collections
 import dataclasses
-import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -17,9 +15,9 @@ from feedline.errors import ConfigurationError
 
 from ._defs import AggregateConfig, DisaggregateConfig, OpKind, PipeConfig, PipelineConfig
 from ._engine import Run
-from ._epochs import Accounting, Checkpoint
+from ._epochs import Accounting, Checkpoint, Passes
 from ._region import RegionPool
-from ._resume import PassControl, Progress, Tagged, tag_async_source, tag_source
+from ._resume import Progress, Tagged, tag_async_source, tag_source
 from ._settings import CONTINUOUS_AHEAD, SOURCE_POLL
 from .stats import PipelineStats
 
@@ -40,8 +38,9 @@ class _Holder:
         self.hooks = hooks  # (TaskHook, stage) pairs: told when each epoch's stages end
 
     def stop(self) -> None:
-        with self.lock:
-            run = self.run
+        # unlocked: one reference; a stop ordered after start() (by any means) sees its run,
+        # and one racing with it may as well come first.
+        run = self.run
         if run is not None:
             if not run.finished:  # part-way: what the regions' workers run is dropped
                 run.begin_stop()  # no new calls; those under way fail as the workers end
@@ -120,7 +119,7 @@ class Pipeline(Generic[T]):
         self._next_epoch = 0
         self._delivered: Checkpoint | None = None
         self._held: dict[int, collections.deque[Any]] = {}  # per epoch
-        self._passes: _Passes | None = None  # the current run's source (reads held back)
+        self._passes: Passes | None = None  # the current run's source (reads held back)
         # Reports a consumer that waits with nothing moving (see feedline._watchdog); a
         # DataLoader names it and adds what it knows. No reference to this pipeline.
         holder = self._holder
@@ -136,7 +135,7 @@ class Pipeline(Generic[T]):
         """Start loading the next epoch in the background. Does nothing if already started."""
         holder = self._holder
         previous = holder.run
-        if previous is not None and previous.stopping:
+        if previous is not None and previous.life.stopping:
             holder.stop()  # a stop that an interrupt cut short: finish it, then start anew
         with holder.lock:
             if holder.run is not None:
@@ -150,49 +149,36 @@ class Pipeline(Generic[T]):
         run.start()
 
     def _new_run(self) -> Run:
-        # Called under the holder's lock, which state_dict() takes too. The source's items
-        # are numbered and carry their source item (see _resume); a resumable pipeline also
-        # skips those done and marks those received or skipped.
+        # Under the holder's lock, which state_dict() takes too. Items travel Tagged (see
+        # _resume); a resumable run skips the items done and marks those received or skipped.
         config = self._carried(self._config)
+        if config.continuous:
+            passes = Passes(config.source.source, self._next_epoch, CONTINUOUS_AHEAD)
+            accounting = Accounting(passes, config.stages)
+            self._passes, self._delivered = passes, accounting.consumer
+            self._held.clear()  # a new run makes them again
+            config = dataclasses.replace(config, stages=accounting.counted(config.stages))
+            return Run(config, lambda source, run: passes, accounting.failed)
         progress: Progress | None = None
         on_failed = None
-        if config.continuous:
-            passes = _Passes(config.source.source, self._next_epoch, CONTINUOUS_AHEAD)
-            self._passes = passes
-            self._held.clear()  # a new run makes them again
-            accounting = Accounting(passes, config.stages)
-            self._delivered = accounting.consumer  # numbers across the epochs of this run
-            config = dataclasses.replace(config, stages=accounting.counted(config.stages))
-
-            def failed_here(item: Any, stage: str) -> None:
-                if isinstance(item, Tagged):
-                    accounting.failed(item.tag, stage)
-
-            on_failed = failed_here
-
-            def wrap_passes(source: Any, run: Run) -> Any:
-                return tag_source(_wrap_source(passes, run), None, lambda: run.stopping)
-
-            return Run(config, wrap_passes, on_failed=on_failed)
         if config.resumable:
             progress = self._loaded or Progress()
             self._progress = progress  # before _loaded is cleared: never a moment with neither
             self._loaded = None
 
-            def failed(item: Any, stage: str) -> None:
-                if isinstance(item, Tagged):  # skipped: an uninterrupted run skips it too
-                    progress.mark(item.tag, failed=True)
+            def on_failed(item: Tagged, stage: str) -> None:  # an uninterrupted run skips it too
+                progress.mark(item.tag, failed=True)
 
-            on_failed = failed
-        src = config.source
-        if src.is_async:
-            source = tag_async_source(src.source, progress)  # type: ignore[arg-type]
-            config = dataclasses.replace(config, source=dataclasses.replace(src, source=source))
+        if config.source.is_async:
+            source = tag_async_source(config.source.source, progress)  # type: ignore[arg-type]
+            config = dataclasses.replace(
+                config, source=dataclasses.replace(config.source, source=source)
+            )
 
         def wrap(source: Any, run: Run) -> Any:  # a sync source
-            return tag_source(_wrap_source(source, run), progress, lambda: run.stopping)
+            return tag_source(source, progress, lambda: run.life.stopping)
 
-        return Run(config, wrap, on_failed=on_failed)
+        return Run(config, wrap, on_failed)
 
     def settled_concurrency(self) -> dict[str, int]:
         """Each tuned stage's concurrency, by name, as the current (or last) run's tuner kept it.
@@ -507,116 +493,6 @@ class Pipeline(Generic[T]):
         names = [self._config.source.name] + [s.name for s in self._config.stages]
         state = "running" if self._holder.run is not None else "idle"
         return f"Pipeline({' -> '.join(names)}, {state})"
-
-
-class _UntilStopped:
-    """A source that can be told to end: iterated through ``iter_until(stopping)``.
-
-    Such a source may wait for long between values; stopping the run ends its iteration.
-    """
-
-    def __init__(self, source: Any, run: Run) -> None:
-        self._source = source
-        self._run = run
-
-    def __iter__(self) -> Iterator[Any]:
-        run = self._run
-        return self._source.iter_until(lambda: run.stopping)  # type: ignore[no-any-return]
-
-
-class _Passes(PassControl):
-    """A continuous run's source: pass after pass over the user's source, one per epoch.
-
-    Each pass tells the source its epoch (``set_epoch``, where it has one) and records where
-    it ended in the run's numbering, so that an item's epoch follows from its number. The end
-    is recorded before the pass's last item goes on (the source is read one item ahead), so
-    that the stages after know the epoch is over when that item reaches them. A pass that
-    yields nothing ends the run. Instead of waiting for the consumer, the source stage asks
-    :meth:`ready` before each read and is woken when the consumer moves on.
-
-    No lock: the pass ends only grow, each appended by the source's thread before it puts
-    the items after it, so a thread that took such an item from a channel sees it (the
-    channel's lock orders them); the consumer's epoch only grows, and the consumer wakes the
-    source stage after it moves it, under that stage's lock (see "Memory ordering" in the
-    README).
-    """
-
-    def __init__(self, source: Any, first_epoch: int, ahead: int) -> None:
-        self._source = source
-        self._first = first_epoch
-        self._ends: list[int] = []  # after pass k, this many items were numbered in all
-        self._last = False  # the item just yielded ended its pass
-        self._count = 0  # items read from the source so far
-        self._ahead = ahead
-        self._consumer = first_epoch  # the epoch the consumer's loop is in, or runs next
-        self._wake: Callable[[], None] | None = None
-
-    def __iter__(self) -> Iterator[Any]:
-        count = 0
-        end = object()
-        for k in itertools.count():
-            epoch = self._first + k
-            setter = getattr(self._source, "set_epoch", None)
-            if callable(setter):
-                setter(epoch)
-            before = count
-            items = iter(self._source)
-            item = next(items, end)
-            while item is not end:
-                following = next(items, end)
-                count += 1
-                self._count = count + (following is not end)
-                if following is end:
-                    self._ends.append(count)
-                    self._last = True
-                yield item
-                self._last = False
-                item = following
-            if count == before:
-                self._ends.append(count)
-                return
-
-    def boundary(self) -> bool:
-        """Whether the item just yielded was the last of its pass (for the source stage)."""
-        return self._last
-
-    def ready(self) -> bool:
-        """Whether the source may be read now (for the source stage).
-
-        Items of epochs after the consumer's wait for it (held), so the run reads at most
-        ``ahead`` items past the end of the consumer's epoch: a slow item that holds the
-        consumer's loop up holds up the reads too, instead of items piling up for later loops.
-        """
-        k = self._consumer - self._first
-        return k >= len(self._ends) or self._count < self._ends[k] + self._ahead
-
-    def wake_with(self, wake: Callable[[], None]) -> None:
-        """Call ``wake`` when the source may be read again (the source stage's kick)."""
-        self._wake = wake
-
-    def consumer_at(self, epoch: int) -> None:
-        """The consumer's loop is in ``epoch`` (or runs it next): reads may go further."""
-        self._consumer = epoch
-        if self._wake is not None:
-            self._wake()
-
-    def epoch_of(self, number: int) -> int:
-        """The epoch of the item numbered ``number``."""
-        return self._first + bisect.bisect_right(self._ends, number)
-
-    def complete(self, epoch: int, below: int) -> bool:
-        """Whether every item of ``epoch`` is done, when every number under ``below`` is."""
-        k = epoch - self._first
-        return k < len(self._ends) and below >= self._ends[k]
-
-
-def _wrap_source(source: Any, run: Run) -> Any:
-    # A source that may block for long (another pipeline, a child process) offers
-    # iter_until(stopping): it ends promptly once the run stops, so that stopping the run
-    # (Ctrl-C, break) does not wait for its next item.
-    if callable(getattr(source, "iter_until", None)):
-        return _UntilStopped(source, run)
-    return source
 
 
 def _in_flight(run: Run | None) -> list[str]:

@@ -1,13 +1,8 @@
-"""Stages that run on the event loop.
+"""Stages on the event loop: coroutine and async-generator ops, async sources, process pools.
 
-They run coroutine and async-generator ops, async sources, and sync ops sent to a non-thread
-executor (a process pool).
-
-Each stage runs ``concurrency`` worker coroutines. A worker waits for input through a
-:class:`LoopSignal`, which other threads may fire; the signal merges wake-ups so that a burst
-of items costs one call into the loop, not one per item. A cheap coroutine op that may reorder
-runs in bursts over items taken from the input in a batch (``AsyncStage._run_burst``); every
-other op takes and hands on one item at a time.
+Each stage runs ``concurrency`` worker coroutines, which other threads wake through a
+:class:`LoopSignal` (a burst of wake-ups costs one call into the loop). A cheap coroutine op
+free to reorder runs in bursts (``AsyncStage._run_burst``); other ops go item by item.
 """
 
 from __future__ import annotations
@@ -17,15 +12,16 @@ import contextlib
 import itertools
 import threading
 from collections import deque
-from collections.abc import AsyncIterable, Callable
-from concurrent.futures import Executor
-from typing import Any
+from collections.abc import AsyncIterable
+from typing import TYPE_CHECKING, Any
 
-from .._defs import OpKind
+from .._defs import OpKind, PipeConfig
 from .._queue import EMPTY, Channel
-from .._resume import TaggedAsyncOp
 from .._settings import BURST, BURST_ABORT
-from ._common import FailureBudget, RunContext, StageBase
+from ._common import StageBase
+
+if TYPE_CHECKING:
+    from .._engine import Run
 
 __all__ = ["AsyncSource", "AsyncStage", "LoopSignal"]
 
@@ -43,7 +39,7 @@ class LoopSignal:
 
     """
 
-    def __init__(self, run: RunContext, lock: threading.Lock) -> None:
+    def __init__(self, run: Run, lock: threading.Lock) -> None:
         self._run = run
         self._lock = lock
         # Changed only on the loop thread (``wait``, ``discard``, ``_deliver``), so without
@@ -151,31 +147,26 @@ class _Burst:
 
 
 class AsyncStage(_AsyncProducer):
-    """Runs an async op (or a sync op in a process pool) with ``concurrency`` workers."""
+    """Runs an async op (or a sync op in a process pool) with ``concurrency`` workers.
+
+    A coroutine op is called on a ``Tagged`` item's value (see ``_resume``); others on the item.
+    """
 
     _input: Channel
 
     def __init__(
         self,
-        run: RunContext,
-        name: str,
-        op: Callable[[Any], Any],
-        kind: OpKind,
-        concurrency: int,
-        executor: Executor | None,
+        run: Run,
+        cfg: PipeConfig,
         ordered: bool,
         input: Channel,
         output: Channel,
-        budget: FailureBudget,
     ) -> None:
-        super().__init__(run, name, "pipe", concurrency, budget, input, output, ordered)
+        super().__init__(run, cfg.name, "pipe", cfg.concurrency, input, output, ordered)
         self._space = LoopSignal(run, self.counters.lock)
-        # A coroutine op on Tagged items (see _resume) is called here on the value, without
-        # the wrapper's own coroutine per item.
-        self._on_value = isinstance(op, TaggedAsyncOp)
-        self._op = op.op if isinstance(op, TaggedAsyncOp) else op
-        self._kind = kind
-        self._executor = executor
+        self._op = cfg.op
+        self._kind = cfg.kind
+        self._executor = cfg.executor
         self._workers = 0  # worker coroutines running
         self._tasks: set[asyncio.Task[None]] = set()
         self._started = self._ended = False
@@ -210,7 +201,7 @@ class AsyncStage(_AsyncProducer):
                 task.cancel()
             if left:  # the stage was cancelled, or a worker failed: let the others end
                 await asyncio.gather(*left, return_exceptions=True)
-        if not self.run.stopping:
+        if not self.run.life.stopping:
             self._output.close()
 
     def _spawn(self, n: int) -> None:
@@ -311,11 +302,9 @@ class AsyncStage(_AsyncProducer):
             try:
                 if kind is not OpKind.COROUTINE:
                     result = await run.call_in_executor(self._executor, self._op, item)
-                elif self._on_value:
+                else:
                     item.value = await self._op(item.value)
                     result = item
-                else:
-                    result = await self._op(item)
             except Exception as error:
                 c.task_ended(t0)
                 self.record_failure(item, error)
@@ -354,7 +343,6 @@ class AsyncStage(_AsyncProducer):
         """
         c = self.counters
         op = self._op
-        on_value = self._on_value
         run = self.run
         loop = run.loop
         taken = self._taken
@@ -369,15 +357,12 @@ class AsyncStage(_AsyncProducer):
                         break
                     item = taken.popleft()
                     try:
-                        if on_value:
-                            item.value = await op(item.value)
-                            result = item
-                        else:
-                            result = await op(item)
+                        item.value = await op(item.value)
+                        result = item
                     except Exception as error:
                         t = c.lap(t)
                         self.record_failure(item, error)
-                        if run.stopping:
+                        if run.life.stopping:
                             return False
                         continue
                     start, t = t, c.lap(t)
@@ -466,27 +451,17 @@ class AsyncStage(_AsyncProducer):
 class AsyncSource(_AsyncProducer):
     """Iterates an async iterable on the event loop and feeds the first channel."""
 
-    def __init__(
-        self,
-        run: RunContext,
-        name: str,
-        source: AsyncIterable[Any],
-        output: Channel,
-        budget: FailureBudget,
-    ) -> None:
-        super().__init__(run, name, "source", 1, budget, None, output)
+    def __init__(self, run: Run, name: str, source: AsyncIterable[Any], output: Channel) -> None:
+        super().__init__(run, name, "source", 1, None, output)
         self._space = LoopSignal(run, self.counters.lock)
         self._source = source
-
-    def on_data(self) -> None:
-        """Unused: a source has no input."""
 
     async def run_stage(self) -> None:
         """Iterate the source to its end (or until the run stops), then close the output."""
         c = self.counters
         iterator = aiter(self._source)
         try:
-            while not self.run.stopping:
+            while not self.run.life.stopping:
                 t0 = c.task_started()
                 try:
                     value = await anext(iterator)
