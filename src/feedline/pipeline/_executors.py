@@ -94,10 +94,13 @@ class WorkerPool:
                 self._idle += 1
 
     def shutdown(self, wait: bool = True) -> None:
-        """Let queued work finish, then stop the threads (and join them if ``wait``)."""
-        with self._lock:
-            first, self._shutdown = not self._shutdown, True
-            threads = list(self._threads)
+        """Let queued work finish, then stop the threads (and join them if ``wait``).
+
+        The run calls it under its join lock, once its last job (and so its last submission)
+        has ended: no lock of the pool's is needed.
+        """
+        first, self._shutdown = not self._shutdown, True
+        threads = list(self._threads)
         if first:
             for _ in threads:
                 self._queue.put(None)

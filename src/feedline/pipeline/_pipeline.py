@@ -385,8 +385,8 @@ class Pipeline(Generic[T]):
         # The epoch ended (not stopped part-way): a state saved now starts the next epoch
         # from its beginning.
         if self._config.resumable and run.finished:
-            with self._holder.lock:
-                done, self._progress = self._progress, Progress()
+            # unlocked: one reference, as in _Holder.stop (state_dict() takes either).
+            done, self._progress = self._progress, Progress()
             done.check_end()  # each source item delivered or failed, once (LedgerError)
 
     # -- resuming --------------------------------------------------------------------------------

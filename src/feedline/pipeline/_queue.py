@@ -380,8 +380,8 @@ class Channel:
 
     def full_seconds(self) -> float:
         """Seconds the channel has been full since it was made."""
-        with self._lock:
-            return self._tally.full_seconds(_now())
+        stats = self.stats()
+        return stats.full_fraction * stats.life
 
     def stats(self) -> ChannelStats:
         """Return a snapshot of the channel's statistics."""

@@ -161,22 +161,17 @@ class ChannelTally:
         self._end_empty(t)
         self._end_full(t)
 
-    def full_seconds(self, now: float) -> float:
-        """Seconds the channel has been full since it was made."""
-        full = self._full_time
-        if self._full_since is not None:
-            full += now - self._t0 - self._full_since
-        return full
-
     def snapshot(self, now: float, held: int, capacity: int) -> ChannelStats:
         """The statistics so far of a channel holding ``held`` items of ``capacity``."""
         t = now - self._t0
         life = max(t, 1e-9)
         self._fold(t, held)
         occupancy = self._occupancy_shares + self._occupancy / capacity
-        empty = self._empty_time
+        empty, full = self._empty_time, self._full_time
         if self._empty_since is not None:
             empty += t - self._empty_since
+        if self._full_since is not None:
+            full += t - self._full_since
         return ChannelStats(
             capacity=capacity,
             size=held,
@@ -184,7 +179,7 @@ class ChannelTally:
             gets=self.gets,
             mean_occupancy=min(1.0, max(0.0, occupancy / life)),
             empty_fraction=min(1.0, empty / life),
-            full_fraction=min(1.0, self.full_seconds(now) / life),
+            full_fraction=min(1.0, full / life),
             life=life,
         )
 
