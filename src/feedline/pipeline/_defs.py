@@ -38,6 +38,16 @@ class OpKind(enum.Enum):
     COROUTINE = "coroutine"  # async def f(x) -> y          event loop
     ASYNC_GENERATOR = "async generator"  # async def f(x): yield  event loop
 
+    @property
+    def on_loop(self) -> bool:
+        """Whether the op is ``async def``: its stage runs on the event loop."""
+        return self in (OpKind.COROUTINE, OpKind.ASYNC_GENERATOR)
+
+    @property
+    def many(self) -> bool:
+        """Whether the op yields any number of results per input."""
+        return self in (OpKind.GENERATOR, OpKind.ASYNC_GENERATOR)
+
 
 def op_kind(op: Callable[..., Any]) -> OpKind:
     """Classify a stage op, looking through ``functools.partial`` and callable objects."""

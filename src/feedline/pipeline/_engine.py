@@ -149,7 +149,7 @@ class Run:
         # With one slot (and no tuner to add more), order is kept for free.
         most = cfg.tune[1] if cfg.tune is not None else 0
         ordered = cfg.output_order == "input" and max(cfg.concurrency, most) > 1
-        if cfg.kind in (OpKind.COROUTINE, OpKind.ASYNC_GENERATOR) or not (
+        if cfg.kind.on_loop or not (
             cfg.executor is None or isinstance(cfg.executor, ThreadPoolExecutor)
         ):
             return AsyncStage(self, cfg, ordered, inp, out)

@@ -17,7 +17,7 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from ._defs import AggregateConfig, DisaggregateConfig, OpKind, StageConfig
+from ._defs import AggregateConfig, DisaggregateConfig, StageConfig
 from ._resume import Account, Progress, Tagged, split_group
 
 __all__ = ["Accounting", "Checkpoint", "Passes"]
@@ -183,7 +183,7 @@ class Accounting:
             elif isinstance(stage, DisaggregateConfig):
                 split = functools.partial(split_group, account=self.account(index))
                 stage = dataclasses.replace(stage, split=split)
-            elif stage.kind in (OpKind.GENERATOR, OpKind.ASYNC_GENERATOR):
+            elif stage.kind.many:
                 op: Any = stage.op  # a TaggedGenerator or TaggedAsyncGenerator
                 stage = dataclasses.replace(stage, op=type(op)(op.op, self.account(index)))
             out.append(stage)

@@ -13,7 +13,7 @@ from typing import Any, Generic, TypeVar
 from feedline._watchdog import StallWatch
 from feedline.errors import ConfigurationError
 
-from ._defs import AggregateConfig, DisaggregateConfig, OpKind, PipeConfig, PipelineConfig
+from ._defs import AggregateConfig, DisaggregateConfig, PipeConfig, PipelineConfig
 from ._engine import Run
 from ._epochs import Accounting, Checkpoint, Passes
 from ._region import RegionPool
@@ -465,10 +465,7 @@ class Pipeline(Generic[T]):
             if isinstance(stage, AggregateConfig):
                 whole, part = divmod(count, stage.size)
                 count = whole + (1 if part and not stage.drop_last else 0)
-            elif isinstance(stage, DisaggregateConfig) or stage.kind in (
-                OpKind.GENERATOR,
-                OpKind.ASYNC_GENERATOR,
-            ):
+            elif isinstance(stage, DisaggregateConfig) or stage.kind.many:
                 raise TypeError(
                     f"stage {stage.name!r} yields any number of items per input: the pipeline "
                     "has no len()"
