@@ -145,6 +145,7 @@ class Accounting:
     """The checkpoints of one continuous run (each ``aggregate``'s, then the consumer's)."""
 
     def __init__(self, passes: Passes, stages: Sequence[StageConfig]) -> None:
+        self.passes = passes
         self._points = [
             (index, Checkpoint(passes))
             for index, stage in enumerate(stages)

@@ -15,7 +15,7 @@ from feedline.errors import ConfigurationError
 
 from ._defs import AggregateConfig, DisaggregateConfig, PipeConfig, PipelineConfig
 from ._engine import Run
-from ._epochs import Accounting, Checkpoint, Passes
+from ._epochs import Accounting, Passes
 from ._region import RegionPool
 from ._resume import Progress, Tagged, tag_async_source, tag_source
 from ._settings import CONTINUOUS_AHEAD, SOURCE_POLL
@@ -114,12 +114,11 @@ class Pipeline(Generic[T]):
         # waiting for the next epoch.
         self._progress = Progress()
         self._loaded: Progress | None = None
-        # build(continuous=True): the epoch the next loop runs, where the run's epochs end
-        # for the consumer, and items of later epochs that came early.
+        # build(continuous=True): the epoch the next loop runs, the current run's passes and
+        # checkpoints, and items of later epochs that came early.
         self._next_epoch = 0
-        self._delivered: Checkpoint | None = None
+        self._accounting: Accounting | None = None
         self._held: dict[int, collections.deque[Any]] = {}  # per epoch
-        self._passes: Passes | None = None  # the current run's source (reads held back)
         # Reports a consumer that waits with nothing moving (see feedline._watchdog); a
         # DataLoader names it and adds what it knows. No reference to this pipeline.
         holder = self._holder
@@ -154,8 +153,7 @@ class Pipeline(Generic[T]):
         config = self._carried(self._config)
         if config.continuous:
             passes = Passes(config.source.source, self._next_epoch, CONTINUOUS_AHEAD)
-            accounting = Accounting(passes, config.stages)
-            self._passes, self._delivered = passes, accounting.consumer
+            accounting = self._accounting = Accounting(passes, config.stages)
             self._held.clear()  # a new run makes them again
             config = dataclasses.replace(config, stages=accounting.counted(config.stages))
             return Run(config, lambda source, run: passes, accounting.failed)
@@ -299,16 +297,11 @@ class Pipeline(Generic[T]):
         left_early = True
         try:
             self.start()
-            run = self._holder.run
+            run, accounting = self._holder.run, self._accounting
             assert run is not None
-            epoch, delivered, held, passes = (
-                self._next_epoch,
-                self._delivered,
-                self._held,
-                self._passes,
-            )
-            assert delivered is not None
-            assert passes is not None
+            assert accounting is not None
+            delivered, passes = accounting.consumer, accounting.passes
+            epoch, held = self._next_epoch, self._held
             passes.consumer_at(epoch)
             early = held.setdefault(epoch, collections.deque())
             while True:
@@ -341,44 +334,31 @@ class Pipeline(Generic[T]):
                 self._next_epoch += 1
                 self.stop()
 
-    def _epoch(self) -> Iterator[T]:
-        self._iterating = True
-        try:
-            self.start()
-            run = self._holder.run
-            assert run is not None
-            get = self._receiver(run)
-            while True:
-                try:
-                    item = get(None)
-                except EOFError:
-                    self._epoch_done(run)
-                    return
-                yield item
-        finally:
-            self._iterating = False
-            self.stop()
-
     def iter_until(self, stopping: Callable[[], bool]) -> Iterator[T]:
         """Iterate one epoch, ending early once ``stopping()`` is true (checked every 0.1 s).
 
         Used when this pipeline is the source of another: it stops with the outer pipeline.
         """
-        self.start()
-        run = self._holder.run
-        assert run is not None
-        get = self._receiver(run)
+        return self._epoch(stopping)
+
+    def _epoch(self, stopping: Callable[[], bool] | None = None) -> Iterator[T]:
+        self._iterating = True
         try:
-            while not stopping():
+            self.start()
+            run = self._holder.run
+            assert run is not None
+            get, timeout = self._receiver(run), None if stopping is None else SOURCE_POLL
+            while stopping is None or not stopping():
                 try:
-                    item = get(SOURCE_POLL)
-                except TimeoutError:
+                    item = get(timeout)
+                except TimeoutError:  # only with a timeout: look at stopping() again
                     continue
                 except EOFError:
                     self._epoch_done(run)
                     return
                 yield item
         finally:
+            self._iterating = False
             self.stop()
 
     def _epoch_done(self, run: Run) -> None:
