@@ -73,7 +73,7 @@ class Run:
         )
         self.finished = False  # the consumer was told the epoch ended (not stopped part-way)
         self._loop_ready = threading.Event()
-        self._stop_event: asyncio.Event | None = None
+        self._stop_event = asyncio.Event()  # bound to the loop when _main awaits it
         self._t0 = time.perf_counter()
 
         # A channel after the source and after each stage (see "Queue sizes" in the README):
@@ -247,7 +247,6 @@ class Run:
                 asyncio.set_event_loop(None)
 
     async def _main(self) -> None:
-        self._stop_event = asyncio.Event()
         tasks = [
             asyncio.ensure_future(s.run_stage())
             for s in self.stages
@@ -261,9 +260,7 @@ class Run:
         if self.tuner is not None:
             tasks.append(asyncio.ensure_future(self.tuner.run()))
         self._loop_ready.set()
-        if self.life.stopping:  # stopped before the loop came up
-            self._stop_event.set()
-        await self._stop_event.wait()
+        await self._stop_event.wait()  # set by begin_stop, also one before the loop ran
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -323,11 +320,7 @@ class Run:
             channel.abort()
         self._sink.interrupt()
         with contextlib.suppress(RuntimeError):  # the loop already closed
-            self.loop.call_soon_threadsafe(self._set_stop_event)
-
-    def _set_stop_event(self) -> None:
-        if self._stop_event is not None:
-            self._stop_event.set()
+            self.loop.call_soon_threadsafe(self._stop_event.set)
 
     def stop(self) -> None:
         """Stop and join everything this run started; call from the consumer.

@@ -1,10 +1,8 @@
-"""Executors the engine runs work in.
+"""The pipeline's default thread pool.
 
-:class:`WorkerPool` is the pipeline's default thread pool. It is a minimal pool rather than a
-``ThreadPoolExecutor`` because the engine submits a job at every burst of items and needs no
-``Future`` back: skipping the ``Future`` (a condition variable and a re-entrant lock per call)
-makes a submission several times cheaper. Stages may still bring their own
-``ThreadPoolExecutor`` or ``ProcessPoolExecutor`` (``pipe(executor=...)``).
+Not a ``ThreadPoolExecutor``: the engine submits a job at every burst of items and needs no
+``Future`` back (a condition variable and a re-entrant lock per call), which makes a
+submission several times cheaper.
 """
 
 from __future__ import annotations
@@ -33,9 +31,8 @@ class WorkerPool:
     Args:
         max_workers: The most threads the pool starts.
         name: Prefix of the threads' names.
-        lock: Guards the pool's threads and idle count: its run's lock (the lifecycle's,
-            which counts the same jobs), held only for a few assignments and never while
-            another lock is taken.
+        lock: Guards the pool's threads and idle count: its run's (the lifecycle's), held
+            only for a few assignments and never while another lock is taken.
 
     """
 

@@ -125,9 +125,8 @@ class ThreadedStage(StageBase):
         self._take_lock = threading.Lock()
         self._active = 0  # jobs submitted and not yet returned
         self._ready: deque[Any] = deque()  # completion order: results waiting for room
-        # Iterators (generator ops, aggregate) paused because the output was full. Unlocked:
-        # a deque's append and popleft are atomic, and a job that parks one kicks (under
-        # the stage's lock) as it ends, so the kick sees it.
+        # Iterators paused because the output was full. unlocked: a deque's append and
+        # popleft are atomic, and a job that parks one kicks (under the lock) as it ends.
         self._parked: deque[tuple[Iterator[Any], Any]] = deque()
         self._finish_claimed = False
         self._closed = False
@@ -135,8 +134,7 @@ class ThreadedStage(StageBase):
     def set_concurrency(self, concurrency: int) -> None:
         """Run at most ``concurrency`` jobs from now on (the tuner's call, any thread).
 
-        More: jobs start for the waiting work. Fewer: the jobs beyond it end after their
-        current item.
+        More: jobs start for the waiting work. Fewer: the surplus ends after its item.
         """
         self._set_concurrency(concurrency)  # the kick's lock orders it before the kick
         self._kick()
@@ -353,11 +351,10 @@ class ThreadedStage(StageBase):
 class ThreadedSource(StageBase):
     """Iterates a sync iterable in a thread pool, one job at a time, and feeds the first channel.
 
-    The job makes one value and puts it, until the output is full (its ``on_space`` starts the
-    next job) or the source ends. A continuous run's source (:class:`~.._epochs.Passes`) is
-    read only so far ahead of the consumer, and wakes the stage when it may be read again.
-    After the last value of a pass the job ends, so that with one thread in the pool the
-    stages after finish the pass before the next one begins (its ``set_epoch``, first read).
+    The job puts values until the output is full (``on_space`` starts the next) or the source
+    ends. A continuous run's :class:`~.._epochs.Passes` is read only so far ahead of the
+    consumer, and the job ends after each pass, so that with one thread in the pool the stages
+    after finish the pass before the next one begins (its ``set_epoch``, first read).
     """
 
     def __init__(self, run: Run, name: str, source: Iterable[Any], output: Channel) -> None:
