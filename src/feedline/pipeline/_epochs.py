@@ -1,11 +1,9 @@
 """Continuous runs (``build(continuous=True)``): the passes, and where each epoch ends.
 
-See "Continuous runs" in the README. The run's source is :class:`Passes`, pass after pass
-over the user's source; an item belongs to the epoch of its (first) number. An epoch is over
+See "Continuous runs" in the README: :class:`Passes` is the run's source, and an epoch is over
 at a *checkpoint* (the consumer, or an ``aggregate``) when every item that carries one of its
-numbers has reached it or failed before it: one-to-one stages keep one item per number, and
-one-to-many stages (generators, ``disaggregate``) and failures change the count through
-``_resume.Account``.
+numbers has reached it or failed before it (one-to-many stages and failures change the count
+through ``_resume.Account``).
 """
 
 from __future__ import annotations
@@ -27,14 +25,11 @@ class Passes:
     """A continuous run's source: its items numbered across passes over the user's source.
 
     Each pass calls ``set_epoch`` (where the source has one) and records where it ended, before
-    its last item goes on (the source is read one item ahead). A pass that yields nothing ends
-    the run. The source stage asks :meth:`ready` before each read and is woken when the
-    consumer moves on.
+    its last item goes on (the source is read one item ahead); an empty pass ends the run.
 
     No lock: the pass ends only grow, each appended by the source's thread before it puts the
-    items after it, so a thread that took such an item from a channel sees it (the channel's
-    lock orders them); the consumer's epoch only grows, and the consumer wakes the source
-    stage after it moves it, under that stage's lock.
+    items after it (a channel's lock orders them for the taker); the consumer's epoch only
+    grows, and the consumer wakes the source stage after it moves it, under that stage's lock.
     """
 
     def __init__(self, source: Any, first_epoch: int, ahead: int) -> None:
@@ -107,9 +102,7 @@ class Checkpoint:
         self._passes = passes
         self.after: Account | None = None  # an aggregate's: the points after it
         self._done = Progress()  # the numbers with no item left on the way
-        # Numbers whose count is not one, nor done: under the lock of ``_done``, which they
-        # move into.
-        self._left: dict[int, int] = {}
+        self._left: dict[int, int] = {}  # counts other than one, under ``_done``'s lock
 
     def change(self, tag: int | tuple[int, ...], change: int) -> None:
         """Add ``change`` to the items on their way for each number of ``tag``."""

@@ -197,16 +197,14 @@ def run_pipeline_in_subprocess(
     ``num_threads``, ``max_failures``, ``report_stats_interval``, ``autotune``,
     ``memory_budget`` and ``cpu_budget`` (see :meth:`PipelineBuilder.build`; the tuner runs
     in the child, and each epoch starts where the last one's left the concurrency) and runs
-    one epoch each time the result is iterated. The
-    other arguments are those of :func:`iterate_in_subprocess`. The result is iterable, so it
-    can be the source of another pipeline (for example one that moves batches to the GPU).
+    one epoch each time the result is iterated. The other arguments are those of
+    :func:`iterate_in_subprocess`. The result is iterable, so it can be the source of another
+    pipeline (for example one that moves batches to the GPU).
 
-    A stage's own ``executor=`` does not cross to the child (it holds threads, locks,
-    worker processes): a ``ThreadPoolExecutor`` or ``ProcessPoolExecutor`` is made again
-    there, of the same kind with the same ``max_workers``, initializer and start method; the
-    child owns it and shuts it down when it leaves, and the one given here runs nothing.
-    The child may start processes (process pools, ``pipe_in_processes`` regions); they end
-    with it.
+    A stage's own ``ThreadPoolExecutor`` or ``ProcessPoolExecutor`` is made again in the
+    child (same kind, ``max_workers``, initializer and start method), which owns it; the one
+    given here runs nothing. The child may start processes (process pools, regions); they
+    end with it.
 
     Raises:
         ConfigurationError: On invalid arguments; or a stage's executor of another kind that

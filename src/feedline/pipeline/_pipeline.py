@@ -110,17 +110,15 @@ class Pipeline(Generic[T]):
         self._last: Run | None = None
         self._iterating = False
         self._finalizer = weakref.finalize(self, _Holder.close, self._holder)
-        # resumable=True: what the current (or last) epoch delivered, and a loaded state
-        # waiting for the next epoch.
-        self._progress = Progress()
-        self._loaded: Progress | None = None
+        self._progress = Progress()  # resumable: what the current (or last) epoch delivered
+        self._loaded: Progress | None = None  # a loaded state, for the next epoch
         # build(continuous=True): the epoch the next loop runs, the current run's passes and
         # checkpoints, and items of later epochs that came early.
         self._next_epoch = 0
         self._accounting: Accounting | None = None
         self._held: dict[int, collections.deque[Any]] = {}  # per epoch
         # Reports a consumer that waits with nothing moving (see feedline._watchdog); a
-        # DataLoader names it and adds what it knows. No reference to this pipeline.
+        # DataLoader names it. No reference to this pipeline.
         holder = self._holder
         self.watch = StallWatch(
             "a feedline pipeline's consumer",
@@ -187,8 +185,8 @@ class Pipeline(Generic[T]):
         return last.tuner.settled() if last is not None and last.tuner is not None else {}
 
     def _carried(self, config: PipelineConfig) -> PipelineConfig:
-        # Tuned stages start where the last epoch's tuner left them, not from scratch, and a
-        # default-sized queue after one holds a result per call, as the build sizes it.
+        # Tuned stages start where the last epoch's tuner left them, and a default-sized
+        # queue after one holds a result per call, as the build sizes it.
         settled = self.settled_concurrency()
         if not settled:
             return config
@@ -205,8 +203,7 @@ class Pipeline(Generic[T]):
         return dataclasses.replace(config, stages=stages)
 
     def _receiver(self, run: Run) -> Callable[[float | None], Any]:
-        # What hands the consumer its items: the run's get, unwrapping each, and, when
-        # resumable, marking its source numbers done.
+        # The run's get, unwrapping each item (and, when resumable, marking it done).
         get = run.get
         if not self._config.resumable:
             return lambda timeout: get(timeout).take()
@@ -362,8 +359,7 @@ class Pipeline(Generic[T]):
             self.stop()
 
     def _epoch_done(self, run: Run) -> None:
-        # The epoch ended (not stopped part-way): a state saved now starts the next epoch
-        # from its beginning.
+        # The epoch ended (not stopped part-way): a state saved now starts the next one.
         if self._config.resumable and run.finished:
             # unlocked: one reference, as in _Holder.stop (state_dict() takes either).
             done, self._progress = self._progress, Progress()
@@ -476,14 +472,11 @@ def _in_flight(run: Run | None) -> list[str]:
     """For a stall report: each stage's calls in flight, counts and queue."""
     if run is None:
         return ["the pipeline is not running"]
-    lines = []
-    for s in run.stats().stages:
-        lines.append(
-            f"stage {s.name!r}: {s.in_flight} call(s) running, {s.items_in} in, "
-            f"{s.items_out} out, {s.failures} failed; the queue after it holds "
-            f"{s.queue.size} of {s.queue.capacity}"
-        )
-    return lines
+    return [
+        f"stage {s.name!r}: {s.in_flight} call(s) running, {s.items_in} in, {s.items_out} out, "
+        f"{s.failures} failed; the queue after it holds {s.queue.size} of {s.queue.capacity}"
+        for s in run.stats().stages
+    ]
 
 
 def _moved(run: Run | None) -> int:
