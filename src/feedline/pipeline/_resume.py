@@ -259,11 +259,14 @@ class Progress:
             self.ledger.plan(count)
 
     def check_end(self) -> None:
-        """At the epoch's end: each source item delivered or failed, once (``LedgerError``)."""
+        """At the epoch's end: each source item delivered or failed, once (``LedgerError``).
+
+        Unlocked: the consumer calls it once the epoch ended, and every mark came before the
+        stages closed their outputs, which it saw under the channels' locks.
+        """
         if self.ledger is not None:
-            with self.lock:
-                self.ledger.check_resume(self._below, self._ahead)
-                self.ledger.check_end()
+            self.ledger.check_resume(self._below, self._ahead)
+            self.ledger.check_end()
 
     @property
     def below(self) -> int:
