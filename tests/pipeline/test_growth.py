@@ -411,10 +411,9 @@ def test_the_queue_from_a_cheap_source_to_a_light_op_grows() -> None:
 
 def test_a_queue_after_a_cheap_stage_doubles_while_it_holds_less_than_a_span_of_the_next() -> None:
     from feedline.pipeline._engine import Run
-    from feedline.pipeline._pipeline import _wrap_source
 
     p = PipelineBuilder().add_source(range(3)).pipe(_parse, concurrency=1, name="parse").build()
-    run = Run(p._config, _wrap_source)
+    run = Run(p._config, lambda source, run: source)
     try:
         source, parse = run.stages
         growth = run.channels[0].growth

@@ -19,7 +19,6 @@ import pytest
 from feedline import PipelineBuilder, iterate_in_subprocess
 from feedline._proc.shm import SHM_AVAILABLE, pack, release
 from feedline.pipeline._engine import Run
-from feedline.pipeline._pipeline import _wrap_source
 
 from .._system import own_segments, starts_processes
 from . import _helpers
@@ -50,7 +49,7 @@ def test_ordered_stage_never_overfills_its_window() -> None:
 
 def test_start_after_a_concurrent_stop_returns() -> None:
     p = PipelineBuilder().add_source(range(10)).pipe(_helpers.square).build()
-    run = Run(p._config, _wrap_source)
+    run = Run(p._config, lambda source, run: source)
     run.stop()
     t = threading.Thread(target=run.start, daemon=True)
     t.start()

@@ -8,7 +8,7 @@ import math
 import pickle
 from collections.abc import AsyncIterable, Callable, Iterable, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeGuard, TypeVar
 
 from feedline._watchdog import STALL_AFTER, check_after
 from feedline.errors import ConfigurationError
@@ -28,20 +28,23 @@ from ._hooks import TaskHook, hooked
 from ._pipeline import Pipeline
 from ._placement import Placement, cannot_move
 from ._region import RegionPool, RunOfStages
-from ._resume import (
-    TaggedAsyncGenerator,
-    TaggedAsyncOp,
-    TaggedGenerator,
-    TaggedOp,
-    merge_group,
-    split_group,
-)
+from ._resume import TaggedAsyncGenerator, TaggedGenerator, TaggedOp
 from ._settings import DEFAULT_SINK, MAX_DEFAULT_SINK, MAX_DEFAULT_THREADS
 from ._tuning import THREAD_HIGH, Auto, Tuning
 
 __all__ = ["PipelineBuilder"]
 
 T = TypeVar("T")
+
+# Items travel as Tagged records (see _resume): each op is wrapped to work on the value (a
+# coroutine stage calls its op on the value itself).
+_TAGGED: dict[OpKind, Callable[[Any], Callable[..., Any]]] = {
+    OpKind.FUNCTION: TaggedOp,
+    OpKind.COROUTINE: lambda op: op,
+    OpKind.GENERATOR: TaggedGenerator,
+    OpKind.ASYNC_GENERATOR: TaggedAsyncGenerator,
+}
+_HOOK_METHODS = ("stage_start", "stage_end", "task_start", "task_end")
 
 
 def _check_positive_int(what: str, value: object, hint: str) -> int:
@@ -53,8 +56,8 @@ def _check_positive_int(what: str, value: object, hint: str) -> int:
 def _check_picklable(
     stage: str, op: Callable[..., Any], instead: str = "or use a ThreadPoolExecutor"
 ) -> None:
-    # Each call sends the op to a worker process by pickle: refuse one that cannot go, now,
-    # rather than fail every item at run time.
+    # Each call sends the op to a worker process: refuse one that cannot go now, rather than
+    # fail every item at run time.
     try:
         pickle.dumps(op)
     except Exception as error:
@@ -65,7 +68,15 @@ def _check_picklable(
         ) from error
 
 
-_HOOK_METHODS = ("stage_start", "stage_end", "task_start", "task_end")
+def _op_name(op: Callable[..., Any]) -> str:
+    func = getattr(op, "func", op)  # functools.partial
+    name = getattr(func, "__name__", None) or type(func).__name__
+    return str(name)
+
+
+def _in_pool(stage: StageConfig) -> TypeGuard[PipeConfig]:
+    # A sync op stage that runs in the pipeline's thread pool.
+    return isinstance(stage, PipeConfig) and stage.executor is None and not stage.kind.on_loop
 
 
 def _hookable(stage: StageConfig) -> bool:
@@ -79,36 +90,6 @@ class _RegionPlaceholder(Executor):
     # Stands for a process region's pool until build() makes one per pipeline.
     def __init__(self, processes: int, mp_context: str | None) -> None:
         self.processes, self.mp_context = processes, mp_context
-
-
-def _with_region_pools(
-    stages: tuple[StageConfig, ...], hooks: bool = False
-) -> tuple[StageConfig, ...]:
-    # Each process region of a new pipeline gets a pool of its own, and each stage that may
-    # move to processes a Placement (the pipeline closes both).
-    out: list[StageConfig] = []
-    for s in stages:
-        if isinstance(s, PipeConfig) and isinstance(s.executor, _RegionPlaceholder):
-            s = dataclasses.replace(
-                s, executor=RegionPool(s.executor.processes, s.executor.mp_context, s.name)
-            )
-        elif isinstance(s, PipeConfig) and s.placement == "auto":
-            op = s.op.op if isinstance(s.op, TaggedOp) else s.op
-            if s.kind is not OpKind.FUNCTION:
-                stays: str | None = f"a {s.kind.value} op does not cross to processes"
-            elif hooks:
-                stays = "task hooks run in this process"
-            else:
-                stays = cannot_move(op)
-            s = dataclasses.replace(s, placement=Placement(op, s.name, stays))
-        out.append(s)
-    return tuple(out)
-
-
-def _op_name(op: Callable[..., Any]) -> str:
-    func = getattr(op, "func", op)  # functools.partial
-    name = getattr(func, "__name__", None) or type(func).__name__
-    return str(name)
 
 
 class PipelineBuilder(Generic[T]):
@@ -137,22 +118,14 @@ class PipelineBuilder(Generic[T]):
         self._sink_size: int | None = None  # what it asked for (None: the default)
         self._names: set[str] = set()
 
-    # -- naming -------------------------------------------------------------------------------
-
-    def _unique(self, name: str) -> str:
-        candidate, n = name, 2
-        while candidate in self._names:
-            candidate = f"{name}#{n}"
-            n += 1
-        self._names.add(candidate)
-        return candidate
-
     def _claim(self, name: str | None, default: str) -> str:
         if name is None:
-            return self._unique(default)
-        if not isinstance(name, str) or not name:
+            name, n = default, 2
+            while name in self._names:
+                name, n = f"{default}#{n}", n + 1
+        elif not isinstance(name, str) or not name:
             raise ConfigurationError(f"a stage name must be a non-empty str, got {name!r}")
-        if name in self._names:
+        elif name in self._names:
             raise ConfigurationError(
                 f"two stages are named {name!r}; give each stage a unique name= so that "
                 "statistics and errors can tell them apart"
@@ -211,12 +184,7 @@ class PipelineBuilder(Generic[T]):
             )
         if buffer_size is not None:
             buffer_size = _check_positive_int("buffer_size", buffer_size, "It bounds the queue.")
-        self._source = SourceConfig(
-            source=source,
-            name=self._claim(name, "source"),
-            is_async=is_async,
-            buffer_size=buffer_size,
-        )
+        self._source = SourceConfig(source, self._claim(name, "source"), is_async, buffer_size)
         return self
 
     def pipe(
@@ -242,30 +210,26 @@ class PipelineBuilder(Generic[T]):
                 ``None`` (default): 1, or ``"auto"`` with ``build(autotune=True)``.
             executor: Where a sync op's calls run. ``None`` (default): the pipeline's thread
                 pool. ``"auto"``: there at first, and the tuner moves the stage to worker
-                processes (a process region of as many workers as the cores its calls
-                could use) if its calls hold the GIL (more threads do not pay while cores
-                are idle and the calls compute), keeping the move only if the output rises;
-                the concurrency is tuned too (an int is refused). ``stats()`` says where each
-                stage runs, and why one cannot move. ``"threads"``: the thread pool, and
-                never moved by ``build(autotune=True)``. An ``Executor``: that executor, which
-                the pipeline does not shut down: a one-thread ``ThreadPoolExecutor`` for work
-                that keeps per-thread state (a CUDA stream), a ``ProcessPoolExecutor`` (sync
-                functions only).
+                processes (as many as the cores its calls could use) if its calls hold the
+                GIL (more threads do not pay while cores are idle and the calls compute),
+                keeping the move only if the output rises; the concurrency is tuned too (an
+                int is refused). ``stats()`` says where each stage runs, and why one cannot
+                move. ``"threads"``: the thread pool, never moved by ``build(autotune=True)``.
+                An ``Executor``: that executor, which the pipeline does not shut down: a
+                one-thread ``ThreadPoolExecutor`` for work that keeps per-thread state (a CUDA
+                stream), a ``ProcessPoolExecutor`` (sync functions only).
             output_order: ``"completion"`` (default) passes results on as soon as they are
                 ready; ``"input"`` keeps the order of the input, at the cost of head-of-line
                 waiting.
             name: Name in statistics and errors; defaults to the op's ``__name__``.
             buffer_size: Capacity of the queue after this stage (after the last stage, the
                 sink's ``buffer_size`` applies instead); defaults to ``max(2, concurrency)``,
-                and ``max(8, concurrency)`` for a coroutine or async-generator op, whose
-                cheap hand-overs on the event loop come in longer bursts through a longer
-                queue, with fewer task switches per item. A default-sized queue grows
-                while this stage is cheap (under 20 µs per call) and the next one cheap too,
-                or of so little work that the doubled queue holds under 1 ms of its calls:
-                it doubles each time the next stage finds it empty after it filled since it
-                last did, or this stage fills it, up to 64 items and 16 MiB of items like
-                those measured (see :meth:`add_sink`). An explicit size is fixed: pass a
-                smaller one for large items, since each queued item holds its memory.
+                and ``max(8, concurrency)`` for an async op (longer bursts on the event
+                loop). A default-sized queue doubles when it held the next stage up, while
+                this stage is cheap (under 20 µs a call) and the next one cheap or light (the
+                doubled queue holding under 1 ms of its calls), up to 64 items and 16 MiB of
+                items like those measured (see :meth:`add_sink`). An explicit size is fixed:
+                pass a smaller one for large items, since each queued item holds its memory.
 
         Raises:
             ConfigurationError: On an argument that cannot work, saying what would.
@@ -274,19 +238,14 @@ class PipelineBuilder(Generic[T]):
         self._check_open("pipe()")
         if not callable(op):
             raise ConfigurationError(f"pipe() needs a callable, got {type(op).__name__}")
-        auto: Auto | None = None
         unset = concurrency is None
-        if concurrency == "auto":
-            auto = Auto()
-        elif isinstance(concurrency, Auto):
-            auto = concurrency
-        elif unset:
-            concurrency = 1
+        auto = Auto() if concurrency == "auto" else None
+        auto = concurrency if isinstance(concurrency, Auto) else auto
         if auto is not None:
             concurrency = auto.start or auto.low
         concurrency = _check_positive_int(
             "concurrency",
-            concurrency,
+            1 if unset else concurrency,
             "It is how many calls of the op may run at once; or pass 'auto' to have the "
             "pipeline set it.",
         )
@@ -296,7 +255,7 @@ class PipelineBuilder(Generic[T]):
             )
         kind = op_kind(op)
         stage_name = self._claim(name, _op_name(op))
-        if executor is not None and kind in (OpKind.COROUTINE, OpKind.ASYNC_GENERATOR):
+        if executor is not None and kind.on_loop:
             raise ConfigurationError(
                 f"stage {stage_name!r}: {kind.value} ops run on the event loop, so "
                 "executor= has no effect; drop executor= or pass a sync function"
@@ -332,15 +291,7 @@ class PipelineBuilder(Generic[T]):
                 )
             if isinstance(executor, ProcessPoolExecutor):
                 _check_picklable(stage_name, op)
-        if (
-            output_order == "input"
-            and (concurrency > 1 or auto is not None)
-            and kind
-            in (
-                OpKind.GENERATOR,
-                OpKind.ASYNC_GENERATOR,
-            )
-        ):
+        if output_order == "input" and (concurrency > 1 or auto is not None) and kind.many:
             raise ConfigurationError(
                 f"stage {stage_name!r}: output_order='input' with a {kind.value} op needs "
                 "concurrency=1 (each input's outputs are then kept together and in order); "
@@ -348,10 +299,8 @@ class PipelineBuilder(Generic[T]):
             )
         grows = buffer_size is None
         if buffer_size is None:
-            # A cheap coroutine stage hands items over in bursts, each costing a wake-up on
-            # the event loop: a longer queue makes fewer, larger bursts.
-            floor = 8 if kind in (OpKind.COROUTINE, OpKind.ASYNC_GENERATOR) else 2
-            buffer_size = max(floor, concurrency)
+            # A coroutine stage's bursts each cost a wake-up on the loop: fewer, larger ones.
+            buffer_size = max(8 if kind.on_loop else 2, concurrency)
         buffer_size = _check_positive_int("buffer_size", buffer_size, "It bounds the queue.")
         self._stages.append(
             PipeConfig(
@@ -384,12 +333,11 @@ class PipelineBuilder(Generic[T]):
 
         For stages that hold the GIL, which threads cannot run side by side. Each worker
         applies the whole run to an item, so only the item and the run's result cross the
-        process boundary (nothing between the run's functions is pickled); NumPy arrays and
-        CPU tensors in the result of 64 KiB or more come back through shared memory. The
-        pipeline owns the processes: they start with the first item (from the fork server),
-        serve the epochs that run to their end, end if this process is killed, and are shut
-        down when an epoch is stopped part-way or fails (the next item starts new ones) and
-        when the pipeline is dropped.
+        process boundary; NumPy arrays and CPU tensors in the result of 64 KiB or more come
+        back through shared memory. The pipeline owns the processes: they start with the
+        first item (from the fork server), serve the epochs that run to their end, end if
+        this process is killed, and are shut down when an epoch is stopped part-way or fails
+        (the next item starts new ones) and when the pipeline is dropped.
 
         Args:
             ops: The run: one function, or several applied in turn (module-level functions
@@ -453,14 +401,8 @@ class PipelineBuilder(Generic[T]):
         """
         self._check_open("aggregate()")
         num_items = _check_positive_int("num_items", num_items, "It is the group size.")
-        self._stages.append(
-            AggregateConfig(
-                size=num_items,
-                drop_last=bool(drop_last),
-                name=self._claim(name, f"aggregate({num_items})"),
-                buffer_size=2,
-            )
-        )
+        name = self._claim(name, f"aggregate({num_items})")
+        self._stages.append(AggregateConfig(num_items, bool(drop_last), name, buffer_size=2))
         return self  # type: ignore[return-value]  # the item type changes to a list
 
     def disaggregate(self, *, name: str | None = None) -> PipelineBuilder[Any]:
@@ -474,31 +416,21 @@ class PipelineBuilder(Generic[T]):
 
         """
         self._check_open("disaggregate()")
-        self._stages.append(
-            DisaggregateConfig(name=self._claim(name, "disaggregate"), buffer_size=2)
-        )
+        self._stages.append(DisaggregateConfig(self._claim(name, "disaggregate"), buffer_size=2))
         return self
 
     def add_sink(self, buffer_size: int | None = None) -> PipelineBuilder[T]:
         """Set how many finished items may wait for the consumer (>= 1).
 
-        Optional: without it (or with ``buffer_size=None``) the buffer starts at 3 items, or
-        two per slot of the last stage if that stage runs more than one call at once (64 at
-        most): a wide last stage finishes results in bursts, and with no room for them its
-        threads would stop while the consumer is busy. It then grows as it needs to: each
-        time the consumer has to wait on an empty buffer that became full since it last
-        waited, the buffer doubles. That happens when the buffer's size, not the pipeline's
-        speed, keeps the consumer waiting: fast event-loop stages fill 3 places before the
-        woken consumer runs, and bursts (a ``disaggregate``, a generator) fill it even
-        when the pipeline is the slower side. A consumer slower than the pipeline never waits,
-        so it leaves the buffer as it started. Growth stops at 64 items and at 64 MiB of
-        items like the one measured (arrays, tensors, buffers, and lists, dicts and
-        dataclasses of them; 16 items at most of objects whose size cannot be told), and a
-        grown buffer measures one item in 64 and shrinks if items got larger. ``stats()``
-        shows the size reached (the last stage's ``queue.capacity``).
-
-        An explicit ``buffer_size`` is fixed. A longer buffer rides out a consumer's pauses (a
-        checkpoint, an evaluation) at the cost of holding more finished items in memory.
+        Optional: by default the buffer starts at 3 items, or two per slot of a last stage
+        that runs more calls at once (64 at most), so that its bursts of results find room.
+        It doubles each time the consumer finds it empty after it became full since it last
+        did (its size, not the pipeline's speed, kept the consumer waiting), up to 64 items
+        and 64 MiB of items like those measured (arrays, tensors, buffers, and lists, dicts
+        and dataclasses of them; 16 items of objects whose size cannot be told), and shrinks
+        if items grow. ``stats()`` shows the size reached (the last stage's
+        ``queue.capacity``). An explicit ``buffer_size`` is fixed: a longer one rides out a
+        consumer's pauses (a checkpoint, an evaluation) at the cost of memory.
 
         Args:
             buffer_size: The most finished items held for the consumer (``None``: the
@@ -520,7 +452,7 @@ class PipelineBuilder(Generic[T]):
 
     def _with_executors(self, swap: Callable[[str, Executor], Executor]) -> PipelineBuilder[T]:
         # A copy whose stages run in swap(stage name, executor) instead of their executors
-        # (those sent to a child process as recipes, and made again there: see _recipes).
+        # (those sent to a child process as recipes, and made again there: see _in_subprocess).
         clone = copy.copy(self)
         clone._names = set(self._names)
         clone._stages = [
@@ -574,37 +506,30 @@ class PipelineBuilder(Generic[T]):
                 your own. None (the default) costs nothing.
             continuous: Run across epochs without stopping: when the source's pass ends,
                 the next begins at once (after ``source.set_epoch(epoch)`` where it has
-                one), so the next epoch's first items are under way while this epoch's last
-                ones finish. Each ``for`` loop still yields one epoch: an item belongs to the
-                epoch of its (first) source item, and items of the next epoch that finish
-                early wait for their loop. ``aggregate`` groups each epoch's items apart
-                (its last group partial, or dropped with ``drop_last``), as a pipeline built
-                anew for each epoch would. The source must be iterable again (a list,
-                a :class:`~feedline.Mixture`, a dataset). Leaving a loop early ends the run
+                one). Each ``for`` loop still yields one epoch (the items of its source
+                items; the next epoch's that finish early wait for their loop), and
+                ``aggregate`` groups each epoch apart, as a pipeline built anew for each
+                epoch would. The source must be iterable again (a list, a
+                :class:`~feedline.Mixture`, a dataset). Leaving a loop early ends the run
                 (the next loop runs the next epoch). Not with ``resumable``.
             autotune: Tune every stage whose ``concurrency`` was not given (as if it were
-                ``"auto"``; not a generator that keeps input order, which needs one call at
-                a time). A tuned stage starts at the cores this process may use (4 on the
-                event loop). While the pipeline runs, a tuner looks every 100 ms at what the
-                engine measures: it doubles the stage that limits the output, keeps the raise
-                if the output and the stage's own capacity grew by a quarter of the raise (a
-                slow op waiting on I/O), and otherwise undoes it and tries half instead (an op
-                that holds the GIL or computes on busy cores). It raises nothing while the
-                consumer is the slower side or the cores are busy, lowers stages that use
-                few of their slots, and re-converges when the ops' times change. Each
-                epoch starts where the last left off. ``stats()`` shows each stage's
-                concurrency now and the tuner's last decisions, each logged at DEBUG level.
-                A stage given a number is never changed. A sync function stage without an
-                executor may move to worker processes, as with ``executor="auto"`` (its op
-                then runs in another process: it must not count on this one's state; give it
-                ``executor="threads"`` to keep it here).
+                ``"auto"``; not a generator that keeps input order). A tuned stage starts at
+                the cores this process may use (4 on the event loop); while the pipeline
+                runs, a tuner doubles the stage that limits the output, keeps the raise if
+                the output and the stage's capacity grew (an op waiting on I/O) and else
+                tries half (an op that holds the GIL or computes on busy cores), raises
+                nothing while the consumer is slower or the cores are busy, and lowers
+                stages that use few of their slots. Each epoch starts where the last left
+                off. ``stats()`` shows its decisions (logged at DEBUG). A stage given a
+                number is never changed. A sync function stage without an executor may move
+                to worker processes, as with ``executor="auto"`` (its op then runs in another
+                process: it must not count on this one's state; ``executor="threads"`` keeps
+                it here).
             memory_budget: The most bytes of items held in the queues and in the calls in
-                flight. Items are measured as they are put in queues (one in eight, with
-                ``approx_nbytes``: arrays, tensors, bytes, and lists, dicts or dataclasses
-                of them; a queue whose items cannot be measured is logged once and not
-                counted). Tuned stages and default queues stay within it, and are lowered if
-                items grow; stages and queues with sizes of their own count, but are never
-                changed.
+                flight, measured with ``approx_nbytes`` (arrays, tensors, bytes, and lists,
+                dicts or dataclasses of them) on one item in eight put in each queue. Tuned
+                stages and default queues stay within it, and are lowered if items grow;
+                stages and queues with sizes of their own count, but are never changed.
             cpu_budget: Cores the pipeline may keep busy, this process's other threads
                 included (default: the cores it may use): tuned stages are not raised while
                 the process uses that much. Only tuned stages are held to it.
@@ -619,84 +544,35 @@ class PipelineBuilder(Generic[T]):
             ConfigurationError: If the definition cannot run, saying how to fix it.
 
         """
-        if self._source is None:
+        source = self._source
+        if source is None:
             raise ConfigurationError("the pipeline has no source: call add_source() first")
         if not isinstance(autotune, bool):
             raise ConfigurationError(f"autotune must be True or False, got {autotune!r}")
         Tuning.check(memory_budget, cpu_budget)
         stall = check_after(report_stall_after)
-        defined = self._stages  # build() resolves tuned stages on a copy: the builder stays
-        try:
-            if autotune:
-                self._stages = [_autotuned(s) for s in defined]
-            pipeline = self._build(
-                num_threads,
-                max_failures,
-                report_stats_interval,
-                resumable,
-                hooks,
-                continuous,
-                memory_budget,
-                cpu_budget,
-            )
-        finally:
-            self._stages = defined
-        pipeline.watch.after = stall
-        return pipeline
-
-    def _build(
-        self,
-        num_threads: int | None,
-        max_failures: int | float | None,
-        report_stats_interval: float | None,
-        resumable: bool,
-        hooks: Sequence[TaskHook],
-        continuous: bool,
-        memory_budget: int | None,
-        cpu_budget: float | None,
-    ) -> Pipeline[T]:
-        assert self._source is not None
-        tuned = any(isinstance(s, PipeConfig) and s.auto is not None for s in self._stages)
-        pooled = [
-            (s.auto.high or THREAD_HIGH) if s.auto is not None else s.concurrency
-            for s in self._stages
-            if isinstance(s, PipeConfig)
-            and s.executor is None
-            and s.kind in (OpKind.FUNCTION, OpKind.GENERATOR)
-        ]
+        stages = [_autotuned(s) for s in self._stages] if autotune else list(self._stages)
         if num_threads is None:
+            pooled = [
+                (s.auto.high or THREAD_HIGH) if s.auto else s.concurrency
+                for s in stages
+                if _in_pool(s)
+            ]
             num_threads = min(MAX_DEFAULT_THREADS, max(1, sum(pooled) + 1))
         else:
             num_threads = _check_positive_int(
                 "num_threads", num_threads, "It is the size of the pipeline's thread pool."
             )
-        self._stages = [_resolve_auto(s, num_threads) for s in self._stages]
-        for s in self._stages:
-            if (
-                isinstance(s, PipeConfig)
-                and s.executor is None
-                and s.kind in (OpKind.FUNCTION, OpKind.GENERATOR)
-                and s.concurrency > num_threads
-            ):
+        tuned = any(isinstance(s, PipeConfig) and s.auto is not None for s in stages)
+        stages = [_resolve_auto(s, num_threads) for s in stages]
+        for s in stages:
+            if _in_pool(s) and s.concurrency > num_threads:
                 raise ConfigurationError(
                     f"stage {s.name!r} has concurrency={s.concurrency} but the thread pool has "
                     f"num_threads={num_threads}, so it could never reach it; raise num_threads, "
                     "lower the concurrency, or give the stage its own executor="
                 )
-        if max_failures is not None:
-            if isinstance(max_failures, bool) or not isinstance(max_failures, (int, float)):
-                raise ConfigurationError(
-                    f"max_failures must be an int, a float in (0, 1) or None, got {max_failures!r}"
-                )
-            if isinstance(max_failures, float) and not (0.0 < max_failures < 1.0):
-                raise ConfigurationError(
-                    f"a float max_failures is a fraction of items and must be in (0, 1), got "
-                    f"{max_failures}; pass an int for a count"
-                )
-            if isinstance(max_failures, int) and max_failures < 0:
-                raise ConfigurationError(
-                    f"max_failures must be >= 0, got {max_failures}; pass None for no limit"
-                )
+        _check_failures(max_failures)
         if report_stats_interval is not None and (
             not isinstance(report_stats_interval, (int, float))
             or not math.isfinite(report_stats_interval)
@@ -713,12 +589,12 @@ class PipelineBuilder(Generic[T]):
                 "continuous=True and resumable=True cannot go together yet: a continuous run "
                 "numbers items across epochs; build two pipelines, or drop one of them"
             )
-        if continuous and self._source is not None and self._source.is_async:
+        if continuous and source.is_async:
             raise ConfigurationError(
                 "continuous=True needs a sync source (an iterable it can iterate again)"
             )
         if resumable:
-            self._check_resumable()
+            _check_resumable(source, stages)
         hooks = tuple(hooks)
         for hook in hooks:
             missing = [m for m in _HOOK_METHODS if not callable(getattr(hook, m, None))]
@@ -727,76 +603,32 @@ class PipelineBuilder(Generic[T]):
                     f"hooks: {type(hook).__name__} has no {', '.join(missing)}; subclass "
                     "feedline.pipeline.TaskHook and override the methods you need"
                 )
-        stages = _with_region_pools(self._tagged_stages(hooks), bool(hooks))
-        config = PipelineConfig(
-            source=self._source,
-            stages=stages,
-            sink=self._sink_config(),
-            num_threads=num_threads,
-            max_failures=max_failures,
-            report_stats_interval=report_stats_interval,
-            resumable=resumable,
-            continuous=bool(continuous),
-            hooks=hooks,
-            hooked_stages=tuple(s.name for s in self._stages if _hookable(s)) if hooks else (),
-            tuning=Tuning(memory_budget, float(cpu_budget or 0.0))
-            if tuned or memory_budget is not None
-            else None,
-        )
-        return Pipeline(config)
-
-    def _check_resumable(self) -> None:
-        # Refuses what cannot be resumed exactly.
-        assert self._source is not None
-        if isinstance(self._source.source, Pipeline):
-            raise ConfigurationError(
-                "resumable=True cannot resume a pipeline whose source is another Pipeline "
-                "(its items may come in a different order on the next pass); move the inner "
-                "pipeline's source and stages into this one, or build without resumable=True"
+        pipeline: Pipeline[T] = Pipeline(
+            PipelineConfig(
+                source=source,
+                stages=tuple(_built(s, hooks) for s in stages),
+                sink=self._sink_config(stages),
+                num_threads=num_threads,
+                max_failures=max_failures,
+                report_stats_interval=report_stats_interval,
+                resumable=resumable,
+                continuous=bool(continuous),
+                hooks=hooks,
+                hooked_stages=tuple(s.name for s in stages if _hookable(s)) if hooks else (),
+                tuning=Tuning(memory_budget, float(cpu_budget or 0.0))
+                if tuned or memory_budget is not None
+                else None,
             )
-        for s in self._stages:
-            if isinstance(s, DisaggregateConfig) or (
-                isinstance(s, PipeConfig) and s.kind in (OpKind.GENERATOR, OpKind.ASYNC_GENERATOR)
-            ):
-                if isinstance(s, DisaggregateConfig):
-                    what, instead = "disaggregate()", "keep the groups whole (one item each)"
-                else:
-                    agen = s.kind is OpKind.ASYNC_GENERATOR
-                    what = "an async generator" if agen else "a generator"
-                    instead = "make the op return a list of its results (one item)"
-                raise ConfigurationError(
-                    f"stage {s.name!r}: resumable=True needs stages that turn one item into one, "
-                    f"and {what} stage turns one into many, which cannot be resumed part-way; "
-                    f"{instead}, or build without resumable=True"
-                )
+        )
+        pipeline.watch.after = stall
+        return pipeline
 
-    def _tagged_stages(self, hooks: tuple[TaskHook, ...] = ()) -> tuple[StageConfig, ...]:
-        # Items travel as Tagged records (see _resume): every op works on the value, groups
-        # merge and split the numbers and source items.
-        wrappers: dict[OpKind, Callable[[Any], Callable[..., Any]]] = {
-            OpKind.FUNCTION: TaggedOp,
-            OpKind.COROUTINE: TaggedAsyncOp,
-            OpKind.GENERATOR: TaggedGenerator,
-            OpKind.ASYNC_GENERATOR: TaggedAsyncGenerator,
-        }
-        stages: list[StageConfig] = []
-        for s in self._stages:
-            if isinstance(s, PipeConfig):
-                op = hooked(s.op, s.kind, s.name, hooks) if hooks and _hookable(s) else s.op
-                stages.append(dataclasses.replace(s, op=wrappers[s.kind](op)))
-            elif isinstance(s, AggregateConfig):
-                stages.append(dataclasses.replace(s, collect=merge_group))
-            else:
-                stages.append(dataclasses.replace(s, split=split_group))
-        return tuple(stages)
-
-    def _sink_config(self) -> SinkConfig:
-        size = self._sink_size
-        if size is None:
-            last = getattr(self._stages[-1], "concurrency", 1) if self._stages else 1
-            size = max(DEFAULT_SINK, min(MAX_DEFAULT_SINK, 2 * last))
-            return SinkConfig(buffer_size=size, grow_to=MAX_DEFAULT_SINK)
-        return SinkConfig(buffer_size=size)
+    def _sink_config(self, stages: list[StageConfig]) -> SinkConfig:
+        if self._sink_size is not None:
+            return SinkConfig(buffer_size=self._sink_size)
+        last = getattr(stages[-1], "concurrency", 1) if stages else 1
+        size = max(DEFAULT_SINK, min(MAX_DEFAULT_SINK, 2 * last))
+        return SinkConfig(buffer_size=size, grow_to=MAX_DEFAULT_SINK)
 
     def __repr__(self) -> str:
         names = [self._source.name] if self._source else []
@@ -804,13 +636,74 @@ class PipelineBuilder(Generic[T]):
         return f"PipelineBuilder({' -> '.join(names) or 'empty'})"
 
 
+def _check_failures(max_failures: object) -> None:
+    if max_failures is None:
+        return
+    if isinstance(max_failures, bool) or not isinstance(max_failures, (int, float)):
+        raise ConfigurationError(
+            f"max_failures must be an int, a float in (0, 1) or None, got {max_failures!r}"
+        )
+    if isinstance(max_failures, float) and not (0.0 < max_failures < 1.0):
+        raise ConfigurationError(
+            f"a float max_failures is a fraction of items and must be in (0, 1), got "
+            f"{max_failures}; pass an int for a count"
+        )
+    if isinstance(max_failures, int) and max_failures < 0:
+        raise ConfigurationError(
+            f"max_failures must be >= 0, got {max_failures}; pass None for no limit"
+        )
+
+
+def _check_resumable(source: SourceConfig, stages: list[StageConfig]) -> None:
+    # Refuses what cannot be resumed exactly.
+    if isinstance(source.source, Pipeline):
+        raise ConfigurationError(
+            "resumable=True cannot resume a pipeline whose source is another Pipeline "
+            "(its items may come in a different order on the next pass); move the inner "
+            "pipeline's source and stages into this one, or build without resumable=True"
+        )
+    for s in stages:
+        if isinstance(s, DisaggregateConfig):
+            what, instead = "disaggregate()", "keep the groups whole (one item each)"
+        elif isinstance(s, PipeConfig) and s.kind.many:
+            what = "an async generator" if s.kind is OpKind.ASYNC_GENERATOR else "a generator"
+            instead = "make the op return a list of its results (one item)"
+        else:
+            continue
+        raise ConfigurationError(
+            f"stage {s.name!r}: resumable=True needs stages that turn one item into one, "
+            f"and {what} stage turns one into many, which cannot be resumed part-way; "
+            f"{instead}, or build without resumable=True"
+        )
+
+
+def _built(stage: StageConfig, hooks: tuple[TaskHook, ...]) -> StageConfig:
+    # A stage as the pipeline runs it: its op hooked and tagged, its region a pool of its own.
+    if not isinstance(stage, PipeConfig):
+        return stage
+    op = hooked(stage.op, stage.kind, stage.name, hooks) if hooks and _hookable(stage) else stage.op
+    executor, placement = stage.executor, stage.placement
+    if isinstance(executor, _RegionPlaceholder):  # closed by the pipeline
+        executor = RegionPool(executor.processes, executor.mp_context, stage.name)
+    if placement == "auto":  # may move to processes; closed by the pipeline
+        if stage.kind is not OpKind.FUNCTION:
+            stays: str | None = f"a {stage.kind.value} op does not cross to processes"
+        elif hooks:
+            stays = "task hooks run in this process"
+        else:
+            stays = cannot_move(op)
+        placement = Placement(op, stage.name, stays)
+    return dataclasses.replace(
+        stage, op=_TAGGED[stage.kind](op), executor=executor, placement=placement
+    )
+
+
 def _autotuned(stage: StageConfig) -> StageConfig:
     # build(autotune=True): a stage without a concurrency of its own is tuned, unless it is
     # a generator that keeps input order (each input's outputs together needs one call).
     if not isinstance(stage, PipeConfig) or not stage.default_concurrency:
         return stage
-    generator = stage.kind in (OpKind.GENERATOR, OpKind.ASYNC_GENERATOR)
-    if generator and stage.output_order == "input":
+    if stage.kind.many and stage.output_order == "input":
         return stage
     # A sync function on the pipeline's threads may move to processes (executor="auto").
     movable = stage.kind is OpKind.FUNCTION and stage.executor is None
@@ -822,7 +715,7 @@ def _resolve_auto(stage: StageConfig, num_threads: int) -> StageConfig:
     # A tuned stage's bounds and start, now that the thread pool's size is known.
     if not isinstance(stage, PipeConfig) or stage.auto is None:
         return stage
-    on_loop = stage.kind in (OpKind.COROUTINE, OpKind.ASYNC_GENERATOR)
+    on_loop = stage.kind.on_loop
     pool: int | None = None
     if stage.executor is None and not on_loop:
         pool = num_threads

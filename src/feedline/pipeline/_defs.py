@@ -13,6 +13,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ._resume import merge_group, split_group
+
 __all__ = [
     "AggregateConfig",
     "DisaggregateConfig",
@@ -35,6 +37,16 @@ class OpKind(enum.Enum):
     GENERATOR = "generator"  # def f(x): yield ...          thread pool
     COROUTINE = "coroutine"  # async def f(x) -> y          event loop
     ASYNC_GENERATOR = "async generator"  # async def f(x): yield  event loop
+
+    @property
+    def on_loop(self) -> bool:
+        """Whether the op is ``async def``: its stage runs on the event loop."""
+        return self in (OpKind.COROUTINE, OpKind.ASYNC_GENERATOR)
+
+    @property
+    def many(self) -> bool:
+        """Whether the op yields any number of results per input."""
+        return self in (OpKind.GENERATOR, OpKind.ASYNC_GENERATOR)
 
 
 def op_kind(op: Callable[..., Any]) -> OpKind:
@@ -92,7 +104,7 @@ class AggregateConfig:
     drop_last: bool
     name: str
     buffer_size: int
-    collect: Callable[[list[Any]], Any] | None = None  # makes what is emitted of a group
+    collect: Callable[[list[Any]], Any] = merge_group  # makes what is emitted of a group
     grows: bool = True
     epochs: Any = None  # a continuous run's _epochs.Checkpoint: groups end with their epoch
 
@@ -104,7 +116,7 @@ class DisaggregateConfig:
     name: str
     buffer_size: int
     grows: bool = True
-    split: Callable[[Any], Iterable[Any]] | None = None  # the elements of an item (default: it)
+    split: Callable[[Any], Iterable[Any]] = split_group  # the elements of an item
 
 
 StageConfig = PipeConfig | AggregateConfig | DisaggregateConfig

@@ -1,12 +1,9 @@
 """One run (epoch) of a pipeline: the event-loop thread, the thread pool, and the stages.
 
 ``Run`` turns a :class:`~._defs.PipelineConfig` into channels and stage runtimes, starts them,
-hands items to the consumer, and stops everything it started. Who owns what:
-
-* the ``Run`` owns the event-loop thread, the default thread pool, and every job it submits,
-  including jobs submitted to user executors (which it waits for but does not shut down);
-* stopping is two-phase: ``begin_stop`` (non-blocking, safe from any thread, used on failure)
-  sets the flag, aborts the channels and wakes every waiter; ``stop`` also joins.
+hands items to the consumer, and stops and joins everything it started (see "Failures and
+stopping" in the README): its loop thread, its pool, and every job it submitted, also to the
+users' executors (which it does not shut down).
 """
 
 from __future__ import annotations
@@ -20,21 +17,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from feedline._failures import FailureBudget
 from feedline._watchdog import StallWatch
 
-from ._defs import (
-    AggregateConfig,
-    DisaggregateConfig,
-    OpKind,
-    PipeConfig,
-    PipelineConfig,
-)
+from ._defs import AggregateConfig, OpKind, PipeConfig, PipelineConfig
 from ._executors import Submitter, WorkerPool
 from ._growth import Growth
 from ._lifecycle import RunLifecycle
 from ._placement import PlacedWork, Placement
 from ._queue import EMPTY, Channel
-from ._resume import TaggedOp
+from ._resume import Tagged
 from ._settings import (
     MAX_DEFAULT_SINK,
     QUEUE_GROW_BYTES,
@@ -43,18 +35,9 @@ from ._settings import (
     STOP_WARN_AFTER,
 )
 from ._stages._async import AsyncSource, AsyncStage
-from ._stages._common import FailureBudget, StageBase
+from ._stages._common import StageBase
 from ._stages._sink import SinkReader
-from ._stages._threaded import (
-    AggregateWork,
-    DisaggregateWork,
-    FunctionWork,
-    GeneratorWork,
-    ThreadedSource,
-    ThreadedStage,
-    ValueWork,
-    Work,
-)
+from ._stages._threaded import AggregateWork, ThreadedSource, ThreadedStage
 from ._tuner import Knob, Tuner
 from .stats import PipelineStats, find_bottleneck
 
@@ -65,83 +48,77 @@ _log = logging.getLogger("feedline.pipeline")
 
 
 class Run:
-    """One epoch of a pipeline. Created stopped; ``start`` it, ``get`` from it, ``stop`` it."""
+    """One epoch of a pipeline. Created stopped; ``start`` it, ``get`` from it, ``stop`` it.
+
+    Args:
+        config: As ``build()`` made it: items travel as ``Tagged`` records (see ``_resume``).
+        source_wrapper: Makes what a sync source's stage iterates, from the source and run.
+        on_failed: Told of each ``Tagged`` item a stage failed on and skipped, and the stage.
+
+    """
 
     def __init__(
         self,
         config: PipelineConfig,
         source_wrapper: Callable[[Any, Run], Any],
-        on_failed: Callable[[Any, str], None] | None = None,
+        on_failed: Callable[[Tagged, str], None] | None = None,
     ) -> None:
         self.config = config
-        self._on_failed = on_failed  # told of each item a stage failed on and skipped
+        self._on_failed = on_failed
         self.loop = asyncio.new_event_loop()
-        self._loop_ident: int | None = None
         self.life = RunLifecycle()  # read by the stages: ``life.stopping`` with no call
-        self._pool = WorkerPool(config.num_threads, "feedline-worker", self.life.lock)
+        self.pool = WorkerPool(config.num_threads, "feedline-worker", self.life.lock)
+        self.budget = FailureBudget(config.max_failures)
         self._thread = threading.Thread(
             target=self._loop_main, name="feedline-event-loop", daemon=True
         )
         self.finished = False  # the consumer was told the epoch ended (not stopped part-way)
         self._loop_ready = threading.Event()
-        self._stop_event: asyncio.Event | None = None
+        self._stop_event = asyncio.Event()  # bound to the loop when _main awaits it
         self._t0 = time.perf_counter()
 
-        budget = FailureBudget(config.max_failures)
-        self.stages: list[StageBase] = []
-        self.channels: list[Channel] = []
-
-        concurrency = [getattr(cfg, "concurrency", 1) for cfg in config.stages]
-        # The source's queue holds two items per slot of the first stage: the source job
-        # refills it from its low-water mark (half full), so each refill moves a slot's worth
-        # of items rather than one item per job.
-        src_cfg = config.source
-        if not config.stages:  # the sink
-            size = config.sink.buffer_size
-            out = Channel(f"{src_cfg.name}->", size, self._growth(0, size))
-        elif src_cfg.buffer_size is not None:
-            out = Channel(f"{src_cfg.name}->", src_cfg.buffer_size)
+        # A channel after the source and after each stage (see "Queue sizes" in the README):
+        # the source's holds two items per slot of the first stage, so that each refill from
+        # its low-water mark (half full) moves a slot's worth; one after a stage at least one
+        # per slot of the next; the last is the sink.
+        stages = config.stages
+        slots = [getattr(cfg, "concurrency", 1) for cfg in stages]
+        sizes = [config.source.buffer_size or max(4, 2 * slots[0])] if stages else []
+        sizes += [max(cfg.buffer_size, n) for cfg, n in zip(stages, slots[1:], strict=False)]
+        sizes.append(config.sink.buffer_size)
+        names = [config.source.name, *(cfg.name for cfg in stages)]
+        self.stages: list[StageBase] = []  # filled in below: the growths read them when asked
+        self.channels = [
+            Channel(f"{name}->", size, self._growth(i, size))
+            for i, (name, size) in enumerate(zip(names, sizes, strict=True))
+        ]
+        src = config.source
+        if src.is_async:
+            self.stages.append(AsyncSource(self, src.name, src.source, self.channels[0]))  # type: ignore[arg-type]
+            self.stages[0].counters.where = "event loop"
         else:
-            first = max(4, 2 * concurrency[0])
-            out = Channel(f"{src_cfg.name}->", first, self._growth(0, first))
-        self.channels.append(out)
-        source: ThreadedSource | AsyncSource
-        if src_cfg.is_async:
-            source = AsyncSource(self, src_cfg.name, src_cfg.source, out, budget)  # type: ignore[arg-type]
-            source.counters.where = "event loop"
-        else:
-            iterable = source_wrapper(src_cfg.source, self)
-            source = ThreadedSource(self, src_cfg.name, iterable, self._pool, out, budget)
-        self.stages.append(source)
-        producers: list[Any] = [source]  # each is an Endpoint
-
+            wrapped = source_wrapper(src.source, self)
+            self.stages.append(ThreadedSource(self, src.name, wrapped, self.channels[0]))
         knobs: list[Knob] = []
-        for i, cfg in enumerate(config.stages):
-            inp = out
-            last = i == len(config.stages) - 1
-            # The queue after a stage holds its buffer_size, and at least enough to keep every
-            # slot of the next stage fed; the last queue is the sink.
-            capacity = config.sink.buffer_size if last else max(cfg.buffer_size, concurrency[i + 1])
-            out = Channel(f"{cfg.name}->", capacity, self._growth(i + 1, capacity))
-            self.channels.append(out)
-            stage = self._make_stage(cfg, inp, out, budget)
+        for i, cfg in enumerate(stages):
+            inp, out = self.channels[i], self.channels[i + 1]
+            stage = self._make_stage(cfg, inp, out)
             if isinstance(cfg, PipeConfig) and cfg.tune is not None:
                 placement = cfg.placement if isinstance(cfg.placement, Placement) else None
                 knobs.append(Knob(stage, i + 1, *cfg.tune, placement=placement))
-            inp.connect(producers[-1], stage)
-            producers.append(stage)
+            inp.connect(self.stages[-1], stage)
             self.stages.append(stage)
-        self._sink = SinkReader(out, spin=isinstance(producers[-1], AsyncStage | AsyncSource))
-        out.connect(producers[-1], self._sink)
+        spin = isinstance(self.stages[-1], AsyncStage | AsyncSource)
+        self._sink = SinkReader(self.channels[-1], spin=spin)
+        self.channels[-1].connect(self.stages[-1], self._sink)
         tuning = config.tuning
         budgeted = tuning is not None and tuning.memory_budget is not None
         self.tuner = Tuner(knobs, self.channels, tuning, self.stages) if knobs or budgeted else None
 
     def _growth(self, index: int, capacity: int) -> Growth | None:
-        # How the channel after stage ``index`` (0: the source) may grow, if at all: the sink
-        # when it has the default size; a queue between stages when it has the default size,
-        # its producer is cheap and its consumer cheap or of little work, also when it is
-        # filled (see _growth).
+        # How the channel after stage ``index`` (0: the source) may grow (see _growth): the
+        # sink and a queue between stages when they have the default size; a queue between
+        # stages only while its producer is cheap and its consumer cheap or of little work.
         config = self.config
         sink_bytes, queue_bytes = SINK_GROW_BYTES, QUEUE_GROW_BYTES
         if config.tuning is not None and config.tuning.memory_budget is not None:
@@ -151,9 +128,8 @@ class Run:
         if index == len(config.stages):
             grow_to = config.sink.grow_to
             return Growth(capacity, grow_to, sink_bytes) if grow_to > capacity else None
-        if index > 0 and not config.stages[index - 1].grows:
-            return None
-        if capacity >= MAX_DEFAULT_SINK:
+        grows = config.stages[index - 1].grows if index else config.source.buffer_size is None
+        if not grows or capacity >= MAX_DEFAULT_SINK:
             return None
         stages = self.stages  # filled in after the channels: read when growth is asked for
 
@@ -167,68 +143,48 @@ class Run:
 
         return Growth(capacity, MAX_DEFAULT_SINK, queue_bytes, may_double, on_fill=True)
 
-    def _make_stage(self, cfg: Any, inp: Channel, out: Channel, budget: FailureBudget) -> Any:
-        work: Work
-        if isinstance(cfg, PipeConfig):
-            # With one slot (and no tuner to add more), items are processed one at a time,
-            # so order is kept for free.
-            most = cfg.tune[1] if cfg.tune is not None else 0
-            ordered = cfg.output_order == "input" and max(cfg.concurrency, most) > 1
-            threaded = cfg.kind in (OpKind.FUNCTION, OpKind.GENERATOR) and (
-                cfg.executor is None or isinstance(cfg.executor, ThreadPoolExecutor)
-            )
-            if not threaded:
-                loop_stage = AsyncStage(
-                    self,
-                    cfg.name,
-                    cfg.op,
-                    cfg.kind,
-                    cfg.concurrency,
-                    cfg.executor,
-                    ordered,
-                    inp,
-                    out,
-                    budget,
-                )
-                loop_stage.counters.where = _runs_in(cfg.executor)
-                return loop_stage
-            placement = cfg.placement if isinstance(cfg.placement, Placement) else None
-            if placement is not None and placement.stays is None:  # threads or processes
-                work = PlacedWork(placement, isinstance(cfg.op, TaggedOp))
-            elif isinstance(cfg.op, TaggedOp):  # the usual case: no wrapper call per item
-                work = ValueWork(cfg.op.op)
-            elif cfg.kind is OpKind.FUNCTION:
-                work = FunctionWork(cfg.op)
-            else:
-                work = GeneratorWork(cfg.op)
-            executor, kind, concurrency = cfg.executor or self._pool, "pipe", cfg.concurrency
-        elif isinstance(cfg, AggregateConfig):
+    def _make_stage(self, cfg: Any, inp: Channel, out: Channel) -> StageBase:
+        if isinstance(cfg, AggregateConfig):
             work = AggregateWork(cfg.size, cfg.drop_last, cfg.collect, cfg.epochs)
-            executor, kind, concurrency, ordered = self._pool, "aggregate", 1, False
-        elif isinstance(cfg, DisaggregateConfig):
-            work = DisaggregateWork(cfg.split)
-            executor, kind, concurrency, ordered = self._pool, "disaggregate", 1, False
-        else:  # pragma: no cover - the builder only makes the kinds above
-            raise TypeError(f"unknown stage config {cfg!r}")
+            return ThreadedStage(self, cfg.name, "aggregate", work, inp, out)
+        if not isinstance(cfg, PipeConfig):
+            return ThreadedStage(self, cfg.name, "disaggregate", cfg.split, inp, out)
+        # With one slot (and no tuner to add more), order is kept for free.
+        most = cfg.tune[1] if cfg.tune is not None else 0
+        ordered = cfg.output_order == "input" and max(cfg.concurrency, most) > 1
+        if cfg.kind.on_loop or not (
+            cfg.executor is None or isinstance(cfg.executor, ThreadPoolExecutor)
+        ):
+            loop_stage = AsyncStage(self, cfg, ordered, inp, out)
+            loop_stage.counters.where = _runs_in(cfg.executor)
+            return loop_stage
+        op: Any = cfg.op  # a TaggedOp, or a TaggedGenerator whose calls are iterated
+        placement = cfg.placement if isinstance(cfg.placement, Placement) else None
+        if placement is not None and placement.stays is None:  # threads or processes
+            op = PlacedWork(placement, True)
         stage = ThreadedStage(
-            self, cfg.name, kind, work, concurrency, executor, ordered, inp, out, budget
+            self,
+            cfg.name,
+            "pipe",
+            op,
+            inp,
+            out,
+            iterates=cfg.kind is OpKind.GENERATOR,
+            concurrency=cfg.concurrency,
+            executor=cfg.executor,
+            ordered=ordered,
         )
-        if isinstance(cfg, PipeConfig) and isinstance(cfg.placement, Placement):
-            stage.counters.where = cfg.placement.where
-        elif executor is not self._pool:
+        if placement is not None:
+            stage.counters.where = placement.where
+        elif cfg.executor is not None:
             stage.counters.where = "threads (its own executor)"
         return stage
 
-    # -- RunContext ------------------------------------------------------------------------------
-
-    @property
-    def stopping(self) -> bool:
-        """True once the run is stopping."""
-        return self.life.stopping
+    # -- what the stages ask of the run ----------------------------------------------------------
 
     def on_loop_thread(self) -> bool:
         """Whether the caller runs on the event-loop thread."""
-        return threading.get_ident() == self._loop_ident
+        return threading.current_thread() is self._thread
 
     def submit(self, executor: Submitter, fn: Callable[[], None]) -> bool:
         """Run ``fn`` in ``executor``, counted so that ``stop`` can wait for it."""
@@ -239,7 +195,7 @@ class Run:
         except RuntimeError as error:  # the executor was shut down under us
             self.life.job_done()
             if not self.life.stopping:
-                self.fail(
+                self.begin_stop(
                     RuntimeError(
                         f"could not submit work to {type(executor).__name__}: {error}. An "
                         "executor passed to pipe(executor=...) must stay open while the "
@@ -274,12 +230,8 @@ class Run:
 
     def item_failed(self, item: Any, stage: str) -> None:
         """The stage named ``stage`` failed on ``item`` within the failure budget, skipping it."""
-        if self._on_failed is not None:
+        if self._on_failed is not None and isinstance(item, Tagged):
             self._on_failed(item, stage)
-
-    def fail(self, error: BaseException) -> None:
-        """Record the first error and begin stopping; the consumer's next ``get`` raises it."""
-        self._begin_stop(error)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -298,7 +250,6 @@ class Run:
         self._thread.start()
 
     def _loop_main(self) -> None:
-        self._loop_ident = threading.get_ident()
         asyncio.set_event_loop(self.loop)
         try:
             self.loop.run_until_complete(self._main())
@@ -308,10 +259,8 @@ class Run:
                 self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             finally:
                 asyncio.set_event_loop(None)
-                self._loop_ident = None  # thread ids are reused once a thread ends
 
     async def _main(self) -> None:
-        self._stop_event = asyncio.Event()
         tasks = [
             asyncio.ensure_future(s.run_stage())
             for s in self.stages
@@ -325,16 +274,14 @@ class Run:
         if self.tuner is not None:
             tasks.append(asyncio.ensure_future(self.tuner.run()))
         self._loop_ready.set()
-        if self.life.stopping:  # stopped before the loop came up
-            self._stop_event.set()
-        await self._stop_event.wait()
+        await self._stop_event.wait()  # set by begin_stop, also one before the loop ran
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def _task_done(self, task: asyncio.Future[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
-            self.fail(task.exception())  # type: ignore[arg-type]
+            self.begin_stop(task.exception())
 
     async def _report(self, interval: float) -> None:
         # Each report covers the interval since the last one, so that it names the stage
@@ -376,22 +323,18 @@ class Run:
             raise EOFError("the pipeline has no more items in this epoch")
         return item
 
-    def begin_stop(self) -> None:
-        """Stop taking work and wake every waiter; safe from any thread, returns at once."""
-        self._begin_stop(None)
+    def begin_stop(self, error: BaseException | None = None) -> None:
+        """Stop taking work and wake every waiter; safe from any thread, returns at once.
 
-    def _begin_stop(self, error: BaseException | None) -> None:
+        ``error``: why (the first is kept, and the consumer's next ``get`` raises it).
+        """
         if not self.life.begin_stop(error):
             return
         for channel in self.channels:
             channel.abort()
         self._sink.interrupt()
         with contextlib.suppress(RuntimeError):  # the loop already closed
-            self.loop.call_soon_threadsafe(self._set_stop_event)
-
-    def _set_stop_event(self) -> None:
-        if self._stop_event is not None:
-            self._stop_event.set()
+            self.loop.call_soon_threadsafe(self._stop_event.set)
 
     def stop(self) -> None:
         """Stop and join everything this run started; call from the consumer.
@@ -423,7 +366,7 @@ class Run:
                 left,
                 waited,
             )
-        self._pool.shutdown(wait=True)
+        self.pool.shutdown(wait=True)
         for stage in self.stages:  # no job left to fail: sum up what the logs held back
             stage.flush_failures()
         source = self.stages[0]

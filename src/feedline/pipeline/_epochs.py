@@ -1,51 +1,108 @@
-"""Where each epoch of a continuous run ends, at the consumer and at every ``aggregate``.
+"""Continuous runs (``build(continuous=True)``): the passes, and where each epoch ends.
 
-A continuous run numbers its source items across epochs (``_Passes`` records where each pass
-ended), and an item belongs to the epoch of its (first) number. An epoch is over at a point of
-the pipeline (a *checkpoint*: the consumer, or an ``aggregate``) when every item that carries
-one of its numbers has reached that point or failed before it. One-to-one stages keep one item
-per number; one-to-many stages (generators, ``disaggregate``) change the count, so they tell
-the accounting as they go (``_resume.Account``), and so does a stage that skips a failed item.
-
-Each checkpoint keeps, per number, the items still on their way to it (one, until a stage
-changes it) and a :class:`~feedline.pipeline._resume.Progress` of the numbers with none left.
-So the consumer knows when its loop's epoch is complete, and an ``aggregate`` closes an
-epoch's last, partial group then, instead of filling it with the next epoch's items.
+See "Continuous runs" in the README: :class:`Passes` is the run's source, and an epoch is over
+at a *checkpoint* (the consumer, or an ``aggregate``) when every item that carries one of its
+numbers has reached it or failed before it (one-to-many stages and failures change the count
+through ``_resume.Account``).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol, cast
+import functools
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
-from ._defs import AggregateConfig, DisaggregateConfig, OpKind, PipeConfig, StageConfig
-from ._resume import Account, Progress, TaggedAsyncGenerator, TaggedGenerator, split_group
+from ._defs import AggregateConfig, DisaggregateConfig, StageConfig
+from ._resume import Account, Progress, Tagged, split_group
 
-__all__ = ["Accounting", "Checkpoint"]
+__all__ = ["Accounting", "Checkpoint", "Passes"]
 
 
-class _Passes(Protocol):
-    def epoch_of(self, number: int) -> int: ...
+class Passes:
+    """A continuous run's source: its items numbered across passes over the user's source.
 
-    def complete(self, epoch: int, below: int) -> bool: ...
+    Each pass calls ``set_epoch`` (where the source has one) and records where it ended, before
+    its last item goes on (the source is read one item ahead); an empty pass ends the run.
+
+    No lock: the pass ends only grow, each appended by the source's thread before it puts the
+    items after it (a channel's lock orders them for the taker); the consumer's epoch only
+    grows, and the consumer wakes the source stage after it moves it, under that stage's lock.
+    """
+
+    def __init__(self, source: Any, first_epoch: int, ahead: int) -> None:
+        self._source = source
+        self._first = first_epoch
+        self._ends: list[int] = []  # after pass k, this many items were numbered in all
+        self._last = False  # the item just yielded ended its pass
+        self._count = 0  # items read from the source so far
+        self._ahead = ahead
+        self._consumer = first_epoch  # the epoch the consumer's loop is in, or runs next
+        self._wake: Callable[[], None] | None = None
+
+    def __iter__(self) -> Iterator[Tagged]:
+        count = 0
+        end = object()
+        for epoch in itertools.count(self._first):
+            setter = getattr(self._source, "set_epoch", None)
+            if callable(setter):
+                setter(epoch)
+            before = count
+            items = iter(self._source)
+            item = next(items, end)
+            while item is not end:
+                following = next(items, end)
+                count += 1
+                self._count = count + (following is not end)
+                if following is end:
+                    self._ends.append(count)
+                    self._last = True
+                yield Tagged(count - 1, item, item)
+                self._last = False
+                item = following
+            if count == before:
+                self._ends.append(count)
+                return
+
+    def boundary(self) -> bool:
+        """Whether the item just yielded was the last of its pass (for the source stage)."""
+        return self._last
+
+    def ready(self) -> bool:
+        """Whether the source may be read: at most ``ahead`` items past the consumer's epoch."""
+        k = self._consumer - self._first
+        return k >= len(self._ends) or self._count < self._ends[k] + self._ahead
+
+    def wake_with(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` when the source may be read again (the source stage's kick)."""
+        self._wake = wake
+
+    def consumer_at(self, epoch: int) -> None:
+        """The consumer's loop is in ``epoch`` (or runs it next): reads may go further."""
+        self._consumer = epoch
+        if self._wake is not None:
+            self._wake()
+
+    def epoch_of(self, number: int) -> int:
+        """The epoch of the item numbered ``number``."""
+        return self._first + bisect.bisect_right(self._ends, number)
+
+    def complete(self, epoch: int, below: int) -> bool:
+        """Whether every item of ``epoch`` is done, when every number under ``below`` is."""
+        k = epoch - self._first
+        return k < len(self._ends) and below >= self._ends[k]
 
 
 class Checkpoint:
-    """The items on their way to one point of a continuous run, per source number.
+    """The items on their way to one point of a continuous run, per source number."""
 
-    Args:
-        passes: Where each epoch's numbers end.
-
-    """
-
-    def __init__(self, passes: _Passes) -> None:
+    def __init__(self, passes: Passes) -> None:
         self._passes = passes
         self.after: Account | None = None  # an aggregate's: the points after it
-        self._done = Progress()
-        # Numbers whose count is not one, nor done: under the lock of ``_done``, which they
-        # move into.
-        self._left: dict[int, int] = {}
+        self._done = Progress()  # the numbers with no item left on the way
+        self._left: dict[int, int] = {}  # counts other than one, under ``_done``'s lock
 
     def change(self, tag: int | tuple[int, ...], change: int) -> None:
         """Add ``change`` to the items on their way for each number of ``tag``."""
@@ -78,16 +135,10 @@ class Checkpoint:
 
 
 class Accounting:
-    """The checkpoints of one continuous run, and what changes their counts.
+    """The checkpoints of one continuous run (each ``aggregate``'s, then the consumer's)."""
 
-    Args:
-        passes: Where each epoch's numbers end.
-        stages: The run's stages, in order; each ``aggregate`` gets a checkpoint, and the
-            consumer one after the last stage.
-
-    """
-
-    def __init__(self, passes: _Passes, stages: Sequence[StageConfig]) -> None:
+    def __init__(self, passes: Passes, stages: Sequence[StageConfig]) -> None:
+        self.passes = passes
         self._points = [
             (index, Checkpoint(passes))
             for index, stage in enumerate(stages)
@@ -97,12 +148,8 @@ class Accounting:
         self._points.append((len(stages), self.consumer))
         self._index = {stage.name: index for index, stage in enumerate(stages)}
 
-    def checkpoint(self, index: int) -> Checkpoint:
-        """The checkpoint of the ``aggregate`` at ``stages[index]``."""
-        return next(point for at, point in self._points if at == index)
-
     def account(self, index: int) -> Account:
-        """What the one-to-many stage at ``stages[index]`` tells: the points after it."""
+        """What the stage at ``stages[index]`` tells of its items: the points after it."""
         after = [point for at, point in self._points if at > index]
 
         def change(tag: int | tuple[int, ...], change: int) -> None:
@@ -111,41 +158,27 @@ class Accounting:
 
         return change
 
-    def failed(self, tag: int | tuple[int, ...], stage: str) -> None:
-        """The stage named ``stage`` skipped an item: it reaches none of the points after."""
-        self.account(self._index[stage])(tag, -1)
+    def failed(self, item: Tagged, stage: str) -> None:
+        """The stage named ``stage`` skipped ``item``: it reaches none of the points after."""
+        self.account(self._index[stage])(item.tag, -1)
 
     def counted(self, stages: Sequence[StageConfig]) -> tuple[StageConfig, ...]:
         """``stages`` (wrapped for tags), counting for this run.
 
-        The one-to-many ones tell the checkpoints after them, and each ``aggregate`` closes
-        its groups at the end of an epoch.
+        Each ``aggregate`` closes its groups at an epoch's end, and the one-to-many stages tell
+        the points after them.
         """
         out: list[StageConfig] = []
         for index, stage in enumerate(stages):
             if isinstance(stage, AggregateConfig):
-                point = self.checkpoint(index)
+                point = next(point for at, point in self._points if at == index)
                 point.after = self.account(index)
                 stage = dataclasses.replace(stage, epochs=point)
-            elif isinstance(stage, DisaggregateConfig) and stage.split is split_group:
-                stage = dataclasses.replace(stage, split=_counted_split(self.account(index)))
-            elif isinstance(stage, PipeConfig) and stage.kind in (
-                OpKind.GENERATOR,
-                OpKind.ASYNC_GENERATOR,
-            ):
-                op, account = stage.op, self.account(index)
-                counted: Any = (
-                    TaggedGenerator(op.op, account)
-                    if isinstance(op, TaggedGenerator)
-                    else TaggedAsyncGenerator(cast(TaggedAsyncGenerator, op).op, account)
-                )
-                stage = dataclasses.replace(stage, op=counted)
+            elif isinstance(stage, DisaggregateConfig):
+                split = functools.partial(split_group, account=self.account(index))
+                stage = dataclasses.replace(stage, split=split)
+            elif stage.kind.many:
+                op: Any = stage.op  # a TaggedGenerator or TaggedAsyncGenerator
+                stage = dataclasses.replace(stage, op=type(op)(op.op, self.account(index)))
             out.append(stage)
         return tuple(out)
-
-
-def _counted_split(account: Account) -> Callable[[Any], Iterable[Any]]:
-    def split(item: Any) -> Iterable[Any]:
-        return split_group(item, account)
-
-    return split

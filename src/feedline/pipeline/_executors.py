@@ -1,10 +1,8 @@
-"""Executors the engine runs work in.
+"""The pipeline's default thread pool.
 
-:class:`WorkerPool` is the pipeline's default thread pool. It is a minimal pool rather than a
-``ThreadPoolExecutor`` because the engine submits a job at every burst of items and needs no
-``Future`` back: skipping the ``Future`` (a condition variable and a re-entrant lock per call)
-makes a submission several times cheaper. Stages may still bring their own
-``ThreadPoolExecutor`` or ``ProcessPoolExecutor`` (``pipe(executor=...)``).
+Not a ``ThreadPoolExecutor``: the engine submits a job at every burst of items and needs no
+``Future`` back (a condition variable and a re-entrant lock per call), which makes a
+submission several times cheaper.
 """
 
 from __future__ import annotations
@@ -33,9 +31,8 @@ class WorkerPool:
     Args:
         max_workers: The most threads the pool starts.
         name: Prefix of the threads' names.
-        lock: Guards the pool's threads and idle count: its run's lock (the lifecycle's,
-            which counts the same jobs), held only for a few assignments and never while
-            another lock is taken.
+        lock: Guards the pool's threads and idle count: its run's (the lifecycle's), held
+            only for a few assignments and never while another lock is taken.
 
     """
 
@@ -94,10 +91,13 @@ class WorkerPool:
                 self._idle += 1
 
     def shutdown(self, wait: bool = True) -> None:
-        """Let queued work finish, then stop the threads (and join them if ``wait``)."""
-        with self._lock:
-            first, self._shutdown = not self._shutdown, True
-            threads = list(self._threads)
+        """Let queued work finish, then stop the threads (and join them if ``wait``).
+
+        The run calls it under its join lock, once its last job (and so its last submission)
+        has ended: no lock of the pool's is needed.
+        """
+        first, self._shutdown = not self._shutdown, True
+        threads = list(self._threads)
         if first:
             for _ in threads:
                 self._queue.put(None)

@@ -1,23 +1,11 @@
 """How a default-sized queue grows when its size, not its producer, keeps its consumer waiting.
 
-A consumer that finds its queue empty although the queue became full since it last found it
-empty was held up by the queue's size: the producer filled every place, stopped, and had to be
-woken again, and each such turn costs both sides a sleep and a wake-up (on the event loop, a
-task switch; between threads, a thread wake-up). The queue then doubles. A consumer slower than
-its producer never finds the queue empty, and a producer slower than its consumer fills it only
-with bursts (a ``disaggregate``, a generator), which the room then absorbs. tf.data's autotuned
-prefetch buffers grow on the same idea.
-
-A queue after a cheap producer grows (either way) while its consumer is cheap too, or while the
-doubled queue holds less than :data:`QUEUE_SPAN` of the consumer's calls; such a queue also
-doubles when its producer fills it (``on_fill``): the consumer's own thread runs a cheap
-producer whenever it takes an item from a half-empty queue, so it never finds the queue empty,
-yet pays a turn of the producer per half a queue.
-
-Growth stops at a number of items and at a byte budget for items as large as those measured
-lately (:func:`approx_nbytes`, quick to rise and slow to fall; :data:`UNKNOWN_SIZE_CAP` items if
-it cannot tell). A grown queue measures one item in :data:`RECHECK` and shrinks, keeping what it
-holds, if items got larger.
+A consumer that finds its queue empty although it became full since it last found it empty was
+held up by the queue's size (each turn costs both sides a wake-up): the queue doubles, as
+tf.data's prefetch buffers grow. Between cheap stages it also doubles when its producer fills
+it, since a consumer's thread that runs the producer never finds it empty. Growth stops at a
+number of items and at a byte budget for items like those measured lately (see "Queue sizes"
+in the README); a grown queue measures one item in :data:`RECHECK` and shrinks if they grew.
 """
 
 from __future__ import annotations
@@ -79,24 +67,18 @@ def approx_nbytes(item: Any, depth: int = 3) -> int | None:
 class Growth:
     """How one channel grows: its limits, and when it last tried.
 
-    The channel calls :meth:`found_empty` (with its lock held) when its consumer finds it empty,
-    and :meth:`found_full` when its producer fills it; it measures the item that follows with
-    :meth:`target` if that returns true, and one item in :data:`RECHECK` while grown. A
-    doubling that changes nothing (at a limit) makes the channel stop asking for a while, so
-    that a channel that cannot grow does not measure an item at every turn: first for
-    :data:`RECHECK` items taken, then twice as many each time, up to :data:`MAX_QUIET`.
+    The channel calls :meth:`found_empty` and :meth:`found_full` (with its lock held); if they
+    return true it measures the next item taken with :meth:`target`, as it does one item in
+    :data:`RECHECK` while grown. A doubling that changes nothing (at a limit) stops the asking
+    for :data:`RECHECK` items taken, then twice as many each time, up to :data:`MAX_QUIET`.
 
     Args:
         start: The channel's first capacity; it never shrinks below it.
         grow_to: The most items it grows to.
         grow_bytes: The most bytes of items like the one measured it grows to hold.
         allowed: Whether the channel may now double from the capacity given (``None``:
-            always). Between stages: whether its producer is cheap and its consumer cheap or
-            the doubled queue would hold less than :data:`QUEUE_SPAN` of its work, since only
-            then does a hand-over cost much next to the work it hands over. A grown channel
-            that could not now double from a quarter of its size shrinks back to its start
-            at its next measure. It may be called with the channel's lock held: it must not
-            use the channel.
+            always); called with the channel's lock held, so it must not use the channel. A
+            grown channel that could not double from a quarter of its size shrinks back.
         on_fill: Whether it also doubles when its producer fills it (while allowed).
 
     """
@@ -138,11 +120,7 @@ class Growth:
         self._quiet_until = 0  # the channel's gets before which no doubling is asked for
 
     def rebase(self, start: int) -> None:
-        """Shrink back to ``start`` from now on (the tuner changed a stage).
-
-        Not below the build's size; the byte limit still applies above that (see
-        :meth:`target`).
-        """
+        """Shrink back to ``start`` (not below the build's size) from now on: the tuner's."""
         self.start = max(self.first, min(self.grow_to, start))
 
     def allowed(self, capacity: int) -> bool:
@@ -150,10 +128,9 @@ class Growth:
         return self._allowed is None or self._allowed(capacity)
 
     def found_empty(self, fills: int, gets: int) -> bool:
-        """Whether to measure the next item, now that the consumer found the channel empty.
+        """Whether to measure the next item: the consumer found the channel empty after a fill.
 
-        Yes if the channel became full since the consumer last found it empty, unless a
-        recent doubling changed nothing. Called with the channel's lock held.
+        Not while a recent doubling that changed nothing holds the asking back.
         """
         if fills == self._fills_seen or gets < self._quiet_until:
             return False
@@ -162,12 +139,9 @@ class Growth:
         return True
 
     def found_full(self, fills: int, gets: int, capacity: int) -> bool:
-        """Whether to measure the next item, now that the producer filled the channel.
+        """Whether to measure the next item: the producer filled a channel that grows ``on_fill``.
 
-        Yes for a channel that grows on fills (``on_fill``) while it may double from
-        ``capacity``, unless a recent doubling changed nothing. The fill then counts as seen:
-        the consumer finding the channel empty after it asks for no second doubling. Called
-        with the channel's lock held.
+        The fill then counts as seen, so the consumer finding it empty asks for no second one.
         """
         if not self.on_fill or gets < self._quiet_until or not self.allowed(capacity):
             return False
@@ -176,7 +150,7 @@ class Growth:
         return True
 
     def take_doubling(self) -> bool:
-        """Whether the item being measured decides a doubling (channel lock held); clears it."""
+        """Whether the item being measured decides a doubling; clears it."""
         doubling, self._doubling = self._doubling, False
         return doubling
 
@@ -184,9 +158,8 @@ class Growth:
         """The capacity to have after measuring ``item`` (called without the channel's lock).
 
         Doubled within the limits if ``doubling`` (the caller checks :meth:`allowed` first);
-        otherwise back within the byte budget for items like those measured lately, or back
-        to the start if it could not now double even from a quarter of ``capacity`` (a margin
-        of two against noise in the call times that allowed it).
+        otherwise within the byte budget, or back to the start if it could not double even
+        from a quarter of ``capacity`` (a margin against noise in the call times).
         """
         if doubling:
             return min(self.limit(item), 2 * capacity)
@@ -197,7 +170,7 @@ class Growth:
         return min(capacity, self.limit(item))
 
     def settled(self, gets: int, grew: bool) -> None:
-        """Record how a doubling ended (channel lock held), to back off if it changed nothing."""
+        """Record how a doubling ended, to back off if it changed nothing."""
         if grew:
             self._quiet = RECHECK
         else:
@@ -207,8 +180,7 @@ class Growth:
     def limit(self, item: Any) -> int:
         """The most items the channel may hold, ``item`` measured (never below its first size).
 
-        Sized for the bytes per item measured lately: they rise at once to a larger item, and
-        fall by :data:`SIZE_FALL` of the way toward a smaller one.
+        The bytes per item it is sized for rise at once, and fall by :data:`SIZE_FALL`.
         """
         try:
             nbytes = approx_nbytes(item)

@@ -1,19 +1,8 @@
 """Task hooks: user code called around every task of a pipeline's stages, for tracing.
 
-A :class:`TaskHook` given to :meth:`PipelineBuilder.build <feedline.PipelineBuilder.build>`
-is called when each epoch's stages start and end, and before and after every call of every
-op stage (a generator op's task lasts until it is exhausted). The hooks wrap the ops when
-the pipeline is built, so a pipeline without hooks runs exactly as before, at no cost.
-
-The built-in statistics do not go through hooks: they are counters the engine updates under
-each stage's lock together with the busy-slot count it schedules by, and a Python call
-before and after every task would cost cheap stages more than the engine's own work per
-item (``feedline bench engine``). Hooks are for what those counters do not say: a trace of
-each item's way through the stages, a histogram per stage, a custom metric.
-
-Hooks run on the thread that runs the task (a pool thread, or the event loop for coroutine
-ops), so they must be thread-safe and quick. A stage with a process-pool executor (and a
-process region) runs its ops in other processes: hooks are not called for its tasks.
+See "Task hooks" in the README: :func:`hooked` wraps each op of this process when the
+pipeline is built (a pipeline without hooks pays nothing); hooks run on the thread that runs
+the task (a pool thread, or the event loop), so they must be thread-safe and quick.
 """
 
 from __future__ import annotations

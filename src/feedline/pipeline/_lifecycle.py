@@ -11,12 +11,10 @@ __all__ = ["RunLifecycle"]
 class RunLifecycle:
     """Where one run is between its start and its stop, safe from any thread.
 
-    Stopping is two-phase (see ``Run``): :meth:`begin_stop` sets ``stopping``, after which no
-    job is counted in; the joining thread then waits (:meth:`wait_jobs`) for the jobs counted
-    before. The flags, the error and the job count share one lock (:attr:`lock`, which the
-    run's worker pool shares for its threads); joining has a lock of its own
-    (:attr:`join_lock`), held for as long as the join takes, which jobs ending must not wait
-    for.
+    :meth:`begin_stop` sets ``stopping``, after which no job is counted in; the joining thread
+    then waits (:meth:`wait_jobs`) for those counted before. The flags, the error and the job
+    count share :attr:`lock` (the run's worker pool shares it too); joining holds
+    :attr:`join_lock` for as long as it takes, which jobs ending must not wait for.
     """
 
     __slots__ = (
@@ -32,12 +30,10 @@ class RunLifecycle:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        # One thread joins at a time, another caller waits for it. ``stopped`` (a join ran
-        # to its end) is read and written only with it held.
         self.join_lock = threading.Lock()
-        self.stopped = False
-        # Read without the lock on the hot path (stages look before each item): it only ever
-        # turns true, and a stale false costs one more item before the stage notices.
+        self.stopped = False  # a join ran to its end (under join_lock)
+        # unlocked on the hot path (stages look before each item): it only turns true, and a
+        # stale false costs one more item.
         self.stopping = False
         self._stop_called = False  # the consumer asked to stop: later errors are not recorded
         self.error: BaseException | None = None
@@ -45,10 +41,7 @@ class RunLifecycle:
         self._jobs_done = threading.Event()
 
     def start(self, begin: Callable[[], None]) -> bool:
-        """Call ``begin`` (which starts the run's thread) unless the run is stopping.
-
-        Under the lock, so that a stop that comes later sees what ``begin`` started.
-        """
+        """Call ``begin`` unless stopping, under the lock: a later stop sees what it started."""
         with self.lock:
             if self.stopping:
                 return False
@@ -75,10 +68,8 @@ class RunLifecycle:
         """Set ``stopping``; True for the call that set it.
 
         Args:
-            error: Why the run stops: kept as the run's error if it is the first, and no
-                stop was asked for before.
-            asked: The consumer asked to stop (``Run.stop``, which calls this again with
-                ``asked`` once the stop has begun): errors from then on are not recorded.
+            error: Why the run stops: kept if it is the first, and no stop was asked for.
+            asked: The consumer asked to stop (``Run.stop``): later errors are not kept.
 
         """
         with self.lock:
@@ -93,9 +84,9 @@ class RunLifecycle:
             return True
 
     def wait_jobs(self, timeout: float) -> int | None:
-        """Wait up to ``timeout`` s for the counted jobs to end: ``None`` once they have.
+        """Wait up to ``timeout`` s for the counted jobs to end: ``None``, or how many are left.
 
-        Otherwise how many are left, read without the lock: a count for a warning.
+        unlocked: the count is for a warning.
         """
         if self._jobs_done.wait(timeout):
             return None

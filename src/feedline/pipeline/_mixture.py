@@ -1,25 +1,9 @@
 """Several sources as one: in turn, with weights, or as their items come.
 
-A training set is often a mixture: several datasets (or pipelines) drawn in set proportions.
-:class:`Mixture` is an iterable that a pipeline takes as its source (or that a loop iterates
-directly). Taken in turn or with weights, the order is a function of the sources, the
-weights, the seed and the epoch alone, so a pipeline built with ``resumable=True`` resumes a
-mixture exactly, as it resumes a list: it iterates the mixture again and skips what was
-delivered.
-
-The weighted order is smooth weighted round robin: each source earns its weight in credit
-per item, and the source with the most credit gives the next item and pays the total weight.
-Every source's credit stays within one total of zero, so in any window of ``n`` items a
-source gives ``n * weight / total`` items give or take two: the proportions hold over a few
-dozen items already, where independent draws would stray by several percent over hundreds.
-The seed (and the epoch) set the starting credits, so that seeds and epochs interleave
-differently. When a source runs out, the mixture ends (``stop="first"``: the proportions
-hold to the end) or goes on without it (``stop="all"``: the others keep their weights
-between them).
-
-``as_ready=True`` takes each source on a thread of its own and yields items in the order
-they arrive: the fan-in of pipelines or of sources with their own pace. That order depends
-on timing, so it is not resumed exactly.
+See "Mixtures of sources" in the README. In turn or with weights (smooth weighted round
+robin, its starting credits from the seed and epoch) the order is a function of the sources,
+the weights, the seed and the epoch alone, so a resumable pipeline resumes a mixture exactly;
+``as_ready=True`` takes each source on a thread of its own, in the order items arrive.
 """
 
 from __future__ import annotations
@@ -133,20 +117,17 @@ class Mixture(Generic[T]):
         if self.weights is None:  # in turn, until the first one that runs out
             least = min(sizes)
             return least * len(sizes) + sizes.index(least)
-        return sum(1 for _ in self._order(sizes))
+        return sum(1 for _ in self._mixed([range(n) for n in sizes]))
 
     def __iter__(self) -> Iterator[T]:
         if self.as_ready:
             return _as_ready(self.sources, self.stop, self.buffer_size)
-        return self._mixed()
+        return self._mixed(self.sources)
 
-    def _mixed(self) -> Iterator[T]:
-        iterators = [iter(s) for s in self.sources]
+    def _mixed(self, sources: Sequence[Iterable[Any]]) -> Iterator[Any]:
+        iterators = [iter(s) for s in sources]
         pick = _Picker(self.weights, self.seed, self.epoch, len(iterators))
-        while True:
-            source = pick.next()
-            if source is None:
-                return
+        while (source := pick.next()) is not None:
             try:
                 item = next(iterators[source])
             except StopIteration:
@@ -155,19 +136,6 @@ class Mixture(Generic[T]):
                 pick.drop(source)
                 continue
             yield item
-
-    def _order(self, sizes: list[int]) -> Iterator[int]:
-        # The sources of the items of an iteration, for sources of these sizes.
-        left = list(sizes)
-        pick = _Picker(self.weights, self.seed, self.epoch, len(sizes))
-        while (source := pick.next()) is not None:
-            if left[source] == 0:
-                if self.stop == "first":
-                    return
-                pick.drop(source)
-                continue
-            left[source] -= 1
-            yield source
 
 
 class _Picker:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import bisect
 import collections
 import dataclasses
-import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -15,12 +13,12 @@ from typing import Any, Generic, TypeVar
 from feedline._watchdog import StallWatch
 from feedline.errors import ConfigurationError
 
-from ._defs import AggregateConfig, DisaggregateConfig, OpKind, PipeConfig, PipelineConfig
+from ._defs import AggregateConfig, DisaggregateConfig, PipeConfig, PipelineConfig
 from ._engine import Run
-from ._epochs import Accounting, Checkpoint
+from ._epochs import Accounting, Passes
 from ._placement import Placement
 from ._region import RegionPool
-from ._resume import PassControl, Progress, Tagged, tag_async_source, tag_source
+from ._resume import Progress, Tagged, tag_async_source, tag_source
 from ._settings import CONTINUOUS_AHEAD, SOURCE_POLL
 from .stats import PipelineStats
 
@@ -41,8 +39,9 @@ class _Holder:
         self.hooks = hooks  # (TaskHook, stage) pairs: told when each epoch's stages end
 
     def stop(self) -> None:
-        with self.lock:
-            run = self.run
+        # unlocked: one reference; a stop ordered after start() (by any means) sees its run,
+        # and one racing with it may as well come first.
+        run = self.run
         if run is not None:
             if not run.finished:  # part-way: what the regions' workers run is dropped
                 run.begin_stop()  # no new calls; those under way fail as the workers end
@@ -118,18 +117,15 @@ class Pipeline(Generic[T]):
         self._last: Run | None = None
         self._iterating = False
         self._finalizer = weakref.finalize(self, _Holder.close, self._holder)
-        # resumable=True: what the current (or last) epoch delivered, and a loaded state
-        # waiting for the next epoch.
-        self._progress = Progress()
-        self._loaded: Progress | None = None
-        # build(continuous=True): the epoch the next loop runs, where the run's epochs end
-        # for the consumer, and items of later epochs that came early.
+        self._progress = Progress()  # resumable: what the current (or last) epoch delivered
+        self._loaded: Progress | None = None  # a loaded state, for the next epoch
+        # build(continuous=True): the epoch the next loop runs, the current run's passes and
+        # checkpoints, and items of later epochs that came early.
         self._next_epoch = 0
-        self._delivered: Checkpoint | None = None
+        self._accounting: Accounting | None = None
         self._held: dict[int, collections.deque[Any]] = {}  # per epoch
-        self._passes: _Passes | None = None  # the current run's source (reads held back)
         # Reports a consumer that waits with nothing moving (see feedline._watchdog); a
-        # DataLoader names it and adds what it knows. No reference to this pipeline.
+        # DataLoader names it. No reference to this pipeline.
         holder = self._holder
         self.watch = StallWatch(
             "a feedline pipeline's consumer",
@@ -143,7 +139,7 @@ class Pipeline(Generic[T]):
         """Start loading the next epoch in the background. Does nothing if already started."""
         holder = self._holder
         previous = holder.run
-        if previous is not None and previous.stopping:
+        if previous is not None and previous.life.stopping:
             holder.stop()  # a stop that an interrupt cut short: finish it, then start anew
         with holder.lock:
             if holder.run is not None:
@@ -157,49 +153,35 @@ class Pipeline(Generic[T]):
         run.start()
 
     def _new_run(self) -> Run:
-        # Called under the holder's lock, which state_dict() takes too. The source's items
-        # are numbered and carry their source item (see _resume); a resumable pipeline also
-        # skips those done and marks those received or skipped.
+        # Under the holder's lock, which state_dict() takes too. Items travel Tagged (see
+        # _resume); a resumable run skips the items done and marks those received or skipped.
         config = self._carried(self._config)
+        if config.continuous:
+            passes = Passes(config.source.source, self._next_epoch, CONTINUOUS_AHEAD)
+            accounting = self._accounting = Accounting(passes, config.stages)
+            self._held.clear()  # a new run makes them again
+            config = dataclasses.replace(config, stages=accounting.counted(config.stages))
+            return Run(config, lambda source, run: passes, accounting.failed)
         progress: Progress | None = None
         on_failed = None
-        if config.continuous:
-            passes = _Passes(config.source.source, self._next_epoch, CONTINUOUS_AHEAD)
-            self._passes = passes
-            self._held.clear()  # a new run makes them again
-            accounting = Accounting(passes, config.stages)
-            self._delivered = accounting.consumer  # numbers across the epochs of this run
-            config = dataclasses.replace(config, stages=accounting.counted(config.stages))
-
-            def failed_here(item: Any, stage: str) -> None:
-                if isinstance(item, Tagged):
-                    accounting.failed(item.tag, stage)
-
-            on_failed = failed_here
-
-            def wrap_passes(source: Any, run: Run) -> Any:
-                return tag_source(_wrap_source(passes, run), None, lambda: run.stopping)
-
-            return Run(config, wrap_passes, on_failed=on_failed)
         if config.resumable:
             progress = self._loaded or Progress()
             self._progress = progress  # before _loaded is cleared: never a moment with neither
             self._loaded = None
 
-            def failed(item: Any, stage: str) -> None:
-                if isinstance(item, Tagged):  # skipped: an uninterrupted run skips it too
-                    progress.mark(item.tag, failed=True)
+            def on_failed(item: Tagged, stage: str) -> None:  # an uninterrupted run skips it too
+                progress.mark(item.tag, failed=True)
 
-            on_failed = failed
-        src = config.source
-        if src.is_async:
-            source = tag_async_source(src.source, progress)  # type: ignore[arg-type]
-            config = dataclasses.replace(config, source=dataclasses.replace(src, source=source))
+        if config.source.is_async:
+            source = tag_async_source(config.source.source, progress)  # type: ignore[arg-type]
+            config = dataclasses.replace(
+                config, source=dataclasses.replace(config.source, source=source)
+            )
 
         def wrap(source: Any, run: Run) -> Any:  # a sync source
-            return tag_source(_wrap_source(source, run), progress, lambda: run.stopping)
+            return tag_source(source, progress, lambda: run.life.stopping)
 
-        return Run(config, wrap, on_failed=on_failed)
+        return Run(config, wrap, on_failed)
 
     def settled_concurrency(self) -> dict[str, int]:
         """Each tuned stage's concurrency, by name, as the current (or last) run's tuner kept it.
@@ -210,8 +192,8 @@ class Pipeline(Generic[T]):
         return last.tuner.settled() if last is not None and last.tuner is not None else {}
 
     def _carried(self, config: PipelineConfig) -> PipelineConfig:
-        # Tuned stages start where the last epoch's tuner left them, not from scratch, and a
-        # default-sized queue after one holds a result per call, as the build sizes it.
+        # Tuned stages start where the last epoch's tuner left them, and a default-sized
+        # queue after one holds a result per call, as the build sizes it.
         settled = self.settled_concurrency()
         if not settled:
             return config
@@ -228,8 +210,7 @@ class Pipeline(Generic[T]):
         return dataclasses.replace(config, stages=stages)
 
     def _receiver(self, run: Run) -> Callable[[float | None], Any]:
-        # What hands the consumer its items: the run's get, unwrapping each, and, when
-        # resumable, marking its source numbers done.
+        # The run's get, unwrapping each item (and, when resumable, marking it done).
         get = run.get
         if not self._config.resumable:
             return lambda timeout: get(timeout).take()
@@ -320,16 +301,11 @@ class Pipeline(Generic[T]):
         left_early = True
         try:
             self.start()
-            run = self._holder.run
+            run, accounting = self._holder.run, self._accounting
             assert run is not None
-            epoch, delivered, held, passes = (
-                self._next_epoch,
-                self._delivered,
-                self._held,
-                self._passes,
-            )
-            assert delivered is not None
-            assert passes is not None
+            assert accounting is not None
+            delivered, passes = accounting.consumer, accounting.passes
+            epoch, held = self._next_epoch, self._held
             passes.consumer_at(epoch)
             early = held.setdefault(epoch, collections.deque())
             while True:
@@ -362,16 +338,25 @@ class Pipeline(Generic[T]):
                 self._next_epoch += 1
                 self.stop()
 
-    def _epoch(self) -> Iterator[T]:
+    def iter_until(self, stopping: Callable[[], bool]) -> Iterator[T]:
+        """Iterate one epoch, ending early once ``stopping()`` is true (checked every 0.1 s).
+
+        Used when this pipeline is the source of another: it stops with the outer pipeline.
+        """
+        return self._epoch(stopping)
+
+    def _epoch(self, stopping: Callable[[], bool] | None = None) -> Iterator[T]:
         self._iterating = True
         try:
             self.start()
             run = self._holder.run
             assert run is not None
-            get = self._receiver(run)
-            while True:
+            get, timeout = self._receiver(run), None if stopping is None else SOURCE_POLL
+            while stopping is None or not stopping():
                 try:
-                    item = get(None)
+                    item = get(timeout)
+                except TimeoutError:  # only with a timeout: look at stopping() again
+                    continue
                 except EOFError:
                     self._epoch_done(run)
                     return
@@ -380,34 +365,11 @@ class Pipeline(Generic[T]):
             self._iterating = False
             self.stop()
 
-    def iter_until(self, stopping: Callable[[], bool]) -> Iterator[T]:
-        """Iterate one epoch, ending early once ``stopping()`` is true (checked every 0.1 s).
-
-        Used when this pipeline is the source of another: it stops with the outer pipeline.
-        """
-        self.start()
-        run = self._holder.run
-        assert run is not None
-        get = self._receiver(run)
-        try:
-            while not stopping():
-                try:
-                    item = get(SOURCE_POLL)
-                except TimeoutError:
-                    continue
-                except EOFError:
-                    self._epoch_done(run)
-                    return
-                yield item
-        finally:
-            self.stop()
-
     def _epoch_done(self, run: Run) -> None:
-        # The epoch ended (not stopped part-way): a state saved now starts the next epoch
-        # from its beginning.
+        # The epoch ended (not stopped part-way): a state saved now starts the next one.
         if self._config.resumable and run.finished:
-            with self._holder.lock:
-                done, self._progress = self._progress, Progress()
+            # unlocked: one reference, as in _Holder.stop (state_dict() takes either).
+            done, self._progress = self._progress, Progress()
             done.check_end()  # each source item delivered or failed, once (LedgerError)
 
     # -- resuming --------------------------------------------------------------------------------
@@ -486,10 +448,7 @@ class Pipeline(Generic[T]):
             if isinstance(stage, AggregateConfig):
                 whole, part = divmod(count, stage.size)
                 count = whole + (1 if part and not stage.drop_last else 0)
-            elif isinstance(stage, DisaggregateConfig) or stage.kind in (
-                OpKind.GENERATOR,
-                OpKind.ASYNC_GENERATOR,
-            ):
+            elif isinstance(stage, DisaggregateConfig) or stage.kind.many:
                 raise TypeError(
                     f"stage {stage.name!r} yields any number of items per input: the pipeline "
                     "has no len()"
@@ -516,128 +475,15 @@ class Pipeline(Generic[T]):
         return f"Pipeline({' -> '.join(names)}, {state})"
 
 
-class _UntilStopped:
-    """A source that can be told to end: iterated through ``iter_until(stopping)``.
-
-    Such a source may wait for long between values; stopping the run ends its iteration.
-    """
-
-    def __init__(self, source: Any, run: Run) -> None:
-        self._source = source
-        self._run = run
-
-    def __iter__(self) -> Iterator[Any]:
-        run = self._run
-        return self._source.iter_until(lambda: run.stopping)  # type: ignore[no-any-return]
-
-
-class _Passes(PassControl):
-    """A continuous run's source: pass after pass over the user's source, one per epoch.
-
-    Each pass tells the source its epoch (``set_epoch``, where it has one) and records where
-    it ended in the run's numbering, so that an item's epoch follows from its number. The end
-    is recorded before the pass's last item goes on (the source is read one item ahead), so
-    that the stages after know the epoch is over when that item reaches them. A pass that
-    yields nothing ends the run. Instead of waiting for the consumer, the source stage asks
-    :meth:`ready` before each read and is woken when the consumer moves on.
-
-    No lock: the pass ends only grow, each appended by the source's thread before it puts
-    the items after it, so a thread that took such an item from a channel sees it (the
-    channel's lock orders them); the consumer's epoch only grows, and the consumer wakes the
-    source stage after it moves it, under that stage's lock (see "Memory ordering" in the
-    README).
-    """
-
-    def __init__(self, source: Any, first_epoch: int, ahead: int) -> None:
-        self._source = source
-        self._first = first_epoch
-        self._ends: list[int] = []  # after pass k, this many items were numbered in all
-        self._last = False  # the item just yielded ended its pass
-        self._count = 0  # items read from the source so far
-        self._ahead = ahead
-        self._consumer = first_epoch  # the epoch the consumer's loop is in, or runs next
-        self._wake: Callable[[], None] | None = None
-
-    def __iter__(self) -> Iterator[Any]:
-        count = 0
-        end = object()
-        for k in itertools.count():
-            epoch = self._first + k
-            setter = getattr(self._source, "set_epoch", None)
-            if callable(setter):
-                setter(epoch)
-            before = count
-            items = iter(self._source)
-            item = next(items, end)
-            while item is not end:
-                following = next(items, end)
-                count += 1
-                self._count = count + (following is not end)
-                if following is end:
-                    self._ends.append(count)
-                    self._last = True
-                yield item
-                self._last = False
-                item = following
-            if count == before:
-                self._ends.append(count)
-                return
-
-    def boundary(self) -> bool:
-        """Whether the item just yielded was the last of its pass (for the source stage)."""
-        return self._last
-
-    def ready(self) -> bool:
-        """Whether the source may be read now (for the source stage).
-
-        Items of epochs after the consumer's wait for it (held), so the run reads at most
-        ``ahead`` items past the end of the consumer's epoch: a slow item that holds the
-        consumer's loop up holds up the reads too, instead of items piling up for later loops.
-        """
-        k = self._consumer - self._first
-        return k >= len(self._ends) or self._count < self._ends[k] + self._ahead
-
-    def wake_with(self, wake: Callable[[], None]) -> None:
-        """Call ``wake`` when the source may be read again (the source stage's kick)."""
-        self._wake = wake
-
-    def consumer_at(self, epoch: int) -> None:
-        """The consumer's loop is in ``epoch`` (or runs it next): reads may go further."""
-        self._consumer = epoch
-        if self._wake is not None:
-            self._wake()
-
-    def epoch_of(self, number: int) -> int:
-        """The epoch of the item numbered ``number``."""
-        return self._first + bisect.bisect_right(self._ends, number)
-
-    def complete(self, epoch: int, below: int) -> bool:
-        """Whether every item of ``epoch`` is done, when every number under ``below`` is."""
-        k = epoch - self._first
-        return k < len(self._ends) and below >= self._ends[k]
-
-
-def _wrap_source(source: Any, run: Run) -> Any:
-    # A source that may block for long (another pipeline, a child process) offers
-    # iter_until(stopping): it ends promptly once the run stops, so that stopping the run
-    # (Ctrl-C, break) does not wait for its next item.
-    if callable(getattr(source, "iter_until", None)):
-        return _UntilStopped(source, run)
-    return source
-
-
 def _in_flight(run: Run | None) -> list[str]:
     """For a stall report: each stage's calls in flight, counts and queue."""
     if run is None:
         return ["the pipeline is not running"]
-    lines = []
-    for s in run.stats().stages:
-        lines.append(
-            f"stage {s.name!r}: {s.in_flight} call(s) running, {s.items_in} in, "
-            f"{s.items_out} out, {s.failures} failed; the queue after it holds "
-            f"{s.queue.size} of {s.queue.capacity}"
-        )
-    return lines
+    return [
+        f"stage {s.name!r}: {s.in_flight} call(s) running, {s.items_in} in, {s.items_out} out, "
+        f"{s.failures} failed; the queue after it holds {s.queue.size} of {s.queue.capacity}"
+        for s in run.stats().stages
+    ]
 
 
 def _moved(run: Run | None) -> int:

@@ -31,7 +31,6 @@ from feedline._proc.pipe_pool import rebuilt
 from feedline.errors import portable
 
 from ._region import RegionPool, RunOfStages
-from ._stages._threaded import Work
 
 __all__ = [
     "CHUNK_SECONDS",
@@ -294,7 +293,7 @@ class Placement:
         self._retired.clear()
 
 
-class PlacedWork(Work):
+class PlacedWork:
     """A threaded stage's work whose op is a :class:`Placement`.
 
     It applies the op to a ``Tagged`` item's value where ``tagged``: one item at a time on
@@ -306,7 +305,7 @@ class PlacedWork(Work):
         self.tagged = tagged
 
     @property
-    def takes(self) -> int:  # type: ignore[override]
+    def takes(self) -> int:
         """Items a job takes at once: more than one while the stage runs in processes."""
         return self.placement.takes
 

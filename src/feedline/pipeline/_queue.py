@@ -1,12 +1,9 @@
 """Bounded channels between stages, safe to use from any thread, that keep statistics.
 
-A :class:`Channel` connects exactly one producing stage to one consuming stage. Neither side ever
-blocks inside the channel: ``try_put`` and ``try_get`` return at once, and the channel tells the
-other side when waiting is over through the :class:`Endpoint` callbacks (``on_data`` when an item
-arrives or the channel closes, ``on_space`` when a full channel drains). Each endpoint decides what
-"waking up" means: a thread-pool stage submits a job, an event-loop stage resolves a future, the
-consumer of the sink notifies a condition variable. This keeps the number of thread wake-ups per
-item low, which is where a threaded pipeline loses its time.
+A :class:`Channel` connects one producing stage to one consuming stage. Neither side blocks in
+it: ``try_put`` and ``try_get`` return at once, and the channel calls the other side's
+:class:`Endpoint` (``on_data``, ``on_space``) when waiting is over; each endpoint decides what
+waking up means (a pool job, a future on the loop, the consumer's signal).
 """
 
 from __future__ import annotations
@@ -55,12 +52,11 @@ class Sizes(Protocol):
         """An item was put."""
 
 
-class _Nobody:
+class _Nobody:  # the endpoints until connect()
     def on_data(self) -> None:
         pass
 
-    def on_space(self) -> None:
-        pass
+    on_space = on_data
 
 
 class Channel:
@@ -115,12 +111,11 @@ class Channel:
         self._consumer = consumer
 
     def try_put(self, item: Any) -> bool:
-        """Append ``item`` unless the channel is full; never blocks.
+        """Append ``item`` unless the channel is full or closed; never blocks.
 
         Returns:
-            ``True`` if the item was taken. ``False`` if the channel is full (the producer's
-            ``on_space`` will be called once it has drained to half) or closed (the item is
-            dropped; a channel is only closed under a producer when the pipeline stops).
+            Whether it was taken. If full, the producer's ``on_space`` is called once the
+            channel has drained to half; if closed (the pipeline stops), the item is dropped.
 
         """
         with self._lock:
@@ -140,15 +135,10 @@ class Channel:
         return True
 
     def try_put_many(self, batch: list[Any]) -> int:
-        """Append as many of ``batch`` as fit, in order, in one go; never blocks.
-
-        Cheaper per item than :meth:`try_put` for a producer that makes items in bursts: one
-        lock round trip, one clock read and one ``on_data`` for all of them.
+        """:meth:`try_put` for as many of ``batch`` as fit, with one lock, clock and ``on_data``.
 
         Returns:
-            How many were taken, from the front of ``batch``. Fewer than all: the channel is
-            full (the producer's ``on_space`` will be called once it has drained to half) or
-            closed (nothing is taken).
+            How many were taken, from the front of ``batch``.
 
         """
         with self._lock:
@@ -169,22 +159,25 @@ class Channel:
         self._consumer.on_data()
         return k
 
-    # The helpers below are called with the lock held.
+    # The helpers below are called with the lock held: the growth may ask that the next item
+    # taken be measured (see _growth).
 
     def _filled(self) -> None:
-        growth = self._growth
-        tally = self._tally
+        growth, tally = self._growth, self._tally
         if growth is not None and growth.found_full(tally.fills, tally.gets, self.capacity):
             self._measure_at = tally.gets + 1
 
     def _found_empty(self) -> None:
-        growth = self._growth
-        gets = self._tally.gets
-        if growth is not None and growth.found_empty(self._tally.fills, gets):
-            # Full since the consumer last found it empty: the channel's size, not the
-            # producer's speed, kept the consumer waiting. The next item taken is measured
-            # and decides how far the channel may grow.
-            self._measure_at = gets + 1
+        growth, tally = self._growth, self._tally
+        if growth is not None and growth.found_empty(tally.fills, tally.gets):
+            self._measure_at = tally.gets + 1
+
+    def _wake(self, held: int) -> bool:
+        # Whether a refused producer is to be told of room (it is, once).
+        wake = self._producer_refused and held <= self._low
+        if wake:
+            self._producer_refused = False
+        return wake
 
     def try_get(self) -> Any:
         """Take the oldest item, or return :data:`EMPTY` at once if there is none."""
@@ -202,11 +195,7 @@ class Channel:
         return item
 
     def try_get_many(self, limit: int) -> list[Any]:
-        """Take up to ``limit`` of the oldest items in one go, or none (an empty list) at once.
-
-        Cheaper per item than :meth:`try_get` for a consumer that handles items in bursts:
-        one lock round trip and one clock read for all of them.
-        """
+        """:meth:`try_get` for up to ``limit`` items (a list, maybe empty), with one lock."""
         with self._lock:
             items = self._items
             n = len(items)
@@ -228,14 +217,10 @@ class Channel:
         return taken
 
     def _took(self, measure: bool) -> tuple[bool, bool]:
-        # With the lock held, after a take: whether the measured item is to double the
-        # channel, and whether a refused producer is to be told of room (it is, once).
+        # After a take: whether the measured item is to double the channel, and _wake.
         growth = self._growth
         doubling = measure and growth is not None and growth.take_doubling()
-        wake = self._producer_refused and len(self._items) <= self._low
-        if wake:
-            self._producer_refused = False
-        return doubling, wake
+        return doubling, self._wake(len(self._items))
 
     def _after_take(self, item: Any, get: int, measure: bool, doubling: bool, wake: bool) -> None:
         # Outside the lock: tell the producer, then resize on the measured item.
@@ -245,9 +230,8 @@ class Channel:
             self._adjust(item, doubling, get)
 
     def _adjust(self, item: Any, doubling: bool, get: int) -> None:
-        # Resize as the growth decides on this item, the get-th taken: measured outside the
-        # lock, since its nbytes is user code. The next measure and the back-off count from
-        # this item, whether it was taken alone or in a batch.
+        # Resize as the growth decides on this item, the get-th taken (measured outside the
+        # lock: its nbytes is user code). The next measure and the back-off count from it.
         growth = self._growth
         assert growth is not None
         measured = self.capacity
@@ -256,10 +240,8 @@ class Channel:
         target = growth.target(item, measured, doubling)
         with self._lock:
             capacity = self.capacity
-            # Resized meanwhile (the tuner set the stage's concurrency, another consumer
-            # thread measured): the target was for the capacity it had, and would undo that
-            # (seen on a loaded machine: a queue put back to 32 behind 48 reads in flight).
-            # The next measure decides from the new capacity.
+            # Resized meanwhile (by the tuner, or another measure): the target would undo
+            # that (seen: a queue put back to 32 behind 48 reads); the next measure decides.
             resized = capacity != measured
             wake = not resized and target != capacity and self._resize(target)
             if doubling and not resized:
@@ -274,9 +256,7 @@ class Channel:
         """Ask to be told (``on_space``) when the channel has room.
 
         Returns:
-            ``True`` if the channel is drained to its low-water mark (half full) or closed
-            right now, in which case no call will come; ``False`` if the producer's
-            ``on_space`` will be called later.
+            ``True`` if it is at most half full or closed now (no call will come).
 
         """
         with self._lock:
@@ -298,25 +278,19 @@ class Channel:
             self._producer.on_space()
 
     def _resize(self, capacity: int) -> bool:
-        # With the lock held. Returns whether a refused producer is to be told of room.
+        # With the lock held; returns _wake.
         n = len(self._items)
         self._tally.resized(_now(), n, self.capacity, capacity, self._closed)
         self.capacity = capacity
         self._low = capacity // 2
-        wake = self._producer_refused and n <= self._low
-        if wake:
-            self._producer_refused = False
-        return wake
-
-    def close(self) -> None:
-        """Mark the end of the stream: the producer will put nothing more."""
-        self._close(drop=False)
+        return self._wake(n)
 
     def abort(self) -> None:
         """Close the channel and drop what it holds (used when the pipeline stops)."""
-        self._close(drop=True)
+        self.close(drop=True)
 
-    def _close(self, drop: bool) -> None:
+    def close(self, drop: bool = False) -> None:
+        """Mark the end of the stream: the producer will put nothing more."""
         with self._lock:
             if self._closed and not drop:
                 return
@@ -330,9 +304,8 @@ class Channel:
         if drop:
             self._producer.on_space()
 
-    # Unlocked reads of counts that only grow: a stale value is a moment old, and its
-    # readers (the stall watch, the tuner's rates, the sink's delay) only compare counts
-    # over time.
+    # unlocked: counts that only grow, whose readers (the stall watch, the tuner's rates, the
+    # sink's delay) compare them over time: a stale value is a moment old.
 
     @property
     def puts(self) -> int:
@@ -349,9 +322,8 @@ class Channel:
         """``perf_counter()`` of the latest put."""
         return self._tally.last_put
 
-    # The reads below take the lock: a side that re-checks the channel after it announced that
-    # it waits then sees every put and close before the other side's unlocked check of that
-    # announcement (see "Memory ordering" in the README), with or without the GIL.
+    # The reads below take the lock: a side that re-checks the channel after announcing that
+    # it waits sees every put and close before the other's check (see "Memory ordering").
 
     def state(self) -> tuple[int, bool]:
         """How many items it holds, and whether the producer is done, read together."""
@@ -380,8 +352,8 @@ class Channel:
 
     def full_seconds(self) -> float:
         """Seconds the channel has been full since it was made."""
-        with self._lock:
-            return self._tally.full_seconds(_now())
+        stats = self.stats()
+        return stats.full_fraction * stats.life
 
     def stats(self) -> ChannelStats:
         """Return a snapshot of the channel's statistics."""

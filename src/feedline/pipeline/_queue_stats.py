@@ -1,15 +1,14 @@
 """A channel's statistics: the public snapshot, and the tally a channel keeps them in.
 
-The tally is kept by events (puts, gets, resizes, closing), not integrated on every call: the
-time-integral of the fill level is the sum of each item's stay, that is (sum of get times) -
-(sum of put times) + (items held) * now. Its methods are called with the channel's lock
-held, and take the time from the channel (``perf_counter()``), so that the channel's clock
-is the only one.
+The tally is kept by events (puts, gets, resizes, closing): the time-integral of the fill
+level is (sum of get times) - (sum of put times) + (items held) * now. Its methods are called
+with the channel's lock held and the channel's clock (``perf_counter()``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 __all__ = ["ChannelStats", "ChannelTally", "window_share"]
 
@@ -48,21 +47,16 @@ class ChannelStats:
 
     def since(self, earlier: ChannelStats) -> ChannelStats:
         """The same figures over the time between ``earlier`` (a snapshot) and this one."""
-        return ChannelStats(
-            capacity=self.capacity,
-            size=self.size,
+        shares: dict[str, Any] = {
+            name: window_share(getattr(self, name), self.life, getattr(earlier, name), earlier.life)
+            for name in ("mean_occupancy", "empty_fraction", "full_fraction")
+        }
+        return replace(
+            self,
             puts=self.puts - earlier.puts,
             gets=self.gets - earlier.gets,
-            mean_occupancy=window_share(
-                self.mean_occupancy, self.life, earlier.mean_occupancy, earlier.life
-            ),
-            empty_fraction=window_share(
-                self.empty_fraction, self.life, earlier.empty_fraction, earlier.life
-            ),
-            full_fraction=window_share(
-                self.full_fraction, self.life, earlier.full_fraction, earlier.life
-            ),
             life=self.life - earlier.life,
+            **shares,
         )
 
 
@@ -151,22 +145,11 @@ class ChannelTally:
             self._full_since = t
 
     def closed(self, now: float, dropped: int = 0) -> None:
-        """The channel was closed (and ``dropped`` items it held dropped, leaving now).
-
-        It no longer counts as starving its consumer, nor, since its producer is done, as
-        blocking its producer.
-        """
+        """The channel was closed (its ``dropped`` items leave now): no longer empty nor full."""
         t = now - self._t0
         self._get_sum += dropped * t
         self._end_empty(t)
         self._end_full(t)
-
-    def full_seconds(self, now: float) -> float:
-        """Seconds the channel has been full since it was made."""
-        full = self._full_time
-        if self._full_since is not None:
-            full += now - self._t0 - self._full_since
-        return full
 
     def snapshot(self, now: float, held: int, capacity: int) -> ChannelStats:
         """The statistics so far of a channel holding ``held`` items of ``capacity``."""
@@ -174,9 +157,11 @@ class ChannelTally:
         life = max(t, 1e-9)
         self._fold(t, held)
         occupancy = self._occupancy_shares + self._occupancy / capacity
-        empty = self._empty_time
+        empty, full = self._empty_time, self._full_time
         if self._empty_since is not None:
             empty += t - self._empty_since
+        if self._full_since is not None:
+            full += t - self._full_since
         return ChannelStats(
             capacity=capacity,
             size=held,
@@ -184,7 +169,7 @@ class ChannelTally:
             gets=self.gets,
             mean_occupancy=min(1.0, max(0.0, occupancy / life)),
             empty_fraction=min(1.0, empty / life),
-            full_fraction=min(1.0, self.full_seconds(now) / life),
+            full_fraction=min(1.0, full / life),
             life=life,
         )
 

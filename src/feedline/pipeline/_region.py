@@ -1,20 +1,8 @@
-"""Process regions: a run of stages that runs in worker processes, item by item.
+"""Process regions (``pipe_in_processes``): a run of functions applied in worker processes.
 
-A stage that holds the GIL (Python-heavy parsing, ``numpy.load``, a tokenizer without a
-native batch call) gains nothing from threads. :meth:`PipelineBuilder.pipe_in_processes
-<feedline.PipelineBuilder.pipe_in_processes>` moves a run of such stages into a pool of
-worker processes: each worker runs the whole run on an item, so only the run's input and
-its output cross the process boundary; nothing is pickled between the run's stages. The
-output's NumPy arrays (and CPU tensors) come back through shared memory, as from a
-subprocess pipeline, and are mapped again in this process by the pool's thread that receives
-the result.
-
-The pool belongs to the pipeline: its processes start with the first item (from the fork
-server, since the pipeline's threads make a plain fork unsafe), serve the epochs that run
-to their end, end with their parent if it is killed, and are shut down when an epoch is
-stopped part-way or fails (the next item starts new ones) and when the pipeline is dropped;
-segments a worker made and nobody mapped are removed then. The processes are a
-:class:`~feedline._proc.pipe_pool.PipePool`: a pipe each way per worker, no helper threads.
+See "Process regions" in the README: each worker applies the whole run to an item, packing
+the result's large arrays into shared memory that the pool's receiving thread maps again;
+the pool belongs to the pipeline, which ends it when an epoch stops part-way or fails.
 """
 
 from __future__ import annotations
@@ -75,10 +63,8 @@ def _retag(item: Tagged, outer: Future[Any], inner: Future[Any]) -> None:
 class RegionPool(Executor):
     """The worker processes of one region: a process pool the pipeline owns.
 
-    The processes start with the first item and serve the epochs that follow; :meth:`close`
-    ends them (the pipeline does when an epoch is stopped part-way or fails, and when it is
-    dropped), and the next item starts new ones: a :class:`PipePool` whose workers name their
-    shared memory with a new prefix at each start.
+    The processes start with the first item; :meth:`close` ends them, and the next item
+    starts new ones, which name their shared memory with a new prefix.
 
     Args:
         processes: How many worker processes.
@@ -90,8 +76,6 @@ class RegionPool(Executor):
     def __init__(self, processes: int, mp_context: str | None = None, name: str = "region") -> None:
         self.processes = processes
         self.name = name
-        # Each start of the workers names their segments with a new prefix, and each end
-        # removes what is left under it.
         self._pool = PipePool(
             processes,
             mp.get_context(mp_context or "forkserver"),
@@ -115,8 +99,7 @@ class RegionPool(Executor):
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         """Run ``fn(*args, **kwargs)`` in a worker (starting the workers if they are not).
 
-        A stage's op applied to an item that carries its source item (``TaggedOp`` on a
-        ``Tagged``) sends only the item's value: its source item stays in this process.
+        A ``TaggedOp`` on a ``Tagged`` item sends only the value: its source item stays here.
         """
         if isinstance(fn, TaggedOp) and len(args) == 1 and not kwargs:
             (item,) = args

@@ -1,21 +1,8 @@
-"""Items that remember their source: for failure messages, and for resuming.
+"""Items that remember their source (for failure messages), and resuming (``resumable=True``).
 
-Every pipeline numbers the items of its source (0, 1, 2, ...) and carries each number, and
-the source item itself, with the item through every stage: an item travels as a
-:class:`Tagged` record, every op is wrapped to call the user's function on the value alone,
-``aggregate`` merges the numbers and source items of a group, and ``disaggregate`` deals them
-out again. So a stage that fails on the bytes of a picture names the path or key the item
-started from, and the consumer receives the value alone.
-
-A pipeline built with ``resumable=True`` also keeps track of the numbers: when the consumer
-receives an item, its numbers are marked done; so is the number of an item a stage failed on
-(it was skipped, and an uninterrupted run skips it too). A state is the lowest number not yet
-done plus the few done above it (stages that pass items on in completion order deliver out of
-order), so it stays small.
-
-Resuming iterates the source again from the start and passes on only the numbers not done:
-the source must yield the same items in the same order on each pass (a list, or a sampler
-seeded for the epoch). Nothing is replayed but the source itself.
+See "Source items, and resuming" in the README. Items travel as :class:`Tagged` records
+numbered by their source item; ops are wrapped to work on the value; :class:`Progress` keeps
+the numbers the consumer received (or a stage skipped) so that a resumed pass skips them.
 """
 
 from __future__ import annotations
@@ -34,11 +21,9 @@ from ._settings import RESUME_SKIP_CHECK
 __all__ = [
     "STATE_VERSION",
     "Account",
-    "PassControl",
     "Progress",
     "Tagged",
     "TaggedAsyncGenerator",
-    "TaggedAsyncOp",
     "TaggedGenerator",
     "TaggedOp",
     "merge_group",
@@ -86,9 +71,7 @@ class Tagged:
     def take(self) -> Any:
         """The value, for the consumer; the record lets go of it and of the source item.
 
-        On free-threaded Python the record is freed by the thread that made it, the next time
-        that thread runs Python code, which for an idle pool thread may be long after the
-        consumer dropped it: emptied, it holds nothing a memory budget counts meanwhile.
+        On free-threaded Python the thread that made the record frees it, maybe much later.
         """
         value = self.value
         self.value = self.origin = None
@@ -119,7 +102,8 @@ class TaggedOp:
     """A sync op applied to a :class:`Tagged` item's value; pickles when the op does.
 
     The record is updated in place (one item has one holder at a time, and an op that raises
-    leaves it as it was, for the failure message).
+    leaves it as it was, for the failure message). Coroutine ops need no wrapper: their
+    stage calls them on the value.
     """
 
     __slots__ = ("op",)
@@ -131,30 +115,10 @@ class TaggedOp:
         item.value = self.op(item.value)
         return item
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (TaggedOp, (self.op,))
-
-
-class TaggedAsyncOp:
-    """A coroutine op applied to a :class:`Tagged` item's value."""
-
-    __slots__ = ("op",)
-
-    def __init__(self, op: Callable[[Any], Any]) -> None:
-        self.op = op
-
-    async def __call__(self, item: Tagged) -> Tagged:
-        item.value = await self.op(item.value)
-        return item
-
 
 Account = Callable[[int | tuple[int, ...], int], None]
-"""Told ``(tag, change)`` as a one-to-many stage changes how many items carry a source number.
-
-A continuous run counts them (see ``_epochs``): ``+1`` before each output, so that the count
-never reaches zero while the input is still at work, and ``-1`` when the input is done (one
-that fails is taken away by the failure itself).
-"""
+"""Told ``(tag, change)`` as a one-to-many stage changes how many items carry a source number
+(a continuous run's checkpoints): ``+1`` before each output, ``-1`` once the input is done."""
 
 
 class TaggedGenerator:
@@ -176,9 +140,6 @@ class TaggedGenerator:
                 yield Tagged(tag, value, origin)
         else:
             yield from _counted(tag, origin, self.op(item.value), account)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (TaggedGenerator, (self.op,))
 
 
 class TaggedAsyncGenerator:
@@ -260,13 +221,13 @@ class Progress:
     """
 
     def __init__(self, below: int = 0) -> None:
-        # Also guards what its owner keeps with it (a Checkpoint's counts: see _epochs),
+        # Also guards what its owner keeps with it (a Checkpoint's counts, see _epochs),
         # which then marks with :meth:`mark_held`.
         self.lock = threading.Lock()
         self._below = below
         self._ahead: set[int] = set()  # numbers above ``below`` that are done too
-        # What was delivered and failed, apart from the watermark's bookkeeping, to check it
-        # (see feedline._ledger): kept under the same lock, no lock of its own.
+        # What was delivered and failed, to check the watermark (see feedline._ledger):
+        # under the same lock.
         self.ledger: Ledger | None = (
             Ledger("a resumable pipeline's epoch", unit="source item") if ledger_check() else None
         )
@@ -280,15 +241,17 @@ class Progress:
         """:meth:`mark`, called with :attr:`lock` held."""
         ledger = self.ledger
         record = None if ledger is None else ledger.fail if failed else ledger.deliver
-        if isinstance(tag, int):
-            self._mark(tag)
+        for number in (tag,) if isinstance(tag, int) else tag:
+            if number == self._below:
+                below, ahead = number + 1, self._ahead
+                while below in ahead:
+                    ahead.remove(below)
+                    below += 1
+                self._below = below
+            elif number > self._below:
+                self._ahead.add(number)
             if record is not None:
-                record(tag)
-        else:
-            for number in tag:
-                self._mark(number)
-                if record is not None:
-                    record(number)
+                record(number)
 
     def plan(self, count: int) -> None:
         """The source's pass has ``count`` items in all (it was read to its end)."""
@@ -296,37 +259,32 @@ class Progress:
             self.ledger.plan(count)
 
     def check_end(self) -> None:
-        """At the epoch's end: each source item delivered or failed, once (``LedgerError``)."""
-        if self.ledger is not None:
-            with self.lock:
-                self.ledger.check_resume(self._below, self._ahead)
-                self.ledger.check_end()
+        """At the epoch's end: each source item delivered or failed, once (``LedgerError``).
 
-    def _mark(self, number: int) -> None:
-        if number != self._below:
-            if number > self._below:
-                self._ahead.add(number)
-            return
-        below, ahead = number + 1, self._ahead
-        while below in ahead:
-            ahead.remove(below)
-            below += 1
-        self._below = below
+        Unlocked: the consumer calls it once the epoch ended, and every mark came before the
+        stages closed their outputs, which it saw under the channels' locks.
+        """
+        if self.ledger is not None:
+            self.ledger.check_resume(self._below, self._ahead)
+            self.ledger.check_end()
 
     @property
     def below(self) -> int:
-        """Every number under this is done."""
-        with self.lock:
-            return self._below
+        """Every number under this is done.
+
+        Unlocked: it only grows, so a stale value is one read a moment earlier (a
+        checkpoint's consumer looks again within ``SOURCE_POLL``; an aggregate at its next
+        item or at its end, as it would had the mark come a moment later).
+        """
+        return self._below
 
     def skipper(self) -> Callable[[int], bool]:
         """Whether a source number was done when this was called (for the next pass).
 
-        A snapshot: items delivered during the pass move numbers from ``ahead`` to ``below``
-        under the pass's feet, and a number must not look undone while that happens.
+        A snapshot, since items delivered during the pass move numbers from ``ahead`` to
+        ``below``. Unlocked: called as the pass begins, before any of its items can be marked.
         """
-        with self.lock:
-            below, ahead = self._below, frozenset(self._ahead)
+        below, ahead = self._below, frozenset(self._ahead)
         return lambda number: number < below or number in ahead
 
     def state(self) -> dict[str, Any]:
@@ -377,102 +335,56 @@ class Progress:
         return progress
 
 
-class PassControl:
-    """What a continuous run's source tells its source stage (``_pipeline._Passes``).
-
-    A class, not attributes looked up on any source, so that a user's source with methods
-    of these names is iterated as any other.
-    """
-
-    def boundary(self) -> bool:
-        """Whether the item just yielded was the last of its pass."""
-        raise NotImplementedError
-
-    def ready(self) -> bool:
-        """Whether the source may be read now (it may be too far ahead of its consumer)."""
-        raise NotImplementedError
-
-    def wake_with(self, wake: Callable[[], None]) -> None:
-        """Call ``wake`` when the source may be read again."""
-        raise NotImplementedError
-
-
-class _TaggedSource:
-    """The source's items numbered from 0, without those already done (when resuming)."""
-
-    def __init__(
-        self, source: Iterable[Any], progress: Progress | None, stopping: Callable[[], bool]
-    ) -> None:
-        self._source = source
-        self._progress = progress
-        self._stopping = stopping
-        # A continuous run's _Passes says where passes end, and how far it may be read.
-        self.passes = source if isinstance(source, PassControl) else None
-
-    def __iter__(self) -> Iterator[Tagged]:
-        iterator = iter(self._source)
-        try:
-            if self._progress is None:
-                yield from map(_first_seen, itertools.count(), iterator)  # no Python loop
-                return
-            done, stopping = self._progress.skipper(), self._stopping
-            skipped = 0
-            count = 0
-            for number, value in enumerate(iterator):
-                count = number + 1
-                if not done(number):
-                    yield Tagged(number, value, value)
-                    continue
-                # Skipping a long run of done items happens within one step of the source:
-                # a stop must not wait for all of it.
-                skipped += 1
-                if skipped % RESUME_SKIP_CHECK == 0 and stopping():
-                    return
-            self._progress.plan(count)
-        finally:
-            # Closing this wrapper (the run stops, or ends) closes the user's iterator, so
-            # that a generator's ``finally`` runs as it does unwrapped.
-            close = getattr(iterator, "close", None)
-            if close is not None:
-                close()
-
-
 def tag_source(
     source: Iterable[Any], progress: Progress | None, stopping: Callable[[], bool]
-) -> Iterable[Tagged]:
-    """Number the items of a sync source, skipping those ``progress`` had done (if any).
+) -> Iterator[Tagged]:
+    """The items of a sync source numbered from 0, without those ``progress`` had done.
 
-    ``stopping`` tells a long skip to give up (the run is stopping).
+    A source that may wait long for its next item offers ``iter_until(stopping)``, which ends
+    once the run stops; a long skip gives up then too. Closing this closes the source's
+    iterator, so that a generator's ``finally`` runs as it does unwrapped.
     """
-    return _TaggedSource(source, progress, stopping)
+    until = getattr(source, "iter_until", None)
+    iterator = until(stopping) if callable(until) else iter(source)
+    try:
+        if progress is None:
+            yield from map(_first_seen, itertools.count(), iterator)  # no Python loop
+            return
+        done, skipped, count = progress.skipper(), 0, 0
+        for number, value in enumerate(iterator):
+            count = number + 1
+            if not done(number):
+                yield Tagged(number, value, value)
+                continue
+            # A long run of done items is skipped within one step of the source: a stop
+            # must not wait for all of it.
+            skipped += 1
+            if skipped % RESUME_SKIP_CHECK == 0 and stopping():
+                return
+        progress.plan(count)
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()
 
 
-class _TaggedAsyncSource:
-    def __init__(self, source: AsyncIterable[Any], progress: Progress | None) -> None:
-        self._source = source
-        self._progress = progress
-
-    async def __aiter__(self) -> AsyncIterator[Tagged]:
-        done = self._progress.skipper() if self._progress is not None else None
-        iterator = aiter(self._source)
-        number = 0
-        try:
-            async for value in iterator:
-                if done is None or not done(number):
-                    yield Tagged(number, value, value)
-                elif number % RESUME_SKIP_CHECK == 0:
-                    await asyncio.sleep(0)  # a stop cancels the source here if not sooner
-                number += 1
-            if self._progress is not None:
-                self._progress.plan(number)
-        finally:
-            aclose = getattr(iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-
-def tag_async_source(
+async def tag_async_source(
     source: AsyncIterable[Any], progress: Progress | None
-) -> AsyncIterable[Tagged]:
+) -> AsyncIterator[Tagged]:
     """Number the items of an async source, skipping those ``progress`` had done (if any)."""
-    return _TaggedAsyncSource(source, progress)
+    done = progress.skipper() if progress is not None else None
+    iterator = aiter(source)
+    number = 0
+    try:
+        async for value in iterator:
+            if done is None or not done(number):
+                yield Tagged(number, value, value)
+            elif number % RESUME_SKIP_CHECK == 0:
+                await asyncio.sleep(0)  # a stop cancels the source here if not sooner
+            number += 1
+        if progress is not None:
+            progress.plan(number)
+    finally:
+        aclose = getattr(iterator, "aclose", None)
+        if aclose is not None:
+            await aclose()

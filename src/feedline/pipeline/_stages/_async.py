@@ -1,13 +1,8 @@
-"""Stages that run on the event loop.
+"""Stages on the event loop: coroutine and async-generator ops, async sources, process pools.
 
-They run coroutine and async-generator ops, async sources, and sync ops sent to a non-thread
-executor (a process pool).
-
-Each stage runs ``concurrency`` worker coroutines. A worker waits for input through a
-:class:`LoopSignal`, which other threads may fire; the signal merges wake-ups so that a burst
-of items costs one call into the loop, not one per item. A cheap coroutine op that may reorder
-runs in bursts over items taken from the input in a batch (``AsyncStage._run_burst``); every
-other op takes and hands on one item at a time.
+Each stage runs ``concurrency`` worker coroutines, which other threads wake through a
+:class:`LoopSignal` (a burst of wake-ups costs one call into the loop). A cheap coroutine op
+free to reorder runs in bursts (``AsyncStage._run_burst``); other ops go item by item.
 """
 
 from __future__ import annotations
@@ -17,15 +12,16 @@ import contextlib
 import itertools
 import threading
 from collections import deque
-from collections.abc import AsyncIterable, Callable
-from concurrent.futures import Executor
-from typing import Any
+from collections.abc import AsyncIterable
+from typing import TYPE_CHECKING, Any
 
-from .._defs import OpKind
+from .._defs import OpKind, PipeConfig
 from .._queue import EMPTY, Channel
-from .._resume import TaggedAsyncOp
 from .._settings import BURST, BURST_ABORT
-from ._common import FailureBudget, RunContext, StageBase
+from ._common import StageBase
+
+if TYPE_CHECKING:
+    from .._engine import Run
 
 __all__ = ["AsyncSource", "AsyncStage", "LoopSignal"]
 
@@ -43,12 +39,11 @@ class LoopSignal:
 
     """
 
-    def __init__(self, run: RunContext, lock: threading.Lock) -> None:
+    def __init__(self, run: Run, lock: threading.Lock) -> None:
         self._run = run
         self._lock = lock
-        # Changed only on the loop thread (``wait``, ``discard``, ``_deliver``), so without
-        # the lock; other threads only test it for emptiness (see ``notify``), which a
-        # caller on the hot path may do before paying for the call.
+        # Changed only on the loop thread, without the lock; other threads only test it for
+        # emptiness (see ``notify``), as a caller on the hot path may before calling it.
         self.waiters: deque[asyncio.Future[None]] = deque()
         self._wakes = 0  # wake-ups requested but not yet delivered
         self._scheduled = False
@@ -56,9 +51,8 @@ class LoopSignal:
     def wait(self) -> asyncio.Future[None]:
         """Register a waiter (loop thread only). Await it, or ``discard`` it.
 
-        A waiter registers before it re-checks its condition on the channel, under the
-        channel's lock: that lock, not this one, orders the registration before a later
-        put's test of ``waiters`` (see "Memory ordering" in the README).
+        Then re-check the condition on the channel: its lock orders the registration before
+        a later put's test of ``waiters`` (see "Memory ordering" in the README).
         """
         fut: asyncio.Future[None] = self._run.loop.create_future()
         self.waiters.append(fut)
@@ -71,8 +65,8 @@ class LoopSignal:
 
     def notify(self, wake_all: bool = False) -> None:
         """Wake one waiter (or all), now if on the loop thread, else soon."""
-        # Unlocked fast path: a waiter registers before it re-checks its condition, so a
-        # notify that reads an empty deque here cannot be one that waiter needed.
+        # unlocked: a waiter registers before it re-checks its condition, so an empty deque
+        # read here cannot be one that waiter needed.
         if not self.waiters:
             return
         with self._lock:
@@ -112,8 +106,7 @@ class _AsyncProducer(StageBase):
         """Output drained (wake one waiting worker) or closed (wake all).
 
         One at a time: a woken worker that has put its item wakes the next if room is left
-        (see ``_put``). Waking them all would make those beyond the room fail and wait again:
-        with 8 workers behind a 3-item sink, about six futures made and dropped per wake-up.
+        (see ``_put``); waking all would make those beyond the room wait again.
         """
         self._space.notify(wake_all=self._output.closed)
 
@@ -130,10 +123,8 @@ class _AsyncProducer(StageBase):
             await fut
             waited = True
         if waited and self._space.waiters and output.request_space():
-            # Pass the wake-up on while the output is at most half full. Above that,
-            # request_space has asked for the next on_space instead: the channel's own
-            # request was used up by the wake-up that woke us, and the workers still
-            # waiting must not be forgotten.
+            # Pass the wake-up on while the output is at most half full; above that,
+            # request_space asked for the next on_space for the workers still waiting.
             self._space.notify()
         return True
 
@@ -151,42 +142,34 @@ class _Burst:
 
 
 class AsyncStage(_AsyncProducer):
-    """Runs an async op (or a sync op in a process pool) with ``concurrency`` workers."""
+    """Runs an async op (or a sync op in a process pool) with ``concurrency`` workers.
+
+    A coroutine op is called on a ``Tagged`` item's value (see ``_resume``); others on the item.
+    """
 
     _input: Channel
 
     def __init__(
         self,
-        run: RunContext,
-        name: str,
-        op: Callable[[Any], Any],
-        kind: OpKind,
-        concurrency: int,
-        executor: Executor | None,
+        run: Run,
+        cfg: PipeConfig,
         ordered: bool,
         input: Channel,
         output: Channel,
-        budget: FailureBudget,
     ) -> None:
-        super().__init__(run, name, "pipe", concurrency, budget, input, output, ordered)
+        super().__init__(run, cfg.name, "pipe", cfg.concurrency, input, output, ordered)
         self._space = LoopSignal(run, self.counters.lock)
-        # A coroutine op on Tagged items (see _resume) is called here on the value, without
-        # the wrapper's own coroutine per item.
-        self._on_value = isinstance(op, TaggedAsyncOp)
-        self._op = op.op if isinstance(op, TaggedAsyncOp) else op
-        self._kind = kind
-        self._executor = executor
+        self._op = cfg.op
+        self._kind = cfg.kind
+        self._executor = cfg.executor
         self._workers = 0  # worker coroutines running
         self._tasks: set[asyncio.Task[None]] = set()
         self._started = self._ended = False
         self._data = LoopSignal(run, self.counters.lock)
-        # An ordered stage's: the oldest result went on, and the window moved.
-        self._window = LoopSignal(run, self.counters.lock)
-        # Items taken from the input in a batch and not yet started, for any worker to start
-        # in order (see _run_burst).
-        self._taken: deque[Any] = deque()
+        self._window = LoopSignal(run, self.counters.lock)  # an ordered stage's window moved
+        self._taken: deque[Any] = deque()  # taken in a batch, for any worker to start in order
         # Bursts running: until they end, a worker that finds the input exhausted waits
-        # rather than ends, since a burst whose call waits wakes it to start taken items.
+        # rather than ends (a burst whose call waits wakes it to start taken items).
         self._bursts = 0
 
     def on_data(self) -> None:
@@ -210,7 +193,7 @@ class AsyncStage(_AsyncProducer):
                 task.cancel()
             if left:  # the stage was cancelled, or a worker failed: let the others end
                 await asyncio.gather(*left, return_exceptions=True)
-        if not self.run.stopping:
+        if not self.run.life.stopping:
             self._output.close()
 
     def _spawn(self, n: int) -> None:
@@ -257,8 +240,7 @@ class AsyncStage(_AsyncProducer):
                 return self._taken.popleft()
             item = inp.try_get()
             if item is not EMPTY:
-                c = self.counters
-                c.items_in += 1
+                self.counters.items_in += 1
                 return item
             held, closed = inp.state()
             if closed and not held and not self._bursts:
@@ -311,11 +293,9 @@ class AsyncStage(_AsyncProducer):
             try:
                 if kind is not OpKind.COROUTINE:
                     result = await run.call_in_executor(self._executor, self._op, item)
-                elif self._on_value:
+                else:
                     item.value = await self._op(item.value)
                     result = item
-                else:
-                    result = await self._op(item)
             except Exception as error:
                 c.task_ended(t0)
                 self.record_failure(item, error)
@@ -326,35 +306,26 @@ class AsyncStage(_AsyncProducer):
             fast = order is None and self._output.try_put(result)  # no coroutine if room
             if not fast and not await self._emit(seq, result):
                 return False
-            # Let go of what was handed on before waiting for more: a worker that kept its
-            # last item until the next arrived would hold one item per worker beyond what
-            # the queues and calls in flight hold (and a memory budget counts).
+            # Let go of what was handed on before waiting: else each worker holds an item
+            # beyond what the queues and calls hold (and a memory budget counts).
             item = result = None
         return False
 
     async def _run_burst(self) -> bool:
         """Start taken items in turn, up to ``BURST`` calls, then hand the results on together.
 
-        For a cheap coroutine op in a stage free to reorder: the worker took a batch of items
-        from its input in one go, and a burst costs one lock round trip each way and one clock
-        read per item, instead of two and four (measured: the event loop's CPU per item
-        through 3 no-op stages fell from 28 to 16 us). Items still start in input order, and a
-        worker keeps one call in flight, as item by item.
-
-        If a call really waits, the loop runs ``_spill``, which hands on the results so far
-        (in a task of their own, since the output may be full) and wakes the other workers
-        to start the taken items. A call over ``BURST_ABORT`` that does not wait (the op
-        turned slow, blocking the loop) ends the burst. So a burst holds back results for
-        at most 16 calls of under 200 us, or one slow call that does not wait.
+        A cheap coroutine op free to reorder: one lock round trip each way per burst and one
+        clock read per item (measured: the loop's CPU per item through 3 no-op stages fell
+        from 28 to 16 us). If a call really waits, the loop runs ``_spill``, which hands on
+        the results so far and wakes the other workers for the taken items; a call over
+        ``BURST_ABORT`` that does not wait ends the burst.
 
         Returns:
-            ``False`` if the run is over for this worker (the output closed, or the run
-            stopped).
+            ``False`` if the run is over for this worker (output closed, or run stopped).
 
         """
         c = self.counters
         op = self._op
-        on_value = self._on_value
         run = self.run
         loop = run.loop
         taken = self._taken
@@ -369,22 +340,17 @@ class AsyncStage(_AsyncProducer):
                         break
                     item = taken.popleft()
                     try:
-                        if on_value:
-                            item.value = await op(item.value)
-                            result = item
-                        else:
-                            result = await op(item)
+                        item.value = await op(item.value)
+                        result = item
                     except Exception as error:
                         t = c.lap(t)
                         self.record_failure(item, error)
-                        if run.stopping:
+                        if run.life.stopping:
                             return False
                         continue
                     start, t = t, c.lap(t)
                     burst.results.append(result)
-                    if t - start > BURST_ABORT:
-                        # The op turned slow (it may block the loop without waiting): the
-                        # rest goes item by item, and what is done goes on now.
+                    if t - start > BURST_ABORT:  # turned slow: the rest goes item by item
                         break
                     if burst.waited:  # ready for the next call that waits
                         burst.waited = False
@@ -466,27 +432,17 @@ class AsyncStage(_AsyncProducer):
 class AsyncSource(_AsyncProducer):
     """Iterates an async iterable on the event loop and feeds the first channel."""
 
-    def __init__(
-        self,
-        run: RunContext,
-        name: str,
-        source: AsyncIterable[Any],
-        output: Channel,
-        budget: FailureBudget,
-    ) -> None:
-        super().__init__(run, name, "source", 1, budget, None, output)
+    def __init__(self, run: Run, name: str, source: AsyncIterable[Any], output: Channel) -> None:
+        super().__init__(run, name, "source", 1, None, output)
         self._space = LoopSignal(run, self.counters.lock)
         self._source = source
-
-    def on_data(self) -> None:
-        """Unused: a source has no input."""
 
     async def run_stage(self) -> None:
         """Iterate the source to its end (or until the run stops), then close the output."""
         c = self.counters
         iterator = aiter(self._source)
         try:
-            while not self.run.stopping:
+            while not self.run.life.stopping:
                 t0 = c.task_started()
                 try:
                     value = await anext(iterator)

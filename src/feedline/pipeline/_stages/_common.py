@@ -2,61 +2,33 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Callable
 from concurrent import futures
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from feedline._failures import FailureBudget, LogThrottle
+from feedline._failures import LogThrottle
 from feedline.errors import PipelineFailure
 
-from .._lifecycle import RunLifecycle
 from .._queue import EMPTY, Channel
 from .._resume import Tagged, sample_repr
 from .._settings import CHEAP_BELOW
 from ..stats import StageCounters
 
-__all__ = ["FailureBudget", "InputOrder", "RunContext", "StageBase"]
+if TYPE_CHECKING:
+    from .._engine import Run
+
+__all__ = ["InputOrder", "StageBase"]
 
 _log = logging.getLogger("feedline.pipeline")
-
-
-class RunContext(Protocol):
-    """What a stage may ask of the running pipeline."""
-
-    loop: asyncio.AbstractEventLoop
-    life: RunLifecycle  # ``life.stopping``: the flag behind ``stopping``, read per item
-
-    @property
-    def stopping(self) -> bool:
-        """True once the run is stopping; stages must stop taking work."""
-
-    def submit(self, executor: Any, fn: Callable[[], None]) -> bool:
-        """Run ``fn`` in ``executor``, tracked so that stop() can wait for it."""
-
-    def fail(self, error: BaseException) -> None:
-        """Stop the run; the consumer's next get raises ``error``."""
-
-    def item_failed(self, item: Any, stage: str) -> None:
-        """The stage named ``stage`` failed on ``item`` within the budget, skipping it."""
-
-    def on_loop_thread(self) -> bool:
-        """Whether the caller is the event-loop thread."""
-
-    async def call_in_executor(self, executor: Any, fn: Callable[[Any], Any], item: Any) -> Any:
-        """Await ``fn(item)`` run in a non-thread executor; stop() waits for such calls."""
 
 
 class InputOrder:
     """``output_order="input"``: items numbered as they are taken, results handed on in order.
 
-    Results that finish early are held (``pending``) until those before them are handed on,
-    and a stage runs at most ``ahead`` items past the oldest one not handed on: twice its
-    concurrency, since with only ``concurrency`` a call that finished early would wait idle
-    for one slow item (measured: 25% less throughput decoding JPEGs on two threads). Not
-    locked: a threaded stage numbers items under its take lock and hands results on under
-    its hand-over lock; a loop stage runs on the loop's thread.
+    Early results wait in ``pending``; a stage runs at most ``ahead`` (twice its concurrency:
+    measured, 25% more throughput than once) items past the oldest not handed on. Not locked:
+    a threaded stage numbers under its take lock and hands on under its emit lock; a loop
+    stage runs on the loop's thread.
     """
 
     __slots__ = ("ahead", "next_emit", "next_seq", "pending")
@@ -96,11 +68,10 @@ class StageBase:
 
     def __init__(
         self,
-        run: RunContext,
+        run: Run,
         name: str,
         kind: str,
         concurrency: int,
-        budget: FailureBudget,
         input: Channel | None,
         output: Channel,
         ordered: bool = False,
@@ -108,16 +79,20 @@ class StageBase:
         self.run = run
         self.name = name
         self.counters = StageCounters(name, kind, concurrency)
-        self._budget = budget
         self._throttle = LogThrottle()
         self._input = input
         self._output = output
         self._concurrency = concurrency
         self._order = InputOrder(concurrency) if ordered else None
 
+    def on_data(self) -> None:
+        """Input arrived or closed (a source has none)."""
+
+    def on_space(self) -> None:
+        """The output, full before, drained to half (or closed)."""
+
     def _set_concurrency(self, concurrency: int) -> None:
-        # Run at most ``concurrency`` calls from now on (the tuner's call, any thread); a
-        # stage then starts or ends its jobs or workers.
+        # The tuner's call (any thread); the stage then starts or ends jobs or workers.
         self._concurrency = concurrency
         if self._order is not None:
             self._order.ahead = 2 * concurrency
@@ -130,11 +105,10 @@ class StageBase:
     def record_failure(self, item: Any, error: Exception) -> None:
         """Count a failed item, log it (rate-limited), and stop the run past the budget.
 
-        The item is named by its value and, for an item that carries it (``Tagged``, see
-        ``_resume``), by the source item it came from. A call that a stopping run's process
-        pool cancelled is not the item's failure: nothing is counted.
+        The item is named by its value and, for a ``Tagged`` one, by its source item. A call
+        that a stopping run's process pool cancelled is not the item's failure: not counted.
         """
-        if isinstance(error, futures.CancelledError) and self.run.stopping:
+        if isinstance(error, futures.CancelledError) and self.run.life.stopping:
             return
         c = self.counters
         if isinstance(item, Tagged):
@@ -158,16 +132,16 @@ class StageBase:
                 more,
                 exc_info=error if failures == 1 else None,
             )
-        if self._budget.exceeded(failures, items):
+        budget = self.run.budget
+        if budget.exceeded(failures, items):
             self.flush_failures()
             failure = PipelineFailure(
-                self.name, failures, items, sample, error, self._budget.description, source=source
+                self.name, failures, items, sample, error, budget.description, source=source
             )
             failure.__cause__ = error
-            self.run.fail(failure)
-        elif not self.run.stopping:
-            # Skipped for good (within the budget, in a run that goes on): an item that
-            # stopped the run, or failed as it stopped, is not.
+            self.run.begin_stop(failure)
+        elif not self.run.life.stopping:
+            # Skipped for good: an item that stopped the run, or failed as it stopped, is not.
             self.run.item_failed(item, self.name)
 
     def flush_failures(self) -> None:

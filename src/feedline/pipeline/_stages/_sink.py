@@ -20,11 +20,8 @@ class SinkReader:
 
     The consumer sleeps on a plain lock used as a one-slot signal (cheaper than a condition
     variable): it raises ``_waiting`` and re-checks the channel before it sleeps, and a
-    producer that sees ``_waiting`` releases the lock. A spare release only causes one extra
-    check of the channel.
-
-    A default sink grows (see :mod:`.._growth`): the channel doubles when the consumer
-    finds it empty after it became full since it last did.
+    producer that sees ``_waiting`` releases the lock. A spare release only costs one more
+    look at the channel.
     """
 
     def __init__(self, channel: Channel, spin: bool) -> None:
@@ -37,16 +34,12 @@ class SinkReader:
         self._delay = 0.0  # smoothed wait for an item, measured to its arrival (the put)
         self.watch: StallWatch | None = None  # ticked while a wait goes on
 
-    def _wake(self) -> None:
+    def on_data(self) -> None:
+        """An item arrived or the channel closed: wake the consumer if it sleeps."""
         if self._waiting:
             self._waiting = False
             with contextlib.suppress(RuntimeError):  # another producer released it already
                 self._signal.release()
-
-    def on_data(self) -> None:
-        """An item arrived or the channel closed: wake the consumer if it sleeps."""
-        if self._waiting:
-            self._wake()
 
     def on_space(self) -> None:
         """Unused: the consumer never puts."""
@@ -55,7 +48,7 @@ class SinkReader:
         """Wake the consumer so that it notices the run has failed or stopped."""
         self._interrupted = True
         self._waiting = True
-        self._wake()
+        self.on_data()
 
     def get(self, timeout: float | None) -> Any:
         """Take the next item.

@@ -1,14 +1,9 @@
-"""Stages that run in a thread pool as *drain jobs*.
+"""Stages that run in a thread pool as *drain jobs* (see "How work moves" in the README).
 
-A job is one task submitted to the stage's executor. It takes items from the stage's input
-channel and processes them one after another until the input is empty or the output is full,
-then returns; it never blocks waiting. A stage runs at most ``concurrency`` jobs at once and
-starts new ones when items arrive (``on_data``) or its output drains (``on_space``).
-
-Why jobs rather than one executor task per item: handing an item from one thread to another
-costs a wake-up (tens of microseconds on a virtual machine), and a task per item pays two per
-stage. A job that drains a queue pays them once per burst, while a slow op still gets
-``concurrency`` jobs running side by side.
+A job takes items from the stage's input and processes them until the input is empty or the
+output is full, then returns; it never blocks. A stage runs at most ``concurrency`` jobs and
+starts them when items arrive (``on_data``) or its output drains (``on_space``): a hand-over
+between threads then costs a wake-up per burst, not per item.
 """
 
 from __future__ import annotations
@@ -17,22 +12,16 @@ import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .._epochs import Passes
 from .._queue import EMPTY, Channel
-from .._resume import PassControl
-from ._common import FailureBudget, RunContext, StageBase
+from ._common import StageBase
 
-__all__ = [
-    "AggregateWork",
-    "DisaggregateWork",
-    "ValueWork",
-    "FunctionWork",
-    "GeneratorWork",
-    "ThreadedSource",
-    "ThreadedStage",
-    "Work",
-]
+if TYPE_CHECKING:
+    from .._engine import Run
+
+__all__ = ["AggregateWork", "ThreadedSource", "ThreadedStage"]
 
 _SKIP: Any = object()  # a failed item's place in an ordered stage
 
@@ -46,83 +35,19 @@ class _HandOff:
         return self.error
 
 
-class Work:
-    """What a threaded stage does with one input item."""
-
-    iterates = False  # True: __call__ returns an iterator of outputs; user code runs in next()
-    takes = 1  # items a job takes at once: more than one calls many() (a stage in processes)
-
-    def __call__(self, item: Any) -> Any:
-        raise NotImplementedError
-
-    def many(self, items: list[Any]) -> list[Any]:
-        """The result of each item (for ``takes`` > 1).
-
-        For an item whose call raised: an object whose ``failed(stage)`` is the exception.
-        """
-        raise NotImplementedError
-
-    def finish(self) -> Iterator[Any] | None:
-        """Outputs to emit once the input is exhausted (aggregate's last group)."""
-        return None
-
-
-class FunctionWork(Work):
-    """Call a sync function: one input, one output."""
-
-    def __init__(self, op: Callable[[Any], Any]) -> None:
-        self.op = op
-
-    def __call__(self, item: Any) -> Any:
-        return self.op(item)
-
-
-class ValueWork(Work):
-    """Call a sync function on the value of a ``Tagged`` item, which keeps its source.
-
-    What ``_resume.TaggedOp`` does, without a call of its own per item.
-    """
-
-    def __init__(self, op: Callable[[Any], Any]) -> None:
-        self.op = op
-
-    def __call__(self, item: Any) -> Any:
-        item.value = self.op(item.value)
-        return item
-
-
-class GeneratorWork(Work):
-    """Call a generator function: one input, any number of outputs."""
-
-    iterates = True
-
-    def __init__(self, op: Callable[[Any], Iterator[Any]]) -> None:
-        self.op = op
-
-    def __call__(self, item: Any) -> Iterator[Any]:
-        return iter(self.op(item))
-
-
-class AggregateWork(Work):
-    """Group consecutive items into lists of ``size`` (runs with concurrency 1).
+class AggregateWork:
+    """Group consecutive items into ``collect(list of size items)`` (runs with concurrency 1).
 
     With ``epochs`` (a continuous run's ``_epochs.Checkpoint``), each epoch has its own
-    group, and an epoch's last, partial group is closed as soon as every item of that epoch
-    has arrived, so no group mixes two epochs.
+    group, and an epoch's last, partial group closes once that epoch is complete there.
     """
 
-    iterates = True
-
     def __init__(
-        self,
-        size: int,
-        drop_last: bool,
-        collect: Callable[[list[Any]], Any] | None = None,
-        epochs: Any = None,
+        self, size: int, drop_last: bool, collect: Callable[[list[Any]], Any], epochs: Any = None
     ) -> None:
         self.size = size
         self.drop_last = drop_last
-        self._collect = collect  # what to emit of a group (default: the list itself)
+        self._collect = collect
         self._group: list[Any] = []
         self._epochs = epochs
         self._groups: dict[int, list[Any]] = {}  # with epochs: the open group of each
@@ -133,7 +58,8 @@ class AggregateWork(Work):
         self._group.append(item)
         if len(self._group) < self.size:
             return iter(())
-        return self._emit()
+        group, self._group = self._group, []
+        return iter((self._collect(group),))
 
     def _by_epoch(self, item: Any) -> Iterator[Any]:
         epochs, groups = self._epochs, self._groups
@@ -143,98 +69,76 @@ class AggregateWork(Work):
         group.append(item)
         out = []
         if len(group) == self.size:
-            out.append(self._made(groups.pop(epoch)))
+            out.append(self._collect(groups.pop(epoch)))
         for ended in [e for e in sorted(groups) if epochs.complete(e)]:
             out += self._last(groups.pop(ended))
         return iter(out)
 
     def _last(self, group: list[Any]) -> list[Any]:
-        # An epoch's last, partial group: emitted, or dropped (then the points after this
-        # stage stop waiting for its items).
+        # A partial group: emitted, or dropped (the points after this stage stop waiting).
         if not self.drop_last:
-            return [self._made(group)]
-        for item in group:
+            return [self._collect(group)]
+        for item in group if self._epochs is not None else ():
             self._epochs.dropped(item.tag)
         return []
 
     def finish(self) -> Iterator[Any] | None:
-        if self._epochs is not None:
-            groups = [self._groups.pop(e) for e in sorted(self._groups)]
-            return iter([out for g in groups for out in self._last(g)])
-        if self._group and not self.drop_last:
-            return self._emit()
-        self._group = []
-        return None
-
-    def _emit(self) -> Iterator[Any]:
-        group, self._group = self._group, []
-        return iter((self._made(group),))
-
-    def _made(self, group: list[Any]) -> Any:
-        return group if self._collect is None else self._collect(group)
+        """The last, partial group(s), once the input is exhausted (``None``: none)."""
+        groups = [self._groups.pop(e) for e in sorted(self._groups)]
+        if self._group:
+            groups.append(self._group)
+            self._group = []
+        out = [made for group in groups for made in self._last(group)]
+        return iter(out) if out else None
 
 
-class DisaggregateWork(Work):
-    """Pass on the elements of each incoming iterable (as ``split`` finds them, if given)."""
-
-    iterates = True
-
-    def __init__(self, split: Callable[[Any], Iterable[Any]] | None = None) -> None:
-        self._split = split
-
-    def __call__(self, item: Iterable[Any]) -> Iterator[Any]:
-        return iter(item if self._split is None else self._split(item))
-
-
-class _PoolStage(StageBase):
-    """What the threaded stage and source share: restarting when the output drains.
-
-    Their jobs count calls under the stage's lock (``counters.begin`` and ``end``).
-    """
-
-    def _kick(self, ended: int = 0) -> None:
-        raise NotImplementedError
-
-    def on_space(self) -> None:
-        """Output drained: resume."""
-        self._kick()
-
-
-class ThreadedStage(_PoolStage):
+class ThreadedStage(StageBase):
     """A stage whose work runs as drain jobs in a thread pool (see the module docstring).
 
-    The stage's lock (``counters.lock``) guards the job count, the parked iterators and the
-    end of input; ``_emit_lock`` serialises the hand-over to the output channel (and the
-    results an ordered stage holds); ``_take_lock`` an ordered stage's taking and numbering
-    of items. The hand-over cannot share the stage's lock: a job holds ``_emit_lock`` while
-    the channels call the stages next to it (``on_data``, ``on_space``), which take their
-    own stage locks. Taking and handing on could share one lock, but an ordered stage's
-    jobs then wait for each other (measured: 60% more CPU per item, 8 no-op jobs).
+    ``counters.lock`` guards the job count and the end of input; ``_emit_lock`` the
+    hand-over to the output (and an ordered stage's held results); ``_take_lock`` an ordered
+    stage's taking and numbering. The hand-over cannot share the stage's lock: the channels
+    call the stages next to it (``on_data``, ``on_space``) under ``_emit_lock``. Taking
+    could share it, but an ordered stage's jobs then wait for each other (measured: 60% more
+    CPU per item, 8 no-op jobs).
+
+    Args:
+        work: Called on each item: its result, or with ``iterates`` an iterator of results
+            (user code runs in ``next``). An :class:`AggregateWork` also ends the input. A
+            work with ``many(items)`` (a stage that may run in processes) is given chunks of
+            ``work.takes`` items while that is over one.
+        executor: Where the jobs run (default: the run's pool).
+
     """
 
     _input: Channel
 
     def __init__(
         self,
-        run: RunContext,
+        run: Run,
         name: str,
         kind: str,
-        work: Work,
-        concurrency: int,
-        executor: Any,
-        ordered: bool,
+        work: Callable[[Any], Any],
         input: Channel,
         output: Channel,
-        budget: FailureBudget,
+        *,
+        iterates: bool = True,
+        concurrency: int = 1,
+        executor: Any = None,
+        ordered: bool = False,
     ) -> None:
-        super().__init__(run, name, kind, concurrency, budget, input, output, ordered)
+        super().__init__(run, name, kind, concurrency, input, output, ordered)
         self._work = work
-        self._executor = executor
+        self._iterates = iterates
+        self._finish = work.finish if isinstance(work, AggregateWork) else None
+        self._chunks: Any = work if hasattr(work, "many") else None
+        self._executor = executor or run.pool
         self._emit_lock = threading.Lock()
         self._take_lock = threading.Lock()
         self._active = 0  # jobs submitted and not yet returned
         self._ready: deque[Any] = deque()  # completion order: results waiting for room
-        # iterators (generator ops, aggregate) paused because the output was full
+        # Iterators paused because the output was full. unlocked: a deque's append and
+        # popleft are atomic, and a job that parks one kicks (under the lock) as it ends.
         self._parked: deque[tuple[Iterator[Any], Any]] = deque()
         self._finish_claimed = False
         self._closed = False
@@ -242,31 +146,30 @@ class ThreadedStage(_PoolStage):
     def set_concurrency(self, concurrency: int) -> None:
         """Run at most ``concurrency`` jobs from now on (the tuner's call, any thread).
 
-        More: jobs start for the waiting work. Fewer: the jobs beyond it end after their
-        current item.
+        More: jobs start for the waiting work. Fewer: the surplus ends after its item.
         """
         self._set_concurrency(concurrency)  # the kick's lock orders it before the kick
         self._kick()
 
     def _surplus(self) -> bool:
-        # Whether this job is one too many (the tuner lowered the concurrency): it ends, and
-        # its ``finally`` takes it off the count. Unlocked, as a lock would not make it exact
-        # either (jobs that leave count as active until they have left): if more jobs leave
-        # than the surplus, their ``finally`` kicks start jobs for the work that waits.
+        # unlocked: a lock would not make it exact either (jobs count as active until they
+        # have left); if more leave than the surplus, their ``finally`` kicks start others.
         return self._active > self._concurrency
 
     # -- endpoint callbacks (any thread) --------------------------------------------------------
 
     def on_data(self) -> None:
         """Input arrived or closed: start jobs if there is room for them."""
-        if self._active >= self._concurrency:
-            # Every slot has a job, which will take the item. (Read without the lock: a job
-            # that ends lowers the count under the lock and then kicks, seeing this item.)
-            return
+        # unlocked: a job that ends lowers the count under the lock, then kicks and sees this.
+        if self._active < self._concurrency:
+            self._kick()
+
+    def on_space(self) -> None:
+        """Output drained: resume."""
         self._kick()
 
     def _has_unsent(self) -> bool:
-        # Unlocked (the hand-over's state, under _emit_lock, which a caller holding the stage
+        # unlocked (the hand-over's state, under _emit_lock, which a caller holding the stage
         # lock must not take): a job that hands on or parks kicks after it, under the lock.
         order = self._order
         if order is not None:
@@ -280,7 +183,7 @@ class ThreadedStage(_PoolStage):
         close = False
         with self.counters.lock:
             self._active -= ended
-            if self._closed or run.stopping:
+            if self._closed or run.life.stopping:
                 return
             if self._has_unsent() and not self._output.request_space():
                 return  # nothing can move until the output drains; on_space will call again
@@ -329,22 +232,18 @@ class ThreadedStage(_PoolStage):
                 # momentarily slow consumer does not stop (and later restart) every job.
                 if not self._flush() and self._backlog_full():
                     return
-                parked = None
-                # unlocked: a job that parks an iterator kicks as it ends (under the lock),
-                # and the job that kick starts sees it here.
                 if self._parked:
-                    with self.counters.lock:
-                        if self._parked:
-                            parked = self._parked.popleft()
-                if parked is not None:
-                    if not self._drive(*parked):
+                    parked = None
+                    with contextlib.suppress(IndexError):  # another job took it
+                        parked = self._parked.popleft()
+                    if parked is not None and not self._drive(*parked):
                         return
                     continue
                 seq = -1
                 order = self._order
-                takes = self._work.takes
-                if takes > 1:  # a stage in processes: a chunk a hand-off
-                    batch = self._take_many(takes)
+                chunks = self._chunks
+                if chunks is not None and chunks.takes > 1:  # in processes: a chunk a hand-off
+                    batch = self._take_many(chunks.takes)
                     if batch is None:
                         return  # the reorder window is full; the next emit restarts us
                     if batch:
@@ -354,10 +253,9 @@ class ThreadedStage(_PoolStage):
                     item = EMPTY
                 elif order is not None:
                     # The window check, the take and the numbering are one step: checked apart,
-                    # two jobs could both pass the check and overfill the window, or number
-                    # items 9 and 10 the other way round. (The check reads ``next_emit``
-                    # unlocked: a stale value only ends this job early, and the emit that
-                    # moves it kicks.)
+                    # two jobs could overfill the window, or number items 9 and 10 the other
+                    # way round. (unlocked: ``next_emit``; a stale value only ends this job
+                    # early, and the emit that moves it kicks.)
                     with self._take_lock:
                         if order.full():
                             return  # the reorder window is full; the next emit restarts us
@@ -368,7 +266,7 @@ class ThreadedStage(_PoolStage):
                     item = self._input.try_get()
                 if item is EMPTY:
                     if self._input.exhausted and self._claim_finish():
-                        tail = self._work.finish()
+                        tail = self._finish() if self._finish is not None else None
                         if tail is not None and not self._drive(tail, "<end of input>"):
                             return
                         continue
@@ -376,7 +274,7 @@ class ThreadedStage(_PoolStage):
                 if not self._process(item, seq):
                     return
         except BaseException as error:  # a bug in the engine: never lose it silently
-            run.fail(error)
+            run.begin_stop(error)
         finally:
             self._kick(ended=1)  # and catch wake-ups that came while this job was ending
 
@@ -398,7 +296,7 @@ class ThreadedStage(_PoolStage):
             self.record_failure(item, error)
             return self._emit(seq, _SKIP) if self._order is not None else True
         c.end(t0)
-        if self._work.iterates:
+        if self._iterates:
             return self._drive(result, item)
         return self._emit(seq, result)
 
@@ -418,11 +316,11 @@ class ThreadedStage(_PoolStage):
             return taken if taken or not order.full() else None
 
     def _process_many(self, batch: list[tuple[int, Any]]) -> bool:
-        """Run the op on a chunk at once (``Work.many``); False if the job must stop."""
+        """Run the op on a chunk at once (``work.many``); False if the job must stop."""
         c = self.counters
         t0 = c.begin(len(batch))
         try:
-            outs = self._work.many([item for _, item in batch])
+            outs = self._chunks.many([item for _, item in batch])
         except Exception as error:  # the hand-off failed (a worker died): every item with it
             outs = [_HandOff(error)] * len(batch)
         c.end_many(t0, len(batch))
@@ -453,8 +351,7 @@ class ThreadedStage(_PoolStage):
             finally:
                 c.end(t0)
             if not self._emit(-1, value):
-                with self.counters.lock:
-                    self._parked.append((outputs, item))
+                self._parked.append((outputs, item))
                 return False
         return False
 
@@ -508,69 +405,56 @@ class ThreadedStage(_PoolStage):
         return True
 
 
-class ThreadedSource(_PoolStage):
+class ThreadedSource(StageBase):
     """Iterates a sync iterable in a thread pool, one job at a time, and feeds the first channel.
 
-    The job makes one value and puts it, until the output is full (its ``on_space`` starts the
-    next job) or the source ends. A continuous run's source (a :class:`PassControl`) is read
-    only so far ahead of the consumer: it says whether it may be read now, and wakes the stage
-    when it may. After the last value of a pass the job ends and a new one queues behind the
-    stages' jobs: the next pass may take long to begin (its ``set_epoch``, its first read),
-    and with a pool of one thread the stages after must finish the pass meanwhile.
+    The job puts values until the output is full (``on_space`` starts the next) or the source
+    ends. A continuous run's :class:`~.._epochs.Passes` is read only so far ahead of the
+    consumer, and the job ends after each pass, so that with one thread in the pool the stages
+    after finish the pass before the next one begins (its ``set_epoch``, first read).
     """
 
-    def __init__(
-        self,
-        run: RunContext,
-        name: str,
-        source: Iterable[Any],
-        executor: Any,
-        output: Channel,
-        budget: FailureBudget,
-    ) -> None:
-        super().__init__(run, name, "source", 1, budget, None, output)
+    def __init__(self, run: Run, name: str, source: Iterable[Any], output: Channel) -> None:
+        super().__init__(run, name, "source", 1, None, output)
         self._source = source
-        self._executor = executor
         self._iterator: Iterator[Any] | None = None
         self._held: Any = EMPTY  # a value made but not yet put
         self._active = False
         self._done = False  # ended, and the output closed
-        passes = getattr(source, "passes", None)
-        if not isinstance(passes, PassControl):
-            passes = None
-        self._boundary: Callable[[], bool] | None = passes.boundary if passes else None
-        self._ready: Callable[[], bool] | None = passes.ready if passes else None
-        if passes is not None:
-            passes.wake_with(self._kick)
-
-    def on_data(self) -> None:
-        """Unused: a source has no input."""
+        self._passes = source if isinstance(source, Passes) else None
+        if self._passes is not None:
+            self._passes.wake_with(self._kick)
 
     def start(self) -> None:
         """Begin iterating."""
         self._kick()
 
+    def on_space(self) -> None:
+        """Output drained: resume."""
+        self._kick()
+
     def _kick(self, ended: int = 0) -> None:
         # Start the job unless one runs; ``ended``: the job returned.
-        ready = self._ready
+        passes = self._passes
         with self.counters.lock:
             if ended:
                 self._active = False
-            if self._active or self._done or self.run.stopping:
+            if self._active or self._done or self.run.life.stopping:
                 return
-            if ready is not None and self._held is EMPTY and not ready():
+            if passes is not None and self._held is EMPTY and not passes.ready():
                 return  # woken again when it may be read
             output = self._output
             if len(output) >= output.capacity and not output.request_space():
                 return
             self._active = True
-        if not self.run.submit(self._executor, self._job):
+        if not self.run.submit(self.run.pool, self._job):
             self._kick(ended=1)  # the run is stopping: this only clears the flag
 
     def _job(self) -> None:
         run = self.run
         life = run.life
         output = self._output
+        passes = self._passes
         c = self.counters
         try:
             if self._iterator is None:
@@ -581,9 +465,9 @@ class ThreadedSource(_PoolStage):
                     if not output.try_put(self._held):
                         return  # full: on_space starts the next job
                     self._held = EMPTY
-                    if self._boundary is not None and self._boundary():
+                    if passes is not None and passes.boundary():
                         return  # a pass ended: see the class's docstring
-                if self._ready is not None and not self._ready():
+                if passes is not None and not passes.ready():
                     return  # too far ahead of the consumer: woken when it catches up
                 t0 = c.begin(0)
                 try:
@@ -596,7 +480,7 @@ class ThreadedSource(_PoolStage):
                     c.end(t0, self._held is not EMPTY)
         except BaseException as error:  # an error in the source ends the run and propagates
             self._done = True
-            run.fail(error)
+            run.begin_stop(error)
         finally:
             self._kick(ended=1)  # and catch wake-ups that came while this job was ending
 
