@@ -31,24 +31,15 @@ from feedline._proc.pipe_pool import rebuilt
 from feedline.errors import portable
 
 from ._region import RegionPool, RunOfStages
+from ._settings import CHUNK_SECONDS, MAX_CHUNK, PICKLE_LIMIT, PROBE_LIMIT
 
 __all__ = [
-    "CHUNK_SECONDS",
-    "MAX_CHUNK",
-    "PROBE_LIMIT",
     "Failed",
     "PlacedWork",
     "Placement",
     "cannot_move",
     "raised",
 ]
-
-PROBE_LIMIT = 30.0
-"""Seconds a move waits for its workers to start and unpickle the op before it gives up."""
-
-PICKLE_LIMIT = 1 << 20
-"""An op whose pickle is larger than this many bytes stays on threads: it travels with every
-item (a bound method of a large dataset)."""
 
 
 def cannot_move(op: Callable[..., Any]) -> str | None:
@@ -86,14 +77,6 @@ class _Capped:
         if self.size > PICKLE_LIMIT:
             raise _TooLarge
         return len(data)
-
-
-CHUNK_SECONDS = 2e-3
-"""Seconds of calls (as measured on threads) a chunk sent to a worker aims at: a hand-off
-(pickles, a pipe each way, a thread's wake-up: about 100 us) is then a few percent of it."""
-
-MAX_CHUNK = 16
-"""The most items sent to a worker in one message."""
 
 
 def _unpickled(_run: RunOfStages) -> bool:

@@ -88,3 +88,19 @@ STOP_WARN_AFTER = 5.0
 
 MIXTURE_JOIN_SECONDS = 5.0
 """How long leaving a ``Mixture`` waits for a source thread stuck in its source."""
+
+# -- stages that may move to processes (executor="auto") ----------------------------------
+
+PROBE_LIMIT = 30.0
+"""Seconds a move waits for its workers to start and unpickle the op before it gives up."""
+
+PICKLE_LIMIT = 1 << 20
+"""An op whose pickle is larger than this many bytes stays on threads: it travels with every
+item (a bound method of a large dataset)."""
+
+CHUNK_SECONDS = 2e-3
+"""Seconds of calls (as measured on threads) a chunk sent to a worker aims at: a hand-off
+(pickles, a pipe each way, a thread's wake-up: about 100 us) is then a few percent of it."""
+
+MAX_CHUNK = 16
+"""The most items sent to a worker in one message."""

@@ -132,23 +132,21 @@ class StageCounters:
                 self.max_in_flight = self.in_flight
             return time.perf_counter()
 
-    def end(self, t_start: float, items: int = 0) -> None:
-        """:meth:`task_ended` under :attr:`lock`, with ``items`` new items in (a source's)."""
-        with self.lock:
-            self.in_flight -= 1
-            self._record(time.perf_counter() - t_start)
-            self.items_in += items
+    def end(self, t_start: float, items: int = 0, calls: int = 1) -> None:
+        """:meth:`task_ended` under :attr:`lock`, with ``items`` new items in (a source's).
 
-    def end_many(self, t_start: float, calls: int) -> None:
-        """:meth:`end` for ``calls`` calls made as one (a chunk sent to a worker process).
-
-        Each is recorded as an equal share of the time.
+        ``calls``: that many calls made as one (a chunk sent to a worker process), each
+        recorded as an equal share of the time.
         """
         with self.lock:
             self.in_flight -= 1
-            dt = (time.perf_counter() - t_start) / max(calls, 1)
-            for _ in range(calls):
-                self._record(dt)
+            if calls == 1:
+                self._record(time.perf_counter() - t_start)
+            else:
+                dt = (time.perf_counter() - t_start) / max(calls, 1)
+                for _ in range(calls):
+                    self._record(dt)
+            self.items_in += items
 
     def lap(self, t_start: float) -> float:
         """Record a call that began at ``t_start`` and ended now; returns now.

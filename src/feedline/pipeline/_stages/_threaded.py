@@ -323,7 +323,7 @@ class ThreadedStage(StageBase):
             outs = self._chunks.many([item for _, item in batch])
         except Exception as error:  # the hand-off failed (a worker died): every item with it
             outs = [_HandOff(error)] * len(batch)
-        c.end_many(t0, len(batch))
+        c.end(t0, calls=len(batch))
         going = True
         for (seq, item), out in zip(batch, outs, strict=True):
             failed = getattr(out, "failed", None)
