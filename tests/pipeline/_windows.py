@@ -66,6 +66,7 @@ class Play:
         self.concurrency = list(start)
         self.movable, self.moves = movable, moves
         self.processes = [0] * len(start)
+        self.cpu_budget = 2.0
         self.high = [high] * len(start) if isinstance(high, int) else list(high)
         self.state = State.start(len(start))
         if memory is not None:
@@ -99,6 +100,7 @@ class Play:
             stages,
             rate=w.rate,
             cores=w.cores,
+            cpu_budget=self.cpu_budget,
             t=self.t,
             sink_full=w.sink_full,
             first=w.first,

@@ -37,6 +37,7 @@ class Case:
     after: dict[str, Any] = field(default_factory=dict)  # the first stage's Memory fields
     movable: bool = False  # the first stage may move to processes (executor="auto")
     moves: bool = True  # ... and its workers take the op
+    cpu_budget: float = 2.0
 
 
 def _slowed(*then: W) -> list[W]:
@@ -453,6 +454,17 @@ CASES = [
         movable=True,
     ),
     Case(
+        # A decode on 16 cores at 16 calls, tried at 32: a core and a half idle, the calls
+        # keeping 14.5 busy, more than the GIL lets threads of Python code.
+        "not an op whose calls kept more cores busy than the GIL allows",
+        [W(4000, 14.5, 0.004, cpu=14.5), W(4050, 14.5, 0.008, cpu=14.5)],
+        ["s raise 32", "s lower 14"],
+        start=(16,),
+        high=64,
+        movable=True,
+        cpu_budget=16.0,
+    ),
+    Case(
         # Calls that wait on a server at its limit: little CPU, processes would not help.
         "not calls that wait",
         [W(330, 0.2, 0.006, cpu=0.1), W(340, 0.2, 0.012, cpu=0.1)],
@@ -493,6 +505,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_decisions(case: Case) -> None:
     play = Play(case.start, case.names, case.high, case.memory, case.movable, case.moves)
+    play.cpu_budget = case.cpu_budget
     got = [play.window(w) for w in case.windows]
     assert got == case.expect, play.decisions
     memory = play.memory()

@@ -34,8 +34,9 @@ trim                        a stage that used few of its slots :data:`TRIM_AFTER
                             a row is lowered to what it used, plus room.
 ==========================  ===============================================================
 
-A stage of ``executor="auto"`` on threads whose raise did not pay, while its calls computed
-(:data:`MOVE_CPU`) and cores stayed idle (:data:`MOVE_IDLE`), holds the GIL: instead of fewer
+A stage of ``executor="auto"`` on threads whose raise did not pay, while its calls kept about
+one core busy (:data:`MOVE_CPU`, :data:`MOVE_GIL`) and other cores stayed idle
+(:data:`MOVE_IDLE`), holds the GIL: instead of fewer
 calls, it is tried in worker processes (as many as the cores its calls and the idle ones
 make, two calls in flight each), kept if the output grew by :data:`MOVE_GAIN`, else moved back
 and not tried again for :data:`MOVE_TTL`. In processes its concurrency is not tuned.
@@ -124,6 +125,11 @@ MOVE_CPU = 0.5
 """A stage whose calls on threads kept this many cores busy, or more, computes: if more calls
 did not pay while cores stayed idle, the GIL holds it back (calls that wait use little CPU,
 and processes would not help them)."""
+
+MOVE_GIL = 1.25
+"""... and at most this many: under the GIL, threads of Python code keep one core busy at the
+most, whatever their number (a decode that releases it keeps all the cores busy, and would
+gain nothing from processes)."""
 
 MOVE_IDLE = 0.5
 """Cores of the CPU budget that must be idle for a move to processes to have room to pay."""
@@ -386,7 +392,8 @@ def _judge(
     m = mem[i] = replace(m, ceiling=after, ceiling_until=s.t + CEILING_TTL, task=trial.task)
     why = f"{after} did not pay {rates}"
     idle = s.cpu_budget - s.cores
-    if st.movable and s.t >= m.no_move_until and st.cpu >= MOVE_CPU and idle >= MOVE_IDLE:
+    gil = MOVE_CPU <= st.cpu <= MOVE_GIL
+    if st.movable and s.t >= m.no_move_until and gil and idle >= MOVE_IDLE:
         # The calls compute, and more of them gained nothing with cores idle: the GIL.
         n = min(int(s.cpu_budget), round(st.cpu + idle), st.high // 2)
         if n >= 2 and not s.ended:
