@@ -417,6 +417,22 @@ CASES = [
         movable=True,
     ),
     Case(
+        # Its slots 55 % busy (the source and the consumer wait on the GIL too): nothing to
+        # raise, the process keeping one core busy, the stage's calls most of it.
+        "a stage that holds the GIL with nothing to raise moves to processes",
+        [W(330, 1.0, 0.006, busy=0.55, cpu=0.6), W(600, 1.3, 0.006)],
+        ["s move 4", "s keep 4"],
+        start=(2,),
+        movable=True,
+    ),
+    Case(
+        "not with nothing to raise where the process keeps more than a core busy",
+        [W(330, 1.4, 0.006, busy=0.55, cpu=0.6)],
+        [""],
+        start=(2,),
+        movable=True,
+    ),
+    Case(
         "in processes it is not raised, trimmed nor lowered",
         [W(330, 1.0, 0.006, cpu=1.0), W(340, 1.0, 0.012, cpu=1.0), *[W(600, 0.3, 0.006)] * 4],
         ["s raise 4", "s move 4", "s keep 4", "", "", ""],
@@ -536,6 +552,7 @@ def test_every_rule_has_a_row() -> None:
         "it used",
         "against the start-up",
         "trying 2 processes",
+        "nothing to raise;",
         "processes (2) kept",
         "processes did not pay",
         "it could not move",

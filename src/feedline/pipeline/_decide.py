@@ -34,9 +34,10 @@ trim                        a stage that used few of its slots :data:`TRIM_AFTER
                             a row is lowered to what it used, plus room.
 ==========================  ===============================================================
 
-A stage of ``executor="auto"`` on threads whose raise did not pay, while its calls kept about
-one core busy (:data:`MOVE_CPU`, :data:`MOVE_GIL`) and other cores stayed idle
-(:data:`MOVE_IDLE`), holds the GIL: instead of fewer
+A stage of ``executor="auto"`` on threads whose raise did not pay (or, with nothing to raise,
+in a process that keeps about one core busy), while its calls kept about one core busy
+(:data:`MOVE_CPU`, :data:`MOVE_GIL`) and other cores stayed idle (:data:`MOVE_IDLE`), holds
+the GIL: instead of fewer
 calls, it is tried in worker processes (as many as the cores its calls and the idle ones
 make, two calls in flight each), kept if the output grew by :data:`MOVE_GAIN`, else moved back
 and not tried again for :data:`MOVE_TTL`. In processes its concurrency is not tuned.
@@ -121,7 +122,7 @@ of microseconds would ask for thousands)."""
 TRIM_AFTER = 3
 """Windows in a row a stage must use few of its slots before it is lowered."""
 
-MOVE_CPU = 0.5
+MOVE_CPU = 0.35
 """A stage whose calls on threads kept this many cores busy, or more, computes: if more calls
 did not pay while cores stayed idle, the GIL holds it back (calls that wait use little CPU,
 and processes would not help them)."""
@@ -334,7 +335,7 @@ def decide(state: State, s: Sample) -> tuple[State, list[Decision]]:
             trial = _fewer(s, mem, out, trimmed)
     else:
         if s.cores < BUSY_CPU * s.cpu_budget:
-            trial = _raise(s, mem, window, out)
+            trial = _raise(s, mem, window, out) or _gil_bound(s, mem, out)
         if trial is None:
             _trim(s, mem, out)
     return State(tuple(mem), trial, window), out
@@ -391,15 +392,10 @@ def _judge(
         return None
     m = mem[i] = replace(m, ceiling=after, ceiling_until=s.t + CEILING_TTL, task=trial.task)
     why = f"{after} did not pay {rates}"
-    idle = s.cpu_budget - s.cores
-    gil = MOVE_CPU <= st.cpu <= MOVE_GIL
-    if st.movable and s.t >= m.no_move_until and gil and idle >= MOVE_IDLE:
-        # The calls compute, and more of them gained nothing with cores idle: the GIL.
-        n = min(int(s.cpu_budget), round(st.cpu + idle), st.high // 2)
-        if n >= 2 and not s.ended:
-            why = f"{why}; its calls kept {st.cpu:.1f} cores busy, {idle:.1f} idle"
-            out.append(Decision(i, "move", 2 * n, f"{why}: trying {n} processes", n))
-            return Trial(i, before, 2 * n, max(trial.rate, s.rate), move=True)
+    # The calls compute, and more of them gained nothing with cores idle: the GIL.
+    moved = _move(s, i, m, why, out, max(trial.rate, s.rate), before)
+    if moved is not None:
+        return moved
     lower = max(st.low, before // 2, math.ceil(LOWER_CORES * s.cores))
     if (
         lower < before
@@ -411,6 +407,36 @@ def _judge(
     mem[i] = replace(m, settle=window + 1)
     out.append(Decision(i, "undo", before, f"{why}, back to {before}"))
     return None
+
+
+def _move(
+    s: Sample, i: int, m: Memory, why: str, out: list[Decision], rate: float, before: int
+) -> Trial | None:
+    # Stage ``i`` tried in worker processes, if it may move and its calls keep about a
+    # core busy (what threads of Python code can under the GIL) with cores idle.
+    st, idle = s.stages[i], s.cpu_budget - s.cores
+    gil = MOVE_CPU <= st.cpu <= MOVE_GIL
+    if not (st.movable and s.t >= m.no_move_until and gil and idle >= MOVE_IDLE) or s.ended:
+        return None
+    n = min(int(s.cpu_budget), round(st.cpu + idle), st.high // 2)
+    if n < 2:
+        return None
+    why = f"{why}; its calls kept {st.cpu:.1f} cores busy, {idle:.1f} idle"
+    out.append(Decision(i, "move", 2 * n, f"{why}: trying {n} processes", n))
+    return Trial(i, before, 2 * n, rate, move=True)
+
+
+def _gil_bound(s: Sample, mem: list[Memory], out: list[Decision]) -> Trial | None:
+    # Nothing to raise, and the whole process keeps about one core busy with others idle:
+    # the GIL limits it. The stage whose calls hold it most is tried in processes.
+    if s.cores > MOVE_GIL:
+        return None
+    found = [i for i, st in enumerate(s.stages) if st.movable and st.blocked < BLOCKED]
+    if not found:
+        return None
+    i = max(found, key=lambda j: s.stages[j].cpu)
+    why = f"the process keeps {s.cores:.1f} cores busy, nothing to raise"
+    return _move(s, i, mem[i], why, out, s.rate, s.stages[i].concurrency)
 
 
 def _fewer_cannot_keep_up(trial: Trial, task: float, lower: int) -> bool:
