@@ -386,3 +386,8 @@ def holds_the_gil_unless_seven(x: int) -> tuple[int, int]:
     if x % 10 == 7:
         raise Unlucky(f"{x} ends in 7")
     return holds_the_gil(x)
+
+
+def holds_the_gil_on_bytes(view: memoryview) -> tuple[int, int]:
+    """:func:`holds_the_gil` on the first byte of ``view`` (a memoryview does not pickle)."""
+    return holds_the_gil(view[0])

@@ -26,7 +26,12 @@ from feedline.pipeline import _decide
 from feedline.pipeline._placement import cannot_move
 
 from .._system import starts_processes, zombies
-from ._helpers import holds_the_gil, holds_the_gil_unless_seven, waits_a_little
+from ._helpers import (
+    holds_the_gil,
+    holds_the_gil_on_bytes,
+    holds_the_gil_unless_seven,
+    waits_a_little,
+)
 from .test_tuner import decided, run_for, run_until
 
 pytestmark = starts_processes
@@ -119,6 +124,29 @@ def test_in_processes_an_item_whose_call_raises_fails_alone(
     assert "Unlucky: " in caplog.text
     assert "ends in 7" in caplog.text
     assert "source item 7" in caplog.text  # the failure names its source item
+    del pipeline
+    _gone()
+
+
+@gil
+def test_items_that_do_not_pickle_keep_the_stage_on_threads_and_lose_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_decide, "MOVE_GAIN", 0.0)
+    n = 8000
+    views = [memoryview(bytes([i % 256])) for i in range(n)]
+    pipeline = (
+        PipelineBuilder()
+        .add_source(views)
+        .pipe(holds_the_gil_on_bytes, executor="auto", output_order="input")
+        .add_sink()
+        .build()  # no failure allowed
+    )
+    out = [x for x, _ in pipeline]
+    assert out == [i % 256 for i in range(n)]
+    stats = pipeline.stats()
+    assert any("trying 2 processes" in d for d in stats.tuning), stats
+    assert "its items cannot be sent to processes (TypeError" in stats.stages[1].runs_in
     del pipeline
     _gone()
 

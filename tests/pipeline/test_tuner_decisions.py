@@ -426,6 +426,15 @@ CASES = [
         movable=True,
     ),
     Case(
+        # A decode starved by slow reads upstream: its 2 calls run 40 % of the time and
+        # compute throughout (0.8 cores for 0.8 calls in flight), the process at one core.
+        "not with nothing to raise where the calls compute all the time they run",
+        [W(200, 1.0, 0.004, busy=0.4, cpu=0.8)],
+        [""],
+        start=(2,),
+        movable=True,
+    ),
+    Case(
         "not with nothing to raise where the process keeps more than a core busy",
         [W(330, 1.4, 0.006, busy=0.55, cpu=0.6)],
         [""],

@@ -36,8 +36,8 @@ trim                        a stage that used few of its slots :data:`TRIM_AFTER
 
 A stage of ``executor="auto"`` on threads whose raise did not pay (or, with nothing to raise,
 in a process that keeps about one core busy), while its calls kept about one core busy
-(:data:`MOVE_CPU`, :data:`MOVE_GIL`) and other cores stayed idle (:data:`MOVE_IDLE`), holds
-the GIL: instead of fewer
+(:data:`MOVE_CPU`, :data:`MOVE_GIL`), each waiting part of its time (:data:`MOVE_WAITED`),
+and other cores stayed idle (:data:`MOVE_IDLE`), holds the GIL: instead of fewer
 calls, it is tried in worker processes (as many as the cores its calls and the idle ones
 make, two calls in flight each), kept if the output grew by :data:`MOVE_GAIN`, else moved back
 and not tried again for :data:`MOVE_TTL`. In processes its concurrency is not tuned.
@@ -131,6 +131,11 @@ MOVE_GIL = 1.25
 """... and at most this many: under the GIL, threads of Python code keep one core busy at the
 most, whatever their number (a decode that releases it keeps all the cores busy, and would
 gain nothing from processes)."""
+
+MOVE_WAITED = 0.75
+"""... and computed at most this share of the time each call ran: under the GIL a call waits
+for it part of the time (a decode that releases it computes throughout, and a stage starved
+by a slow read upstream is not held back by the GIL)."""
 
 MOVE_IDLE = 0.5
 """Cores of the CPU budget that must be idle for a move to processes to have room to pay."""
@@ -415,7 +420,8 @@ def _move(
     # Stage ``i`` tried in worker processes, if it may move and its calls keep about a
     # core busy (what threads of Python code can under the GIL) with cores idle.
     st, idle = s.stages[i], s.cpu_budget - s.cores
-    gil = MOVE_CPU <= st.cpu <= MOVE_GIL
+    waited = st.cpu <= MOVE_WAITED * st.in_flight
+    gil = MOVE_CPU <= st.cpu <= MOVE_GIL and waited
     if not (st.movable and s.t >= m.no_move_until and gil and idle >= MOVE_IDLE) or s.ended:
         return None
     n = min(int(s.cpu_budget), round(st.cpu + idle), st.high // 2)

@@ -24,7 +24,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from feedline._proc.pipe_pool import rebuilt
@@ -202,9 +203,26 @@ class Placement:
         A :class:`Failed` stands for each call that raised; a hand-off that fails raises.
         """
         region = self._region
-        if region is None:  # moved back meanwhile
-            return [self._on_thread(value) for value in values]
-        return region.submit(self._run, values).result()  # type: ignore[no-any-return]
+        if region is not None:
+            try:
+                future = region.submit(self._run, values)
+            except Exception as error:  # the items do not pickle, or the workers are gone
+                self._stay(f"its items cannot be sent to processes ({_text(error)})")
+            else:
+                try:
+                    return future.result()  # type: ignore[no-any-return]
+                except (CancelledError, BrokenProcessPool):
+                    raise  # a stop, or a worker that died running them: they fail
+                except Exception as error:  # the results do not pickle (each op's is caught)
+                    self._stay(f"its results cannot be sent back ({_text(error)})")
+        # On threads (moved back meanwhile, or now: nothing is lost to a move).
+        return [self._on_thread(value) for value in values]
+
+    def _stay(self, why: str) -> None:
+        # Back on threads for good (a pool thread's call: the tuner's next look closes the
+        # region once its calls have ended, and judges the move as one that could not be).
+        self.stays = why
+        self.back()
 
     def _on_thread(self, value: Any) -> Any:
         try:
@@ -318,3 +336,7 @@ def raised(failed: Failed, name: str) -> Exception:
         return error
     found = rebuilt(failed.sent, f"process region {name!r}", None)
     return found if isinstance(found, Exception) else RuntimeError(repr(found))
+
+
+def _text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
