@@ -34,6 +34,7 @@ class W:
     ended: bool = False
     room: int | None = None
     cpu: PerStage = 0.0  # cores each stage's calls on threads kept busy
+    idle: float | None = None  # cores the whole machine left idle (None: not known)
 
 
 def _each(value: PerStage, n: int) -> list[float]:
@@ -101,6 +102,7 @@ class Play:
             rate=w.rate,
             cores=w.cores,
             cpu_budget=self.cpu_budget,
+            idle=w.idle,
             t=self.t,
             sink_full=w.sink_full,
             first=w.first,

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from feedline import ConfigurationError, PipelineBuilder
-from feedline.pipeline import _decide
+from feedline.pipeline import _decide, _tuner
 from feedline.pipeline._placement import cannot_move
 
 from .._system import starts_processes, zombies
@@ -40,6 +40,14 @@ gil = pytest.mark.skipif(
     not getattr(sys, "_is_gil_enabled", lambda: True)(),
     reason="free-threaded Python: threads run Python code side by side, nothing moves",
 )
+
+
+@pytest.fixture(autouse=True)
+def _this_process_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The cores this process leaves idle count as room for workers, whatever other processes
+    # (another test's, on a shared machine) do with them: these tests are about what a move
+    # does; whether to move is decided from given figures in test_tuner_decisions.py.
+    monkeypatch.setattr(_tuner, "_machine_idle", lambda: None)
 
 
 def _gone() -> None:

@@ -204,6 +204,8 @@ class Sample:
         sink_full: Share of the window the sink was full (the consumer the slower side).
         first: The run's first window (shorter, its calls cold): it only decides a raise.
         ended: The output ended: whatever is under trial is kept.
+        idle: Cores the whole machine left idle (``None``: not known), for a move to
+            processes: cores another process keeps busy are no room for workers.
 
     """
 
@@ -215,6 +217,13 @@ class Sample:
     sink_full: float = 0.0
     first: bool = False
     ended: bool = False
+    idle: float | None = None
+
+    @property
+    def cores_idle(self) -> float:
+        """Cores of the budget idle: neither this process's nor (where known) another's."""
+        mine = self.cpu_budget - self.cores
+        return mine if self.idle is None else min(mine, self.idle)
 
 
 @dataclass(frozen=True)
@@ -419,7 +428,7 @@ def _move(
 ) -> Trial | None:
     # Stage ``i`` tried in worker processes, if it may move and its calls keep about a
     # core busy (what threads of Python code can under the GIL) with cores idle.
-    st, idle = s.stages[i], s.cpu_budget - s.cores
+    st, idle = s.stages[i], s.cores_idle
     waited = st.cpu <= MOVE_WAITED * st.in_flight
     gil = MOVE_CPU <= st.cpu <= MOVE_GIL and waited
     if not (st.movable and s.t >= m.no_move_until and gil and idle >= MOVE_IDLE) or s.ended:

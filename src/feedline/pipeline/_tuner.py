@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -126,11 +127,25 @@ class _Mark:
     t: float
     out: int  # items out of the last tuned stage
     cpu: float  # the process's CPU seconds
+    idle: float | None  # the machine's idle CPU seconds (None: not known)
     busy: list[float]  # per knob: seconds its calls ran
     calls: list[int]  # per knob: calls ended
     slots: list[float]  # per knob: slot-seconds (concurrency x time)
     full: list[float]  # per knob: seconds its output was full; the sink's last
     used: list[float]  # per knob: CPU seconds of its calls on threads (stages that may move)
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _machine_idle() -> float | None:
+    # CPU seconds the whole machine has been idle (Linux's /proc/stat; None elsewhere).
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()
+        return (int(fields[4]) + int(fields[5])) / _TICK  # idle and iowait
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class Tuner:
@@ -260,6 +275,7 @@ class Tuner:
             tuple(stages),
             rate=(now.out - mark.out) / dt,
             cores=(now.cpu - mark.cpu) / dt,
+            idle=None if now.idle is None or mark.idle is None else (now.idle - mark.idle) / dt,
             cpu_budget=self._cores,
             t=now.t - self._t0,
             sink_full=(now.full[-1] - mark.full[-1]) / dt,
@@ -335,7 +351,8 @@ class Tuner:
             full.append(self._channels[knob.index].full_seconds())
             used.append(knob.placement.cpu_seconds() if knob.placement is not None else 0.0)
         full.append(self._sink.full_seconds())
-        return _Mark(t, self._out.puts, time.process_time(), busy, calls, slots, full, used)
+        cpu = time.process_time()
+        return _Mark(t, self._out.puts, cpu, _machine_idle(), busy, calls, slots, full, used)
 
     # -- memory ----------------------------------------------------------------------------------
 
