@@ -192,9 +192,9 @@ def test_an_op_that_waits_stays_on_threads() -> None:
     pipeline = (
         PipelineBuilder()
         .add_source(itertools.count())
-        .pipe(waits_a_little)
+        .pipe(waits_a_little, executor="auto")
         .add_sink()
-        .build(autotune=True)  # every sync stage without an executor may move
+        .build()
     )
     stats = run_for(pipeline, 2.0)
     assert stats.stages[1].runs_in.startswith("threads")  # (stays: ...) on free-threaded Python
@@ -202,6 +202,14 @@ def test_an_op_that_waits_stays_on_threads() -> None:
     assert multiprocessing.active_children() == []
     del pipeline
     _gone()
+
+
+def test_autotune_alone_moves_nothing() -> None:
+    pipeline = PipelineBuilder().add_source(range(10)).pipe(holds_the_gil).add_sink()
+    built = pipeline.build(autotune=True)
+    assert sorted(x for x, _ in built) == list(range(10))
+    assert built.stats().stages[1].runs_in == "threads"
+    assert built._config.stages[0].placement is None
 
 
 def test_a_stage_that_cannot_move_says_why() -> None:

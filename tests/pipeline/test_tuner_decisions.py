@@ -437,7 +437,7 @@ CASES = [
     Case(
         # This process keeps one core busy, but another process (a server) the other one.
         "not where another process keeps the cores this one leaves idle busy",
-        [W(330, 1.0, 0.006, cpu=1.0, idle=1.0), W(340, 1.0, 0.012, cpu=1.0, idle=0.1)],
+        [W(330, 1.0, 0.006, cpu=1.0, idle=1.0), W(340, 1.0, 0.012, cpu=1.0, idle=0.05)],
         ["s raise 4", "s lower 1"],
         start=(2,),
         movable=True,

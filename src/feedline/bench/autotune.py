@@ -11,8 +11,8 @@ Five pipelines, each with its knobs (each stage's concurrency):
   alone gains little once they run at the same rate;
 * **CPU decode**: JPEGs decoded from memory: cores, not waiting, bound it;
 * **GIL-holding op**: a pure-Python parse, which no second thread speeds up: the tuned
-  pipeline (whose sync stages may move, ``executor="auto"``) runs it in worker processes,
-  the oracle's grid is of threads only.
+  pipeline's stage is ``executor="auto"`` (it may move to worker processes), the oracle's
+  grid is of threads only.
 
 The **oracle** is the best fixed configuration of a grid search over the same knobs, found in
 this run. Then, in alternating rounds, a fresh tuned pipeline (``build(autotune=True)``,
@@ -123,14 +123,17 @@ class _Case:
 
 
 def _pipeline(
-    source: Any, stages: list[tuple[str, Callable[[Any], Any]]]
+    source: Any, stages: list[tuple[str, Callable[[Any], Any]]], movable: bool = False
 ) -> Callable[[dict[str, Any], dict[str, Any]], Any]:
+    # ``movable``: the tuned pipeline's stages may move to processes (executor="auto").
     def build(concurrency: dict[str, Any], options: dict[str, Any]) -> Any:
         from feedline import PipelineBuilder
 
         builder: Any = PipelineBuilder().add_source(source())
         for name, op in stages:
-            builder = builder.pipe(op, concurrency=concurrency.get(name), name=name)
+            c = concurrency.get(name)
+            where = "auto" if movable and c is None else None
+            builder = builder.pipe(op, concurrency=c, executor=where, name=name)
         return builder.add_sink().build(**options)
 
     return build
@@ -266,7 +269,7 @@ def run(options: BenchOptions) -> ScenarioResult:
             ),
             _Case(
                 "GIL-holding op",
-                _pipeline(lambda: _cycle(rows), [("parse", _parse)]),
+                _pipeline(lambda: _cycle(rows), [("parse", _parse)], movable=True),
                 {"parse": [1, 2, 4, 8] if not quick else [1, 2]},
                 # Threads taking turns on the GIL with the consumer: its rates swing from
                 # round to round (the oracle's alone spanned 6k-22k items/s).

@@ -214,7 +214,8 @@ class PipelineBuilder(Generic[T]):
                 GIL (more threads do not pay while cores are idle and the calls compute),
                 keeping the move only if the output rises; the concurrency is tuned too (an
                 int is refused). ``stats()`` says where each stage runs, and why one cannot
-                move. ``"threads"``: the thread pool, never moved by ``build(autotune=True)``.
+                move; its op then runs in other processes, so it must not count on this one's
+                state. ``"threads"``: the thread pool (as ``None``).
                 An ``Executor``: that executor, which the pipeline does not shut down: a
                 one-thread ``ThreadPoolExecutor`` for work that keeps per-thread state (a CUDA
                 stream), a ``ProcessPoolExecutor`` (sync functions only).
@@ -521,10 +522,8 @@ class PipelineBuilder(Generic[T]):
                 nothing while the consumer is slower or the cores are busy, and lowers
                 stages that use few of their slots. Each epoch starts where the last left
                 off. ``stats()`` shows its decisions (logged at DEBUG). A stage given a
-                number is never changed. A sync function stage without an executor may move
-                to worker processes, as with ``executor="auto"`` (its op then runs in another
-                process: it must not count on this one's state; ``executor="threads"`` keeps
-                it here).
+                number is never changed, and no stage moves to processes unless it asks to
+                (``executor="auto"``).
             memory_budget: The most bytes of items held in the queues and in the calls in
                 flight, measured with ``approx_nbytes`` (arrays, tensors, bytes, and lists,
                 dicts or dataclasses of them) on one item in eight put in each queue. Tuned
@@ -705,10 +704,7 @@ def _autotuned(stage: StageConfig) -> StageConfig:
         return stage
     if stage.kind.many and stage.output_order == "input":
         return stage
-    # A sync function on the pipeline's threads may move to processes (executor="auto").
-    movable = stage.kind is OpKind.FUNCTION and stage.executor is None
-    placement = "auto" if movable and stage.placement is None else stage.placement
-    return dataclasses.replace(stage, auto=Auto(), placement=placement)
+    return dataclasses.replace(stage, auto=Auto())
 
 
 def _resolve_auto(stage: StageConfig, num_threads: int) -> StageConfig:

@@ -137,6 +137,10 @@ MOVE_WAITED = 0.75
 for it part of the time (a decode that releases it computes throughout, and a stage starved
 by a slow read upstream is not held back by the GIL)."""
 
+MOVE_ROOM = 0.1
+"""... and not while the whole machine leaves less than this many cores idle: the calls then
+wait for cores that other processes keep busy, not for the GIL."""
+
 MOVE_IDLE = 0.5
 """Cores of the CPU budget that must be idle for a move to processes to have room to pay."""
 
@@ -204,8 +208,8 @@ class Sample:
         sink_full: Share of the window the sink was full (the consumer the slower side).
         first: The run's first window (shorter, its calls cold): it only decides a raise.
         ended: The output ended: whatever is under trial is kept.
-        idle: Cores the whole machine left idle (``None``: not known), for a move to
-            processes: cores another process keeps busy are no room for workers.
+        idle: Cores the whole machine left idle (``None``: not known): a machine that left
+            none is no room for a move to processes (:data:`MOVE_ROOM`).
 
     """
 
@@ -220,10 +224,9 @@ class Sample:
     idle: float | None = None
 
     @property
-    def cores_idle(self) -> float:
-        """Cores of the budget idle: neither this process's nor (where known) another's."""
-        mine = self.cpu_budget - self.cores
-        return mine if self.idle is None else min(mine, self.idle)
+    def saturated(self) -> bool:
+        """Whether the whole machine left (almost) no core idle (:data:`MOVE_ROOM`)."""
+        return self.idle is not None and self.idle < MOVE_ROOM
 
 
 @dataclass(frozen=True)
@@ -428,10 +431,12 @@ def _move(
 ) -> Trial | None:
     # Stage ``i`` tried in worker processes, if it may move and its calls keep about a
     # core busy (what threads of Python code can under the GIL) with cores idle.
-    st, idle = s.stages[i], s.cores_idle
+    st, idle = s.stages[i], s.cpu_budget - s.cores
     waited = st.cpu <= MOVE_WAITED * st.in_flight
     gil = MOVE_CPU <= st.cpu <= MOVE_GIL and waited
-    if not (st.movable and s.t >= m.no_move_until and gil and idle >= MOVE_IDLE) or s.ended:
+    if not (st.movable and s.t >= m.no_move_until and gil and idle >= MOVE_IDLE):
+        return None
+    if s.ended or s.saturated:
         return None
     n = min(int(s.cpu_budget), round(st.cpu + idle), st.high // 2)
     if n < 2:
