@@ -442,7 +442,7 @@ def _watch(gen: _Generation, selector: selectors.BaseSelector, watched: set[_Wor
 def rebuilt(value: Any, name: str, pid: int | None) -> BaseException:
     """The exception a worker sent as ``portable(error)``, with where it was raised."""
     error, text = value
-    where = f"worker process {pid} of {name}"
+    where = f"worker process {pid} of {name}" if pid is not None else f"a worker process of {name}"
     if error is not None:
         add_note(error, f"Original traceback in {where}:\n{text}")
         return error  # type: ignore[no-any-return]
