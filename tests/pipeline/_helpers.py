@@ -391,3 +391,21 @@ def holds_the_gil_unless_seven(x: int) -> tuple[int, int]:
 def holds_the_gil_on_bytes(view: memoryview) -> tuple[int, int]:
     """:func:`holds_the_gil` on the first byte of ``view`` (a memoryview does not pickle)."""
     return holds_the_gil(view[0])
+
+
+def processes_gone(segments: set[str] | None = None) -> None:
+    """Wait (10 s at most) for this process's children to end; then assert that none is left,
+    no zombie, and (given the segments there were before) no new shared-memory segment."""
+    import gc
+    import multiprocessing
+
+    from .._system import own_segments, zombies
+
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        gc.collect()  # the pipeline's threads may hold it a moment after the epoch
+        time.sleep(0.05)
+    assert multiprocessing.active_children() == []
+    assert zombies() == []
+    if segments is not None:
+        assert own_segments() <= segments

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import gc
 import multiprocessing
 import os
-import time
 
 import numpy as np
 import pytest
@@ -13,19 +11,17 @@ import pytest
 from feedline import ConfigurationError, PipelineBuilder, PipelineFailure
 
 from .._system import own_segments, starts_processes
-from .._system import zombies as _zombies
-from ._helpers import Counted, fail_on_three, square, unwrap_with_pid, value_of, wrap
+from ._helpers import (
+    Counted,
+    fail_on_three,
+    processes_gone,
+    square,
+    unwrap_with_pid,
+    value_of,
+    wrap,
+)
 
 pytestmark = starts_processes
-
-
-def _gone() -> None:
-    deadline = time.monotonic() + 10
-    while multiprocessing.active_children() and time.monotonic() < deadline:
-        gc.collect()  # the pipeline's threads may hold it a moment after the epoch
-        time.sleep(0.05)
-    assert multiprocessing.active_children() == []
-    assert _zombies() == []
 
 
 def test_a_run_of_stages_runs_in_workers_and_nothing_between_them_is_pickled() -> None:
@@ -48,7 +44,7 @@ def test_a_run_of_stages_runs_in_workers_and_nothing_between_them_is_pickled() -
     arrays[0][0, 0] = -1  # writable, and this process's own
     del first, second, arrays
     del pipeline
-    _gone()
+    processes_gone()
     assert own_segments() <= before  # the shared memory went with the arrays
 
 
@@ -60,7 +56,7 @@ def test_an_epoch_left_early_ends_the_workers_and_the_next_starts_new_ones() -> 
     assert multiprocessing.active_children() == []  # ended with the epoch, no GC needed
     assert sorted(pipeline) == [i * i for i in range(50)]
     del pipeline
-    _gone()
+    processes_gone()
 
 
 def test_inputs_cross_once_each() -> None:
@@ -75,7 +71,7 @@ def test_inputs_cross_once_each() -> None:
     assert sorted(pipeline) == [i * 10 for i in range(9)]
     assert Counted.pickled == 9
     del pipeline
-    _gone()
+    processes_gone()
 
 
 def test_results_match_threads_and_a_failure_names_the_source_item() -> None:
@@ -100,7 +96,7 @@ def test_results_match_threads_and_a_failure_names_the_source_item() -> None:
     )
     assert sorted(skipping) == [0, 1, 2, 4, 5]
     del region, failing, skipping
-    _gone()
+    processes_gone()
 
 
 def test_a_resumable_pipeline_with_a_region_resumes() -> None:
@@ -125,7 +121,7 @@ def test_a_resumable_pipeline_with_a_region_resumes() -> None:
     resumed.load_state_dict(state)  # type: ignore[attr-defined]
     assert sorted(got + list(resumed)) == [i * i for i in range(30)]  # type: ignore[call-overload]
     del pipeline, resumed
-    _gone()
+    processes_gone()
 
 
 def _generator(x: int) -> object:
@@ -159,4 +155,4 @@ def test_arrays_of_the_result_are_numpy() -> None:
     )
     assert all(isinstance(a, np.ndarray) for _, _, a in pipeline)
     del pipeline
-    _gone()
+    processes_gone()
