@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["usable_cores"]
+__all__ = ["machine_idle", "usable_cores"]
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def usable_cores() -> int:
@@ -13,3 +15,17 @@ def usable_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not Linux
         return max(1, os.cpu_count() or 1)
+
+
+def machine_idle() -> float | None:
+    """CPU seconds the whole machine has been idle (Linux's ``/proc/stat``; ``None`` elsewhere).
+
+    The difference of two reads over the seconds between them is the cores left idle, by this
+    process and every other one.
+    """
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()
+        return (int(fields[4]) + int(fields[5])) / _TICK  # idle and iowait
+    except (OSError, ValueError, IndexError):
+        return None

@@ -533,3 +533,24 @@ class SlowFirstWorker(Dataset[Any]):
         if worker == 0:
             time.sleep(self.delay)
         return i, worker
+
+
+class Spinning(Dataset[Any]):
+    """Item ``i``: ``(i, pid)`` after ``spin`` iterations of Python code (holding the GIL);
+    items in ``failing`` raise ``KeyError``."""
+
+    def __init__(self, n: int, spin: int = 0, failing: frozenset[int] = frozenset()) -> None:
+        self.n, self.spin, self.failing = n, spin, failing
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        import os
+
+        total = 0
+        for k in range(self.spin):
+            total += k
+        if i in self.failing:
+            raise KeyError(f"item {i} fails")
+        return i, os.getpid()

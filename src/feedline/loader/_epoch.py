@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import logging
 import sys
 import threading
 import time
@@ -21,6 +22,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from feedline._cores import usable_cores
 from feedline._extras import require_torch
 from feedline._ledger import ledger_check
 from feedline.errors import ConfigurationError, add_note
@@ -30,6 +32,7 @@ from ._fetch import BatchFetcher, Collated, FailureTally, Task
 from ._gather import StateReport, StreamMark
 from ._indices import index_iterator
 from ._ledgers import LoaderLedger, stream_batch_taken
+from ._move import RETRY_AFTER, Window, decide
 from ._pool import thread_times
 from ._rewind import GeneratorRewind, sampler_generators
 from ._seeds import RngWatch, next_only
@@ -49,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = ["EpochIterator"]
 
 T = TypeVar("T")
+_log = logging.getLogger("feedline.loader")
 _SKIP = object()
 _WAITED = 0.001
 """Seconds ``get_item`` may take before the consumer counts as having waited for a batch."""
@@ -223,6 +227,12 @@ class EpochIterator(Generic[T]):
             if tl.persistent_workers and tl.num_workers > 0:
                 chain = (base_seed, 0)
         loader._seed_chain = position.seed_chain = chain
+        self._base_seed = base_seed
+        # num_workers="auto" (or 0, for its hint): windows of batches measured, and the
+        # worker processes fetching is moving to (0: back to threads) at the next boundary.
+        self._window: Window | None = None
+        self._moving: int | None = None
+        self._gate: _Gate | None = None
         self._finish = _Finisher(
             FailureTally(loader.max_failures), tl.collate_fn, bool(tl._auto_collation)
         )
@@ -261,29 +271,41 @@ class EpochIterator(Generic[T]):
             epoch = self._add_map_source(
                 builder, loader, sampler_iter, skip, replay, base_seed, sampler, dataset_state
             )
-        self._pipeline: Pipeline[Any] | _Direct
+        self._pipeline: Pipeline[Any] | _Direct = self._serve(builder, loader, epoch)
+        self._finalizer = self._finalize()
+        self._pipeline.start()
+
+    def _serve(
+        self, builder: PipelineBuilder[Any], loader: DataLoader[T], epoch: Any
+    ) -> Pipeline[Any] | _Direct:
+        # What the consumer takes its batches from: the workers' ``epoch`` straight, or the
+        # pipeline ``builder`` holds (with a fetch stage, or the workers' epoch as its
+        # source), finished by collation and pinning.
         if epoch is not None and not loader._pin:
             # The workers fetch and collate; this thread takes their batches itself, as
             # PyTorch's iterator does: a pipeline's threads would only hand them over (and
             # take the cores from the workers while they start: 5-10 ms to the first batch).
-            self._pipeline = _Direct(epoch, self._finish)
-        else:
-            if epoch is not None:
-                # The workers' batches: a short queue of whole batches, which does not grow.
-                builder.add_source(epoch, buffer_size=max(2, loader.in_flight))
-            # Whole batches on to pinning: a short queue, which does not grow either.
-            builder.pipe(self._finish, name="collate_fn", buffer_size=max(2, loader.in_flight))
-            if loader._pin:
-                self._pin_pool = ThreadPoolExecutor(1, thread_name_prefix="feedline-pin")
-                builder.pipe(
-                    functools.partial(_pin_numbered, torch),
-                    executor=self._pin_pool,
-                    name="pin_memory",
-                )
-            builder.add_sink(loader.in_flight)
-            self._pipeline = builder.build(max_failures=0)
-            self._watch_pipeline(self._pipeline, loader, epoch is not None)
-        self._finalizer = weakref.finalize(
+            return _Direct(epoch, self._finish)
+        if epoch is not None:
+            # The workers' batches: a short queue of whole batches, which does not grow.
+            builder.add_source(epoch, buffer_size=max(2, loader.in_flight))
+        # Whole batches on to pinning: a short queue, which does not grow either.
+        builder.pipe(self._finish, name="collate_fn", buffer_size=max(2, loader.in_flight))
+        if loader._pin:
+            self._pin_pool = ThreadPoolExecutor(1, thread_name_prefix="feedline-pin")
+            builder.pipe(
+                functools.partial(_pin_numbered, require_torch("pin_memory")),
+                executor=self._pin_pool,
+                name="pin_memory",
+            )
+        builder.add_sink(loader.in_flight)
+        pipeline = builder.build(max_failures=0)
+        self._watch_pipeline(pipeline, loader, epoch is not None)
+        return pipeline
+
+    def _finalize(self) -> weakref.finalize[Any, Any]:
+        # Stops what the epoch runs now when the iterator is dropped.
+        return weakref.finalize(
             self,
             EpochIterator._shutdown,
             self._pipeline,
@@ -292,7 +314,6 @@ class EpochIterator(Generic[T]):
             self._tasks,
             self._finish.tally,
         )
-        self._pipeline.start()
 
     def _add_map_source(
         self,
@@ -324,35 +345,61 @@ class EpochIterator(Generic[T]):
             self._rewinder,
             self.position.ledger,
         )
-        if tl.num_workers > 0:
+        workers = loader._fetch_workers()
+        if workers > 0:
             loader._worker_set().start(base_seed, count=1)  # before the sampler's first draw
         first = list(itertools.islice(tasks, 1))  # the sampler draws its seed now, here
-        tasks = self._tasks = _Releasable(itertools.chain(first, tasks))
-        order = "input" if tl.in_order else "completion"
-        if tl.num_workers > 0:
+        self._tasks = _Releasable(itertools.chain(first, tasks))
+        gate = self._gate = _Gate(self._tasks)
+        placement = loader._placement
+        measure = False
+        if placement is not None and (placement.auto or not placement.hinted):
+            if placement.stays is None:  # (a dataset the workers could not take stays)
+                placement.stays = _stays(tl.dataset)
+            measure = placement.stays is None
+            if placement.auto and placement.stays not in (None, *placement.log[-1:]):
+                placement.note(f"fetch: stays on threads: {placement.stays}")
+        if workers > 0:
+            self._window = self._new_window(workers) if measure else None
             report = None if self.position.dataset_states is None else state_reporter(self.position)
             # A state saved between epochs: persistent workers go on with their datasets'
             # states into an epoch seeded anew (see WorkerSet.epoch).
             return loader._worker_set().epoch(
-                tasks, base_seed, dataset_state, report, between=self._between, start=skip
+                gate.view(), base_seed, dataset_state, report, between=self._between, start=skip
             )
         start_dataset(tl.dataset, self.position, dataset_state)
+        self._fetch_stage(builder, loader, gate.view(), first=True)
+        self._window = self._new_window(workers) if measure else None
+        return None
+
+    def _fetch_stage(
+        self,
+        builder: PipelineBuilder[Any],
+        loader: DataLoader[T],
+        tasks: Iterator[Task],
+        first: bool,
+    ) -> None:
+        # The source of batches and the stage that fetches their items on threads.
+        tl = loader._torch_loader
         self._fetcher = BatchFetcher(
             tl.dataset,
             loader._fetch.threads,
-            wait_for_delivery=True,
+            wait_for_delivery=first,
             snapshot=_snapshot(tl.dataset),
-            seed=base_seed,
+            seed=self._base_seed,
             least=loader._fetch.least,
             start=loader._fetch.start,
-            batched=bool(auto),
+            batched=bool(tl._auto_collation),
         )
-        # Told when the consumer holds the first batch: only then do the other batches
-        # start, so that their threads take no CPU from the first batch's collation and
-        # hand-over (measured on 2 cores: up to 18 ms between the first batch's collation
-        # and the consumer holding it, when the next batches started at collation).
-        self._first_pending = self._fetcher
-        builder.add_source(tasks)
+        if first:
+            # Told when the consumer holds the first batch: only then do the other batches
+            # start, so that their threads take no CPU from the first batch's collation and
+            # hand-over (measured on 2 cores: up to 18 ms between the first batch's collation
+            # and the consumer holding it, when the next batches started at collation).
+            self._first_pending = self._fetcher
+        # A few batches drawn ahead of the fetch stage, not the dozens a queue after a cheap
+        # source grows to: a move of fetching (see _move.py) waits for those drawn.
+        builder.add_source(tasks, buffer_size=max(2, loader.in_flight))
         builder.pipe(
             self._fetcher.fetch,
             # fetch_concurrency=1: batches strictly one after another, as PyTorch fetches
@@ -360,11 +407,10 @@ class EpochIterator(Generic[T]):
             concurrency=1
             if loader._fetch.threads == 1
             else loader._fetch.batches(loader.in_flight, _batch_items(tl), loader._settled),
-            output_order=order,
+            output_order="input" if tl.in_order else "completion",
             name="fetch",
             buffer_size=max(2, loader.in_flight),  # whole batches: keep this queue short
         )
-        return None
 
     def _add_iterable_source(
         self,
@@ -440,8 +486,7 @@ class EpochIterator(Generic[T]):
                 asked = time.perf_counter()
                 asked_cpu = _cpu_wanted() if self._fetcher is not None else 0.0
                 item = self._pipeline.get_item(timeout=self._timeout)
-                if self._fetcher is not None:
-                    self._took(asked, asked_cpu)
+                took = self._took(asked, asked_cpu)
                 if watch is not None:
                     # While this thread waited, only the fetch threads ran user code: if the
                     # global generators moved, the dataset drew from them concurrently.
@@ -450,6 +495,8 @@ class EpochIterator(Generic[T]):
                 if fetcher is not None:
                     fetcher.first_delivered()  # the other batches may start now
             except EOFError:
+                if self._moving is not None and self._moved():
+                    continue  # the rest of the epoch, fetched where it moved
                 self.position.finished = True
                 self._dataset_at_end()
                 self.close()
@@ -492,6 +539,8 @@ class EpochIterator(Generic[T]):
                     states[dataset_state[0]] = dataset_state[1]
                 continue
             self._count(number, dataset_state, "skipped" if batch is _SKIP else "delivered")
+            if self._window is not None:
+                self._place(*took)
             if batch is _SKIP:
                 continue
             if self._len_called is not None and self.position.yielded > self._len_called:
@@ -533,7 +582,9 @@ class EpochIterator(Generic[T]):
             stacklevel=3,
         )
 
-    def _took(self, asked: float, asked_cpu: float) -> None:
+    def _took(
+        self, asked: float, asked_cpu: float
+    ) -> tuple[float, bool, float | None, float | None]:
         # Tell the fetcher whether the consumer waited for this batch, and how much of its
         # time since the last one its thread computed, or was ready to but queued for a core
         # (the fetch threads' pushing it off its core must not hide that it computes; see
@@ -542,15 +593,132 @@ class EpochIterator(Generic[T]):
         # thread_times): getting a batch that was ready takes microseconds of that time. A
         # wait would count in the next batch's share (and the collation this thread may do
         # while it waits, see Run.pull), so the batch after one is not judged.
+        # Returns when it took the batch, whether it waited, its time since the batch
+        # before and the share of it computing (None: not measured).
         now = time.perf_counter()
-        left, left_cpu = self._left
-        computing = None
-        if left is not None and asked > left:
-            computing = (asked_cpu - left_cpu) / (asked - left)
-        assert self._fetcher is not None
         waited = now - asked > _WAITED
-        self._fetcher.consumer_took(waited, computing)
+        fetcher = self._fetcher
+        if fetcher is None:  # from worker processes: no times read here
+            return now, waited, None, None
+        left, left_cpu = self._left
+        between = computing = None
+        if left is not None and asked > left:
+            between = asked - left
+            computing = (asked_cpu - left_cpu) / between
+        fetcher.consumer_took(waited, computing)
         self._left = (None, 0.0) if waited else (asked, asked_cpu)
+        return now, waited, between, computing
+
+    def _place(
+        self, now: float, waited: bool, between: float | None, computing: float | None
+    ) -> None:
+        # num_workers="auto": measure the window, and where it is judged, decide whether
+        # fetching moves (see _move.py); a loader with num_workers=0 logs the hint instead.
+        window, loader, gate = self._window, self._loader, self._gate
+        if window is None or loader is None or gate is None or self._moving is not None:
+            return
+        placement = loader._placement
+        assert placement is not None
+        window.took(now, waited, between, computing)
+        if not window.ready():
+            return
+        sample = window.sample(usable_cores())
+        may_try = placement.stays is None and time.monotonic() >= placement.retry_at
+        decision = decide(sample, placement.trial_rate, may_try)
+        if decision.action == "wait":
+            return
+        window.restart()
+        if decision.action == "stay":
+            return
+        if not placement.auto:
+            placement.hinted, self._window = True, None
+            _hint(decision.why)
+            return
+        if decision.action == "move":
+            placement.trial_rate, placement.previous = sample.rate, sample.workers
+            self._moving = decision.workers
+            placement.note(
+                f"fetch: moves to {decision.workers} worker process(es) to try them: {decision.why}"
+            )
+        elif decision.action == "keep":
+            placement.trial_rate = None
+            placement.note(f"fetch: stays in {decision.workers} worker process(es): {decision.why}")
+        else:  # back
+            placement.trial_rate = None
+            placement.retry_at = time.monotonic() + RETRY_AFTER
+            self._moving = placement.previous
+            where = f"{placement.previous} worker process(es)" if placement.previous else "threads"
+            placement.note(f"fetch: moves back to {where}: {decision.why}")
+        if self._moving is not None:
+            _log.info("feedline.DataLoader %s", placement.log[-1])
+            gate.pause()  # the batches drawn so far are fetched where they are
+
+    def _new_window(self, workers: int) -> Window:
+        # Measures the next window; on threads, the fetch calls' own CPU time is the
+        # fetching's (not the engine's, nor other threads' of the process).
+        fetcher = self._fetcher
+        return Window(workers, None if fetcher is None else lambda: fetcher.calls_cpu)
+
+    def _moved(self) -> bool:
+        # _move_on, stopping the epoch (its workers ended) if it raises: Ctrl-C during the
+        # move leaves no process behind.
+        try:
+            return self._move_on()
+        except BaseException:
+            self.close(end_workers=True)
+            raise
+
+    def _move_on(self) -> bool:
+        # The part of the epoch fetched so far has handed out its last batch: stop what
+        # fetched it (its threads joined, so that workers may fork) and go on with the rest
+        # of the epoch where ``_moving`` says. False: no batch is left.
+        loader, gate, workers = self._loader, self._gate, self._moving
+        self._moving = None
+        assert loader is not None
+        assert gate is not None
+        assert workers is not None
+        placement = loader._placement
+        assert placement is not None
+        old = self._pipeline
+        old.stop()
+        if isinstance(old, Pipeline):
+            loader._last_stats = old.stats()
+        if self._fetcher is not None:
+            self._fetcher.close()
+            self._fetcher = None
+        if self._pin_pool is not None:
+            self._pin_pool.shutdown(wait=True, cancel_futures=True)
+            self._pin_pool = None
+        if not workers:
+            loader._end_workers()
+        if not gate.more():
+            return False
+        placement.workers = workers
+        if workers:
+            try:
+                loader._worker_set().start(self._base_seed)
+            except Exception as error:  # the dataset cannot be sent to workers
+                loader._end_workers()
+                placement.workers = workers = 0
+                placement.trial_rate = None
+                placement.stays = f"the workers could not start: {error}"
+                placement.note(f"fetch: stays on threads: {placement.stays}")
+                _log.warning("feedline.DataLoader %s", placement.log[-1])
+        builder: PipelineBuilder[Any] = PipelineBuilder()
+        epoch = None
+        if workers:
+            epoch = loader._worker_set().epoch(
+                gate.view(), self._base_seed, start=gate.next_number()
+            )
+        else:
+            self._fetch_stage(builder, loader, gate.view(), first=False)
+        self._pipeline = self._serve(builder, loader, epoch)
+        self._finalizer.detach()
+        self._finalizer = self._finalize()
+        self._window = self._new_window(workers) if placement.stays is None else None
+        self._left = (None, 0.0)
+        self._pipeline.start()
+        return True
 
     def _count(
         self, number: int, dataset_state: tuple[int, Any] | StreamMark | None, outcome: str
@@ -740,6 +908,75 @@ class _Releasable:
     def release(self) -> None:
         """Drop the batches not drawn yet: the iterator ends."""
         self._tasks = None
+
+
+class _Gate:
+    """The epoch's batches, handed to where fetching runs, one part of the epoch at a time.
+
+    Each part (threads, or worker processes) takes its batches from a :meth:`view`; after
+    :meth:`pause`, that view ends, and the part hands out what it drew; the next part's view
+    goes on from the next batch. Views are iterated one after another, never at once.
+    """
+
+    def __init__(self, tasks: Iterator[Task]) -> None:
+        self._tasks = tasks
+        self._open = True
+        self._peeked: Task | None = None
+
+    def view(self) -> Iterator[Task]:
+        """The batches from the next one on, until :meth:`pause`."""
+        self._open = True
+        return self._view()
+
+    def _view(self) -> Iterator[Task]:
+        while self._open:
+            task, self._peeked = self._peeked, None
+            if task is None:
+                task = next(self._tasks, None)
+                if task is None:
+                    return
+            yield task
+
+    def pause(self) -> None:
+        """End the current view at its next draw."""
+        self._open = False
+
+    def more(self) -> bool:
+        """Whether a batch is left (drawn now, and kept for the next view)."""
+        if self._peeked is None:
+            self._peeked = next(self._tasks, None)
+        return self._peeked is not None
+
+    def next_number(self) -> int:
+        """The number of the next batch (after :meth:`more` said there is one)."""
+        assert self._peeked is not None
+        return self._peeked[0]
+
+
+def _stays(dataset: Any) -> str | None:
+    """Why fetching from ``dataset`` must stay on threads (``None``: it may move)."""
+    if not getattr(sys, "_is_gil_enabled", lambda: True)():
+        return "free-threaded Python runs dataset[i] calls on threads side by side"
+    if is_stateful(dataset):
+        return (
+            "the dataset has state_dict() and load_state_dict(): its state is kept where it "
+            "fetches, in this process"
+        )
+    return None
+
+
+_HINTED = [False]  # the hint below was logged by this process
+
+
+def _hint(why: str) -> None:
+    if _HINTED[0]:
+        return
+    _HINTED[0] = True
+    _log.warning(
+        'feedline.DataLoader: %s; DataLoader(num_workers="auto") would try worker processes '
+        "for it (dataset[i] holding the GIL slows the training loop beside threads)",
+        why,
+    )
 
 
 def _numbered(

@@ -252,6 +252,9 @@ class BatchFetcher:
         self._first_fetched = False  # the first batch's items are all in
         self._waited_share: float | None = None  # of the calls' time off the cores, when fed
         self._jobs_run = 0
+        self._cpu_lock = threading.Lock()
+        self.calls_cpu = 0.0
+        """CPU seconds the calls of ``dataset[i]`` have taken so far, on all threads."""
         self.inline = concurrency > 1 and self._cores == 1
         """Whether :meth:`fetch_now` fetches on the calling thread, as a PyTorch worker does.
 
@@ -575,7 +578,7 @@ class BatchFetcher:
         return done
 
     def _run_items(self, indices: list[Any], items: list[Any], start: int, stop: int) -> None:
-        wall = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.thread_time()
         if not self._running:
             self._begin_window(wall)
         before = thread_times() if self._calls.fed and self._sample_due() else None
@@ -603,6 +606,9 @@ class BatchFetcher:
         finally:
             done_fetching()
         spent = time.perf_counter() - wall
+        used = time.thread_time() - cpu
+        with self._cpu_lock:  # a job is 2 ms or more: the lock costs nothing beside it
+            self.calls_cpu += used
         after = thread_times() if before is not None else None
         if before is not None and after is not None and spent > 0:
             off = max(0.0, spent - (after[0] - before[0]) - (after[1] - before[1])) / spent

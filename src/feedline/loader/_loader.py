@@ -34,6 +34,7 @@ from feedline.pipeline import Auto, PipelineStats
 from ._concurrency import FetchConcurrency
 from ._epoch import EpochIterator
 from ._ledgers import LoaderLedger
+from ._move import Placement
 from ._state import Position, check_state
 from ._workers import WorkerSet
 
@@ -45,7 +46,6 @@ _log = logging.getLogger("feedline.loader")
 # may change between epochs. Changing one of _WORKER_SETTINGS restarts the worker processes.
 _WORKER_SETTINGS = frozenset(
     {
-        "num_workers",
         "worker_init_fn",
         "multiprocessing_context",
         "timeout",
@@ -78,6 +78,11 @@ class DataLoader(Generic[T]):
             right choice when ``__getitem__`` waits on I/O or releases the GIL. ``N > 0``:
             N worker processes, each fetching with ``fetch_concurrency`` threads, for datasets
             whose ``__getitem__`` holds the GIL. The dataset is sent to each worker once.
+            ``"auto"``: start on threads, and move fetching to worker processes, at a batch
+            boundary, where measurements show the threads holding the training loop back
+            (its thread waiting for the GIL, or batches late while fetching cannot use more
+            than one core); the move is kept only if the loop then takes batches faster.
+            Reading ``num_workers`` gives the worker processes in use (0 on threads).
         pin_memory: Pin batches in a dedicated thread (when CUDA is available).
         timeout: Seconds to wait for a batch (``0``: no limit); a longer wait raises.
         worker_init_fn: Called with the worker id in each worker process, once, after it is
@@ -128,7 +133,7 @@ class DataLoader(Generic[T]):
         shuffle: bool | None = None,
         sampler: Any = None,
         batch_sampler: Any = None,
-        num_workers: int = 0,
+        num_workers: int | str = 0,
         collate_fn: Callable[[Any], Any] | None = None,
         pin_memory: bool = False,
         drop_last: bool = False,
@@ -152,6 +157,20 @@ class DataLoader(Generic[T]):
                 "pin_memory_device is deprecated in PyTorch and not supported: batches are "
                 "pinned for the current CUDA device; move them with batch.to(device)"
             )
+        auto_workers = num_workers == "auto"
+        if auto_workers:
+            # Validated as workers would be (a start method, prefetch_factor); the epochs
+            # start on threads, and move fetching where it pays.
+            num_workers = 1
+            if persistent_workers:
+                raise ConfigurationError(
+                    'persistent_workers=True needs a number of workers: num_workers="auto" '
+                    "starts worker processes only when they pay, and ends them with each epoch"
+                )
+        elif isinstance(num_workers, str):
+            raise ConfigurationError(
+                f'num_workers must be an int >= 0 or "auto", got {num_workers!r}'
+            )
         # PyTorch's own constructor validates the arguments (the context among them: only
         # with workers) and builds the samplers.
         self._torch_loader = torch.utils.data.DataLoader(
@@ -173,7 +192,15 @@ class DataLoader(Generic[T]):
             persistent_workers=persistent_workers,
             in_order=in_order,
         )
+        if auto_workers:
+            self._torch_loader.num_workers = 0
         self._iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+        # Where fetching runs (num_workers="auto"), or where a hint is due (threads).
+        self._placement: Placement | None = (
+            Placement(auto=auto_workers)
+            if (auto_workers or self._torch_loader.num_workers == 0) and not self._iterable
+            else None
+        )
         self._fetch = FetchConcurrency.parse(fetch_concurrency)
         self._stale_workers = False  # a worker setting changed during an epoch
         if max_failures is not None and (
@@ -243,6 +270,42 @@ class DataLoader(Generic[T]):
         return len(self._torch_loader)
 
     @property
+    def num_workers(self) -> int:
+        """The worker processes that fetch: as given, or with ``"auto"`` those in use now.
+
+        Setting it (an int or ``"auto"``) takes effect at the next epoch.
+        """
+        placement = self._placement
+        if placement is not None and placement.auto:
+            return placement.workers
+        return int(self._torch_loader.num_workers)
+
+    @num_workers.setter
+    def num_workers(self, value: int | str) -> None:
+        auto = value == "auto"
+        if not auto and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ConfigurationError(f'num_workers must be an int >= 0 or "auto", got {value!r}')
+        tl = self._torch_loader
+        if auto and tl.persistent_workers:
+            raise ConfigurationError(
+                'persistent_workers=True needs a number of workers, not num_workers="auto"'
+            )
+        tl.num_workers = 0 if auto else value  # PyTorch's own checks
+        if auto or value == 0:
+            if self._placement is None or self._placement.auto != auto:
+                self._placement = None if self._iterable else Placement(auto=auto)
+        else:
+            self._placement = None
+        self._settings_changed()
+
+    def _fetch_workers(self) -> int:
+        # The worker processes the next epoch starts on.
+        placement = self._placement
+        if placement is not None and placement.auto:
+            return placement.workers
+        return int(self._torch_loader.num_workers)
+
+    @property
     def mp_context(self) -> str | None:
         """How worker processes start: ``"spawn"``, ``"forkserver"``, or ``None`` (fork).
 
@@ -285,6 +348,7 @@ class DataLoader(Generic[T]):
         current = self._current() if self._current is not None else None
         running = current is not None and not current._closed
         stats = current.stats() if running and current is not None else self._last_stats
+        placement = self._placement
         position = self._position
         ledger = None if position is None or position.ledger is None else position.ledger.stats()
         if stats is None:
@@ -296,7 +360,10 @@ class DataLoader(Generic[T]):
                 bottleneck="workers",
                 reason="the batches come straight from the worker processes",
             )
-        return dataclasses.replace(stats, ledger=ledger)
+        tuning = stats.tuning
+        if placement is not None and placement.log:
+            tuning = (*tuning, *placement.log)
+        return dataclasses.replace(stats, ledger=ledger, tuning=tuning)
 
     @property
     def in_flight(self) -> int:
@@ -305,11 +372,11 @@ class DataLoader(Generic[T]):
         per = self.prefetch_factor
         if loader.batch_size is None and loader.batch_sampler is None:
             return self._fetch.threads if self._fetch.auto is None else 16
-        return per * max(1, int(loader.num_workers))
+        return per * max(1, self._fetch_workers())
 
     def __iter__(self) -> Iterator[T]:
         previous = self._current() if self._current is not None else None
-        if previous is not None and self._torch_loader.num_workers > 0:
+        if previous is not None and (self._fetch_workers() > 0 or self._workers is not None):
             previous.supersede()  # the workers serve one epoch at a time, as in PyTorch
         state, self._pending = self._pending, None
         iterator: EpochIterator[T] = EpochIterator(self, state)
@@ -317,11 +384,14 @@ class DataLoader(Generic[T]):
         return iterator
 
     def _worker_set(self) -> WorkerSet:
+        count = self._fetch_workers()
+        if self._workers is not None and len(self._workers.processes) != count:
+            self._end_workers()
         if self._workers is None:
             loader = self._torch_loader
             self._workers = WorkerSet(
                 loader.dataset,
-                num_workers=loader.num_workers,
+                num_workers=count,
                 concurrency=self._fetch,
                 prefetch=self.prefetch_factor,
                 worker_init_fn=loader.worker_init_fn,

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
+
+from feedline._cores import machine_idle as _machine_idle
 
 from ._decide import Decision, Sample, StageSample, State, decide
 from ._growth import approx_nbytes
@@ -133,19 +134,6 @@ class _Mark:
     slots: list[float]  # per knob: slot-seconds (concurrency x time)
     full: list[float]  # per knob: seconds its output was full; the sink's last
     used: list[float]  # per knob: CPU seconds of its calls on threads (stages that may move)
-
-
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _machine_idle() -> float | None:
-    # CPU seconds the whole machine has been idle (Linux's /proc/stat; None elsewhere).
-    try:
-        with open("/proc/stat", "rb") as f:
-            fields = f.readline().split()
-        return (int(fields[4]) + int(fields[5])) / _TICK  # idle and iowait
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class Tuner:

@@ -1,0 +1,299 @@
+"""``num_workers="auto"``: fetching on threads, or in worker processes where that pays.
+
+Threads in the training process are the default: they start at once and need no pickling, and
+they win wherever ``dataset[i]`` waits or releases the GIL. They lose where it holds the GIL:
+the training thread then waits for the GIL each time it gives it up (every small op of a step
+launches through it), or the batches come late because threads cannot run Python code at
+once. Neither shows in the loader's own throughput; both show in the training loop's.
+
+So the epoch measures windows of batches (:class:`Window`, on the consumer's thread, from the
+times it already reads) and a pure function decides (:func:`decide`, its rows in
+``tests/loader/test_move_decisions.py``):
+
+* on threads, a window where the training thread slept (off the cores, not queued for one)
+  for a share of its time between batches while the fetching kept cores busy, or where the
+  consumer waited for most batches while the fetching kept at most about one core busy with
+  cores idle, is a reason to try worker processes: as many as the fetching's CPU asks for;
+* the trial moves fetching to the workers at a batch boundary (the epoch's position and
+  ledger go on across it), and after a window there it is kept if the consumer's batches per
+  second rose by :data:`KEEP_GAIN`, else fetching goes back to threads, and no other trial is
+  made for :data:`RETRY_AFTER` seconds;
+* a dataset that cannot move (an ``IterableDataset``, a stateful one, one that does not pickle
+  where the workers cannot fork) stays on threads, and the reason is kept.
+
+A loader with ``num_workers=0`` runs the same measurements and, where a trial would be made,
+logs once a hint naming ``num_workers="auto"``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from feedline._cores import machine_idle
+
+__all__ = ["KEEP_GAIN", "Decision", "Sample", "Placement", "Window", "decide"]
+
+MIN_BATCHES = 8
+"""Batches a window needs before it is judged."""
+MIN_SECONDS = 0.25
+"""Seconds a window needs before it is judged."""
+SKIP_BATCHES = 2
+"""Batches left out at the start of an epoch or after a move: start-up, not the steady state."""
+SLEPT = 0.10
+"""The training thread sleeping this share of its time between batches, beside fetching that
+keeps cores busy, suggests it waits for the GIL the fetch threads hold."""
+LOADER_BUSY = 0.10
+"""Cores the fetching must keep busy for the training thread's sleep to be put down to it."""
+WAITED = 0.5
+"""The consumer waiting for this share of its batches: the fetching is the slow side."""
+GIL_CORES = 1.25
+"""Fetching that keeps at most this many cores busy while the consumer waits and cores are
+idle is bound by the GIL: more threads cannot add to it, more processes can."""
+IDLE_CORES = 0.5
+"""Idle cores of the machine the fetching must leave, for the loader-bound case."""
+KEEP_GAIN = 1.05
+"""A trial in worker processes is kept if the consumer's batches per second rise this much."""
+GROW_IDLE = 0.5
+"""Idle cores of the machine that let a trial with more worker processes be made."""
+RETRY_AFTER = 300.0
+"""Seconds before another trial, after one that did not pay."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One window of batches as the consumer took them.
+
+    Attributes:
+        workers: The worker processes fetching in it (0: threads).
+        batches: Batches the consumer took.
+        seconds: Wall time from the window's start to its last batch.
+        waited: Share of the batches the consumer waited for.
+        slept: Share of the consumer's time between batches its thread was off the cores and
+            not queued for one (``None``: not measured: the consumer always waited, or the
+            batches came from workers).
+        loader_cores: Cores the calls of ``dataset[i]`` kept busy (on threads; in worker
+            processes, those this process kept busy besides the consumer's thread).
+        cores: Cores this process may use.
+        idle: Cores the whole machine left idle (``None``: unknown).
+
+    """
+
+    workers: int
+    batches: int
+    seconds: float
+    waited: float
+    slept: float | None
+    loader_cores: float
+    cores: int
+    idle: float | None = None
+
+    @property
+    def rate(self) -> float:
+        """Batches per second."""
+        return self.batches / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do after a window, and why.
+
+    ``action``: ``"wait"`` (too short to judge), ``"stay"``, ``"move"`` (to ``workers``
+    processes), ``"keep"`` (a trial paid) or ``"back"`` (to threads).
+    """
+
+    action: str
+    why: str = ""
+    workers: int = 0
+
+
+@dataclass
+class Placement:
+    """Where one loader fetches, across its epochs, and what its trials found.
+
+    Attributes:
+        auto: ``num_workers="auto"``: moves are made (else only the hint is logged).
+        workers: The worker processes fetching now (0: threads).
+        trial_rate: The batches per second before a trial, which it is judged against
+            (``None``: no trial under way).
+        previous: The worker processes before the trial (0: threads), where it goes back.
+        retry_at: ``time.monotonic()`` before which no trial is made.
+        stays: Why the dataset cannot move (``None``: it can).
+        log: The decisions taken, oldest first, for ``stats().tuning``.
+        hinted: The hint was logged (a loader with ``num_workers=0``).
+
+    """
+
+    auto: bool
+    workers: int = 0
+    trial_rate: float | None = None
+    previous: int = 0
+    retry_at: float = 0.0
+    stays: str | None = None
+    log: list[str] = field(default_factory=list)
+    hinted: bool = False
+
+    def note(self, text: str) -> None:
+        """Keep ``text`` in the log (the last 20)."""
+        self.log.append(text)
+        del self.log[:-20]
+
+
+def decide(sample: Sample, trial_rate: float | None, may_try: bool) -> Decision:
+    """The placement rule, a pure function of one window (see the module docstring).
+
+    Args:
+        sample: The window.
+        trial_rate: In a trial: the batches per second before it, which it is judged
+            against (``None``: no trial under way).
+        may_try: A trial may be made now (the dataset can move, none failed recently).
+
+    """
+    if sample.batches < MIN_BATCHES or sample.seconds < MIN_SECONDS:
+        return Decision("wait")
+    if sample.workers:
+        if trial_rate is None:
+            return _more_workers(sample, may_try)
+        gain = sample.rate / trial_rate if trial_rate > 0 else math.inf
+        if gain >= KEEP_GAIN:
+            return Decision(
+                "keep",
+                f"{sample.rate:.1f} batches/s in {sample.workers} worker process(es), "
+                f"{trial_rate:.1f} before ({gain:.2f}x)",
+                sample.workers,
+            )
+        return Decision(
+            "back",
+            f"{sample.rate:.1f} batches/s in {sample.workers} worker process(es), "
+            f"{trial_rate:.1f} before ({gain:.2f}x, under {KEEP_GAIN}x)",
+        )
+    busy = sample.loader_cores
+    if busy < LOADER_BUSY:
+        return Decision("stay", f"fetching keeps {busy:.2f} cores busy")
+    why = ""
+    if sample.slept is not None and sample.slept >= SLEPT:
+        why = (
+            f"the training thread slept {sample.slept:.0%} of its time between batches "
+            f"while fetching kept {busy:.2f} cores busy"
+        )
+        workers = math.ceil(1.5 * busy)
+    elif (
+        sample.waited >= WAITED
+        and busy <= GIL_CORES
+        and (sample.idle is None or sample.idle >= IDLE_CORES)
+        and sample.cores > 1
+    ):
+        why = (
+            f"the consumer waited for {sample.waited:.0%} of its batches while fetching kept "
+            f"{busy:.2f} cores busy"
+            + ("" if sample.idle is None else f" and {sample.idle:.1f} were idle")
+        )
+        workers = sample.cores
+    if not why:
+        return Decision("stay", "fetching on threads does not hold the training thread back")
+    if not may_try:
+        return Decision("stay", why)
+    return Decision("move", why, max(1, min(sample.cores, workers)))
+
+
+def _more_workers(sample: Sample, may_try: bool) -> Decision:
+    # In worker processes, kept: more of them while the consumer waits for its batches and
+    # the machine has a core idle (a consumer that waits leaves its own core to them too).
+    if (
+        not may_try
+        or sample.waited < WAITED
+        or sample.idle is None
+        or sample.idle < GROW_IDLE
+        or sample.workers >= sample.cores
+    ):
+        return Decision("stay", f"kept in {sample.workers} worker process(es)")
+    workers = min(sample.cores, 2 * sample.workers)
+    return Decision(
+        "move",
+        f"the consumer waited for {sample.waited:.0%} of its batches from {sample.workers} "
+        f"worker process(es) while {sample.idle:.1f} cores were idle",
+        workers,
+    )
+
+
+class Window:
+    """Measures a window of batches on the consumer's thread (see :class:`Sample`).
+
+    Reads the clocks once per batch (the consumer's own times come from the epoch); the
+    process's CPU time and the machine's idle time once per window.
+    """
+
+    def __init__(self, workers: int, cpu: Callable[[], float] | None = None) -> None:
+        self.workers = workers
+        self._cpu_now = cpu or _others_cpu
+        self._skip = SKIP_BATCHES
+        self._start = 0.0
+        self._cpu = 0.0  # the fetching's CPU seconds at the start
+        self._idle: float | None = None
+        self._batches = 0
+        self._waited = 0
+        self._between = 0.0  # the consumer's time between batches, where measured
+        self._slept = 0.0  # of which its thread slept
+        self._last = 0.0  # when it took the last batch
+
+    def _begin(self, now: float) -> None:
+        self._start, self._cpu, self._idle = now, self._cpu_now(), machine_idle()
+        self._batches = self._waited = 0
+        self._between = self._slept = 0.0
+
+    def took(
+        self, now: float, waited: bool, between: float | None, computing: float | None
+    ) -> None:
+        """The consumer took a batch at ``now`` (``perf_counter``).
+
+        ``between``: its time since the batch before, of which ``computing`` (a share) its
+        thread was on a core or queued for one.
+        """
+        if self._skip:
+            self._skip -= 1
+            if not self._skip:
+                self._begin(now)
+            return
+        self._batches += 1
+        self._waited += waited
+        if between is not None and computing is not None:
+            self._between += between
+            self._slept += between * max(0.0, 1.0 - computing)
+        self._last = now
+
+    def ready(self) -> bool:
+        """Whether the window is long enough to be judged."""
+        return (
+            not self._skip
+            and self._batches >= MIN_BATCHES
+            and self._last - self._start >= MIN_SECONDS
+        )
+
+    def sample(self, cores: int) -> Sample:
+        """The window so far."""
+        seconds = self._last - self._start
+        idle_now = machine_idle()
+        idle = None
+        if idle_now is not None and self._idle is not None and seconds > 0:
+            idle = (idle_now - self._idle) / seconds
+        return Sample(
+            workers=self.workers,
+            batches=self._batches,
+            seconds=seconds,
+            waited=self._waited / self._batches,
+            slept=self._slept / self._between if self._between > 0 else None,
+            loader_cores=max(0.0, self._cpu_now() - self._cpu) / seconds if seconds > 0 else 0.0,
+            cores=cores,
+            idle=idle,
+        )
+
+    def restart(self) -> None:
+        """Start a new window at the next batch."""
+        self._skip = 1
+
+
+def _others_cpu() -> float:
+    # CPU seconds of this process's threads but the calling one (the consumer's).
+    return time.process_time() - time.thread_time()

@@ -1,0 +1,277 @@
+"""``num_workers="auto"``: fetching moves between threads and worker processes mid-epoch.
+
+The moves are driven here by a scripted rule (the rule itself has its table in
+``test_move_decisions.py``), so that each test moves where it means to; two tests at the end
+let the real measurements decide. Every test counts the batches: each index handed out
+once, in order, whatever moved; and no worker process outlives its epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from feedline import DataLoader  # noqa: E402
+from feedline.errors import ConfigurationError  # noqa: E402
+from feedline.loader import _epoch, _move  # noqa: E402
+from feedline.loader._move import Decision  # noqa: E402
+from feedline.loader._workers import WorkerSet  # noqa: E402
+
+from .._system import own_segments, starts_processes  # noqa: E402
+from ._datasets import Counting, Sleepy, Spinning  # noqa: E402
+from ._procs import no_children_left  # noqa: E402
+
+pytestmark = starts_processes
+
+
+class Script:
+    """Stands in for ``_move.decide``: the decisions given, one per window, then "stay"."""
+
+    def __init__(self, *decisions: Decision) -> None:
+        self.decisions = list(decisions)
+        self.calls = 0
+
+    def __call__(self, sample: Any, trial_rate: float | None, may_try: bool) -> Decision:
+        self.calls += 1
+        if self.decisions and may_try:
+            return self.decisions.pop(0)
+        return Decision("stay", "scripted")
+
+
+@pytest.fixture
+def script(monkeypatch: pytest.MonkeyPatch) -> Iterator[Script]:
+    """Windows of 3 batches, judged at once, by the decisions the test scripts."""
+    monkeypatch.setattr(_move, "MIN_BATCHES", 3)
+    monkeypatch.setattr(_move, "MIN_SECONDS", 0.0)
+    monkeypatch.setattr(_move, "SKIP_BATCHES", 1)
+    monkeypatch.setattr(_epoch, "_HINTED", [False])
+    scripted = Script()
+    monkeypatch.setattr(_epoch, "decide", scripted)
+    yield scripted
+    no_children_left()
+
+
+def move(workers: int) -> Decision:
+    return Decision("move", f"scripted: to {workers}", workers)
+
+
+BACK = Decision("back", "scripted: back")
+KEEP = Decision("keep", "scripted: keep", 1)
+
+
+def batches_of(loader: DataLoader[Any], limit: int | None = None) -> list[tuple[int, int]]:
+    """(index, pid of the process that fetched it) for each item handed out."""
+    got: list[tuple[int, int]] = []
+    for n, (indices, pids) in enumerate(loader):
+        got += zip(indices.tolist(), pids.tolist(), strict=True)
+        if limit is not None and n + 1 == limit:
+            break
+    return got
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_fetching_moves_to_workers_and_back_mid_epoch_with_each_batch_once(
+    script: Script, in_order: bool
+) -> None:
+    script.decisions = [move(2), BACK]
+    loader = DataLoader(Spinning(240), batch_size=4, num_workers="auto", in_order=in_order)
+    got = batches_of(loader)
+    indices = [i for i, _ in got]
+    assert sorted(indices) == list(range(240))  # each once
+    if in_order:
+        assert indices == list(range(240))
+    me = os.getpid()
+    where = [pid != me for _, pid in got]
+    first_in_workers = where.index(True)
+    back = where.index(False, first_in_workers)
+    assert not any(where[back:]), "after moving back, every batch is fetched here"
+    assert len({pid for _, pid in got if pid != me}) == 2  # two workers fetched
+    tuning = loader.stats().tuning  # type: ignore[union-attr]
+    assert any("moves to 2 worker process(es)" in t for t in tuning)
+    assert any("moves back to threads" in t for t in tuning)
+    ledger = loader.stats().ledger  # type: ignore[union-attr]
+    assert ledger is not None
+    assert ledger.delivered == ledger.planned == 60
+    assert loader.num_workers == 0
+    no_children_left()
+
+
+def test_a_kept_move_starts_the_next_epoch_in_workers(script: Script) -> None:
+    script.decisions = [move(1), KEEP]
+    loader = DataLoader(Spinning(400), batch_size=4, num_workers="auto")
+    first = batches_of(loader)
+    assert [i for i, _ in first] == list(range(400))
+    assert loader.num_workers == 1
+    no_children_left()  # not persistent: ended with the epoch
+    second = batches_of(loader)
+    assert [i for i, _ in second] == list(range(400))
+    assert all(pid != os.getpid() for _, pid in second)
+
+
+def test_break_after_a_move_then_state_dict_resumes_with_nothing_lost_or_repeated(
+    script: Script,
+) -> None:
+    script.decisions = [move(2)]
+    generator = torch.Generator().manual_seed(3)
+    loader = DataLoader(
+        Spinning(200), batch_size=5, shuffle=True, generator=generator, num_workers="auto"
+    )
+    head = batches_of(loader, limit=20)
+    assert any(pid != os.getpid() for _, pid in head), "the move happened before the break"
+    state = loader.state_dict()
+    no_children_left()
+    again = DataLoader(
+        Spinning(200),
+        batch_size=5,
+        shuffle=True,
+        generator=torch.Generator(),
+        num_workers="auto",
+    )
+    again.load_state_dict(state)
+    tail = batches_of(again)
+    indices = [i for i, _ in head + tail]
+    assert sorted(indices) == list(range(200))
+    # The same order as an epoch that never moved.
+    plain = DataLoader(
+        Spinning(200), batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(3)
+    )
+    assert indices == [i for i, _ in batches_of(plain)]
+
+
+def test_failures_within_the_budget_are_skipped_on_both_sides_of_a_move(script: Script) -> None:
+    script.decisions = [move(2), BACK]
+    failing = frozenset({1, 50, 150, 230})
+    loader = DataLoader(
+        Spinning(240, failing=failing), batch_size=4, num_workers="auto", max_failures=10
+    )
+    indices = [i for i, _ in batches_of(loader)]
+    assert indices == [i for i in range(240) if i not in failing]
+
+
+def test_ctrl_c_during_a_move_leaves_no_process(
+    script: Script, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script.decisions = [move(2)]
+    start = WorkerSet.start
+
+    def interrupted(self: WorkerSet, *args: Any, **kwargs: Any) -> None:
+        start(self, *args, **kwargs)  # the workers run, then Ctrl-C comes
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(WorkerSet, "start", interrupted)
+    loader = DataLoader(Spinning(400), batch_size=4, num_workers="auto")
+    pids: list[int] = []
+    with pytest.raises(KeyboardInterrupt):
+        for _ in loader:
+            pids.append(0)
+    assert pids, "the move came after some batches"
+    no_children_left()
+    assert not own_segments()
+
+
+def test_a_dataset_that_cannot_be_pickled_stays_on_threads_and_says_why(
+    script: Script, caplog: pytest.LogCaptureFixture
+) -> None:
+    script.decisions = [move(2)]
+    dataset = Spinning(120)
+    dataset.transform = lambda x: x  # type: ignore[attr-defined]
+    loader = DataLoader(
+        dataset, batch_size=4, num_workers="auto", multiprocessing_context="forkserver"
+    )
+    with caplog.at_level(logging.WARNING, "feedline.loader"):
+        got = batches_of(loader)
+    assert [i for i, _ in got] == list(range(120))
+    assert all(pid == os.getpid() for _, pid in got)
+    tuning = loader.stats().tuning  # type: ignore[union-attr]
+    assert any("stays on threads: the workers could not start" in t for t in tuning)
+    assert "cannot be sent to the worker processes" in caplog.text
+    assert script.decisions == []
+    assert script.calls >= 1
+    calls = script.calls
+    script.decisions = [move(2)]
+    batches_of(loader)  # the next epoch does not try again
+    assert script.decisions == [move(2)] or script.calls == calls
+
+
+def test_a_stateful_dataset_stays_on_threads_unmeasured(script: Script) -> None:
+    script.decisions = [move(2)]
+    loader = DataLoader(Counting(40), batch_size=4, num_workers="auto")
+    assert len(list(loader)) == 10
+    assert script.calls == 0
+    tuning = loader.stats().tuning  # type: ignore[union-attr]
+    assert any("state_dict()" in t and "stays on threads" in t for t in tuning)
+
+
+def test_threads_log_one_hint_naming_num_workers_auto(
+    script: Script, caplog: pytest.LogCaptureFixture
+) -> None:
+    script.decisions = [move(2), move(2)]
+    with caplog.at_level(logging.WARNING, "feedline.loader"):
+        for _ in range(2):
+            loader = DataLoader(Spinning(64), batch_size=4)
+            got = batches_of(loader)
+            assert all(pid == os.getpid() for _, pid in got)  # the hint moves nothing
+    hints = [r for r in caplog.records if 'num_workers="auto"' in r.getMessage()]
+    assert len(hints) == 1
+    assert "scripted: to 2" in hints[0].getMessage()
+
+
+def test_num_workers_auto_arguments() -> None:
+    with pytest.raises(ConfigurationError, match="persistent_workers"):
+        DataLoader(Spinning(8), num_workers="auto", persistent_workers=True)
+    with pytest.raises(ConfigurationError, match='"auto"'):
+        DataLoader(Spinning(8), num_workers="many")
+    loader = DataLoader(Spinning(8), num_workers="auto")
+    assert loader.num_workers == 0  # on threads until a move
+    loader.num_workers = 2
+    assert loader.num_workers == 2
+    with pytest.raises(ConfigurationError):
+        loader.num_workers = -1
+    loader.num_workers = "auto"
+    assert loader.num_workers == 0
+    assert len(list(loader)) == 8
+
+
+# -- the real measurements decide -------------------------------------------------------------
+
+
+def _small_ops(batch: Any, state: Any, ops: int) -> Any:
+    # The CPU side of a GPU step: many short calls, each giving the GIL up and taking it back.
+    for _ in range(ops):
+        state = state.mul(0.999).add(0.001)
+    return state
+
+
+def test_a_dataset_holding_the_gil_beside_a_loop_of_small_ops_is_tried_in_workers() -> None:
+    loader = DataLoader(Spinning(100_000, spin=20_000), batch_size=8, num_workers="auto")
+    state = torch.zeros(64)
+    indices: list[int] = []
+    tried = False
+    for n, (batch, _) in enumerate(loader):
+        indices += batch.tolist()
+        state = _small_ops(batch, state, 200)
+        tried = any("moves to" in t for t in loader.stats().tuning)  # type: ignore[union-attr]
+        if (tried and n > 60) or n == 600:
+            break
+    assert tried, loader.stats().tuning  # type: ignore[union-attr]
+    assert indices == list(range(len(indices)))
+    del loader
+    no_children_left()
+
+
+def test_a_dataset_that_waits_stays_on_threads() -> None:
+    loader = DataLoader(
+        Sleepy(400, {i: 0.002 for i in range(400)}), batch_size=4, num_workers="auto"
+    )
+    state = torch.zeros(64)
+    for batch in loader:
+        state = _small_ops(batch, state, 100)
+    tuning = loader.stats().tuning  # type: ignore[union-attr]
+    assert not any("moves to" in t for t in tuning), tuning
+    assert loader.num_workers == 0

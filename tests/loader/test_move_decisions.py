@@ -1,0 +1,146 @@
+"""The rule of ``num_workers="auto"`` (``_move.decide``), as a table of windows and decisions.
+
+Each row is one window as the consumer measured it, whether a trial is under way (the rate
+before it), whether one may be made, and the action and worker processes expected. Breaking
+any one clause of the rule fails a row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from feedline.loader._move import KEEP_GAIN, Sample, decide
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    sample: Sample
+    action: str
+    workers: int = 0
+    trial_rate: float | None = None
+    may_try: bool = True
+
+
+def window(**fields: float | int | None) -> Sample:
+    """A steady window on threads of a 4-core process: 40 batches in a second."""
+    base: dict[str, float | int | None] = {
+        "workers": 0,
+        "batches": 40,
+        "seconds": 1.0,
+        "waited": 0.0,
+        "slept": 0.0,
+        "loader_cores": 0.8,
+        "cores": 4,
+        "idle": 2.0,
+    }
+    base.update(fields)
+    return Sample(**base)  # type: ignore[arg-type]
+
+
+ROWS = [
+    Row("too few batches to judge", window(batches=5, slept=0.5), "wait"),
+    Row("too short to judge", window(seconds=0.1, slept=0.5), "wait"),
+    Row("a training thread that computes beside the threads", window(slept=0.02), "stay"),
+    Row(
+        "the training thread sleeps beside fetching that computes: workers for 1.5x its CPU",
+        window(slept=0.3, loader_cores=0.8),
+        "move",
+        workers=2,
+    ),
+    Row(
+        "as many workers as cores at most",
+        window(slept=0.3, loader_cores=1.2, cores=2),
+        "move",
+        workers=2,
+    ),
+    Row(
+        "one worker at least",
+        window(slept=0.3, loader_cores=0.15),
+        "move",
+        workers=1,
+    ),
+    Row(
+        "the training thread sleeps, fetching idles: its own waits (a GPU), not the GIL",
+        window(slept=0.4, loader_cores=0.05),
+        "stay",
+    ),
+    Row(
+        "the consumer waits while fetching keeps one core busy and cores idle: GIL-bound",
+        window(waited=0.9, slept=None, loader_cores=1.0),
+        "move",
+        workers=4,
+    ),
+    Row(
+        "the consumer waits while fetching keeps several cores busy: threads scale",
+        window(waited=0.9, slept=None, loader_cores=3.0),
+        "stay",
+    ),
+    Row(
+        "the consumer waits, but the machine has no idle core to give",
+        window(waited=0.9, slept=None, loader_cores=1.0, idle=0.2),
+        "stay",
+    ),
+    Row(
+        "the consumer waits on one core: no other core to move to",
+        window(waited=0.9, slept=None, loader_cores=0.9, cores=1),
+        "stay",
+    ),
+    Row(
+        "a trial is not allowed (one failed lately, or the dataset cannot move)",
+        window(slept=0.3),
+        "stay",
+        may_try=False,
+    ),
+    Row(
+        "a trial in workers that paid is kept",
+        window(workers=2, batches=int(40 * KEEP_GAIN) + 1, slept=None),
+        "keep",
+        workers=2,
+        trial_rate=40.0,
+    ),
+    Row(
+        "a trial in workers that did not pay goes back",
+        window(workers=2, batches=41, slept=None),
+        "back",
+        trial_rate=40.0,
+    ),
+    Row(
+        "kept in workers, the consumer fed: stays",
+        window(workers=2, waited=0.1, slept=None),
+        "stay",
+    ),
+    Row(
+        "kept in workers, the consumer waits with idle cores: twice the workers, tried",
+        window(workers=1, waited=0.8, slept=None, idle=1.5),
+        "move",
+        workers=2,
+    ),
+    Row(
+        "kept in workers, the consumer waits, no idle core: stays",
+        window(workers=2, waited=0.8, slept=None, idle=0.1),
+        "stay",
+    ),
+    Row(
+        "kept in workers, the machine's idle cores unknown: stays",
+        window(workers=2, waited=0.8, slept=None, idle=None),
+        "stay",
+    ),
+    Row(
+        "kept in as many workers as cores: stays",
+        window(workers=4, waited=0.8, slept=None, idle=1.5),
+        "stay",
+    ),
+]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
+def test_decision_table(row: Row) -> None:
+    decision = decide(row.sample, row.trial_rate, row.may_try)
+    assert decision.action == row.action, decision.why
+    if row.action in ("move", "keep"):
+        assert decision.workers == row.workers, decision.why
+    if row.action != "wait":
+        assert decision.why  # every decision says why
