@@ -371,9 +371,9 @@ def holds_the_gil(x: int) -> tuple[int, int]:
     return x, os.getpid()
 
 
-def waits_a_little(x: int) -> int:
-    """``x``, after 2 ms of sleep (off the cores, the GIL released)."""
-    time.sleep(0.002)
+def waits(x: int) -> int:
+    """``x``, after 20 ms of sleep (off the cores, the GIL released: a GET's wait)."""
+    time.sleep(0.02)
     return x
 
 
