@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -206,6 +207,18 @@ def test_a_stateful_dataset_stays_on_threads_unmeasured(script: Script) -> None:
     assert script.calls == 0
     tuning = loader.stats().tuning  # type: ignore[union-attr]
     assert any("state_dict()" in t and "stays on threads" in t for t in tuning)
+
+
+def test_free_threaded_python_keeps_fetching_on_threads(
+    script: Script, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "_is_gil_enabled", lambda: False, raising=False)
+    script.decisions = [move(2)]
+    loader = DataLoader(Spinning(200), batch_size=4, num_workers="auto")
+    assert all(pid == os.getpid() for _, pid in batches_of(loader))
+    assert script.calls == 0
+    tuning = loader.stats().tuning  # type: ignore[union-attr]
+    assert any("free-threaded" in t and "stays on threads" in t for t in tuning)
 
 
 def test_threads_log_one_hint_naming_num_workers_auto(

@@ -89,6 +89,7 @@ _COLUMNS: dict[str, tuple[str, Callable[[float], str]]] = {
     "of_decode_alone": ("of decode alone", _percent),
     "vs_spdl": ("vs SPDL", _times),
     "vs_pytorch": ("vs best PyTorch", _times),
+    "vs_better_feedline": ("vs better of feedline's", _times),
     "step_p50_ms": ("step p50 (ms)", fmt),
     "p50_vs_cached": ("p50 vs cached", _times),
     "step_p99_ms": ("step p99 (ms)", fmt),

@@ -17,7 +17,8 @@ releases the GIL) or NPZ files (an image, a mask and a few floats per sample) re
 ``numpy.load`` (holds the GIL) or ``feedline.io.load_npz``. Contenders: the cached batches
 (the upper bound), PyTorch's DataLoader with 1, 2 and 4 workers (the best of them is the
 baseline a user would pick), ``feedline.DataLoader`` with its defaults (threads in the
-training process) and with 2 worker processes, and a feedline pipeline (a stage as wide as
+training process), with 2 worker processes and with ``num_workers="auto"`` (threads, moved
+to worker processes where they pay), and a feedline pipeline (a stage as wide as
 the cores, then batches). Reported per contender: steps/s over
 the steady part of a run, its share of the upper bound (per round), and the training step's
 own time (waiting for data left out) at p50 and p99 against the cached run: how much the
@@ -243,6 +244,21 @@ def _feedline(dataset: Any, workers: int = 0) -> Iterator[Any]:
     return iter(DataLoader(dataset, batch_size=BATCH, num_workers=workers))
 
 
+AUTO = 'feedline DataLoader, workers="auto"'
+
+
+def _feedline_auto(dataset: Any, ended: list[int]) -> Iterator[Any]:
+    # num_workers="auto"; ``ended`` gets the worker processes it fetched with at the end.
+    from feedline import DataLoader
+
+    loader: DataLoader[Any] = DataLoader(dataset, batch_size=BATCH, num_workers="auto")
+    try:
+        yield from loader
+    finally:
+        ended.append(loader.num_workers)
+        loader.close()
+
+
 def _pipeline(dataset: Any) -> Iterator[Any]:
     import torch.utils.data
 
@@ -262,7 +278,13 @@ def _pipeline(dataset: Any) -> Iterator[Any]:
 
 
 def _contenders(
-    dataset: Any, cached: list[Any], step: Callable[[Any], None], steps: int, warm: int, quick: bool
+    dataset: Any,
+    cached: list[Any],
+    step: Callable[[Any], None],
+    steps: int,
+    warm: int,
+    quick: bool,
+    ended: list[int],
 ) -> tuple[list[Contender], dict[str, tuple[list[float], list[float]]]]:
     times: dict[str, tuple[list[float], list[float]]] = {}
 
@@ -285,6 +307,8 @@ def _contenders(
         # Threads of the training process share its GIL with the training loop; worker
         # processes do not: what num_workers buys a loop that launches many small ops.
         ("feedline DataLoader, workers=2", functools.partial(_feedline, dataset, 2)),
+        # Threads first; fetching moves to worker processes where they pay (measured).
+        (AUTO, functools.partial(_feedline_auto, dataset, ended)),
         ("feedline pipeline", functools.partial(_pipeline, dataset)),
     ]
     contenders = [Contender(name, functools.partial(run, name, make)) for name, make in makers]
@@ -312,6 +336,13 @@ def _summarise(found: list[Measurement], times: dict[str, tuple[list[float], lis
             vs = paired_ratio(m.runs, torch_best.runs)
             if vs is not None:
                 m.extra["vs_pytorch"] = vs
+    auto = next((m for m in found if m.contender == AUTO), None)
+    ours = [m for m in found if m.contender.startswith("feedline DataLoader") and m is not auto]
+    if auto is not None and ours:
+        better = max(ours, key=lambda m: m.items_per_s)
+        vs = paired_ratio(auto.runs, better.runs)
+        if vs is not None:
+            auto.extra["vs_better_feedline"] = vs
 
 
 def run(options: BenchOptions) -> ScenarioResult:
@@ -321,7 +352,7 @@ def run(options: BenchOptions) -> ScenarioResult:
     quick, progress = options.quick, options.progress
     # 5 rounds: a shared host's speed drifts by 10 % and more between runs of a few seconds.
     repeats = 1 if quick else 5
-    steps, warm = options.size((50, 10), (10, 3), (6, 2))
+    steps, warm = options.size((100, 10), (10, 3), (6, 2))
     # A smoke test's steps aim at less time (the loaders keep up with them or not: it only
     # checks that everything runs and is reported).
     aim = options.size(1.0, 1.0, 0.25)
@@ -362,9 +393,14 @@ def run(options: BenchOptions) -> ScenarioResult:
                     f"cached batches (aimed at {1e3 * target:.0f} ms; a batch took "
                     f"{1e3 * batch_s:.0f} ms to fetch and collate on one thread)"
                 )
-                contenders, times = _contenders(dataset, cached, step, steps, warm, quick)
+                ended: list[int] = []
+                contenders, times = _contenders(dataset, cached, step, steps, warm, quick, ended)
                 measured = alternate(case, contenders, repeats, CACHED, progress)
                 _summarise(measured, times)
+                notes.append(
+                    f'{case}: num_workers="auto" ended its runs in '
+                    + ", ".join(f"{w} worker(s)" if w else "threads" for w in ended)
+                )
                 found += measured
     finally:
         torch.set_num_threads(threads)
@@ -372,7 +408,9 @@ def run(options: BenchOptions) -> ScenarioResult:
         f"{repeats} alternating run(s) per contender; batches of {BATCH}; {steps} steps per run, "
         f"the first {warm} not timed (start-up); steps/s over the rest",
         "ratio (of_bound): steps/s as a share of the cached batches' in the same round; "
-        "vs_pytorch: against the best PyTorch DataLoader of the case, per round",
+        "vs_pytorch: against the best PyTorch DataLoader of the case, per round; "
+        'vs_better_feedline (num_workers="auto"): against the faster of feedline\'s threads '
+        "and 2 workers in the case, per round",
         "step p50 / p99: the training step alone (waiting for the batch left out), and against "
         "the cached run: how much the loader's threads slow the training thread",
         "the training loop runs on the main thread with torch.set_num_threads(1): one core; "
@@ -387,7 +425,7 @@ def run(options: BenchOptions) -> ScenarioResult:
         notes,
         True,
         unit="steps/s",
-        headline=["feedline DataLoader", "feedline pipeline"],
+        headline=["feedline DataLoader", AUTO, "feedline pipeline"],
     )
 
 

@@ -681,8 +681,7 @@ class EpochIterator(Generic[T]):
         assert placement is not None
         old = self._pipeline
         old.stop()
-        if isinstance(old, Pipeline):
-            loader._last_stats = old.stats()
+        loader._last_stats = None  # the part of the epoch that comes next has its own
         if self._fetcher is not None:
             self._fetcher.close()
             self._fetcher = None

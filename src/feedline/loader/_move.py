@@ -11,13 +11,16 @@ times it already reads) and a pure function decides (:func:`decide`, its rows in
 ``tests/loader/test_move_decisions.py``):
 
 * on threads, a window where the training thread slept (off the cores, not queued for one)
-  for a share of its time between batches while the fetching kept cores busy, or where the
-  consumer waited for most batches while the fetching kept at most about one core busy with
-  cores idle, is a reason to try worker processes: as many as the fetching's CPU asks for;
+  for a share of its time between batches while the ``dataset[i]`` calls kept cores busy, or
+  where the consumer waited for most batches while the calls kept at most about one core
+  busy with cores idle, is a reason to try worker processes: half as many again as the cores
+  the calls kept busy in the first case, as many as the cores in the second;
 * the trial moves fetching to the workers at a batch boundary (the epoch's position and
   ledger go on across it), and after a window there it is kept if the consumer's batches per
-  second rose by :data:`KEEP_GAIN`, else fetching goes back to threads, and no other trial is
-  made for :data:`RETRY_AFTER` seconds;
+  second rose by :data:`KEEP_GAIN`, else fetching goes back where it was, and no other trial
+  is made for :data:`RETRY_AFTER` seconds;
+* in workers, a consumer that still waits for most batches while the machine has idle cores
+  gets a trial with twice the workers (at most the cores), judged the same way;
 * a dataset that cannot move (an ``IterableDataset``, a stateful one, one that does not pickle
   where the workers cannot fork) stays on threads, and the reason is kept.
 
