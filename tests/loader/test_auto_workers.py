@@ -26,7 +26,7 @@ from feedline.loader._workers import WorkerSet  # noqa: E402
 
 from .._system import own_segments, starts_processes  # noqa: E402
 from ._datasets import Counting, Sleepy, Spinning  # noqa: E402
-from ._procs import no_children_left  # noqa: E402
+from ._procs import alone, no_children_left  # noqa: E402
 
 pytestmark = starts_processes
 
@@ -38,7 +38,9 @@ class Script:
         self.decisions = list(decisions)
         self.calls = 0
 
-    def __call__(self, sample: Any, trial_rate: float | None, may_try: bool) -> Decision:
+    def __call__(
+        self, sample: Any, trial_rate: float | None, may_try: bool, asked: float | None = None
+    ) -> Decision:
         self.calls += 1
         if self.decisions and may_try:
             return self.decisions.pop(0)
@@ -198,6 +200,20 @@ def test_a_dataset_that_cannot_be_pickled_stays_on_threads_and_says_why(
     script.decisions = [move(2)]
     batches_of(loader)  # the next epoch does not try again
     assert script.decisions == [move(2)] or script.calls == calls
+
+
+def test_a_move_forks_once_the_threads_that_fetched_are_joined(script: Script) -> None:
+    # The threads' part of the epoch is stopped, its threads joined, before the workers
+    # start: with no other thread left, they fork (a lambda in the dataset needs no pickling),
+    # as the first workers of an epoch do.
+    alone()
+    script.decisions = [move(2)]
+    dataset = Spinning(240)
+    dataset.transform = lambda x: x  # type: ignore[attr-defined]
+    loader = DataLoader(dataset, batch_size=4, num_workers="auto")
+    got = batches_of(loader)
+    assert [i for i, _ in got] == list(range(240))
+    assert any(pid != os.getpid() for _, pid in got)
 
 
 def test_a_stateful_dataset_stays_on_threads_unmeasured(script: Script) -> None:

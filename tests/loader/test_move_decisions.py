@@ -22,6 +22,7 @@ class Row:
     workers: int = 0
     trial_rate: float | None = None
     may_try: bool = True
+    asked: float | None = 30.0  # the window before asked for a trial, at 30 batches/s
 
 
 def window(**fields: float | int | None) -> Sample:
@@ -41,6 +42,20 @@ def window(**fields: float | int | None) -> Sample:
 
 
 ROWS = [
+    Row(
+        "the first window that asks for a trial only asks: the next must ask too",
+        window(slept=0.3),
+        "ask",
+        workers=2,
+        asked=None,
+    ),
+    Row(
+        "kept in workers, the first window asking for more only asks",
+        window(workers=1, waited=0.8, slept=None, idle=1.5),
+        "ask",
+        workers=2,
+        asked=None,
+    ),
     Row("too few batches to judge", window(batches=5, slept=0.5), "wait"),
     Row("too short to judge", window(seconds=0.1, slept=0.5), "wait"),
     Row("a training thread that computes beside the threads", window(slept=0.02), "stay"),
@@ -138,9 +153,18 @@ ROWS = [
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
 def test_decision_table(row: Row) -> None:
-    decision = decide(row.sample, row.trial_rate, row.may_try)
+    decision = decide(row.sample, row.trial_rate, row.may_try, row.asked)
     assert decision.action == row.action, decision.why
-    if row.action in ("move", "keep"):
+    if row.action in ("move", "keep", "ask"):
         assert decision.workers == row.workers, decision.why
+    if row.action == "move":  # judged against the better of the two windows that asked
+        assert decision.baseline == max(row.asked or 0.0, row.sample.rate)
     if row.action != "wait":
         assert decision.why  # every decision says why
+
+
+def test_a_trial_is_judged_against_the_better_of_the_windows_that_asked() -> None:
+    slow = decide(window(slept=0.3, batches=20), None, True, asked=45.0)
+    assert (slow.action, slow.baseline) == ("move", 45.0)
+    fast = decide(window(slept=0.3, batches=60), None, True, asked=45.0)
+    assert (fast.action, fast.baseline) == ("move", 60.0)

@@ -232,6 +232,7 @@ class EpochIterator(Generic[T]):
         # worker processes fetching is moving to (0: back to threads) at the next boundary.
         self._window: Window | None = None
         self._moving: int | None = None
+        self._asked: float | None = None  # the rate of the last window, if it asked to move
         self._gate: _Gate | None = None
         self._finish = _Finisher(
             FailureTally(loader.max_failures), tl.collate_fn, bool(tl._auto_collation)
@@ -624,18 +625,19 @@ class EpochIterator(Generic[T]):
             return
         sample = window.sample(usable_cores())
         may_try = placement.stays is None and time.monotonic() >= placement.retry_at
-        decision = decide(sample, placement.trial_rate, may_try)
+        decision = decide(sample, placement.trial_rate, may_try, self._asked)
         if decision.action == "wait":
             return
         window.restart()
-        if decision.action == "stay":
+        self._asked = sample.rate if decision.action == "ask" else None
+        if decision.action in ("stay", "ask"):
             return
         if not placement.auto:
             placement.hinted, self._window = True, None
             _hint(decision.why)
             return
         if decision.action == "move":
-            placement.trial_rate, placement.previous = sample.rate, sample.workers
+            placement.trial_rate, placement.previous = decision.baseline, sample.workers
             self._moving = decision.workers
             placement.note(
                 f"fetch: moves to {decision.workers} worker process(es) to try them: {decision.why}"

@@ -15,10 +15,12 @@ times it already reads) and a pure function decides (:func:`decide`, its rows in
   where the consumer waited for most batches while the calls kept at most about one core
   busy with cores idle, is a reason to try worker processes: half as many again as the cores
   the calls kept busy in the first case, as many as the cores in the second;
+* two windows in a row must ask for a trial (one just after a start-up or a move is slow);
 * the trial moves fetching to the workers at a batch boundary (the epoch's position and
   ledger go on across it), and after a window there it is kept if the consumer's batches per
-  second rose by :data:`KEEP_GAIN`, else fetching goes back where it was, and no other trial
-  is made for :data:`RETRY_AFTER` seconds;
+  second rose by :data:`KEEP_GAIN` over the better of the two windows that asked, else
+  fetching goes back where it was, and no other trial is made for :data:`RETRY_AFTER`
+  seconds;
 * in workers, a consumer that still waits for most batches while the machine has idle cores
   gets a trial with twice the workers (at most the cores), judged the same way;
 * a dataset that cannot move (an ``IterableDataset``, a stateful one, one that does not pickle
@@ -103,13 +105,16 @@ class Sample:
 class Decision:
     """What to do after a window, and why.
 
-    ``action``: ``"wait"`` (too short to judge), ``"stay"``, ``"move"`` (to ``workers``
-    processes), ``"keep"`` (a trial paid) or ``"back"`` (to threads).
+    ``action``: ``"wait"`` (too short to judge), ``"stay"``, ``"ask"`` (a trial would be
+    made if the next window asks too), ``"move"`` (to ``workers`` processes, a trial judged
+    against ``baseline`` batches per second), ``"keep"`` (a trial paid) or ``"back"`` (where
+    it was before the trial).
     """
 
     action: str
     why: str = ""
     workers: int = 0
+    baseline: float = 0.0
 
 
 @dataclass
@@ -144,18 +149,35 @@ class Placement:
         del self.log[:-20]
 
 
-def decide(sample: Sample, trial_rate: float | None, may_try: bool) -> Decision:
+def decide(
+    sample: Sample, trial_rate: float | None, may_try: bool, asked: float | None = None
+) -> Decision:
     """The placement rule, a pure function of one window (see the module docstring).
+
+    A trial is made when two windows in a row ask for it: the first says ``"ask"``, the
+    second ``"move"``, with the better of their two rates as the trial's ``baseline`` (one
+    window after a start-up or a move may be slow, and would make any trial look good).
 
     Args:
         sample: The window.
         trial_rate: In a trial: the batches per second before it, which it is judged
             against (``None``: no trial under way).
         may_try: A trial may be made now (the dataset can move, none failed recently).
+        asked: The batches per second of the window before, if it asked for a trial.
 
     """
     if sample.batches < MIN_BATCHES or sample.seconds < MIN_SECONDS:
         return Decision("wait")
+    wanted = _wanted(sample, trial_rate, may_try)
+    if wanted.action != "move":
+        return wanted
+    if asked is None:
+        return Decision("ask", wanted.why, wanted.workers)
+    return Decision("move", wanted.why, wanted.workers, max(asked, sample.rate))
+
+
+def _wanted(sample: Sample, trial_rate: float | None, may_try: bool) -> Decision:
+    # What one window asks for, alone.
     if sample.workers:
         if trial_rate is None:
             return _more_workers(sample, may_try)
