@@ -554,3 +554,19 @@ class Spinning(Dataset[Any]):
         if i in self.failing:
             raise KeyError(f"item {i} fails")
         return i, os.getpid()
+
+
+class Drawing(Dataset[Any]):
+    """Item ``i``: ``(i, pid, a draw of the global random generator)``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int, int, float]:
+        import os
+        import random
+
+        return i, os.getpid(), random.random()

@@ -25,7 +25,7 @@ from feedline.loader._move import Decision  # noqa: E402
 from feedline.loader._workers import WorkerSet  # noqa: E402
 
 from .._system import own_segments, starts_processes  # noqa: E402
-from ._datasets import Counting, Sleepy, Spinning  # noqa: E402
+from ._datasets import Counting, Drawing, Sleepy, Spinning, Stream  # noqa: E402
 from ._procs import alone, no_children_left  # noqa: E402
 
 pytestmark = starts_processes
@@ -265,6 +265,71 @@ def test_num_workers_auto_arguments() -> None:
     loader.num_workers = "auto"
     assert loader.num_workers == 0
     assert len(list(loader)) == 8
+
+
+def test_a_trial_that_goes_back_as_the_epoch_ends_starts_the_next_epoch_on_threads(
+    script: Script,
+) -> None:
+    # However few batches are left when it is judged (the workers hold the hands dealt).
+    for batches in (12, 16, 20):
+        script.decisions = [move(2), BACK]
+        loader = DataLoader(Spinning(4 * batches), batch_size=4, num_workers="auto")
+        assert [i for i, _ in batches_of(loader)] == list(range(4 * batches))
+        if any("moves back" in t for t in loader.stats().tuning):  # type: ignore[union-attr]
+            assert loader.num_workers == 0
+            assert all(pid == os.getpid() for _, pid in batches_of(loader))
+
+
+def test_more_workers_part_way_through_an_epoch_draw_nothing_again(script: Script) -> None:
+    # Workers started by a move seed their global generators from the epoch's seed and their
+    # first batch: a worker 0 started later does not repeat the first worker 0's draws.
+    script.decisions = [move(1), KEEP, move(2)]
+    loader = DataLoader(Drawing(400), batch_size=4, num_workers="auto")
+    with pytest.warns(RuntimeWarning, match="global random generators"):  # several threads
+        draws = [
+            (pid, r)
+            for _, pids, rs in loader
+            for pid, r in zip(pids.tolist(), rs.tolist(), strict=True)
+        ]
+    assert any("moves to 2" in t for t in loader.stats().tuning)  # type: ignore[union-attr]
+    from_workers = [r for pid, r in draws if pid != os.getpid()]
+    assert len(set(from_workers)) == len(from_workers)
+
+
+def test_a_second_iter_stops_the_first_as_with_workers(script: Script) -> None:
+    loader = DataLoader(Spinning(400), batch_size=4, num_workers="auto")
+    first = iter(loader)
+    next(first)
+    second = iter(loader)
+    with pytest.raises(RuntimeError, match="new iteration"):
+        next(first)
+    assert [i for indices, _ in second for i in indices.tolist()] == list(range(400))
+
+
+def test_num_workers_set_mid_epoch_takes_effect_at_the_next(script: Script) -> None:
+    script.decisions = [move(2)]
+    loader = DataLoader(Spinning(200), batch_size=4, num_workers="auto")
+    it = iter(loader)
+    got = next(it)[0].tolist()
+    loader.num_workers = 2
+    got += [i for indices, _ in it for i in indices.tolist()]
+    assert got == list(range(200))
+    assert loader.num_workers == 2
+    assert all(pid != os.getpid() for _, pid in batches_of(loader))
+
+
+def test_edges_of_an_auto_loader() -> None:
+    loader = DataLoader(Spinning(8), num_workers="auto")
+    loader.multiprocessing_context = "spawn"  # PyTorch takes it only with workers
+    assert loader.mp_context == "spawn"
+    stream = DataLoader(Stream(8), batch_size=2, num_workers="auto")
+    assert len(list(stream)) == 4
+    tuning = stream.stats().tuning  # type: ignore[union-attr]
+    assert any("IterableDataset" in t and "stays on threads" in t for t in tuning)
+    stateful = DataLoader(Counting(8), batch_size=2, num_workers="auto")
+    for _ in range(3):
+        list(stateful)
+    assert len(stateful.stats().tuning) == 1  # type: ignore[union-attr]  # said once
 
 
 # -- the real measurements decide -------------------------------------------------------------

@@ -15,10 +15,12 @@ starts (with its start-up arguments when it starts for this epoch), dealt round-
 
 Messages on a worker's queue, each tagged with the epoch's number:
 
-* ``("start", epoch, base_seed, tasks, dataset_state, last, taken, iterates, between)``: the
-  epoch's first hand (``taken``: for an iterable dataset, the worker's batches handed out
-  before a resume; ``iterates``: its saved state is loaded after ``iter()``; ``between``: the
-  state was saved between epochs, the worker seeds itself again after loading it);
+* ``("start", epoch, base_seed, tasks, dataset_state, last, taken, iterates, between,
+  seed)``: the epoch's first hand (``taken``: for an iterable dataset, the worker's batches
+  handed out before a resume; ``iterates``: its saved state is loaded after ``iter()``;
+  ``between``: the state was saved between epochs, the worker seeds itself again after
+  loading it; ``seed``: what its global generators are seeded from, ``base_seed`` unless the
+  workers started part-way through the epoch);
 * ``("more", epoch, tasks, last)``: the next hand; ``last`` ends the worker's share.
 
 A worker skips messages of other epochs (hands dealt to an epoch it left early).

@@ -233,6 +233,10 @@ class EpochIterator(Generic[T]):
         self._window: Window | None = None
         self._moving: int | None = None
         self._asked: float | None = None  # the rate of the last window, if it asked to move
+        self._took_last: tuple[float, bool, float | None, float | None] | None = None
+        # The loader's placement as the epoch started (num_workers set meanwhile takes
+        # effect at the next epoch).
+        self._placement = loader._placement
         self._gate: _Gate | None = None
         self._finish = _Finisher(
             FailureTally(loader.max_failures), tl.collate_fn, bool(tl._auto_collation)
@@ -358,8 +362,9 @@ class EpochIterator(Generic[T]):
             if placement.stays is None:  # (a dataset the workers could not take stays)
                 placement.stays = _stays(tl.dataset)
             measure = placement.stays is None
-            if placement.auto and placement.stays not in (None, *placement.log[-1:]):
-                placement.note(f"fetch: stays on threads: {placement.stays}")
+            said = f"fetch: stays on threads: {placement.stays}"
+            if placement.auto and placement.stays is not None and said not in placement.log:
+                placement.note(said)
         if workers > 0:
             self._window = self._new_window(workers) if measure else None
             report = None if self.position.dataset_states is None else state_reporter(self.position)
@@ -480,6 +485,9 @@ class EpochIterator(Generic[T]):
                 raise StopIteration
             watch, self._watch = self._watch, None
             try:
+                took, self._took_last = self._took_last, None
+                if took is not None:
+                    self._place(*took)
                 if watch is not None:
                     watch.start()
                 # (The thread's times are for the fetch threads' hold; worker processes
@@ -541,7 +549,7 @@ class EpochIterator(Generic[T]):
                 continue
             self._count(number, dataset_state, "skipped" if batch is _SKIP else "delivered")
             if self._window is not None:
-                self._place(*took)
+                self._took_last = took  # judged at the next ask, inside its try
             if batch is _SKIP:
                 continue
             if self._len_called is not None and self.position.yielded > self._len_called:
@@ -615,11 +623,9 @@ class EpochIterator(Generic[T]):
     ) -> None:
         # num_workers="auto": measure the window, and where it is judged, decide whether
         # fetching moves (see _move.py); a loader with num_workers=0 logs the hint instead.
-        window, loader, gate = self._window, self._loader, self._gate
-        if window is None or loader is None or gate is None or self._moving is not None:
+        window, placement, gate = self._window, self._placement, self._gate
+        if window is None or placement is None or gate is None or self._moving is not None:
             return
-        placement = loader._placement
-        assert placement is not None
         window.took(now, waited, between, computing)
         if not window.ready():
             return
@@ -652,7 +658,7 @@ class EpochIterator(Generic[T]):
             where = f"{placement.previous} worker process(es)" if placement.previous else "threads"
             placement.note(f"fetch: moves back to {where}: {decision.why}")
         if self._moving is not None:
-            _log.info("feedline.DataLoader %s", placement.log[-1])
+            _log.info("feedline.DataLoader: %s", placement.log[-1])
             gate.pause()  # the batches drawn so far are fetched where they are
 
     def _new_window(self, workers: int) -> Window:
@@ -679,7 +685,7 @@ class EpochIterator(Generic[T]):
         assert loader is not None
         assert gate is not None
         assert workers is not None
-        placement = loader._placement
+        placement = self._placement
         assert placement is not None
         old = self._pipeline
         old.stop()
@@ -693,23 +699,31 @@ class EpochIterator(Generic[T]):
         if not workers:
             loader._end_workers()
         if not gate.more():
+            if placement.trial_rate is None:  # back: the next epoch starts there
+                placement.workers = workers
+            else:  # a trial that found no batch left: not made
+                placement.trial_rate = None
+                placement.note("fetch: the trial was not made: the epoch had no batch left")
             return False
         placement.workers = workers
+        # Workers started part-way through the epoch seed their generators from the part's
+        # first batch: the epoch's first workers' draws are not made again.
+        seed = derived_seed(self._base_seed, gate.next_number())
         if workers:
             try:
-                loader._worker_set().start(self._base_seed)
+                loader._worker_set().start(seed)
             except Exception as error:  # the dataset cannot be sent to workers
                 loader._end_workers()
                 placement.workers = workers = 0
                 placement.trial_rate = None
                 placement.stays = f"the workers could not start: {error}"
                 placement.note(f"fetch: stays on threads: {placement.stays}")
-                _log.warning("feedline.DataLoader %s", placement.log[-1])
+                _log.warning("feedline.DataLoader: %s", placement.log[-1])
         builder: PipelineBuilder[Any] = PipelineBuilder()
         epoch = None
         if workers:
             epoch = loader._worker_set().epoch(
-                gate.view(), self._base_seed, start=gate.next_number()
+                gate.view(), self._base_seed, start=gate.next_number(), worker_seed=seed
             )
         else:
             self._fetch_stage(builder, loader, gate.view(), first=False)

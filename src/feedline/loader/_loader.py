@@ -196,11 +196,7 @@ class DataLoader(Generic[T]):
             self._torch_loader.num_workers = 0
         self._iterable = isinstance(dataset, torch.utils.data.IterableDataset)
         # Where fetching runs (num_workers="auto"), or where a hint is due (threads).
-        self._placement: Placement | None = (
-            Placement(auto=auto_workers)
-            if (auto_workers or self._torch_loader.num_workers == 0) and not self._iterable
-            else None
-        )
+        self._placement = self._new_placement(auto_workers)
         self._fetch = FetchConcurrency.parse(fetch_concurrency)
         self._stale_workers = False  # a worker setting changed during an epoch
         if max_failures is not None and (
@@ -251,7 +247,15 @@ class DataLoader(Generic[T]):
             object.__setattr__(self, name, value)
             return
         # PyTorch's own loader raises ValueError for batch_size, sampler, drop_last, ...
-        setattr(inner, name, value)
+        placement = self.__dict__.get("_placement")
+        if name == "multiprocessing_context" and placement is not None and placement.auto:
+            inner.num_workers = 1  # PyTorch takes a start method only for workers
+            try:
+                setattr(inner, name, value)
+            finally:
+                inner.num_workers = 0
+        else:
+            setattr(inner, name, value)
         if name in _WORKER_SETTINGS:
             self._settings_changed()
 
@@ -291,12 +295,26 @@ class DataLoader(Generic[T]):
                 'persistent_workers=True needs a number of workers, not num_workers="auto"'
             )
         tl.num_workers = 0 if auto else value  # PyTorch's own checks
-        if auto or value == 0:
-            if self._placement is None or self._placement.auto != auto:
-                self._placement = None if self._iterable else Placement(auto=auto)
-        else:
-            self._placement = None
+        if self._placement is None or self._placement.auto != auto:
+            self._placement = self._new_placement(auto)
         self._settings_changed()
+
+    def _new_placement(self, auto: bool) -> Placement | None:
+        # Where fetching runs (num_workers="auto"), or where a hint is due (threads); None
+        # with a fixed number of workers.
+        if not auto and self._torch_loader.num_workers > 0:
+            return None
+        if not self._iterable:
+            return Placement(auto=auto)
+        if not auto:
+            return None
+        placement = Placement(
+            auto=True,
+            stays="an IterableDataset is split between workers by get_worker_info(), so its "
+            "stream stays where it started",
+        )
+        placement.note(f"fetch: stays on threads: {placement.stays}")
+        return placement
 
     def _fetch_workers(self) -> int:
         # The worker processes the next epoch starts on.
@@ -376,7 +394,12 @@ class DataLoader(Generic[T]):
 
     def __iter__(self) -> Iterator[T]:
         previous = self._current() if self._current is not None else None
-        if previous is not None and (self._fetch_workers() > 0 or self._workers is not None):
+        placement = self._placement
+        if previous is not None and (
+            self._fetch_workers() > 0
+            or self._workers is not None
+            or (placement is not None and placement.auto)  # its fetching may move
+        ):
             previous.supersede()  # the workers serve one epoch at a time, as in PyTorch
         state, self._pending = self._pending, None
         iterator: EpochIterator[T] = EpochIterator(self, state)

@@ -82,9 +82,9 @@ class _WorkerIterable:
         if seeded is not None:
             self._seed(seeded)
         start = read_start(self._tasks.get)
-        _, epoch, base_seed, first, dataset_state, last, taken, iterates, between = start
-        if base_seed != seeded:
-            self._seed(base_seed)
+        _, epoch, base_seed, first, dataset_state, last, taken, iterates, between, own = start
+        if own != seeded:  # (the generators' seed: the epoch's, or its part's after a move)
+            self._seed(own)
         tasks = TaskStream(self._tasks.queue, epoch, first, last)
         stateful = is_stateful(self._dataset)
         origin = f"DataLoader worker {self._worker_id} (pid {os.getpid()})"
@@ -101,7 +101,7 @@ class _WorkerIterable:
                 if between:
                     # Saved after the last epoch's end: a persistent worker goes on with its
                     # dataset's state, and its generators are seeded for the new epoch.
-                    _seed_like_pytorch(base_seed, self._worker_id, self._num_workers, self._dataset)
+                    _seed_like_pytorch(own, self._worker_id, self._num_workers, self._dataset)
             # The parent keeps it from the start (see WorkerEpoch.read_reports).
             yield -1, StateReport(self._dataset.state_dict(), False, ended=False), None
         fetcher = BatchFetcher(
@@ -513,6 +513,7 @@ class WorkerSet:
         *,
         between: bool = False,
         start: int = 0,
+        worker_seed: int | None = None,
     ) -> WorkerEpoch:
         """Fetch ``tasks`` (batches, in order, drawn as needed) across the workers.
 
@@ -520,7 +521,10 @@ class WorkerSet:
         order. A stateful dataset's worker loads its state from ``dataset_states`` (saved
         ``between`` epochs: then seeds itself for this one again), and tells ``report`` its
         state as its pass starts (see :class:`WorkerEpoch`). ``start``: the number of the
-        first batch (batch ``n`` goes to worker ``n % W``, in a resumed epoch too). Every
+        first batch (batch ``n`` goes to worker ``n % W``, in a resumed epoch too).
+        ``worker_seed``: what the workers seed their global generators from, if not
+        ``base_seed`` (workers started part-way through an epoch must not draw again what
+        the epoch's first workers drew; items' own seeds stay ``base_seed``'s). Every
         worker gets its first batches before the first one is awaited, so that they all
         start (and fetch) at once. As a pipeline's source, the epoch ends as soon as the
         pipeline stops.
@@ -551,6 +555,7 @@ class WorkerSet:
                 0,
                 False,
                 between,
+                base_seed if worker_seed is None else worker_seed,
             )
             if not write_first(shares.queue, message):
                 later.append((shares, message))  # put once every worker has forked
@@ -596,6 +601,7 @@ class WorkerSet:
                 done[w],
                 iterates,
                 False,
+                base_seed,
             )
             if not write_first(shares.queue, message):
                 later.append((shares, message))
