@@ -26,13 +26,14 @@ def s3_server() -> Iterator[str]:
 def moto_bucket(bucket: str, objects: Mapping[str, bytes]) -> Iterator[tuple[str, dict[str, int]]]:
     """A moto S3 server on loopback whose ``bucket`` holds ``objects``.
 
-    Yields its endpoint and a dict whose ``"GET"`` counts the object GETs served so far.
+    Yields its endpoint and a dict whose ``"GET"`` counts the object GETs served so far, and
+    ``"LIST"`` the listing requests (one per page of keys).
     """
     import boto3
     from moto import server as moto_server
     from werkzeug.serving import make_server
 
-    counts = {"GET": 0}
+    counts = {"GET": 0, "LIST": 0}
     lock = threading.Lock()
 
     class Counting(moto_server.ThreadedMotoServer):
@@ -40,9 +41,10 @@ def moto_bucket(bucket: str, objects: Mapping[str, bytes]) -> Iterator[tuple[str
             app = moto_server.DomainDispatcherApplication(moto_server.create_backend_app)
 
             def counted(environ: dict[str, str], start_response: object) -> object:
-                if environ["REQUEST_METHOD"] == "GET" and environ["PATH_INFO"].count("/") > 1:
+                if environ["REQUEST_METHOD"] == "GET":
+                    kind = "GET" if environ["PATH_INFO"].strip("/").count("/") else "LIST"
                     with lock:
-                        counts["GET"] += 1
+                        counts[kind] += 1
                 return app(environ, start_response)  # type: ignore[arg-type]
 
             self._server = make_server(
@@ -70,7 +72,7 @@ def moto_bucket(bucket: str, objects: Mapping[str, bytes]) -> Iterator[tuple[str
         client.create_bucket(Bucket=bucket)
         for key, body in objects.items():
             client.put_object(Bucket=bucket, Key=key, Body=body)
-        counts["GET"] = 0
+        counts["GET"] = counts["LIST"] = 0
         yield endpoint, counts
     finally:
         server.stop()

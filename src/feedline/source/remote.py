@@ -25,6 +25,7 @@ from feedline.errors import ConfigurationError, RemoteReadError
 from feedline.loader.paths import PathList
 
 from ._failures import bad_range, describe, failure
+from ._listing import listed_once
 from ._parts import PartSizer
 from ._verify import Verifier
 from .cache import ObjectCache
@@ -33,6 +34,9 @@ __all__ = ["RemoteStats", "RemoteStore"]
 
 _INLINE_FILE_BYTES = 256 << 10
 """Cache files up to this size are read and written on the event loop (see ``read``)."""
+
+LISTING_MAX_AGE = 3600.0
+"""Seconds a prefix's manifest of keys serves before :meth:`RemoteStore.keys` lists again."""
 
 _PART_THREADS = 16
 """The most threads one ``read_sync`` uses for its parts at once."""
@@ -59,6 +63,9 @@ class RemoteStats:
         latency: With ``part_size="auto"``: seconds to a reply's headers, smoothed.
         connection_rate: With ``part_size="auto"``: bytes per second one connection carried
             a body (of 256 KiB or more), smoothed.
+        listings: Prefixes this process listed from the store (:meth:`RemoteStore.keys`).
+        listings_reused: Prefixes whose keys came from a manifest another call (or process)
+            wrote into the cache directory, with no request.
 
     """
 
@@ -73,6 +80,8 @@ class RemoteStats:
     part_size: int | None = None
     latency: float | None = None
     connection_rate: float | None = None
+    listings: int = 0
+    listings_reused: int = 0
 
 
 class _Flight:
@@ -328,6 +337,7 @@ class RemoteStore:
         self._failures = 0
         self._in_flight = 0
         self._joined = 0
+        self._listings = [0, 0]  # listed from the store, read from a manifest
         self._ticket = 0  # numbers the requests in flight, kept with their key and start
         self._requests: dict[int, tuple[str, float]] = {}
         # Whole-object reads under way, by key: per event loop for read (touched only on that
@@ -667,17 +677,33 @@ class RemoteStore:
             "RemoteStore(..., verify=False)",
         )
 
-    def keys(self, prefix: str = "", *, suffix: str | tuple[str, ...] = ()) -> PathList:
+    def keys(
+        self,
+        prefix: str = "",
+        *,
+        suffix: str | tuple[str, ...] = (),
+        max_age: float | None = LISTING_MAX_AGE,
+        refresh: bool = False,
+    ) -> PathList:
         """List the keys under the store's URL, sorted, as a compact :class:`PathList`.
 
         Sorted so that every process, and every run, sees the same order: a sampler's seed
         then picks the same items everywhere. The listing is paged by the store (1,000 keys
         per request on S3) and retried like a read.
 
+        With a ``cache`` that has a directory, a prefix is listed once: the keys are kept
+        there as a manifest, and later calls, and other processes sharing the directory
+        (DataLoader workers, the ranks of a job on a shared file system), read it instead of
+        listing (those that ask at once wait for the first one's listing). ``stats()``
+        counts both.
+
         Args:
             prefix: Only keys under this path (by whole segments: ``"train"`` matches
                 ``train/x.jpg``, not ``training/x.jpg``).
             suffix: Only keys ending with this (or one of these), e.g. ``(".jpg", ".png")``.
+            max_age: Seconds after which a manifest is listed again (default an hour;
+                ``None``: never): keys added to the prefix since are seen then.
+            refresh: List again now, whatever the manifest's age (and update it).
 
         Returns:
             The keys, relative to the store's URL (what :meth:`read` takes).
@@ -695,7 +721,31 @@ class RemoteStore:
         """
         if not isinstance(suffix, str | tuple):
             raise TypeError(f"suffix must be a str or a tuple of str, got {suffix!r}")
+        if max_age is not None and (isinstance(max_age, bool) or max_age < 0):
+            raise ConfigurationError(
+                f"keys(max_age=...) must be seconds >= 0 or None, got {max_age!r}"
+            )
         self._here()
+        directory = self.cache.directory if self.cache is not None else None
+        if directory is None:
+            found, listed = self._list(prefix, suffix), True
+        else:  # the manifest keeps every key of the prefix, for any suffix asked later
+            found, listed = listed_once(
+                directory,
+                self.url,
+                prefix,
+                lambda: self._list(prefix, ()),
+                max_age=max_age,
+                refresh=refresh,
+            )
+            if suffix:
+                found = [key for key in found if key.endswith(suffix)]
+        with self._lock:
+            self._listings[0 if listed else 1] += 1
+        return PathList(found)
+
+    def _list(self, prefix: str, suffix: str | tuple[str, ...]) -> list[str]:
+        # The keys under ``prefix`` (ending with ``suffix``), sorted: requests to the store.
         found: list[str] = []
         try:
             for page in self._ob.list(self._client(), prefix or None, chunk_size=1000):
@@ -703,7 +753,7 @@ class RemoteStore:
         except Exception as error:
             raise self._failed(prefix, error, listing=True) from error
         found.sort()
-        return PathList(found)
+        return found
 
     def stats(self) -> RemoteStats:
         """How many reads and bytes so far, how many failed, how many are under way.
@@ -725,6 +775,7 @@ class RemoteStore:
                 self._part(),
                 None if sizer is None else sizer.latency,
                 None if sizer is None else sizer.rate,
+                *self._listings,
             )
 
     # -- internals -----------------------------------------------------------------------------
