@@ -630,3 +630,36 @@ def stall_reported(rank: int, world: int, count: int) -> dict[str, Any]:
     with loader:
         batches = [batch for batch in loader]
     return {"batches": batches, "reports": records}
+
+
+def keys_for_the_job(
+    rank: int, world: int, endpoint: str, directory: str, workers: int, bucket: str = BUCKET
+) -> dict[str, Any]:
+    """The keys as this rank and ``workers`` stand-ins for its DataLoader workers (stores on
+    the rank's own cache directory) list them, sharing one listing over the group."""
+    import torch.distributed as dist
+
+    from feedline import RemoteStore
+    from feedline.source import ObjectCache
+
+    def store() -> RemoteStore:
+        cache = ObjectCache(1 << 20, directory=Path(directory) / f"rank{rank}")
+        return RemoteStore(f"s3://{bucket}", endpoint=endpoint, cache=cache, **CREDENTIALS)
+
+    mine = store()
+    keys = list(mine.keys("data", suffix="7", group=dist.group.WORLD))
+    stats = mine.stats()
+    theirs = [list(store().keys("data", suffix="7")) for _ in range(workers)]
+    missing: str | None = None
+    nowhere = RemoteStore("s3://no-such-bucket", endpoint=endpoint, retries=0, **CREDENTIALS)
+    try:
+        nowhere.keys("data", group=dist.group.WORLD)
+    except Exception as error:  # every rank hears of the first rank's failure
+        missing = type(error).__name__
+    return {
+        "keys": keys,
+        "workers_same": all(t == keys for t in theirs),
+        "listed": stats.listings,
+        "reused": stats.listings_reused,
+        "missing": missing,
+    }

@@ -344,3 +344,29 @@ def test_a_step_that_keeps_the_loop_waiting_is_reported_on_each_rank() -> None:
         assert all("feedline-worker" not in t for t in r["reports"])  # idle pools left out
     assert any("'feedline-exchange'" in t for t in results[0]["reports"])  # on its peer
     assert any("__getitem__(i=" in t for t in results[1]["reports"])  # the slow read
+
+
+def test_the_ranks_and_their_workers_share_one_listing(tmp_path: Any) -> None:
+    # 2 ranks x 4 workers: one listing for the job, rank 0's, sent over the gloo group and
+    # kept in each rank's cache directory, where its workers read it.
+    from tests.source._s3 import moto_bucket
+
+    bucket = "feedline-listing-ranks"  # (moto's buckets outlive a server in this process)
+    with moto_bucket(bucket, {f"data/{i}": b"x" for i in range(30)}) as (endpoint, served):
+        results = run_ranks(
+            2,
+            _ranks.keys_for_the_job,
+            endpoint=endpoint,
+            directory=str(tmp_path),
+            workers=4,
+            bucket=bucket,
+        )
+        lists = served["LIST"]
+    expected = sorted(f"data/{i}" for i in range(30) if str(i).endswith("7"))
+    assert [r["keys"] for r in results] == [expected, expected]
+    assert all(r["workers_same"] for r in results)
+    assert [(r["listed"], r["reused"]) for r in results] == [(1, 0), (0, 1)]
+    assert lists == 2  # the job's listing, and rank 0's of a bucket that does not exist
+    missing = [r["missing"] for r in results]
+    assert missing[0] is not None
+    assert missing[1] == missing[0]  # the same error on the rank that waited for the keys

@@ -8,6 +8,10 @@ there; the other processes that share the directory (workers of one machine; ran
 a shared file system) read the manifest instead. A lock file makes the processes that ask at
 once wait for the first one's listing rather than all list.
 
+With a ``torch.distributed`` group, the ranks share one listing too (:func:`shared_listing`):
+the group's first rank lists (or reads its manifest) and broadcasts the keys, which each
+other rank keeps as the manifest of its own cache directory, for its workers.
+
 A manifest is a header (magic, when it was listed, the key count and the CRC-32 of the body)
 and the keys, UTF-8, each ended by a NUL byte (a key may hold any other character). It is
 written to a temporary name and renamed into place. One that is too old (``max_age``), damaged,
@@ -26,8 +30,11 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
-__all__ = ["listed_once"]
+from feedline.errors import rebuilds
+
+__all__ = ["listed_once", "save_manifest", "shared_listing"]
 
 _MAGIC = b"feedline-keys-1\n"
 _HEADER = struct.Struct("<dQI")  # listed at (Unix time), key count, CRC-32 of the body
@@ -120,3 +127,40 @@ def listed_once(
         keys = list_keys()
         _write(manifest, keys)
         return keys, True
+
+
+def save_manifest(directory: Path, url: str, prefix: str, keys: list[str]) -> None:
+    """Keep ``keys`` (all of the prefix's, sorted) as its manifest in ``directory``."""
+    _write(_paths(directory, url, prefix)[0], keys)
+
+
+def shared_listing(
+    group: Any,
+    listing: Callable[[], tuple[list[str], bool]],
+    failed: Callable[[str], BaseException],
+) -> tuple[list[str], bool]:
+    """``listing()`` on the first rank of the ``torch.distributed`` ``group``, sent to the rest.
+
+    Every rank of the group must call it. Returns the keys and whether this rank listed them.
+    The first rank's error is raised on every rank (as it is where it pickles, else as
+    ``failed(its message)``), so that no rank waits for keys that never come.
+    """
+    import torch.distributed as dist
+
+    first = dist.get_global_rank(group, 0)
+    message: list[Any] = [None]
+    if dist.get_rank() == first:
+        try:
+            keys, listed = listing()
+        except Exception as error:
+            message[0] = ("error", error if rebuilds(error) else str(error))
+            dist.broadcast_object_list(message, src=first, group=group)
+            raise
+        message[0] = ("keys", keys)
+        dist.broadcast_object_list(message, src=first, group=group)
+        return keys, listed
+    dist.broadcast_object_list(message, src=first, group=group)
+    kind, value = message[0]
+    if kind == "error":
+        raise value if isinstance(value, BaseException) else failed(str(value))
+    return value, False

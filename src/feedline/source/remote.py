@@ -14,6 +14,7 @@ import asyncio
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,7 +26,7 @@ from feedline.errors import ConfigurationError, RemoteReadError
 from feedline.loader.paths import PathList
 
 from ._failures import bad_range, describe, failure
-from ._listing import listed_once
+from ._listing import listed_once, save_manifest, shared_listing
 from ._parts import PartSizer
 from ._verify import Verifier
 from .cache import ObjectCache
@@ -684,6 +685,7 @@ class RemoteStore:
         suffix: str | tuple[str, ...] = (),
         max_age: float | None = LISTING_MAX_AGE,
         refresh: bool = False,
+        group: Any = None,
     ) -> PathList:
         """List the keys under the store's URL, sorted, as a compact :class:`PathList`.
 
@@ -695,7 +697,9 @@ class RemoteStore:
         there as a manifest, and later calls, and other processes sharing the directory
         (DataLoader workers, the ranks of a job on a shared file system), read it instead of
         listing (those that ask at once wait for the first one's listing). ``stats()``
-        counts both.
+        counts both. With ``group``, the ranks of a job share one listing: the group's first
+        rank lists (or reads its manifest) and sends the keys to the others, which keep them
+        in their own cache directory for their workers.
 
         Args:
             prefix: Only keys under this path (by whole segments: ``"train"`` matches
@@ -704,6 +708,9 @@ class RemoteStore:
             max_age: Seconds after which a manifest is listed again (default an hour;
                 ``None``: never): keys added to the prefix since are seen then.
             refresh: List again now, whatever the manifest's age (and update it).
+            group: A ``torch.distributed`` process group (``torch.distributed.group.WORLD``
+                for every rank) whose ranks all call ``keys`` with the same arguments: one
+                lists for all of them. ``None``: this process lists (or reads its manifest).
 
         Returns:
             The keys, relative to the store's URL (what :meth:`read` takes).
@@ -727,10 +734,13 @@ class RemoteStore:
             )
         self._here()
         directory = self.cache.directory if self.cache is not None else None
-        if directory is None:
-            found, listed = self._list(prefix, suffix), True
-        else:  # the manifest keeps every key of the prefix, for any suffix asked later
-            found, listed = listed_once(
+
+        def listing() -> tuple[list[str], bool]:
+            # Every key of the prefix (as a manifest keeps them, for any suffix asked later),
+            # and whether this process listed them.
+            if directory is None:
+                return self._list(prefix, () if group is not None else suffix), True
+            return listed_once(
                 directory,
                 self.url,
                 prefix,
@@ -738,11 +748,30 @@ class RemoteStore:
                 max_age=max_age,
                 refresh=refresh,
             )
-            if suffix:
-                found = [key for key in found if key.endswith(suffix)]
+
+        if group is None:
+            found, listed = listing()
+        else:
+            found, listed = shared_listing(group, listing, self._failed_listing(prefix))
+            if directory is not None and not listed:  # for this rank's workers
+                save_manifest(directory, self.url, prefix, found)
+        if suffix and (directory is not None or group is not None):
+            found = [key for key in found if key.endswith(suffix)]
         with self._lock:
             self._listings[0 if listed else 1] += 1
         return PathList(found)
+
+    def _failed_listing(self, prefix: str) -> Callable[[str], RemoteReadError]:
+        # What another rank raises when the rank that listed for it failed.
+        def failed(message: str) -> RemoteReadError:
+            return RemoteReadError(
+                self.url,
+                prefix,
+                f"{self.url}: listing {prefix!r} failed on the rank that lists for the group: "
+                f"{message}",
+            )
+
+        return failed
 
     def _list(self, prefix: str, suffix: str | tuple[str, ...]) -> list[str]:
         # The keys under ``prefix`` (ending with ``suffix``), sorted: requests to the store.
