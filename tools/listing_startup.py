@@ -11,6 +11,7 @@ loopback moto server answers a page slower than S3 does; the ratio is what matte
 
 from __future__ import annotations
 
+import importlib
 import logging
 import statistics
 import sys
@@ -18,10 +19,10 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.source._s3 import CREDENTIALS, moto_bucket
 
 from feedline import RemoteStore
 from feedline.source import ObjectCache
@@ -31,10 +32,12 @@ BUCKET = "listing-startup"
 
 def main(count: int) -> None:
     """Measure and print (see the module docstring)."""
-    import boto3
-
+    # The tests' server (not type-checked here: moto and boto3 have no annotations).
+    s3: Any = importlib.import_module("tests.source._s3")
+    boto3: Any = importlib.import_module("boto3")
+    credentials: dict[str, Any] = s3.CREDENTIALS
     logging.disable(logging.INFO)  # the server logs every request
-    with moto_bucket(BUCKET, {}) as (endpoint, served):
+    with s3.moto_bucket(BUCKET, {}) as (endpoint, served):
         client = boto3.client(
             "s3",
             endpoint_url=endpoint,
@@ -51,7 +54,7 @@ def main(count: int) -> None:
 
             def store(folder: str = directory) -> RemoteStore:
                 cache = ObjectCache(1 << 20, directory=folder)
-                return RemoteStore(f"s3://{BUCKET}", endpoint=endpoint, cache=cache, **CREDENTIALS)
+                return RemoteStore(f"s3://{BUCKET}", endpoint=endpoint, cache=cache, **credentials)
 
             before, t0 = served["LIST"], time.perf_counter()
             first = store().keys("train")
