@@ -11,6 +11,9 @@ from typing import Any
 
 import pytest
 
+pytest.importorskip("obstore")
+pytest.importorskip("moto")
+
 from feedline import RemoteStore
 from feedline.errors import ConfigurationError
 from feedline.source import ObjectCache
