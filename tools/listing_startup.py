@@ -17,7 +17,6 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,20 +33,10 @@ def main(count: int) -> None:
     """Measure and print (see the module docstring)."""
     # The tests' server (not type-checked here: moto and boto3 have no annotations).
     s3: Any = importlib.import_module("tests.source._s3")
-    boto3: Any = importlib.import_module("boto3")
     credentials: dict[str, Any] = s3.CREDENTIALS
     logging.disable(logging.INFO)  # the server logs every request
-    with s3.moto_bucket(BUCKET, {}) as (endpoint, served):
-        client = boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            aws_access_key_id="test",
-            aws_secret_access_key="test",
-            region_name="us-east-1",
-        )
-        with ThreadPoolExecutor(16) as pool:
-            keys = [f"train/{i:07d}.jpg" for i in range(count)]
-            list(pool.map(lambda k: client.put_object(Bucket=BUCKET, Key=k, Body=b"x"), keys))
+    keys = [f"train/{i:07d}.jpg" for i in range(count)]
+    with s3.moto_bucket(BUCKET, dict.fromkeys(keys, b"x")) as (endpoint, served):
         listing, reading, pages = [], [], 0
         for _ in range(3):
             directory = tempfile.mkdtemp()

@@ -8,9 +8,12 @@ once, in order, whatever moved; and no worker process outlives its epoch.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +27,7 @@ from feedline.loader import _epoch, _move  # noqa: E402
 from feedline.loader._move import Decision  # noqa: E402
 from feedline.loader._workers import WorkerSet  # noqa: E402
 
-from .._system import own_segments, starts_processes  # noqa: E402
+from .._system import own_segments, starts_processes, zombies  # noqa: E402
 from ._datasets import Counting, Drawing, Sleepy, Spinning, Stream  # noqa: E402
 from ._procs import alone, no_children_left  # noqa: E402
 
@@ -45,6 +48,25 @@ class Script:
         if self.decisions and may_try:
             return self.decisions.pop(0)
         return Decision("stay", "scripted")
+
+
+def _feedline_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("feedline-")]
+
+
+@pytest.fixture(autouse=True)
+def leaves_nothing() -> Iterator[None]:
+    """After each test: no thread of feedline's, child process, zombie or segment left."""
+    segments = own_segments()
+    yield
+    gc.collect()  # iterators a test dropped: their finalizers stop what they ran
+    deadline = time.monotonic() + 5
+    while _feedline_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _feedline_threads() == []
+    no_children_left()
+    assert zombies() == []
+    assert own_segments() <= segments
 
 
 @pytest.fixture
@@ -216,13 +238,18 @@ def test_a_move_forks_once_the_threads_that_fetched_are_joined(script: Script) -
     assert any(pid != os.getpid() for _, pid in got)
 
 
+def stays_unmeasured(script: Script, loader: DataLoader[Any], why: str) -> None:
+    """No window is judged, and the reason to stay (``why`` in it) is in ``stats()``."""
+    assert script.calls == 0
+    tuning = loader.stats().tuning  # type: ignore[union-attr]
+    assert any(why in t and "stays on threads" in t for t in tuning)
+
+
 def test_a_stateful_dataset_stays_on_threads_unmeasured(script: Script) -> None:
     script.decisions = [move(2)]
     loader = DataLoader(Counting(40), batch_size=4, num_workers="auto")
     assert len(list(loader)) == 10
-    assert script.calls == 0
-    tuning = loader.stats().tuning  # type: ignore[union-attr]
-    assert any("state_dict()" in t and "stays on threads" in t for t in tuning)
+    stays_unmeasured(script, loader, "state_dict()")
 
 
 def test_free_threaded_python_keeps_fetching_on_threads(
@@ -232,9 +259,7 @@ def test_free_threaded_python_keeps_fetching_on_threads(
     script.decisions = [move(2)]
     loader = DataLoader(Spinning(200), batch_size=4, num_workers="auto")
     assert all(pid == os.getpid() for _, pid in batches_of(loader))
-    assert script.calls == 0
-    tuning = loader.stats().tuning  # type: ignore[union-attr]
-    assert any("free-threaded" in t and "stays on threads" in t for t in tuning)
+    stays_unmeasured(script, loader, "free-threaded")
 
 
 def test_threads_log_one_hint_naming_num_workers_auto(

@@ -687,15 +687,9 @@ class EpochIterator(Generic[T]):
         assert workers is not None
         placement = self._placement
         assert placement is not None
-        old = self._pipeline
-        old.stop()
+        EpochIterator._stop_fetching(self._pipeline, self._fetcher, self._pin_pool)
+        self._fetcher = self._pin_pool = None
         loader._last_stats = None  # the part of the epoch that comes next has its own
-        if self._fetcher is not None:
-            self._fetcher.close()
-            self._fetcher = None
-        if self._pin_pool is not None:
-            self._pin_pool.shutdown(wait=True, cancel_futures=True)
-            self._pin_pool = None
         if not workers:
             loader._end_workers()
         if not gate.more():
@@ -832,14 +826,24 @@ class EpochIterator(Generic[T]):
         tasks: _Releasable | None,
         tally: FailureTally,
     ) -> None:
-        pipeline.stop()
+        EpochIterator._stop_fetching(pipeline, fetcher, pin)
         if tasks is not None:
             tasks.release()
+        tally.flush()
+
+    @staticmethod
+    def _stop_fetching(
+        pipeline: Pipeline[Any] | _Direct,
+        fetcher: BatchFetcher | None,
+        pin: ThreadPoolExecutor | None,
+    ) -> None:
+        # Stop what fetches and hands out the batches (the epoch, or its part before a move),
+        # its threads joined.
+        pipeline.stop()
         if fetcher is not None:
             fetcher.close()
         if pin is not None:
             pin.shutdown(wait=True, cancel_futures=True)
-        tally.flush()
 
     def __del__(self) -> None:
         if hasattr(self, "_finalizer"):  # __init__ may have raised before it was set

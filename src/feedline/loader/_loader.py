@@ -279,10 +279,7 @@ class DataLoader(Generic[T]):
 
         Setting it (an int or ``"auto"``) takes effect at the next epoch.
         """
-        placement = self._placement
-        if placement is not None and placement.auto:
-            return placement.workers
-        return int(self._torch_loader.num_workers)
+        return self._fetch_workers()
 
     @num_workers.setter
     def num_workers(self, value: int | str) -> None:

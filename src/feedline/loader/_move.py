@@ -33,7 +33,6 @@ logs once a hint naming ``num_workers="auto"``.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -79,8 +78,8 @@ class Sample:
         slept: Share of the consumer's time between batches its thread was off the cores and
             not queued for one (``None``: not measured: the consumer always waited, or the
             batches came from workers).
-        loader_cores: Cores the calls of ``dataset[i]`` kept busy (on threads; in worker
-            processes, those this process kept busy besides the consumer's thread).
+        loader_cores: Cores the calls of ``dataset[i]`` kept busy (on threads; 0 in worker
+            processes, where the rule does not use it).
         cores: Cores this process may use.
         idle: Cores the whole machine left idle (``None``: unknown).
 
@@ -252,7 +251,7 @@ class Window:
 
     def __init__(self, workers: int, cpu: Callable[[], float] | None = None) -> None:
         self.workers = workers
-        self._cpu_now = cpu or _others_cpu
+        self._cpu_now = cpu or (lambda: 0.0)
         self._skip = SKIP_BATCHES
         self._start = 0.0
         self._cpu = 0.0  # the fetching's CPU seconds at the start
@@ -317,8 +316,3 @@ class Window:
     def restart(self) -> None:
         """Start a new window at the next batch."""
         self._skip = 1
-
-
-def _others_cpu() -> float:
-    # CPU seconds of this process's threads but the calling one (the consumer's).
-    return time.process_time() - time.thread_time()
