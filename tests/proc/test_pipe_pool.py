@@ -67,6 +67,9 @@ def test_calls_go_to_the_least_busy_worker_and_the_pool_restarts_after_close() -
     assert [f.result(30) for f in futures] == [i * i for i in range(20)]
     assert len(multiprocessing.active_children()) == 2
     pool.close()
+    for future in futures:
+        with pytest.raises(CancelledError):
+            future.result(0)
     _no_leftovers()
     assert pool.submit(square, 7).result(30) == 49  # new workers
     pool.close()
@@ -235,12 +238,14 @@ def test_an_op_may_start_processes_and_may_call_sys_exit() -> None:
 
 
 def test_a_close_interrupted_part_way_is_finished_by_the_next(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from feedline._proc import pipe_pool as _pipe_pool
 
     pool = PipePool(2, _CTX, "test")
     assert pool.submit(square, 2).result(30) == 4
+    # Both workers in a call: an idle one would exit by itself once its task pipe closes.
+    futures = [pool.submit(wait_for_file, str(tmp_path / "never")) for _ in range(2)]
     real = _pipe_pool._end
 
     def interrupted(workers: object) -> None:
@@ -252,6 +257,9 @@ def test_a_close_interrupted_part_way_is_finished_by_the_next(
         pool.close()
     assert len(multiprocessing.active_children()) == 2
     pool.close()
+    for future in futures:
+        with pytest.raises(CancelledError):
+            future.result(0)
     _no_leftovers()
 
 
