@@ -67,9 +67,6 @@ def test_calls_go_to_the_least_busy_worker_and_the_pool_restarts_after_close() -
     assert [f.result(30) for f in futures] == [i * i for i in range(20)]
     assert len(multiprocessing.active_children()) == 2
     pool.close()
-    for future in futures:
-        with pytest.raises(CancelledError):
-            future.result(0)
     _no_leftovers()
     assert pool.submit(square, 7).result(30) == 49  # new workers
     pool.close()
