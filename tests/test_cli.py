@@ -415,6 +415,24 @@ def test_bench_autotune_quick_compares_the_tuned_pipeline_with_the_grid_s_best(
     assert_png(out / "autotune-over-time.png")
 
 
+def test_bench_storage_quick_reads_through_a_throttling_store(tmp_path: Path) -> None:
+    pytest.importorskip("obstore")
+    out = tmp_path / "out"
+    assert main(["bench", "storage", "--quick", "--out", str(out)]) == 0
+    data = json.loads((out / "storage.json").read_text())
+    rows = {m["contender"]: m for m in data["measurements"]}
+    feedline = rows["feedline RemoteStore.read pipeline"]["extra"]
+    pool = rows["obstore thread pool (64)"]["extra"]
+    assert feedline["lost"] == 0  # refusals are sent again, never charged to the budget
+    assert feedline["refused_percent"] < pool["refused_percent"]
+    assert all(key in feedline for key in ("share_of_cap", "recovery_s", "unthrottled_per_s"))
+    # The chart over time: a point a second, with refusals, and feedline's in-flight limit.
+    points = data["timelines"]["feedline RemoteStore.read pipeline, round 1"]
+    assert len(points) >= 4
+    assert all(set(p[2]) == {"refused/s", "in-flight limit"} for p in points)
+    assert_png(out / "storage-over-time.png")
+
+
 def test_bench_freethreaded_leaves_out_an_interpreter_with_the_gil(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

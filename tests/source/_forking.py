@@ -80,26 +80,30 @@ def _construct_then_fork(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _held_then_fork(spec: dict[str, Any]) -> dict[str, Any]:
-    # A parent whose threads hold the store's lock and all its permits at the fork, as reads
-    # in flight do (a thread in _get_sync holds a permit, and takes the lock to count); none
+    # A parent whose threads hold the store's locks and all its room for requests at the fork,
+    # as reads in flight do (each has room in the throttle, and takes the locks to count); none
     # has made a request, so obstore may run in the child. The child reads max_in_flight keys
     # at once, each held by the server until all of them have arrived.
     from feedline import RemoteStore
 
     store = RemoteStore(spec["url"], **spec["options"])
     n = store._max_in_flight
-    holding, release = threading.Barrier(n + 2), threading.Event()
+    release = threading.Event()
 
     def hold(what: Any) -> None:
         with what:
             holding.wait()
             release.wait()
 
-    holders = [threading.Thread(target=hold, args=(store._thread_limit,)) for _ in range(n)]
-    holders.append(threading.Thread(target=hold, args=(store._lock,)))
+    for _ in range(n):  # every request the store allows is in flight, as far as it knows
+        store._throttle.take_sync()
+    holding = threading.Barrier(3)
+    holders = [
+        threading.Thread(target=hold, args=(lock,)) for lock in (store._lock, store._throttle._lock)
+    ]
     for thread in holders:
         thread.start()
-    holding.wait()  # every permit and the lock are held now
+    holding.wait()  # all the room, and both locks, are held now
 
     def child() -> list[str]:
         got: list[str] = [""] * n

@@ -110,6 +110,10 @@ _COLUMNS: dict[str, tuple[str, Callable[[float], str]]] = {
     "beta_percent": ("beta (%)", fmt),
     "to_90_s": ("s to 90 %", fmt),
     "recovery_s": ("s back to 90 %", fmt),
+    "share_of_cap": ("of the cap", _percent),
+    "refused_percent": ("refused (%)", fmt),
+    "lost": ("reads lost", fmt),
+    "unthrottled_per_s": ("after the cap (/s)", fmt),
     "tuner_cpu_percent": ("tuner CPU (%)", fmt),
     "rss_growth_mib": ("RSS growth (MiB)", fmt),
 }
@@ -429,9 +433,10 @@ def _plot_timelines(result: ScenarioResult, path: Path) -> None:
                 where="post",
                 color=("tab:orange", "tab:blue", "tab:green", "tab:purple")[k % 4],
                 linestyle="--",
-                label=f"{stage} concurrency",
+                label=stage if " " in stage or "/" in stage else f"{stage} concurrency",
             )
-        right.set_ylabel("concurrency", fontsize=8)
+        plain = not any(" " in s or "/" in s for s in stages)
+        right.set_ylabel("concurrency" if plain else "", fontsize=8)
         right.set_ylim(bottom=0)
         handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
         ax.legend(handles=handles, fontsize=7, loc="lower right")

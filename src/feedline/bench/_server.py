@@ -4,13 +4,16 @@ Runs in its own process (``python -m feedline.bench._server DELAY RATE FILE...``
 serving does not compete for the benchmark's GIL, and on asyncio with keep-alive connections,
 so that its own cost per request stays small next to the delay it adds, as a remote store's
 would. ``GET /<i>`` returns file ``i % len(files)``; ``GET /stats`` how many GETs and bytes it
-served; ``GET /delay/<spec>`` changes the wait from then on (a store that slows down).
-``DELAY`` is seconds or a lognormal spread (:class:`Delay`). ``RATE`` is ``TOTAL`` or
-``TOTAL:CONNECTION``: a ``TOTAL`` above 0 caps the bytes per second of all replies together
-(a token bucket: the shared file system of a cluster, scaled down), a ``CONNECTION`` above 0
-those of each reply (one connection of an object store, which sends a large object sooner as
-several range requests). ``Range: bytes=A-B`` is honoured (206, ``Content-Range``). It prints
-its port on stdout when ready.
+served and refused; ``GET /delay/<spec>`` changes the wait from then on (a store that slows
+down), ``GET /cap/<requests per second>`` the cap on requests (0: none; a store that throttles,
+or stops). ``DELAY`` is seconds or a lognormal spread (:class:`Delay`). ``RATE`` is
+``TOTAL[:CONNECTION[:REQUESTS]]``: a ``TOTAL`` above 0 caps the bytes per second of all
+replies together (a token bucket: the shared file system of a cluster, scaled down), a
+``CONNECTION`` above 0 those of each reply (one connection of an object store, which sends a
+large object sooner as several range requests), ``REQUESTS`` above 0 the GETs per second:
+those above it are refused with ``503 SlowDown``, as S3 refuses a prefix's requests above its
+rate (a token bucket holding :data:`BURST` seconds of the rate). ``Range: bytes=A-B`` is
+honoured (206, ``Content-Range``). It prints its port on stdout when ready.
 """
 
 from __future__ import annotations
@@ -21,7 +24,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["Delay", "ServerProcess", "served"]
+__all__ = ["BURST", "Delay", "ServerProcess", "served"]
+
+BURST = 0.05
+"""Seconds of the request cap a burst may take at once, above the rate."""
+
+_SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code><Message>Please reduce '
+    b"your request rate.</Message></Error>"
+)
 
 
 class _Bucket:
@@ -38,6 +49,26 @@ class _Bucket:
         now = loop.time()
         self._due = max(self._due, now) + size / self._rate
         await asyncio.sleep(self._due - now)
+
+
+class _Requests:
+    """Requests per second for all connections together: those above the rate are refused."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self._tokens = 0.0
+        self._at = 0.0
+
+    def admit(self, now: float) -> bool:
+        if self.rate <= 0:
+            return True
+        burst = max(1.0, self.rate * BURST)
+        self._tokens = min(burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
 
 
 class Delay:
@@ -106,10 +137,11 @@ async def _send(writer: asyncio.StreamWriter, body: memoryview, rate: float) -> 
 
 
 async def _serve(delay_spec: str, rates: str, bodies: list[bytes]) -> None:
-    total, _, per_connection = rates.partition(":")
+    total, per_connection, cap = [*rates.split(":"), "0", "0"][:3]
     bucket = _Bucket(float(total))
     connection_rate = float(per_connection or 0)
-    served = {"gets": 0, "bytes": 0}
+    requests = _Requests(float(cap or 0))
+    served = {"gets": 0, "bytes": 0, "refused": 0}
     delay = [Delay(delay_spec)]
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -117,15 +149,26 @@ async def _serve(delay_spec: str, rates: str, bodies: list[bytes]) -> None:
             while True:
                 request = await reader.readuntil(b"\r\n\r\n")
                 target = request.split(b" ", 2)[1].strip(b"/")
-                if target == b"stats" or target.startswith(b"delay/"):
-                    if target != b"stats":  # GET /delay/<spec>: wait as the spec says from now
-                        delay[0] = Delay(target.split(b"/", 1)[1].decode())
+                if target == b"stats" or target.startswith((b"delay/", b"cap/")):
+                    setting, _, value = target.partition(b"/")
+                    if setting == b"delay":  # GET /delay/<spec>: wait as the spec says from now
+                        delay[0] = Delay(value.decode())
+                    elif setting == b"cap":  # GET /cap/<n>: refuse GETs above n per second
+                        requests.rate = float(value)
                     counts = json.dumps(served).encode()
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(counts))
                     writer.write(counts)
                     await writer.drain()
                     continue
                 await asyncio.sleep(delay[0].draw())
+                if not requests.admit(asyncio.get_running_loop().time()):
+                    served["refused"] += 1
+                    writer.write(
+                        b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(_SLOW_DOWN), _SLOW_DOWN)
+                    )
+                    await writer.drain()
+                    continue
                 try:
                     whole = memoryview(bodies[int(target) % len(bodies)])
                 except ValueError:
@@ -168,7 +211,7 @@ async def _serve(delay_spec: str, rates: str, bodies: list[bytes]) -> None:
 
 
 def served(url: str) -> dict[str, int]:
-    """GETs and bytes the server at ``url`` has served so far (from any process)."""
+    """GETs and bytes the server at ``url`` has served so far, and GETs it refused."""
     import urllib.request
 
     with urllib.request.urlopen(f"{url}/stats", timeout=30) as reply:
@@ -185,6 +228,7 @@ class ServerProcess:
         delay: float | str,
         rate: float = 0.0,
         connection_rate: float = 0.0,
+        requests: float = 0.0,
     ) -> None:
         self._process = subprocess.Popen(
             [
@@ -192,7 +236,7 @@ class ServerProcess:
                 "-m",
                 "feedline.bench._server",
                 str(delay),
-                f"{rate}:{connection_rate}",
+                f"{rate}:{connection_rate}:{requests}",
                 *map(str, files),
             ],
             stdout=subprocess.PIPE,
@@ -207,8 +251,15 @@ class ServerProcess:
         self.pid = self._process.pid
 
     def served(self) -> dict[str, int]:
-        """GETs and bytes served so far: ``{"gets": ..., "bytes": ...}``."""
+        """GETs and bytes served so far, GETs refused: ``{"gets", "bytes", "refused"}``."""
         return served(self.url)
+
+    def set_cap(self, requests: float) -> None:
+        """Refuse GETs above ``requests`` per second from now on (0: refuse none)."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.url}/cap/{requests:g}", timeout=30) as reply:
+            reply.read()
 
     def set_delay(self, spec: float | str) -> None:
         """Wait as ``spec`` says (see :class:`Delay`) before each reply from now on."""

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from feedline.errors import RemoteNotFoundError, RemoteReadError
 
-__all__ = ["bad_range", "describe", "failure"]
+__all__ = ["bad_range", "describe", "failure", "kind"]
 
 _MESSAGE_CHARS = 300  # of the first line of the store's message (it may hold an XML body)
 
@@ -38,15 +38,17 @@ _REQUEST = re.compile(r"Error performing [A-Z]+ (\w+://[^/\s?]+)")
 _CONNECT = re.compile(r'ConnectError\(\s*"([^"]*)"')
 _REASON = re.compile(r'(?:message|error): "([^"]*)"')
 _NO_BUCKET = ("NoSuchBucket", "ContainerNotFound")  # S3 and S3-compatible; Azure
+_THROTTLE_CODES = ("SlowDown", "ServerBusy", "Throttl", "TooManyRequests", "RequestLimitExceeded")
 _BUCKET_SCHEMES = ("s3://", "s3a://", "gs://", "az://", "azure://", "abfs://", "abfss://")
 
 
-def describe(error: Exception) -> str:
+def describe(error: Exception, retried: int | None = None, refused: int = 0) -> str:
     """One line on why a request failed: the HTTP status, the retries, the server's words.
 
     The status (``HTTP 503 Service Unavailable``) and the body's code and message (or the
     first words of a plain body); or, where no connection was made, why (``tcp connect
-    error: Connection refused``); then how many retries were spent.
+    error: Connection refused``); then how many retries were spent: ``retried`` (and the
+    ``refused`` attempts) where feedline sent them, else the count in obstore's message.
     """
     text = str(error)
     head = text.split("\n", 1)[0]
@@ -64,17 +66,50 @@ def describe(error: Exception) -> str:
         cause = f"no connection: {connect}"
     else:
         cause = f"{type(error).__name__}: {_shorten(head, _MESSAGE_CHARS)}"
-    retries = _RETRIES.search(head)
-    if retries is not None and retries.group(1) != "0":
-        count = int(retries.group(1))
-        cause += f", after {count} {'retry' if count == 1 else 'retries'}"
+    if retried is None:
+        retries = _RETRIES.search(head)
+        retried = 0 if retries is None else int(retries.group(1))
+    if retried:
+        cause += f", after {retried} {'retry' if retried == 1 else 'retries'}"
+    if refused:
+        cause += f", after {refused} {'refusal' if refused == 1 else 'refusals'}"
     if "TimedOut" in text or "kind: Timeout" in text:
         cause += " [timed out]"
     return cause
 
 
+def kind(error: Exception, exceptions: Any, url: str) -> str:
+    """Whether a failed request may be sent again: ``"refused"``, ``"passing"`` or ``"final"``.
+
+    * ``"refused"``: the store throttles: HTTP 429, or a 503 that says so (S3's
+      ``SlowDown``, Azure's ``ServerBusy``; a bare 503 is a server error): sent again
+      more slowly;
+    * ``"passing"``: what obstore itself would retry: another server error (5xx), a
+      timeout, a dropped or refused connection;
+    * ``"final"``: the rest (no such object, a refused credential, a wrong request, a
+      changed object, a local file's error).
+    """
+    text = str(error)
+    status = _status(text)
+    if status == 429 or (status == 503 and _throttles(text)):
+        return "refused"
+    if (
+        url.startswith(("file:", "memory:"))
+        or bad_range(error)
+        or not isinstance(error, exceptions.GenericError)  # typed: not found, denied, ...
+    ):
+        return "final"
+    return "passing" if status is None or status >= 500 or status == 408 else "final"
+
+
 def failure(
-    store: Any, key: str, error: Exception, exceptions: Any, listing: bool = False
+    store: Any,
+    key: str,
+    error: Exception,
+    exceptions: Any,
+    listing: bool = False,
+    retried: int | None = None,
+    refused: int = 0,
 ) -> RemoteReadError:
     """The error to raise for ``error``, a failed read of ``key`` (or a listing under it).
 
@@ -84,10 +119,12 @@ def failure(
         error: What obstore raised.
         exceptions: ``obstore.exceptions``.
         listing: Whether the request listed keys under ``key``.
+        retried: The retries feedline sent (``None``: those obstore's message counts).
+        refused: The attempts the store refused (throttling), sent again.
 
     """
     url = store.url
-    cause = describe(error)
+    cause = describe(error, retried, refused)
     text = str(error)
     status = _status(text)
     where = _origin(text) or "the store's endpoint"
@@ -127,6 +164,13 @@ def failure(
         advice = "The request itself is wrong (not retried): check the key and the range"
     elif url.startswith(("file:", "memory:")):
         advice = "Local reads are not retried: check the file and its permissions"
+    elif status == 429 or (status == 503 and _throttles(text)):
+        advice = (
+            f"The store refused requests as too many (throttling) for {store.retry_timeout:g} "
+            "s, each sent again more slowly and with fewer in flight: give more time "
+            "(retry_timeout=), read fewer objects at once (a stage's concurrency), or spread "
+            "the keys over more prefixes (S3 scales per prefix)"
+        )
     else:
         advice = (
             f"Errors that can pass were retried up to {store.retries} time(s) within "
@@ -144,6 +188,12 @@ def bad_range(error: Exception) -> bool:
     """Whether the store refused the byte range (past the end of the object, say)."""
     head = str(error).split("\n", 1)[0].lower()
     return "range" in head and any(w in head for w in ("invalid", "416", "not satisfiable"))
+
+
+def _throttles(text: str) -> bool:
+    # A 503 that says the store refuses the rate, not that it is down.
+    lowered = text.lower()
+    return any(code in text for code in _THROTTLE_CODES) or "request rate" in lowered
 
 
 def _status(text: str) -> int | None:

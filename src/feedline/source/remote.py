@@ -1,11 +1,12 @@
 """Reads from object storage (S3, GCS, Azure, HTTP(S), local files) for a pipeline stage.
 
 :class:`RemoteStore` stands on obstore, the Python face of the Rust ``object_store`` crate:
-requests run on its own runtime, outside the GIL, over pooled keep-alive connections, and it
-retries what is worth retrying (server errors, dropped connections, timed-out reads) with
-exponential backoff and jitter. This module picks defaults for training data (short timeouts,
-a few retries, bounded in-flight reads), counts what it reads, and turns failures into errors
-that name the object and say what to change.
+requests run on its own runtime, outside the GIL, over pooled keep-alive connections. This
+module picks defaults for training data (short timeouts, a few retries, bounded in-flight
+reads), sends again what is worth it (server errors, dropped connections, timed-out reads,
+and refusals of a store that throttles, which also lower the requests in flight:
+``_throttle.py``), counts what it reads, and turns failures into errors that name the object
+and say what to change.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from feedline.loader.paths import PathList
 from ._failures import bad_range, describe, failure
 from ._listing import listed_once, save_manifest, shared_listing
 from ._parts import PartSizer
+from ._throttle import Attempts, Throttle
 from ._verify import Verifier
 from .cache import ObjectCache
 
@@ -67,6 +69,12 @@ class RemoteStats:
         listings: Prefixes this process listed from the store (:meth:`RemoteStore.keys`).
         listings_reused: Prefixes whose keys came from a manifest another call (or process)
             wrote into the cache directory, with no request.
+        refusals: Requests the store refused as too many (HTTP 429, 503 ``SlowDown``), each
+            sent again later with fewer in flight; not in ``failures``.
+        retried: Requests sent again after an error that may pass (a server error, a
+            timeout, a dropped connection).
+        in_flight_limit: How many requests may be in flight now: ``max_in_flight``, lower
+            for a while after a refusal.
 
     """
 
@@ -83,6 +91,9 @@ class RemoteStats:
     connection_rate: float | None = None
     listings: int = 0
     listings_reused: int = 0
+    refusals: int = 0
+    retried: int = 0
+    in_flight_limit: int | None = None
 
 
 class _Flight:
@@ -153,8 +164,9 @@ class RemoteStore:
         url: Where the objects are: ``s3://bucket/prefix``, ``gs://...``, ``az://...``,
             ``https://host/prefix``, ``file:///path`` or ``memory:///``. Keys are relative
             to it.
-        max_in_flight: The most reads at once, per event loop for ``read`` and across
-            threads for ``read_sync``; further reads wait their turn.
+        max_in_flight: The most requests at once in this process, ``read`` and
+            ``read_sync`` together; further requests wait their turn. A store that
+            refuses requests as too many lowers it for a while (see ``retries``).
         timeout: Seconds a request may go without receiving anything (a stalled server or
             connection); each chunk that arrives restarts the clock, so large objects on a
             slow link are not cut off.
@@ -163,7 +175,11 @@ class RemoteStore:
         connect_timeout: Seconds to establish a connection.
         retries: How many times a failed request is retried (0: never). Only errors that
             may pass are retried: server errors (5xx), dropped connections, timeouts. A
-            missing object or a refused credential fails at once.
+            missing object or a refused credential fails at once. A refusal (HTTP 429, or
+            503 ``SlowDown``: the store throttles) is not one of them: it cuts the requests
+            in flight (by 30 %, then they come back while refusals stay away) and is sent
+            again, for as long as ``retry_timeout`` allows; ``stats()`` counts refusals
+            apart, and a read that gets through in the end is no failure.
         retry_timeout: Seconds after the first attempt past which no retry starts.
         backoff: Seconds before the first retry; each later one waits up to twice as long
             (with random jitter), up to ``max_backoff``.
@@ -296,7 +312,11 @@ class RemoteStore:
                 "base": 2,
             },
         }
-        self._open_with = {"client_options": client, "retry_config": retry, **options}
+        # Reads are retried here (see _throttle.py), listings by obstore (a listing is paged:
+        # a failed page must be asked again, not the whole listing).
+        self._open_with = {"client_options": client, **options}
+        self._retry = retry
+        self._backoff = (backoff, max(backoff, max_backoff))
         self.cache = cache
         self._part_size = part_size if isinstance(part_size, int) else None
         self._verifier = Verifier(url, verify)
@@ -305,15 +325,17 @@ class RemoteStore:
         self._process = PerProcess()
         self._start()
         self._store: Any = store  # building one starts no thread: it serves this process
+        self._lister: Any = None
         register(self)  # its requests in flight appear in stall reports
 
-    def _open(self) -> Any:
+    def _open(self, retries: int = 0) -> Any:
         # A new obstore store (no request: its first request starts obstore's runtime).
         from obstore.store import from_url as _from_url
 
         from_url: Any = _from_url  # its overloads, one per scheme, cannot see our **options
+        retry = {**self._retry, "max_retries": retries}
         try:
-            return from_url(self.url, **self._open_with)
+            return from_url(self.url, retry_config=retry, **self._open_with)
         except Exception as error:
             raise ConfigurationError(
                 f"obstore could not open {self.url!r} ({describe(error)}). Check the URL's "
@@ -326,13 +348,16 @@ class RemoteStore:
         # held by the parent's threads. The obstore store too: it is built on the first
         # request in a process (its connection pool is the parent's otherwise).
         self._store = None
+        self._lister = None
         self._lock = threading.Lock()
         self._sizer = PartSizer() if self._args["part_size"] == "auto" else None
         self._verified = 0
         self._mismatches = 0
         self._cache_hits = 0
-        self._loop_limits: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
-        self._thread_limit = threading.BoundedSemaphore(self._max_in_flight)
+        self._loops: set[asyncio.AbstractEventLoop] = set()  # those with flights, maybe
+        self._throttle = Throttle(self._max_in_flight)
+        self._refusals = 0
+        self._retried = 0
         self._reads = 0
         self._bytes = 0
         self._failures = 0
@@ -375,6 +400,14 @@ class RemoteStore:
                     self._store = self._open()
                 store = self._store
         return store
+
+    def _listing_client(self) -> Any:
+        # As _client, for listings: obstore retries their pages.
+        note_obstore_request()
+        with self._lock:
+            if self._lister is None:
+                self._lister = self._open(self.retries)
+            return self._lister
 
     def __repr__(self) -> str:
         return f"RemoteStore({self.url!r})"
@@ -422,6 +455,8 @@ class RemoteStore:
             return await self._fetch(key, options)
         flights = self._loop_flights
         slot = (asyncio.get_running_loop(), key)
+        if slot[0] not in self._loops:
+            self._new_loop(slot[0])
         while True:
             flight = flights.get(slot)
             if flight is None:
@@ -485,11 +520,14 @@ class RemoteStore:
             attempt += 1
 
     async def _get(self, key: str, options: Any, first: bool = False) -> tuple[memoryview, Any]:
-        # One request: the body and the object's metadata. ``first``: the first part of a
-        # whole-object read, which an empty object refuses (no byte 0): then read it whole.
-        async with self._loop_limit():
+        # One request, sent again as Attempts says: the body and the object's metadata.
+        # ``first``: the first part of a whole-object read, which an empty object refuses
+        # (no byte 0): then read it whole.
+        attempts = Attempts(self, key)
+        while True:
+            cuts = await self._throttle.take()
             ticket = self._begin(key)
-            view = None
+            view = wait = None
             try:
                 sent = time.perf_counter()
                 result = await self._ob.get_async(self._client(), key, options=options)
@@ -498,12 +536,15 @@ class RemoteStore:
                 self._observe(sent, headers, view)
             except Exception as error:
                 if not (first and bad_range(error)):
-                    raise self._failed(key, error) from error
+                    wait = attempts.after(error, cuts)  # raises when it is not sent again
             finally:  # also when cancelled (a pipeline that stops cancels its reads)
                 self._end(ticket, view)
-        if view is None:
-            return await self._get(key, None)
-        return view, result.meta
+                self._throttle.give()
+            if view is not None:
+                return view, result.meta
+            if wait is None:
+                return await self._get(key, None)
+            await asyncio.sleep(wait)
 
     def _part(self) -> int | None:
         # Bytes per part of a whole-object read now (None: one request).
@@ -615,9 +656,11 @@ class RemoteStore:
 
     def _get_sync(self, key: str, options: Any, first: bool = False) -> tuple[memoryview, Any]:
         # One request from this thread (see _get).
-        with self._thread_limit:
+        attempts = Attempts(self, key)
+        while True:
+            cuts = self._throttle.take_sync()
             ticket = self._begin(key)
-            view = None
+            view = wait = None
             try:
                 sent = time.perf_counter()
                 result = self._ob.get(self._client(), key, options=options)
@@ -626,12 +669,15 @@ class RemoteStore:
                 self._observe(sent, headers, view)
             except Exception as error:
                 if not (first and bad_range(error)):
-                    raise self._failed(key, error) from error
+                    wait = attempts.after(error, cuts)
             finally:
                 self._end(ticket, view)
-        if view is None:
-            return self._get_sync(key, None)
-        return view, result.meta
+                self._throttle.give()
+            if view is not None:
+                return view, result.meta
+            if wait is None:
+                return self._get_sync(key, None)
+            time.sleep(wait)
 
     def _get_parts_sync(self, key: str, part: int) -> tuple[memoryview, Any]:
         # As _get_parts, the parts after the first at once on threads of their own; each
@@ -777,7 +823,7 @@ class RemoteStore:
         # The keys under ``prefix`` (ending with ``suffix``), sorted: requests to the store.
         found: list[str] = []
         try:
-            for page in self._ob.list(self._client(), prefix or None, chunk_size=1000):
+            for page in self._ob.list(self._listing_client(), prefix or None, chunk_size=1000):
                 found += (m["path"] for m in page if not suffix or m["path"].endswith(suffix))
         except Exception as error:
             raise self._failed(prefix, error, listing=True) from error
@@ -804,26 +850,24 @@ class RemoteStore:
                 self._part(),
                 None if sizer is None else sizer.latency,
                 None if sizer is None else sizer.rate,
-                *self._listings,
+                self._listings[0],
+                self._listings[1],
+                self._refusals,
+                self._retried,
+                self._throttle.limit(),
             )
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _loop_limit(self) -> asyncio.Semaphore:
-        # A semaphore belongs to one event loop, and each pipeline run has its own loop. A
-        # semaphore that was ever waited on refers to its loop, so entries are dropped once
-        # their loop has closed, not left to a weak reference that could never clear.
-        loop = asyncio.get_running_loop()
-        limit = self._loop_limits.get(loop)
-        if limit is None:
-            with self._lock:
-                for old in [lp for lp in self._loop_limits if lp.is_closed()]:
-                    del self._loop_limits[old]
-                # A loop closed mid-read leaves its flights behind: drop them with it.
-                for slot in [s for s in self._loop_flights if s[0].is_closed()]:
-                    self._loop_flights.pop(slot, None)
-                limit = self._loop_limits.setdefault(loop, asyncio.Semaphore(self._max_in_flight))
-        return limit
+    def _new_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        # Each pipeline run has an event loop of its own. A loop closed mid-read leaves its
+        # flights behind: they are dropped when another loop first reads.
+        with self._lock:
+            for old in [lp for lp in self._loops if lp.is_closed()]:
+                self._loops.discard(old)
+            for slot in [s for s in self._loop_flights if s[0].is_closed()]:
+                self._loop_flights.pop(slot, None)
+            self._loops.add(loop)
 
     def _hit(self, data: bytes) -> memoryview:
         with self._lock:
@@ -864,10 +908,27 @@ class RemoteStore:
             "applies to each request's silence, retries= to failed ones)"
         ]
 
-    def _failed(self, key: str, error: Exception, listing: bool = False) -> RemoteReadError:
+    def _failed(
+        self,
+        key: str,
+        error: Exception,
+        retried: int | None = None,
+        refused: int = 0,
+        listing: bool = False,
+    ) -> RemoteReadError:
         with self._lock:
             self._failures += 1
-        return failure(self, key, error, self._ob.exceptions, listing)
+        return failure(self, key, error, self._ob.exceptions, listing, retried, refused)
+
+    def _count_refusal(self, cuts: int) -> None:
+        # A request refused as too many: fewer in flight (see _throttle.py).
+        self._throttle.refused(cuts)
+        with self._lock:
+            self._refusals += 1
+
+    def _count_retry(self) -> None:
+        with self._lock:
+            self._retried += 1
 
 
 _ENDPOINT_KEYS = (
