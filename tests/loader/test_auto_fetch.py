@@ -321,9 +321,10 @@ def test_parse_defaults() -> None:
     assert FetchConcurrency.parse("auto") == FetchConcurrency(FETCH_HIGH, Auto())
     assert FetchConcurrency.parse(Auto(low=200)).threads == 200
     stage = FetchConcurrency.parse("auto").batches(2, 8)
-    assert stage == Auto(low=2, high=2 * FETCH_HIGH // 8, start=2)
-    assert FetchConcurrency.parse("auto").batches(2, 8, settled=9) == Auto(2, 32, 9)
-    assert FetchConcurrency.parse("auto").batches(2, 8, settled=1) == Auto(2, 32, 2)
+    assert stage == Auto(low=2, high=4 * FETCH_HIGH // 8, start=2)
+    assert FetchConcurrency.parse("auto").batches(2, 8, settled=9) == Auto(2, 64, 9)
+    assert FetchConcurrency.parse("auto").batches(2, 8, settled=99) == Auto(2, 64, 64)
+    assert FetchConcurrency.parse("auto").batches(2, 8, settled=1) == Auto(2, 64, 2)
     assert FetchConcurrency.parse(4).batches(2, 8) == 2
 
 

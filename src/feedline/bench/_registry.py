@@ -84,7 +84,7 @@ SCENARIOS: dict[str, str] = {
     "memory": "peak memory (PSS) of a DataLoader over 2 million file paths",
     "shards": "reading tar shards in memory, against Python's tarfile",
     "startup": "time to the first batch, against PyTorch's DataLoader with workers",
-    "storage": "reads from a store that throttles (503 SlowDown), against a pool of obstore GETs",
+    "storage": "a store that throttles (503 SlowDown) and one with a long tail of latency",
     "train": "headspace: training steps/s beside each loader, against cached batches",
     "verify": "checking object bodies (MD5, CRC-32) per GiB, against copying them",
     "webdataset": "tar shards over HTTP to decoded batches, against WebDataset + DataLoader",

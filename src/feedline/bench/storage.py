@@ -1,4 +1,4 @@
-"""The ``storage`` scenario: reading from a store that throttles, against a pool of obstore GETs.
+"""The ``storage`` scenario: a store that throttles, and a store whose latency has a long tail.
 
 A server on loopback (``_server.py``, in a process of its own) answers each GET after 20 ms
 and refuses the GETs above :data:`CAP` per second with ``503 SlowDown``, as S3 refuses a
@@ -19,11 +19,22 @@ requests then; reads lost (failed after the retries; for feedline also when the 
 budget ended the pipeline); and the seconds from lifting the cap until a second's rate
 reaches 90 % of the rate at the end. A chart shows one round of each over time: objects per
 second, refusals per second, and feedline's in-flight limit.
+
+The second case (with PyTorch installed) reads through ``feedline.DataLoader`` with its
+defaults, a dataset whose ``__getitem__`` calls ``RemoteStore.read_sync``, in batches of 32:
+from a server whose replies wait a lognormal time (median 20 ms, p99 ten times that, as
+:data:`TAIL` says), against the same loader over a server whose replies all wait the same
+mean, and against the loader without hedged reads (``RemoteStore(hedge=False)``) over the
+tailed server. A batch waits for its slowest object: reported are objects per second (the
+ratio to the store without the tail), the p99 of the consumer's wait per batch, and the
+extra GETs the hedges sent.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import math
 import statistics
 import threading
 import time
@@ -46,8 +57,13 @@ READERS = 64
 SETTLE = 10.0
 """Seconds of throttling left out of the throttled figures (a full run)."""
 
+TAIL = "lognormal:0.02:0.99:0.001:2.0"
+"""Replies of the long-tailed store: median 20 ms, p99 about 200 ms, within 1 ms and 2 s."""
+
+_TAIL_MEAN = 0.02 * math.exp(0.99**2 / 2)  # the same mean, without the tail (32.6 ms)
 _DELAY = 0.02  # seconds before each reply
 _OBJECT = 16 << 10  # bytes per object
+_BATCH = 32
 
 FEEDLINE = "feedline RemoteStore.read pipeline"
 POOL = "obstore thread pool (64)"
@@ -182,6 +198,93 @@ def _figures(run: dict[str, Any], settle: float, lift_at: float) -> dict[str, fl
     return figures
 
 
+def _measured(
+    case: str, name: str, rates: list[float], base: list[float], extra: dict[str, float]
+) -> Measurement:
+    # One contender's medians, with its ratio to the baseline's runs round by round.
+    return Measurement(
+        case=case,
+        contender=name,
+        items_per_s=statistics.median(rates),
+        runs=rates,
+        ratio=paired_ratio(rates, base),
+        ratio_runs=round_ratios(rates, base),
+        extra=extra,
+    )
+
+
+class _Objects:
+    """A map-style dataset of objects on a store: item ``i`` is the size of object ``i``."""
+
+    def __init__(self, store: Any, count: int) -> None:
+        self.store, self.count = store, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> int:
+        return len(self.store.read_sync(str(i)))
+
+
+def _loader(url: str, batches: int, hedge: bool, server: ServerProcess) -> dict[str, float]:
+    # One epoch of the DataLoader with its defaults; the first fifth is left out (the ramp).
+    from feedline import DataLoader, RemoteStore
+
+    store = RemoteStore(url, hedge=hedge)
+    loader: DataLoader[Any] = DataLoader(_Objects(store, _BATCH * batches), batch_size=_BATCH)
+    skip = batches // 5
+    gets = server.served()["gets"]
+    waits: list[float] = []
+    objects, t0 = 0, time.perf_counter()
+    last = t0
+    for number, batch in enumerate(loader):
+        now = time.perf_counter()
+        if number == skip:
+            objects, t0 = 0, now
+        elif number > skip:
+            waits.append(now - last)
+            objects += len(batch)
+        last = now
+    seconds = time.perf_counter() - t0
+    waits.sort()
+    stats = store.stats()
+    sent = server.served()["gets"] - gets
+    return {
+        "rate": objects / seconds,
+        "wait_p99_ms": 1000 * waits[min(len(waits) - 1, int(0.99 * len(waits)))],
+        "extra_gets_percent": 100 * stats.hedged / max(1, sent - stats.hedged),
+    }
+
+
+def _tail_case(options: BenchOptions, body: Path, rounds: int) -> list[Measurement]:
+    progress = options.progress or (lambda _m: None)
+    batches = options.size(300, 80, 20)
+    flat_name = "feedline DataLoader, no tail (the same mean)"
+    names = ["feedline DataLoader", "feedline DataLoader, hedge=False", flat_name]
+    runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    with ServerProcess([body], TAIL) as tail, ServerProcess([body], _TAIL_MEAN) as flat:
+        for r in range(rounds):
+            for name in names:
+                progress(f"long-tailed store: {name} (run {r + 1}/{rounds})")
+                server = flat if name == flat_name else tail
+                hedge = name != "feedline DataLoader, hedge=False"
+                runs[name].append(_loader(server.url, batches, hedge, server))
+    case = f"DataLoader, batches of {_BATCH}, GETs of 20 ms median and 200 ms p99"
+    base = [r["rate"] for r in runs[flat_name]]
+    flat_p99 = statistics.median(r["wait_p99_ms"] for r in runs[flat_name])
+    out = []
+    for name in names:
+        rates = [r["rate"] for r in runs[name]]
+        p99 = statistics.median(r["wait_p99_ms"] for r in runs[name])
+        extra = {
+            "wait_p99_ms": p99,
+            "p99_vs_no_tail": p99 / flat_p99,
+            "extra_gets_percent": statistics.median(r["extra_gets_percent"] for r in runs[name]),
+        }
+        out.append(_measured(case, name, rates, base, extra))
+    return out
+
+
 def run(options: BenchOptions) -> ScenarioResult:
     """Run the storage scenario; ``options.quick`` shrinks it to a smoke test."""
     progress = options.progress or (lambda _m: None)
@@ -202,6 +305,9 @@ def run(options: BenchOptions) -> ScenarioResult:
                     progress(f"throttled store: {name} (run {r + 1}/{rounds}, {seconds:.0f} s)")
                     server.set_cap(CAP)
                     runs[name].append(contender(server, seconds, throttled_s))
+        tail_measurements = []
+        if importlib.util.find_spec("torch") is not None:
+            tail_measurements = _tail_case(options, body, rounds)
     case = f"{CAP:.0f} GETs/s cap, 20 ms replies, lifted after {throttled_s:.0f} s"
     figures = {n: [_figures(r, settle, throttled_s) for r in rs] for n, rs in runs.items()}
     measurements = []
@@ -219,17 +325,7 @@ def run(options: BenchOptions) -> ScenarioResult:
             )
         }
         base = [f["delivered_per_s"] for f in figures[POOL]]
-        measurements.append(
-            Measurement(
-                case=case,
-                contender=name,
-                items_per_s=statistics.median(rates),
-                runs=rates,
-                ratio=paired_ratio(rates, base),
-                extra=extra,
-                ratio_runs=round_ratios(rates, base),
-            )
-        )
+        measurements.append(_measured(case, name, rates, base, extra))
     notes = [
         f"{rounds} alternating round(s) of {seconds:.0f} s per contender, medians; items/s are "
         f"objects of {_OBJECT >> 10} KiB delivered per second while throttled, after the first "
@@ -239,8 +335,20 @@ def run(options: BenchOptions) -> ScenarioResult:
         "of the rate at the end",
     ]
     notes += [f"{FEEDLINE}: {r['ended']}" for r in runs[FEEDLINE] if r["ended"]]
-    result = make_result("storage", POOL, measurements, notes, True, unit="objects/s")
-    result.headline = [FEEDLINE]
+    if tail_measurements:
+        notes.append(
+            "long-tailed store: objects/s after the epoch's first fifth; ratios to the loader "
+            "over a store of the same mean latency without the tail; wait_p99_ms the p99 of "
+            "the consumer's wait per batch; extra GETs the hedges as a share of the GETs "
+            "the server answered"
+        )
+    else:
+        notes.append("the long-tailed store's case needs PyTorch (pip install 'feedline[torch]')")
+    result = make_result(
+        "storage", POOL, measurements + tail_measurements, notes, True, unit="objects/s"
+    )
+    result.case_baselines = {m.case: "the same loader without the tail" for m in tail_measurements}
+    result.headline = [FEEDLINE, "feedline DataLoader"]
     result.timelines = {
         f"{name}, round 1": [
             (

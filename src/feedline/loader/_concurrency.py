@@ -67,7 +67,10 @@ class FetchConcurrency:
         """The fetch stage's concurrency: batches fetched at once.
 
         Fixed: ``in_flight`` (``prefetch_factor``). Tuned: up to enough batches to keep every
-        thread busy, twice over (a batch whose last items are late holds its threads' turn),
+        thread busy, four times over (batches come in order: one whose last item is late
+        holds those behind it, done, in the window; measured over a store whose GETs take 20
+        ms at the median and 200 ms at p99, 8 batches of 32 gave 1,130 objects/s, 16 gave
+        2,200, and 2,900 without the tail),
         starting from ``in_flight``, or from where the last epoch's tuner left it
         (``settled``), and never below ``in_flight``, as PyTorch keeps that many in flight:
         with one batch at a time, the threads idle while each batch's slowest items finish
@@ -76,6 +79,6 @@ class FetchConcurrency:
         """
         if self.auto is None:
             return in_flight
-        high = max(in_flight, 2 * math.ceil(self.threads / max(1, batch_size)))
+        high = max(in_flight, 4 * math.ceil(self.threads / max(1, batch_size)))
         start = in_flight if settled is None else max(in_flight, min(high, settled))
         return Auto(low=in_flight, high=high, start=start)

@@ -12,9 +12,12 @@ and say what to change.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +30,7 @@ from feedline.errors import ConfigurationError, RemoteReadError
 from feedline.loader.paths import PathList
 
 from ._failures import bad_range, describe, failure
+from ._hedge import Hedger, Progress, due
 from ._listing import listed_once, save_manifest, shared_listing
 from ._parts import PartSizer
 from ._throttle import Attempts, Throttle
@@ -50,7 +54,8 @@ class RemoteStats:
     """What a :class:`RemoteStore` has read so far.
 
     Attributes:
-        reads: Reads that returned data.
+        reads: Requests that returned data (with ``read_sync``, a hedge's loser that ran on to
+            its end among them).
         bytes: Bytes those reads returned.
         failures: Requests that failed (after the store's retries).
         in_flight: Reads under way now.
@@ -75,6 +80,11 @@ class RemoteStats:
             timeout, a dropped connection).
         in_flight_limit: How many requests may be in flight now: ``max_in_flight``, lower
             for a while after a refusal.
+        hedged: Second requests sent for whole-object reads slower than most (see
+            ``RemoteStore(hedge=...)``).
+        hedges_won: Of those, the ones that answered first (the first request was dropped).
+        hedge_delay: Seconds without a reply's headers after which a read is hedged now
+            (``None``: reads are not hedged: not learned yet, or no tail to cut).
 
     """
 
@@ -94,6 +104,9 @@ class RemoteStats:
     refusals: int = 0
     retried: int = 0
     in_flight_limit: int | None = None
+    hedged: int = 0
+    hedges_won: int = 0
+    hedge_delay: float | None = None
 
 
 class _Flight:
@@ -208,6 +221,13 @@ class RemoteStore:
             ``None`` (default): one request per object. ``read_sync`` sends the parts after
             the first at once too, on threads (at most 16 per read, each request within
             ``max_in_flight``).
+        hedge: Send a second request for a whole-object read (without parts) whose reply's
+            headers are later than most, and take whichever answers first: a batch waits for
+            its slowest object, and a store's latency has a long tail. The delay is the p95
+            of the store's own times to headers, and only while its p99 is two medians or
+            more; the hedges stay under 4 % of the reads (see ``_hedge.py``); ``stats()``
+            counts them. ``read_sync`` then runs the race on a thread of the store's. Bytes
+            are checked as any read's. ``False``: one request per read.
         **options: Passed to ``obstore.store.from_url``: the store's settings (``region``,
             ``endpoint``, ``access_key_id``, ``skip_signature``, ...) and, if needed,
             ``client_options`` (merged over the timeouts above). HTTP without TLS is allowed
@@ -237,6 +257,7 @@ class RemoteStore:
         cache: ObjectCache | None = None,
         verify: bool = True,
         part_size: int | str | None = None,
+        hedge: bool = True,
         **options: Any,
     ) -> None:
         if not isinstance(url, str) or "://" not in url:
@@ -287,10 +308,12 @@ class RemoteStore:
             "cache": cache,
             "verify": verify,
             "part_size": part_size,
+            "hedge": hedge,
             **options,
         }
-        if not isinstance(verify, bool):
-            raise ConfigurationError(f"RemoteStore(verify=...) must be a bool, got {verify!r}")
+        for name, flag in (("verify", verify), ("hedge", hedge)):
+            if not isinstance(flag, bool):
+                raise ConfigurationError(f"RemoteStore({name}=...) must be a bool, got {flag!r}")
         self._ob = _obstore()
         options = dict(options)
         client: dict[str, Any] = {
@@ -358,6 +381,9 @@ class RemoteStore:
         self._throttle = Throttle(self._max_in_flight)
         self._refusals = 0
         self._retried = 0
+        self._hedger = Hedger() if self._args["hedge"] else None
+        self._hedges = [0, 0]  # sent, won
+        self._hedge_pool: ThreadPoolExecutor | None = None  # for read_sync's races
         self._reads = 0
         self._bytes = 0
         self._failures = 0
@@ -506,6 +532,8 @@ class RemoteStore:
             part = self._part()
             if options is None and part is not None:
                 view, meta = await self._get_parts(key, part)
+            elif options is None:
+                view, meta = await self._get_whole(key)
             else:
                 view, meta = await self._get(key, options)
             if options is not None or not self._verifier.enabled:
@@ -519,19 +547,22 @@ class RemoteStore:
                 return view
             attempt += 1
 
-    async def _get(self, key: str, options: Any, first: bool = False) -> tuple[memoryview, Any]:
+    async def _get(
+        self, key: str, options: Any, first: bool = False, progress: Progress | None = None
+    ) -> tuple[memoryview, Any]:
         # One request, sent again as Attempts says: the body and the object's metadata.
         # ``first``: the first part of a whole-object read, which an empty object refuses
-        # (no byte 0): then read it whole.
+        # (no byte 0): then read it whole. ``progress``: how far it got (for a race).
         attempts = Attempts(self, key)
         while True:
             cuts = await self._throttle.take()
             ticket = self._begin(key)
             view = wait = None
             try:
-                sent = time.perf_counter()
+                sent = self._sent(progress)
                 result = await self._ob.get_async(self._client(), key, options=options)
                 headers = time.perf_counter()
+                self._answered(options, headers - sent, progress)
                 view = memoryview(await result.bytes_async())
                 self._observe(sent, headers, view)
             except Exception as error:
@@ -545,6 +576,123 @@ class RemoteStore:
             if wait is None:
                 return await self._get(key, None)
             await asyncio.sleep(wait)
+
+    @staticmethod
+    def _sent(progress: Progress | None) -> float:
+        # A request goes out now.
+        now = time.perf_counter()
+        if progress is not None:
+            progress.sent = now
+        return now
+
+    def _answered(self, options: Any, seconds: float, progress: Progress | None) -> None:
+        # A reply's headers came: a whole-object request's time to them teaches the hedger.
+        if options is None and self._hedger is not None:
+            self._hedger.observe(seconds)
+        if progress is not None:
+            progress.answered = True
+
+    def _may_hedge(self) -> bool:
+        # Not while the store throttles (its limit cut: a hedge is one request more), and
+        # within the hedges' budget; counted when it goes.
+        if self._hedger is None or self._throttle.limit() < self._max_in_flight:
+            return False
+        if not self._hedger.spend():
+            return False
+        with self._lock:
+            self._hedges[0] += 1
+        return True
+
+    def _answer(
+        self, done: Any, first: Any, errors: dict[Any, BaseException]
+    ) -> tuple[memoryview, Any] | None:
+        # Of the racers that ended (futures of either kind), the answer of one that did (a
+        # hedge's is counted as won); the others' errors are kept.
+        for racer in done:
+            error = racer.exception()
+            if error is None:
+                if racer is not first:
+                    with self._lock:
+                        self._hedges[1] += 1
+                answer: tuple[memoryview, Any] = racer.result()
+                return answer
+            errors[racer] = error
+        return None
+
+    async def _get_whole(self, key: str) -> tuple[memoryview, Any]:
+        # A whole object in one request, hedged if it is slower than most (see _hedge.py).
+        delay = None if self._hedger is None else self._hedger.begin()
+        if delay is None:
+            return await self._get(key, None)
+        return await self._race(key, delay)
+
+    def _get_whole_sync(self, key: str) -> tuple[memoryview, Any]:
+        # As _get_whole from a thread: a race runs on the store's loop thread.
+        delay = None if self._hedger is None else self._hedger.begin()
+        if delay is None:
+            return self._get_sync(key, None)
+        return self._race_sync(key, delay)
+
+    def _race_sync(self, key: str, delay: float) -> tuple[memoryview, Any]:
+        # As _race, on the store's threads: a request sent from a thread cannot be dropped,
+        # so the loser runs on to its end there (its room in the in-flight limit with it).
+        pool = self._race_pool()
+        progress = Progress()
+        first = pool.submit(self._get_sync, key, None, False, progress)
+        wait: float | None = delay
+        while wait is not None and wait > 0:
+            with contextlib.suppress(TimeoutError):
+                return first.result(timeout=wait)
+            wait = due(progress, delay, time.perf_counter())
+        if wait is None or not self._may_hedge():
+            return first.result()
+        racers = {first, pool.submit(self._get_sync, key, None)}
+        errors: dict[Any, BaseException] = {}
+        while racers:
+            done, racers = concurrent.futures.wait(racers, return_when="FIRST_COMPLETED")
+            answer = self._answer(done, first, errors)
+            if answer is not None:
+                return answer
+        raise errors.get(first) or next(iter(errors.values()))
+
+    async def _race(self, key: str, delay: float) -> tuple[memoryview, Any]:
+        # The request, and after ``delay`` without its reply's headers a second one (within
+        # the budget); the first whole answer wins, the other is cancelled. Both failing:
+        # the first request's error.
+        progress = Progress()
+        first = asyncio.ensure_future(self._get(key, None, progress=progress))
+        racers: set[asyncio.Future[Any]] = {first}
+        errors: dict[asyncio.Future[Any], BaseException] = {}
+        try:
+            wait: float | None = delay
+            while wait is not None and wait > 0:
+                done, _ = await asyncio.wait(racers, timeout=wait)
+                wait = None if done else due(progress, delay, time.perf_counter())
+            if wait is not None and self._may_hedge():
+                racers.add(asyncio.ensure_future(self._get(key, None)))
+            while racers:
+                done, racers = await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
+                answer = self._answer(done, first, errors)
+                if answer is not None:
+                    return answer
+            raise errors.get(first) or next(iter(errors.values()))
+        finally:
+            for task in racers:
+                task.cancel()
+            if racers:
+                await asyncio.gather(*racers, return_exceptions=True)
+
+    def _race_pool(self) -> ThreadPoolExecutor:
+        # The threads read_sync's races run on, in this process: started with the first
+        # race, as many as requests may be in flight, ended when the store is collected.
+        with self._lock:
+            pool = self._hedge_pool
+            if pool is None:
+                pool = self._hedge_pool = ThreadPoolExecutor(
+                    self._max_in_flight, thread_name_prefix="feedline-hedges"
+                )
+                weakref.finalize(self, pool.shutdown, wait=False)
+        return pool
 
     def _part(self) -> int | None:
         # Bytes per part of a whole-object read now (None: one request).
@@ -646,6 +794,8 @@ class RemoteStore:
             part = self._part()
             if options is None and part is not None:
                 view, meta = self._get_parts_sync(key, part)
+            elif options is None:
+                view, meta = self._get_whole_sync(key)
             else:
                 view, meta = self._get_sync(key, options)
             if options is not None or not self._verifier.enabled:
@@ -654,7 +804,9 @@ class RemoteStore:
                 return view
             attempt += 1
 
-    def _get_sync(self, key: str, options: Any, first: bool = False) -> tuple[memoryview, Any]:
+    def _get_sync(
+        self, key: str, options: Any, first: bool = False, progress: Progress | None = None
+    ) -> tuple[memoryview, Any]:
         # One request from this thread (see _get).
         attempts = Attempts(self, key)
         while True:
@@ -662,9 +814,10 @@ class RemoteStore:
             ticket = self._begin(key)
             view = wait = None
             try:
-                sent = time.perf_counter()
+                sent = self._sent(progress)
                 result = self._ob.get(self._client(), key, options=options)
                 headers = time.perf_counter()
+                self._answered(options, headers - sent, progress)
                 view = memoryview(result.bytes())
                 self._observe(sent, headers, view)
             except Exception as error:
@@ -855,6 +1008,9 @@ class RemoteStore:
                 self._refusals,
                 self._retried,
                 self._throttle.limit(),
+                self._hedges[0],
+                self._hedges[1],
+                None if self._hedger is None else self._hedger.delay,
             )
 
     # -- internals -----------------------------------------------------------------------------

@@ -1,0 +1,169 @@
+"""Hedged reads: a read whose reply is later than most gets a second request; the first wins.
+
+The delay and budget (``_hedge.Hedger``) are tested with times given by hand; the race against
+a server on loopback whose first request for a key stalls until released, the second
+answering at once, so that which request won is certain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import ClassVar
+
+import pytest
+
+from feedline import RemoteStore
+from feedline.source._hedge import BURST, LEARNED, SHARE, Hedger, Progress, due
+
+from ._http import Handler, serving
+
+pytest.importorskip("obstore")
+
+
+def _learned(hedger: Hedger, median: float, tail: float) -> None:
+    # A store whose times to headers are ``median`` but for one in ten, ``tail``.
+    for i in range(LEARNED * 2):
+        hedger.observe(tail if i % 10 == 0 else median)
+
+
+def test_the_delay_is_the_p95_once_learned_and_only_where_there_is_a_tail() -> None:
+    hedger = Hedger()
+    for _ in range(LEARNED - 1):
+        hedger.observe(0.01)
+    assert hedger.begin() is None  # not learned yet
+    flat = Hedger()
+    _learned(flat, 0.010, 0.015)  # p99 1.5 medians: no tail to cut
+    assert flat.begin() is None
+    tailed = Hedger()
+    _learned(tailed, 0.010, 0.100)
+    assert tailed.begin() == pytest.approx(0.100)  # the p95 falls among the slow tenth
+    assert tailed.delay == pytest.approx(0.100)
+
+
+def test_hedges_stay_within_their_share_of_the_reads() -> None:
+    hedger = Hedger()
+    assert not hedger.spend()  # no read yet: nothing earned
+    spent = 0
+    for _ in range(1000):
+        hedger.begin()
+        spent += hedger.spend()  # a hedge wanted for every read
+    assert spent == int(1000 * SHARE)
+    for _ in range(10_000):
+        hedger.begin()  # a quiet spell banks at most BURST
+    assert sum(hedger.spend() for _ in range(100)) == int(BURST)
+
+
+def test_a_request_is_due_its_hedge_the_delay_after_it_was_sent() -> None:
+    progress = Progress()
+    assert due(progress, 0.1, 5.0) is None  # not sent: held by the store's in-flight limit
+    progress.sent = 5.0
+    assert due(progress, 0.1, 5.04) == pytest.approx(0.06)
+    assert due(progress, 0.1, 6.0) == 0.0
+    progress.answered = True
+    assert due(progress, 0.1, 6.0) is None  # headers came: its body is coming
+
+
+class _Stalling(Handler):
+    """``/stall-*``: the first request waits for ``release`` (10 s at most), later ones answer
+    at once; anything else answers at once."""
+
+    attempts: ClassVar[Counter[str]] = Counter()
+    release: ClassVar[threading.Event] = threading.Event()
+
+    def do_GET(self) -> None:
+        self.attempts[self.path] += 1
+        if self.path.startswith("/stall") and self.attempts[self.path] == 1:
+            self.release.wait(10)
+        self.reply(200, b"body of " + self.path.encode())
+
+
+@pytest.fixture
+def stalling() -> Iterator[str]:
+    _Stalling.attempts.clear()
+    _Stalling.release.clear()
+    with serving(_Stalling, before_stop=_Stalling.release.set) as url:
+        yield url
+
+
+def _tailed(store: RemoteStore) -> None:
+    # The store has learned a tail (delay 50 ms) and earned a hedge with 25 reads.
+    assert store._hedger is not None
+    _learned(store._hedger, 0.005, 0.050)
+    for i in range(int(1 / SHARE) + 1):
+        store.read_sync(f"warm-{i}")
+
+
+def test_a_stalled_read_sync_is_answered_by_its_hedge(stalling: str) -> None:
+    store = RemoteStore(stalling)
+    _tailed(store)
+    t0 = time.monotonic()
+    assert bytes(store.read_sync("stall-a")) == b"body of /stall-a"
+    assert time.monotonic() - t0 < 5  # not the 10 s the first request waits
+    assert _Stalling.attempts["/stall-a"] == 2
+    stats = store.stats()
+    assert (stats.hedged, stats.hedges_won) == (1, 1)
+    assert stats.hedge_delay == pytest.approx(0.05)
+    _Stalling.release.set()  # the loser ends; its room in the limit comes back
+    deadline = time.monotonic() + 10
+    while store.stats().in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.stats().in_flight == 0
+
+
+def test_a_stalled_read_is_answered_by_its_hedge_and_the_loser_cancelled(stalling: str) -> None:
+    store = RemoteStore(stalling)
+    _tailed(store)
+
+    async def main() -> bytes:
+        return bytes(await store.read("stall-b"))
+
+    assert asyncio.run(main()) == b"body of /stall-b"
+    stats = store.stats()
+    assert (stats.hedged, stats.hedges_won, stats.in_flight) == (1, 1, 0)  # dropped at once
+
+
+def test_reads_that_answer_in_time_and_stores_without_hedges_send_one_request(
+    stalling: str,
+) -> None:
+    store = RemoteStore(stalling)
+    _tailed(store)
+    for i in range(20):
+        store.read_sync(f"quick-{i}")
+    assert store.stats().hedged == 0
+    plain = RemoteStore(stalling, hedge=False)
+    assert plain._hedger is None
+    _Stalling.release.set()
+    assert bytes(plain.read_sync("stall-c")) == b"body of /stall-c"
+    assert _Stalling.attempts["/stall-c"] == 1
+    assert plain.stats().hedge_delay is None
+
+
+def test_no_hedge_while_the_store_throttles(stalling: str) -> None:
+    store = RemoteStore(stalling, max_in_flight=8)
+    _tailed(store)
+    store._throttle.take_sync()
+    store._throttle.refused(0)  # a refusal cut the limit: a hedge would add to the load
+    store._throttle.give()
+    threading.Timer(0.5, _Stalling.release.set).start()  # well past the delay
+    assert bytes(store.read_sync("stall-d")) == b"body of /stall-d"
+    assert store.stats().hedged == 0
+    assert _Stalling.attempts["/stall-d"] == 1
+
+
+def test_the_race_threads_end_with_the_store(stalling: str) -> None:
+    store = RemoteStore(stalling)
+    _tailed(store)
+    _Stalling.release.set()
+    store.read_sync("stall-e")  # a race: its threads start
+    assert any(t.name.startswith("feedline-hedges") for t in threading.enumerate())
+    del store
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("feedline-hedges") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the race threads outlived their store"
+        time.sleep(0.01)
