@@ -8,17 +8,18 @@ answering at once, so that which request won is certain.
 from __future__ import annotations
 
 import asyncio
-import gc
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
 
 from feedline import RemoteStore
 from feedline.source._hedge import BURST, LEARNED, SHARE, Hedger, Progress, due
+from feedline.source._throttle import Throttle
 
 from ._http import Handler, serving
 
@@ -60,7 +61,7 @@ def test_hedges_stay_within_their_share_of_the_reads() -> None:
 
 def test_a_request_is_due_its_hedge_the_delay_after_it_was_sent() -> None:
     progress = Progress()
-    assert due(progress, 0.1, 5.0) is None  # not sent: held by the store's in-flight limit
+    assert due(progress, 0.1, 5.0) == 0.1  # not sent (held by the store's limit): look later
     progress.sent = 5.0
     assert due(progress, 0.1, 5.04) == pytest.approx(0.06)
     assert due(progress, 0.1, 6.0) == 0.0
@@ -90,12 +91,11 @@ def stalling() -> Iterator[str]:
         yield url
 
 
-def _tailed(store: RemoteStore) -> None:
-    # The store has learned a tail (delay 50 ms) and earned a hedge with 25 reads.
+def _tailed(store: RemoteStore, delay: float = 0.05) -> None:
+    # The store has learned a tail (a hedge after ``delay``) and has hedges to spend.
     assert store._hedger is not None
-    _learned(store._hedger, 0.005, 0.050)
-    for i in range(int(1 / SHARE) + 1):
-        store.read_sync(f"warm-{i}")
+    _learned(store._hedger, delay / 10, delay)
+    store._hedger._tokens = BURST
 
 
 def test_a_stalled_read_sync_is_answered_by_its_hedge(stalling: str) -> None:
@@ -108,11 +108,15 @@ def test_a_stalled_read_sync_is_answered_by_its_hedge(stalling: str) -> None:
     stats = store.stats()
     assert (stats.hedged, stats.hedges_won) == (1, 1)
     assert stats.hedge_delay == pytest.approx(0.05)
+    # The race's threads hold up no exit while the loser waits on the server.
+    assert all(t.daemon for t in threading.enumerate() if t.name == "feedline-hedges")
     _Stalling.release.set()  # the loser ends; its room in the limit comes back
     deadline = time.monotonic() + 10
     while store.stats().in_flight and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert store.stats().in_flight == 0
+    stats = store.stats()
+    assert stats.in_flight == 0
+    assert (stats.reads, stats.bytes) == (1, len(b"body of /stall-a"))  # one read, not two
 
 
 def test_a_stalled_read_is_answered_by_its_hedge_and_the_loser_cancelled(stalling: str) -> None:
@@ -125,13 +129,14 @@ def test_a_stalled_read_is_answered_by_its_hedge_and_the_loser_cancelled(stallin
     assert asyncio.run(main()) == b"body of /stall-b"
     stats = store.stats()
     assert (stats.hedged, stats.hedges_won, stats.in_flight) == (1, 1, 0)  # dropped at once
+    assert (stats.reads, stats.failures) == (1, 0)
 
 
 def test_reads_that_answer_in_time_and_stores_without_hedges_send_one_request(
     stalling: str,
 ) -> None:
     store = RemoteStore(stalling)
-    _tailed(store)
+    _tailed(store, delay=2.0)
     for i in range(20):
         store.read_sync(f"quick-{i}")
     assert store.stats().hedged == 0
@@ -146,6 +151,7 @@ def test_reads_that_answer_in_time_and_stores_without_hedges_send_one_request(
 def test_no_hedge_while_the_store_throttles(stalling: str) -> None:
     store = RemoteStore(stalling, max_in_flight=8)
     _tailed(store)
+    store._throttle = Throttle(8, clock=lambda: 0.0)  # its limit stays where a cut puts it
     store._throttle.take_sync()
     store._throttle.refused(0)  # a refusal cut the limit: a hedge would add to the load
     store._throttle.give()
@@ -155,15 +161,22 @@ def test_no_hedge_while_the_store_throttles(stalling: str) -> None:
     assert _Stalling.attempts["/stall-d"] == 1
 
 
-def test_the_race_threads_end_with_the_store(stalling: str) -> None:
+def test_local_stores_are_not_hedged(tmp_path: Path) -> None:
+    (tmp_path / "a").write_bytes(b"local")
+    store = RemoteStore(tmp_path.as_uri())
+    assert store._hedger is None
+    assert bytes(store.read_sync("a")) == b"local"
+    assert store.stats().hedge_delay is None
+
+
+def test_the_race_threads_end_when_idle(stalling: str) -> None:
     store = RemoteStore(stalling)
     _tailed(store)
     _Stalling.release.set()
     store.read_sync("stall-e")  # a race: its threads start
     assert any(t.name.startswith("feedline-hedges") for t in threading.enumerate())
-    del store
-    gc.collect()
     deadline = time.monotonic() + 10
     while any(t.name.startswith("feedline-hedges") for t in threading.enumerate()):
-        assert time.monotonic() < deadline, "the race threads outlived their store"
+        assert time.monotonic() < deadline, "the race threads stayed on without work"
         time.sleep(0.01)
+    assert bytes(store.read_sync("stall-e")) == b"body of /stall-e"  # and start again

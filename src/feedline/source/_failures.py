@@ -160,6 +160,7 @@ def failure(
         bad_range(error)
         or isinstance(error, exceptions.InvalidPathError | exceptions.NotSupportedError)
         or not isinstance(error, exceptions.BaseError)
+        or (status is not None and 400 <= status < 500 and status not in (408, 429))
     ):
         advice = "The request itself is wrong (not retried): check the key and the range"
     elif url.startswith(("file:", "memory:")):

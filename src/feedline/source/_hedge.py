@@ -14,18 +14,37 @@ Scale", 2013). :class:`Hedger` learns the delay and keeps the budget:
 * each read earns :data:`SHARE` of a hedge, up to :data:`BURST`; a hedge spends one: the extra
   requests stay under ``SHARE`` of the reads, whatever the store does.
 
-The race itself is :meth:`~feedline.source.RemoteStore._race` (coroutines; ``read_sync``
-runs it on a loop thread the store starts for it, only once hedges are on): the loser is
-cancelled, its room in the in-flight limit given back. Only whole-object reads without parts
-are hedged: a byte range, or a large object read in parts, is not.
+The race itself is ``RemoteStore._race`` (coroutines: the loser is cancelled, its room in
+the in-flight limit given back) or ``RemoteStore._race_sync`` (on :class:`Runners`, daemon
+threads: a request sent from a thread cannot be dropped, so the loser runs on to its end,
+unread and not sent again). Only whole-object reads without parts are hedged: a byte range,
+or a large object read in parts, is not; nor local files.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
-__all__ = ["BURST", "LEARNED", "QUANTILE", "SAMPLES", "SHARE", "TAIL", "Hedger", "Progress", "due"]
+T = TypeVar("T")
+
+__all__ = [
+    "BURST",
+    "IDLE",
+    "LEARNED",
+    "QUANTILE",
+    "SAMPLES",
+    "SHARE",
+    "TAIL",
+    "Hedger",
+    "Progress",
+    "Runners",
+    "due",
+]
 
 QUANTILE = 0.95
 """The reads still unanswered after this quantile of the times to headers get a hedge."""
@@ -44,6 +63,9 @@ LEARNED = 64
 
 TAIL = 2.0
 """Hedge only while the p99 of the times to headers is at least this many medians."""
+
+IDLE = 1.0
+"""Seconds a race thread waits for work before it ends."""
 
 _EVERY = 32  # times observed between two computations of the delay
 
@@ -94,22 +116,73 @@ class Hedger:
 
 
 class Progress:
-    """How far a raced request got: when it was last sent, and whether its headers came."""
+    """How far a raced request got: when it was last sent, and whether its headers came.
 
-    __slots__ = ("answered", "sent")
+    ``dropped``: the race is over for it (the other request won): it stops, uncounted.
+    """
+
+    __slots__ = ("answered", "dropped", "sent")
 
     def __init__(self) -> None:
         self.sent: float | None = None  # perf_counter
         self.answered = False
+        self.dropped = False
 
 
 def due(progress: Progress, delay: float, now: float) -> float | None:
     """Seconds until a raced request is due its hedge (0: now), or ``None``: it gets none.
 
-    None once its headers came (a body is coming), or while it is not sent (the store's
-    in-flight limit holds it back: another request would wait there too). The delay runs
-    from when it was sent, not from when the read began.
+    None once its headers came (a body is coming). The delay runs from when it was sent:
+    while the store's in-flight limit holds it back, look again a delay later.
     """
-    if progress.answered or progress.sent is None:
+    if progress.answered:
         return None
+    if progress.sent is None:
+        return delay
     return max(0.0, progress.sent + delay - now)
+
+
+class Runners:
+    """Daemon threads for ``read_sync``'s races, started as needed.
+
+    Each ends after :data:`IDLE` seconds without work; a loser waiting on a stalled server
+    holds up no exit.
+    """
+
+    def __init__(self, most: int) -> None:
+        self._most = most
+        self._tasks: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]]
+        self._tasks = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)  # a token per thread waiting for work
+        self._lock = threading.Lock()
+        self._threads = 0
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run ``fn(*args)`` on one of the threads; cancel the future to drop it unstarted."""
+        future: Future[T] = Future()
+        self._tasks.put((future, fn, args))
+        if not self._idle.acquire(blocking=False):
+            with self._lock:
+                start = self._threads < self._most
+                self._threads += start
+            if start:
+                threading.Thread(target=self._run, name="feedline-hedges", daemon=True).start()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            try:
+                future, fn, args = self._tasks.get(timeout=IDLE)
+            except queue.Empty:
+                if self._idle.acquire(blocking=False):  # no task promised to this thread
+                    with self._lock:
+                        self._threads -= 1
+                    return
+                continue
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as error:  # the caller has it
+                    future.set_exception(error)
+            del future, fn, args  # nothing of a finished race held while idle
+            self._idle.release()

@@ -24,6 +24,7 @@ error, a dropped connection, a timeout) is, up to ``retries`` times; the rest ne
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import threading
 import time
@@ -43,13 +44,14 @@ from 10 is back at 10 after 0.9 s, and at 64 after 3.3 s."""
 
 
 class _Waiter:
-    __slots__ = ("cuts", "event", "future", "granted", "loop")
+    __slots__ = ("cuts", "event", "future", "gone", "granted", "loop")
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
         self.loop = loop
         self.future: asyncio.Future[None] | None = None if loop is None else loop.create_future()
         self.event = threading.Event() if loop is None else None
         self.granted = False
+        self.gone = False  # its room passed on: its loop closed before it was woken
         self.cuts = 0  # of the throttle when it was granted
 
 
@@ -102,7 +104,8 @@ class Throttle:
             self._waiters.append(waiter)
         assert waiter.event is not None
         try:
-            waiter.event.wait()
+            while not waiter.event.wait(self._until_rise()):
+                self._regrant()
         except BaseException:  # interrupted: the room granted meanwhile is given back
             self._withdraw(waiter)
             raise
@@ -118,11 +121,29 @@ class Throttle:
             self._waiters.append(waiter)
         assert waiter.future is not None
         try:
-            await waiter.future
+            while not (await asyncio.wait({waiter.future}, timeout=self._until_rise()))[0]:
+                self._regrant()
         except BaseException:  # cancelled: the room granted meanwhile is given back
             self._withdraw(waiter)
             raise
         return waiter.cuts
+
+    def _until_rise(self) -> float | None:
+        # Seconds until the limit grows past the requests in flight (None: it never will,
+        # uncut): a waiter then looks again, as no request may end meanwhile. At most a
+        # second, at least a millisecond.
+        with self._lock:
+            if self._cuts == 0:
+                return None
+            gap = self._in_flight + 1 - self._w_max
+            at = self._k + math.copysign(abs(gap / GROWTH) ** (1 / 3), gap)
+            left: float = self._cut_at + at - self._clock()
+            return min(1.0, max(0.001, left))
+
+    def _regrant(self) -> None:
+        with self._lock:
+            woken = self._grant()
+        _wake(woken, self)
 
     def give(self) -> None:
         """Give back the room of a request that ended (answered or not)."""
@@ -160,6 +181,8 @@ class Throttle:
 
     def _withdraw(self, waiter: _Waiter) -> None:
         with self._lock:
+            if waiter.gone:
+                return  # its room went on already
             if not waiter.granted:
                 self._waiters.remove(waiter)
                 return
@@ -170,6 +193,7 @@ class Throttle:
     def _lost(self, waiter: _Waiter) -> None:
         # A waiter whose event loop closed before it could be woken: its room goes on.
         with self._lock:
+            waiter.gone = True
             self._in_flight -= 1
             woken = self._grant()
         _wake(woken, self)
@@ -203,12 +227,17 @@ class Attempts:
 
     """
 
-    def __init__(self, store: Any, key: str) -> None:
-        self._store, self._key = store, key
-        self._start = time.monotonic()
+    def __init__(self, store: Any, key: str, counted: bool = True) -> None:
+        self._store, self._key, self._counted = store, key, counted
+        self._start: float | None = None  # the first send (not the wait for room before it)
         self.retried = 0  # errors that may pass, sent again
         self.refused = 0  # refusals, sent again
         self._wait = 0.0
+
+    def sending(self) -> None:
+        """The request goes out now (its room taken)."""
+        if self._start is None:
+            self._start = time.monotonic()
 
     def after(self, error: Exception, cuts: int) -> float:
         """Seconds to wait before sending the request again; raises if it is not to be.
@@ -224,15 +253,18 @@ class Attempts:
         what = kind(error, store._ob.exceptions, store.url)
         if what == "refused":
             store._count_refusal(cuts)
-        late = time.monotonic() - self._start >= store.retry_timeout
+        start = time.monotonic() if self._start is None else self._start
+        late = time.monotonic() - start >= store.retry_timeout
         if what == "final" or late or (what == "passing" and self.retried >= store.retries):
-            raise store._failed(self._key, error, self.retried, self.refused) from error
+            failed = store._failed(self._key, error, self.retried, self.refused, self._counted)
+            raise failed from error
         if what == "refused":
             self.refused += 1
         else:
             self.retried += 1
             store._count_retry()
-        # Decorrelated jitter: between the first wait and three times the last, capped.
+        # Decorrelated jitter: between the first wait and three times the last (or the first),
+        # capped: refused requests do not all come back at once.
         backoff, cap = store._backoff
-        self._wait = min(cap, random.uniform(backoff, max(backoff, 3 * self._wait)))
+        self._wait = min(cap, random.uniform(backoff, 3 * max(backoff, self._wait)))
         return self._wait

@@ -17,7 +17,6 @@ import contextlib
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from feedline.errors import ConfigurationError, RemoteReadError
 from feedline.loader.paths import PathList
 
 from ._failures import bad_range, describe, failure
-from ._hedge import Hedger, Progress, due
+from ._hedge import Hedger, Progress, Runners, due
 from ._listing import listed_once, save_manifest, shared_listing
 from ._parts import PartSizer
 from ._throttle import Attempts, Throttle
@@ -54,8 +53,7 @@ class RemoteStats:
     """What a :class:`RemoteStore` has read so far.
 
     Attributes:
-        reads: Requests that returned data (with ``read_sync``, a hedge's loser that ran on to
-            its end among them).
+        reads: Reads that returned data (a hedged read counts once).
         bytes: Bytes those reads returned.
         failures: Requests that failed (after the store's retries).
         in_flight: Reads under way now.
@@ -194,8 +192,9 @@ class RemoteStore:
             again, for as long as ``retry_timeout`` allows; ``stats()`` counts refusals
             apart, and a read that gets through in the end is no failure.
         retry_timeout: Seconds after the first attempt past which no retry starts.
-        backoff: Seconds before the first retry; each later one waits up to twice as long
-            (with random jitter), up to ``max_backoff``.
+        backoff: The least wait before a retry, in seconds; each wait is drawn at random
+            between it and three times the last one (decorrelated jitter: requests refused
+            together do not all come back together), up to ``max_backoff``.
         max_backoff: The longest wait between two attempts (at least ``backoff``).
         verify: Check each whole object's bytes before they are returned or cached: the
             length against the size the response declares, and on ``s3://`` and HTTP(S)
@@ -226,8 +225,9 @@ class RemoteStore:
             its slowest object, and a store's latency has a long tail. The delay is the p95
             of the store's own times to headers, and only while its p99 is two medians or
             more; the hedges stay under 4 % of the reads (see ``_hedge.py``); ``stats()``
-            counts them. ``read_sync`` then runs the race on a thread of the store's. Bytes
-            are checked as any read's. ``False``: one request per read.
+            counts them. ``read_sync`` then runs the race on threads of the store's. Bytes
+            are checked as any read's. Local stores (``file://``, ``memory://``) are never
+            hedged. ``False``: one request per read.
         **options: Passed to ``obstore.store.from_url``: the store's settings (``region``,
             ``endpoint``, ``access_key_id``, ``skip_signature``, ...) and, if needed,
             ``client_options`` (merged over the timeouts above). HTTP without TLS is allowed
@@ -381,9 +381,10 @@ class RemoteStore:
         self._throttle = Throttle(self._max_in_flight)
         self._refusals = 0
         self._retried = 0
-        self._hedger = Hedger() if self._args["hedge"] else None
+        local = self.url.startswith(("file:", "memory:"))  # no tail worth a second request
+        self._hedger = Hedger() if self._args["hedge"] and not local else None
         self._hedges = [0, 0]  # sent, won
-        self._hedge_pool: ThreadPoolExecutor | None = None  # for read_sync's races
+        self._runners: Runners | None = None  # threads for read_sync's races
         self._reads = 0
         self._bytes = 0
         self._failures = 0
@@ -553,9 +554,10 @@ class RemoteStore:
         # One request, sent again as Attempts says: the body and the object's metadata.
         # ``first``: the first part of a whole-object read, which an empty object refuses
         # (no byte 0): then read it whole. ``progress``: how far it got (for a race).
-        attempts = Attempts(self, key)
+        attempts = Attempts(self, key, counted=progress is None)
         while True:
             cuts = await self._throttle.take()
+            attempts.sending()
             ticket = self._begin(key)
             view = wait = None
             try:
@@ -569,7 +571,7 @@ class RemoteStore:
                 if not (first and bad_range(error)):
                     wait = attempts.after(error, cuts)  # raises when it is not sent again
             finally:  # also when cancelled (a pipeline that stops cancels its reads)
-                self._end(ticket, view)
+                self._end(ticket, view if progress is None else None)  # a race counts its own
                 self._throttle.give()
             if view is not None:
                 return view, result.meta
@@ -606,18 +608,28 @@ class RemoteStore:
     def _answer(
         self, done: Any, first: Any, errors: dict[Any, BaseException]
     ) -> tuple[memoryview, Any] | None:
-        # Of the racers that ended (futures of either kind), the answer of one that did (a
-        # hedge's is counted as won); the others' errors are kept.
+        # Of the racers that ended (futures of either kind), the answer of one that did,
+        # counted as the read's (and a hedge's as won); the others' errors are kept.
         for racer in done:
             error = racer.exception()
             if error is None:
-                if racer is not first:
-                    with self._lock:
-                        self._hedges[1] += 1
-                answer: tuple[memoryview, Any] = racer.result()
-                return answer
+                return self._won(racer.result(), hedge=racer is not first)
             errors[racer] = error
         return None
+
+    def _won(self, answer: tuple[memoryview, Any], hedge: bool) -> tuple[memoryview, Any]:
+        # A race's answer: the read's (its requests count none).
+        with self._lock:
+            self._reads += 1
+            self._bytes += answer[0].nbytes
+            self._hedges[1] += hedge
+        return answer
+
+    def _lost_race(self, errors: dict[Any, BaseException], first: Any) -> BaseException:
+        # Both requests failed: the read fails once, with the first request's error.
+        with self._lock:
+            self._failures += 1
+        return errors.get(first) or next(iter(errors.values()))
 
     async def _get_whole(self, key: str) -> tuple[memoryview, Any]:
         # A whole object in one request, hedged if it is slower than most (see _hedge.py).
@@ -627,72 +639,79 @@ class RemoteStore:
         return await self._race(key, delay)
 
     def _get_whole_sync(self, key: str) -> tuple[memoryview, Any]:
-        # As _get_whole from a thread: a race runs on the store's loop thread.
+        # As _get_whole from a thread: a race runs on the store's threads.
         delay = None if self._hedger is None else self._hedger.begin()
         if delay is None:
             return self._get_sync(key, None)
         return self._race_sync(key, delay)
 
     def _race_sync(self, key: str, delay: float) -> tuple[memoryview, Any]:
-        # As _race, on the store's threads: a request sent from a thread cannot be dropped,
-        # so the loser runs on to its end there (its room in the in-flight limit with it).
-        pool = self._race_pool()
-        progress = Progress()
-        first = pool.submit(self._get_sync, key, None, False, progress)
-        wait: float | None = delay
-        while wait is not None and wait > 0:
-            with contextlib.suppress(TimeoutError):
-                return first.result(timeout=wait)
-            wait = due(progress, delay, time.perf_counter())
-        if wait is None or not self._may_hedge():
-            return first.result()
-        racers = {first, pool.submit(self._get_sync, key, None)}
+        # As _race, on the store's threads. A request sent from a thread cannot be dropped:
+        # the loser's runs on to its end there, unread, uncounted and not sent again.
+        runners = self._race_runners()
+        first_progress = Progress()
+        first = runners.submit(self._get_sync, key, None, False, first_progress)
+        racers: dict[Any, Progress] = {first: first_progress}
         errors: dict[Any, BaseException] = {}
-        while racers:
-            done, racers = concurrent.futures.wait(racers, return_when="FIRST_COMPLETED")
-            answer = self._answer(done, first, errors)
-            if answer is not None:
-                return answer
-        raise errors.get(first) or next(iter(errors.values()))
+        try:
+            wait: float | None = delay
+            while wait is not None and wait > 0:
+                with contextlib.suppress(concurrent.futures.TimeoutError):
+                    return self._won(first.result(timeout=wait), hedge=False)
+                wait = due(first_progress, delay, time.perf_counter())
+            if wait is not None and self._may_hedge():
+                hedge = Progress()
+                racers[runners.submit(self._get_sync, key, None, False, hedge)] = hedge
+            pending = set(racers)
+            while pending:
+                done, pending = concurrent.futures.wait(pending, return_when="FIRST_COMPLETED")
+                answer = self._answer(done, first, errors)
+                if answer is not None:
+                    return answer
+            raise self._lost_race(errors, first)
+        finally:
+            for racer, racing in racers.items():
+                racing.dropped = True  # a loser stops: no retry, no count
+                racer.cancel()  # and a hedge not started yet never starts
 
     async def _race(self, key: str, delay: float) -> tuple[memoryview, Any]:
         # The request, and after ``delay`` without its reply's headers a second one (within
         # the budget); the first whole answer wins, the other is cancelled. Both failing:
         # the first request's error.
-        progress = Progress()
-        first = asyncio.ensure_future(self._get(key, None, progress=progress))
-        racers: set[asyncio.Future[Any]] = {first}
-        errors: dict[asyncio.Future[Any], BaseException] = {}
+        first_progress = Progress()
+        first = asyncio.ensure_future(self._get(key, None, progress=first_progress))
+        racers: dict[Any, Progress] = {first: first_progress}
+        errors: dict[Any, BaseException] = {}
+        pending: set[Any] = {first}
         try:
             wait: float | None = delay
             while wait is not None and wait > 0:
-                done, _ = await asyncio.wait(racers, timeout=wait)
-                wait = None if done else due(progress, delay, time.perf_counter())
+                done, _ = await asyncio.wait(pending, timeout=wait)
+                wait = None if done else due(first_progress, delay, time.perf_counter())
             if wait is not None and self._may_hedge():
-                racers.add(asyncio.ensure_future(self._get(key, None)))
-            while racers:
-                done, racers = await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
+                hedge = Progress()
+                second = asyncio.ensure_future(self._get(key, None, progress=hedge))
+                racers[second] = hedge
+                pending.add(second)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 answer = self._answer(done, first, errors)
                 if answer is not None:
                     return answer
-            raise errors.get(first) or next(iter(errors.values()))
+            raise self._lost_race(errors, first)
         finally:
-            for task in racers:
+            for task in pending:
                 task.cancel()
-            if racers:
-                await asyncio.gather(*racers, return_exceptions=True)
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
 
-    def _race_pool(self) -> ThreadPoolExecutor:
-        # The threads read_sync's races run on, in this process: started with the first
-        # race, as many as requests may be in flight, ended when the store is collected.
+    def _race_runners(self) -> Runners:
+        # The threads read_sync's races run on, in this process (daemon threads, started as
+        # needed, each ending after a few seconds without work).
         with self._lock:
-            pool = self._hedge_pool
-            if pool is None:
-                pool = self._hedge_pool = ThreadPoolExecutor(
-                    self._max_in_flight, thread_name_prefix="feedline-hedges"
-                )
-                weakref.finalize(self, pool.shutdown, wait=False)
-        return pool
+            if self._runners is None:
+                self._runners = Runners(2 * self._max_in_flight)
+            return self._runners
 
     def _part(self) -> int | None:
         # Bytes per part of a whole-object read now (None: one request).
@@ -808,9 +827,12 @@ class RemoteStore:
         self, key: str, options: Any, first: bool = False, progress: Progress | None = None
     ) -> tuple[memoryview, Any]:
         # One request from this thread (see _get).
-        attempts = Attempts(self, key)
+        attempts = Attempts(self, key, counted=progress is None)
         while True:
+            if progress is not None and progress.dropped:
+                raise concurrent.futures.CancelledError(f"{key!r}: the other request answered")
             cuts = self._throttle.take_sync()
+            attempts.sending()
             ticket = self._begin(key)
             view = wait = None
             try:
@@ -824,7 +846,7 @@ class RemoteStore:
                 if not (first and bad_range(error)):
                     wait = attempts.after(error, cuts)
             finally:
-                self._end(ticket, view)
+                self._end(ticket, view if progress is None else None)  # a race counts its own
                 self._throttle.give()
             if view is not None:
                 return view, result.meta
@@ -1070,10 +1092,13 @@ class RemoteStore:
         error: Exception,
         retried: int | None = None,
         refused: int = 0,
+        counted: bool = True,
         listing: bool = False,
     ) -> RemoteReadError:
-        with self._lock:
-            self._failures += 1
+        # ``counted``: a failure of the read (a race's requests are not: it counts its own).
+        if counted:
+            with self._lock:
+                self._failures += 1
         return failure(self, key, error, self._ob.exceptions, listing, retried, refused)
 
     def _count_refusal(self, cuts: int) -> None:
