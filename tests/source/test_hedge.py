@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import pytest
 
-from feedline import RemoteStore
+from feedline import RemoteNotFoundError, RemoteStore
 from feedline.source._hedge import BURST, LEARNED, SHARE, Hedger, Progress, due
 from feedline.source._throttle import Throttle
 
@@ -71,13 +71,16 @@ def test_a_request_is_due_its_hedge_the_delay_after_it_was_sent() -> None:
 
 class _Stalling(Handler):
     """``/stall-*``: the first request waits for ``release`` (10 s at most), later ones answer
-    at once; anything else answers at once."""
+    at once; ``/missing-*`` is not found; anything else answers at once."""
 
     attempts: ClassVar[Counter[str]] = Counter()
     release: ClassVar[threading.Event] = threading.Event()
 
     def do_GET(self) -> None:
         self.attempts[self.path] += 1
+        if self.path.startswith("/missing"):
+            self.reply(404, b"no such key")
+            return
         if self.path.startswith("/stall") and self.attempts[self.path] == 1:
             self.release.wait(10)
         self.reply(200, b"body of " + self.path.encode())
@@ -159,6 +162,22 @@ def test_no_hedge_while_the_store_throttles(stalling: str) -> None:
     assert bytes(store.read_sync("stall-d")) == b"body of /stall-d"
     assert store.stats().hedged == 0
     assert _Stalling.attempts["/stall-d"] == 1
+
+
+def test_a_raced_read_that_fails_counts_one_failure_and_names_its_key(stalling: str) -> None:
+    store = RemoteStore(stalling)
+    _tailed(store, delay=2.0)
+    with pytest.raises(RemoteNotFoundError) as info:
+        store.read_sync("missing-a")
+    assert info.value.key == "missing-a"
+
+    async def main() -> None:
+        await store.read("missing-b")
+
+    with pytest.raises(RemoteNotFoundError):
+        asyncio.run(main())
+    stats = store.stats()
+    assert (stats.failures, stats.reads, stats.hedged) == (2, 0, 0)
 
 
 def test_local_stores_are_not_hedged(tmp_path: Path) -> None:

@@ -128,13 +128,13 @@ class Throttle:
             raise
         return waiter.cuts
 
-    def _until_rise(self) -> float | None:
-        # Seconds until the limit grows past the requests in flight (None: it never will,
-        # uncut): a waiter then looks again, as no request may end meanwhile. At most a
+    def _until_rise(self) -> float:
+        # Seconds until the limit grows past the requests in flight: a waiter then looks
+        # again, as no request may end meanwhile (a cut may come while it waits). At most a
         # second, at least a millisecond.
         with self._lock:
             if self._cuts == 0:
-                return None
+                return 1.0
             gap = self._in_flight + 1 - self._w_max
             at = self._k + math.copysign(abs(gap / GROWTH) ** (1 / 3), gap)
             left: float = self._cut_at + at - self._clock()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import os
 import threading
 import time
@@ -656,9 +655,12 @@ class RemoteStore:
         try:
             wait: float | None = delay
             while wait is not None and wait > 0:
-                with contextlib.suppress(concurrent.futures.TimeoutError):
+                try:
                     return self._won(first.result(timeout=wait), hedge=False)
-                wait = due(first_progress, delay, time.perf_counter())
+                except concurrent.futures.TimeoutError:
+                    wait = due(first_progress, delay, time.perf_counter())
+                except Exception as error:  # failed before its hedge was due: the read's
+                    raise self._lost_race({first: error}, first) from error.__cause__
             if wait is not None and self._may_hedge():
                 hedge = Progress()
                 racers[runners.submit(self._get_sync, key, None, False, hedge)] = hedge
