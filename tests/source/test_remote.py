@@ -6,6 +6,7 @@ import asyncio
 import errno
 import pickle
 import socket
+import struct
 import sys
 import threading
 import time
@@ -219,6 +220,33 @@ def test_no_server_at_the_endpoint_says_to_check_the_endpoint() -> None:
             assert f"Nothing accepted a connection at {endpoint}: check the endpoint" in message
             assert "raise timeout=" not in message
             assert "\n" not in message
+
+
+class _Resetting(Handler):
+    """Sends the headers and a few bytes of the body, then resets the connection."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "1000")
+        self.end_headers()
+        self.wfile.write(b"a" * 10)
+        self.wfile.flush()
+        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.connection.close()
+        self.close_connection = True
+
+
+def test_a_connection_reset_mid_body_is_retried_and_said_so() -> None:
+    with serving(_Resetting) as url:
+        store = RemoteStore(url, retries=1, backoff=0.01)
+        with pytest.raises(RemoteReadError) as info:
+            store.read_sync("k")
+    message = str(info.value)
+    assert "(the connection was reset, after 1 retry)" in message
+    assert "Nothing accepted a connection" not in message
+    assert store.stats().retried == 1
 
 
 class _Refusing(Handler):

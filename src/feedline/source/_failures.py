@@ -36,6 +36,7 @@ _RETRIES = re.compile(r"after (\d+) retries")
 _XML_FIELD = re.compile(r"<(Code|Message)>([^<]*)</\1>")
 _REQUEST = re.compile(r"Error performing [A-Z]+ (\w+://[^/\s?]+)")
 _CONNECT = re.compile(r'ConnectError\(\s*"([^"]*)"')
+_CONNECT_KIND = re.compile(r"kind: Connect\b")  # not ConnectionReset: that one connected
 _REASON = re.compile(r'(?:message|error): "([^"]*)"')
 _NO_BUCKET = ("NoSuchBucket", "ContainerNotFound")  # S3 and S3-compatible; Azure
 _THROTTLE_CODES = ("SlowDown", "ServerBusy", "Throttl", "TooManyRequests", "RequestLimitExceeded")
@@ -64,6 +65,8 @@ def describe(error: Exception, retried: int | None = None, refused: int = 0) -> 
             cause += f": {_shorten(body, 160)}"
     elif connect is not None:
         cause = f"no connection: {connect}"
+    elif "ConnectionReset" in text:
+        cause = "the connection was reset"
     else:
         cause = f"{type(error).__name__}: {_shorten(head, _MESSAGE_CHARS)}"
     if retried is None:
@@ -151,7 +154,7 @@ def failure(
             "The store refused the request (not retried): check the credentials (options "
             "such as access_key_id, or the environment) and the bucket's policy"
         )
-    elif "kind: Connect" in text:
+    elif _CONNECT_KIND.search(text):
         advice = (
             f"Nothing accepted a connection at {where}: check the endpoint (endpoint=, or "
             "the URL's host and port) and that the server is running and reachable from here"
@@ -216,7 +219,7 @@ def _bucket(url: str) -> str:
 def _connect_failure(text: str) -> str | None:
     # Why no connection was made ("tcp connect error: Connection refused", "dns error: ..."),
     # from the debug dump; None if a connection was made.
-    if "kind: Connect" not in text:
+    if not _CONNECT_KIND.search(text):
         return None
     found = _CONNECT.search(text)
     if found is None:
