@@ -101,12 +101,16 @@ class Checkpoint:
     def __init__(self, passes: Passes) -> None:
         self._passes = passes
         self.after: Account | None = None  # an aggregate's: the points after it
+        # An aggregate's: called when an epoch may have ended here from another stage's
+        # thread (items filtered out before it), to close the epoch's partial group.
+        self.on_complete: Callable[[], None] | None = None
         self._done = Progress()  # the numbers with no item left on the way
         self._left: dict[int, int] = {}  # counts other than one, under ``_done``'s lock
 
     def change(self, tag: int | tuple[int, ...], change: int) -> None:
         """Add ``change`` to the items on their way for each number of ``tag``."""
         done = self._done
+        marked = None
         with done.lock:
             for number in (tag,) if isinstance(tag, int) else tag:
                 left = self._left.get(number, 1) + change
@@ -115,6 +119,10 @@ class Checkpoint:
                 else:
                     self._left.pop(number, None)
                     done.mark_held(number)
+                    marked = number
+        hook = self.on_complete
+        if marked is not None and hook is not None and self.complete(self.epoch_of(marked)):
+            hook()
 
     def arrived(self, tag: int | tuple[int, ...]) -> None:
         """An item carrying ``tag`` reached this point (or failed before it)."""

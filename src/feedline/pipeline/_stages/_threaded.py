@@ -49,11 +49,11 @@ class AggregateWork:
         self.drop_last = drop_last
         self._collect = collect
         self._group: list[Any] = []
-        self._epochs = epochs
+        self.epochs = epochs  # a continuous run's checkpoint (its stage hooks on it)
         self._groups: dict[int, list[Any]] = {}  # with epochs: the open group of each
 
     def __call__(self, item: Any) -> Iterator[Any]:
-        if self._epochs is not None:
+        if self.epochs is not None:
             return self._by_epoch(item)
         self._group.append(item)
         if len(self._group) < self.size:
@@ -62,7 +62,7 @@ class AggregateWork:
         return iter((self._collect(group),))
 
     def _by_epoch(self, item: Any) -> Iterator[Any]:
-        epochs, groups = self._epochs, self._groups
+        epochs, groups = self.epochs, self._groups
         epoch = epochs.epoch_of(item.tag)
         epochs.arrived(item.tag)
         group = groups.setdefault(epoch, [])
@@ -70,16 +70,32 @@ class AggregateWork:
         out = []
         if len(group) == self.size:
             out.append(self._collect(groups.pop(epoch)))
+        out += self._ended()
+        return iter(out)
+
+    def _ended(self) -> list[Any]:
+        # The partial groups of the epochs complete here (their last groups), in order.
+        epochs, groups = self.epochs, self._groups
+        out = []
         for ended in [e for e in sorted(groups) if epochs.complete(e)]:
             out += self._last(groups.pop(ended))
-        return iter(out)
+        return out
+
+    def epochs_ended(self) -> Iterator[Any] | None:
+        """The last groups of epochs that ended since an item last came (``None``: none).
+
+        An epoch may end here with no item of it left to come: its last items were filtered
+        out before this stage, after the last one that came.
+        """
+        out = self._ended() if self.epochs is not None else []
+        return iter(out) if out else None
 
     def _last(self, group: list[Any]) -> list[Any]:
         # A partial group: emitted, or dropped (the points after this stage stop waiting).
         if not self.drop_last:
             return [self._collect(group)]
-        for item in group if self._epochs is not None else ():
-            self._epochs.dropped(item.tag)
+        for item in group if self.epochs is not None else ():
+            self.epochs.dropped(item.tag)
         return []
 
     def finish(self) -> Iterator[Any] | None:
@@ -130,7 +146,13 @@ class ThreadedStage(StageBase):
         super().__init__(run, name, kind, concurrency, input, output, ordered)
         self._work = work
         self._iterates = iterates
-        self._finish = work.finish if isinstance(work, AggregateWork) else None
+        self._aggregate = work if isinstance(work, AggregateWork) else None
+        self._finish = self._aggregate.finish if self._aggregate is not None else None
+        # A continuous run's epoch ended at this aggregate from another stage's thread: a job
+        # closes its partial group (see AggregateWork.epochs_ended).
+        self._epoch_ended = False
+        if self._aggregate is not None and self._aggregate.epochs is not None:
+            self._aggregate.epochs.on_complete = self._on_epoch_ended
         self._chunks: Any = work if hasattr(work, "many") else None
         self._executor = executor or run.pool
         self._emit_lock = threading.Lock()
@@ -168,6 +190,11 @@ class ThreadedStage(StageBase):
         """Output drained: resume."""
         self._kick()
 
+    def _on_epoch_ended(self) -> None:
+        # (any thread) An epoch may have ended at this aggregate: a job looks.
+        self._epoch_ended = True
+        self._kick()
+
     def _has_unsent(self) -> bool:
         # unlocked (the hand-over's state, under _emit_lock, which a caller holding the stage
         # lock must not take): a job that hands on or parks kicks after it, under the lock.
@@ -193,7 +220,7 @@ class ThreadedStage(StageBase):
             order = self._order
             if order is not None:
                 waiting = max(0, min(waiting, order.ahead - (order.next_seq - order.next_emit)))
-            waiting += len(self._parked) + (1 if self._has_unsent() else 0)
+            waiting += len(self._parked) + (1 if self._has_unsent() else 0) + self._epoch_ended
             if exhausted and not self._finish_claimed:
                 waiting += 1
             idle = self._active - self.counters.in_flight
@@ -237,6 +264,12 @@ class ThreadedStage(StageBase):
                     with contextlib.suppress(IndexError):  # another job took it
                         parked = self._parked.popleft()
                     if parked is not None and not self._drive(*parked):
+                        return
+                    continue
+                if self._epoch_ended and self._aggregate is not None:
+                    self._epoch_ended = False
+                    tail = self._aggregate.epochs_ended()
+                    if tail is not None and not self._drive(tail, "<end of an epoch>"):
                         return
                     continue
                 seq = -1
