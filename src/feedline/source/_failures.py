@@ -94,7 +94,7 @@ def kind(error: Exception, exceptions: Any, url: str) -> str:
     """
     text = str(error)
     status = _status(text)
-    if status == 429 or (status == 503 and _throttles(text)):
+    if _refused(status, text):
         return "refused"
     if (
         url.startswith(("file:", "memory:"))
@@ -168,7 +168,7 @@ def failure(
         advice = "The request itself is wrong (not retried): check the key and the range"
     elif url.startswith(("file:", "memory:")):
         advice = "Local reads are not retried: check the file and its permissions"
-    elif status == 429 or (status == 503 and _throttles(text)):
+    elif _refused(status, text):
         advice = (
             f"The store refused requests as too many (throttling) for {store.retry_timeout:g} "
             "s, each sent again more slowly and with fewer in flight: give more time "
@@ -194,10 +194,15 @@ def bad_range(error: Exception) -> bool:
     return "range" in head and any(w in head for w in ("invalid", "416", "not satisfiable"))
 
 
-def _throttles(text: str) -> bool:
-    # A 503 that says the store refuses the rate, not that it is down.
+def _refused(status: int | None, text: str) -> bool:
+    # A refusal as too many: a 429, or a 503 that says the store refuses the rate (not that
+    # it is down).
+    if status == 429:
+        return True
     lowered = text.lower()
-    return any(code in text for code in _THROTTLE_CODES) or "request rate" in lowered
+    return status == 503 and (
+        any(code in text for code in _THROTTLE_CODES) or "request rate" in lowered
+    )
 
 
 def _status(text: str) -> int | None:
