@@ -464,9 +464,14 @@ def _queue_capacities(n: int, **pipe: Any) -> dict[str, int]:
 
 def test_default_queues_between_cheap_stages_grow_and_explicit_ones_do_not() -> None:
     # Which queue finds itself empty after a fill depends on how the loop interleaves the
-    # stages; that some of them do, and none passes the limit, does not.
-    grown = _queue_capacities(20_000)
+    # stages; that some of them do, and none passes the limit, does not. A loaded machine
+    # (a CI run beside other tests) can interleave one run so that only the sink's grows:
+    # up to three runs.
     starts = {"source": 4, "s0": 8, "s1": 8}
+    for _ in range(3):
+        grown = _queue_capacities(20_000)
+        if any(grown[name] > start for name, start in starts.items()):
+            break
     assert any(grown[name] > start for name, start in starts.items()), grown
     assert all(start <= grown[name] <= 64 for name, start in starts.items()), grown
     fixed = _queue_capacities(20_000, buffer_size=8)
