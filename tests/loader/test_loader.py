@@ -357,10 +357,13 @@ def test_later_batches_start_once_the_consumer_holds_the_first(
 
 def test_a_late_consumer_finds_the_next_batches_under_way() -> None:
     # A consumer still setting up its model when the first batch is ready must not lose the
-    # prefetching of the others: they start after a short grace.
+    # prefetching of the others: they start after a short grace, prefetch_factor (2) batches
+    # in all, as PyTorch keeps that many ahead of a consumer that does not wait.
     dataset = Stamped(12)
     it = iter(DataLoader(dataset, batch_size=4))
-    _wait_until(lambda: len(dataset.started) == 12)
+    _wait_until(lambda: len(dataset.started) == 8)
+    time.sleep(0.1)
+    assert len(dataset.started) == 8
     assert [b.tolist() for b in it] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
 
 

@@ -8,17 +8,30 @@ answering at once, so that which request won is certain.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
 
-from feedline import RemoteNotFoundError, RemoteStore
-from feedline.source._hedge import BURST, LEARNED, SHARE, Hedger, Progress, due
+from feedline import ConfigurationError, RemoteNotFoundError, RemoteStore
+from feedline.source import _hedge
+from feedline.source._hedge import (
+    BURST,
+    JUDGED,
+    LEARNED,
+    PAUSE,
+    SHARE,
+    WINS,
+    Hedger,
+    Progress,
+    due,
+)
 from feedline.source._throttle import Throttle
 
 from ._http import Handler, serving
@@ -57,6 +70,25 @@ def test_hedges_stay_within_their_share_of_the_reads() -> None:
     for _ in range(10_000):
         hedger.begin()  # a quiet spell banks at most BURST
     assert sum(hedger.spend() for _ in range(100)) == int(BURST)
+
+
+def test_hedging_pauses_while_its_hedges_do_not_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    winning, losing = Hedger(), Hedger()
+    for hedger in (winning, losing):
+        _learned(hedger, 0.010, 0.100)
+    wins = math.ceil(WINS * JUDGED)
+    for k in range(JUDGED):
+        winning.judge(won=k < wins)  # enough won: hedging goes on
+        losing.judge(won=k < wins - 1)  # one fewer: it pauses
+    assert winning.begin() == pytest.approx(0.100)
+    assert not winning.paused
+    assert losing.begin() is None
+    assert losing.paused
+    assert losing.delay is None  # what stats() reports
+    now = time.monotonic()
+    monkeypatch.setattr(_hedge.time, "monotonic", lambda: now + PAUSE + 1)
+    assert losing.begin() == pytest.approx(0.100)  # tried again after the pause
+    assert not losing.paused
 
 
 def test_a_request_is_due_its_hedge_the_delay_after_it_was_sent() -> None:
@@ -102,7 +134,7 @@ def _tailed(store: RemoteStore, delay: float = 0.05) -> None:
 
 
 def test_a_stalled_read_sync_is_answered_by_its_hedge(stalling: str) -> None:
-    store = RemoteStore(stalling)
+    store = RemoteStore(stalling, hedge=True)
     _tailed(store)
     t0 = time.monotonic()
     assert bytes(store.read_sync("stall-a")) == b"body of /stall-a"
@@ -123,7 +155,7 @@ def test_a_stalled_read_sync_is_answered_by_its_hedge(stalling: str) -> None:
 
 
 def test_a_stalled_read_is_answered_by_its_hedge_and_the_loser_cancelled(stalling: str) -> None:
-    store = RemoteStore(stalling)
+    store = RemoteStore(stalling, hedge=True)
     _tailed(store)
 
     async def main() -> bytes:
@@ -138,7 +170,7 @@ def test_a_stalled_read_is_answered_by_its_hedge_and_the_loser_cancelled(stallin
 def test_reads_that_answer_in_time_and_stores_without_hedges_send_one_request(
     stalling: str,
 ) -> None:
-    store = RemoteStore(stalling)
+    store = RemoteStore(stalling, hedge=True)
     _tailed(store, delay=2.0)
     for i in range(20):
         store.read_sync(f"quick-{i}")
@@ -152,7 +184,7 @@ def test_reads_that_answer_in_time_and_stores_without_hedges_send_one_request(
 
 
 def test_no_hedge_while_the_store_throttles(stalling: str) -> None:
-    store = RemoteStore(stalling, max_in_flight=8)
+    store = RemoteStore(stalling, max_in_flight=8, hedge=True)
     _tailed(store)
     store._throttle = Throttle(8, clock=lambda: 0.0)  # its limit stays where a cut puts it
     store._throttle.take_sync()
@@ -165,7 +197,7 @@ def test_no_hedge_while_the_store_throttles(stalling: str) -> None:
 
 
 def test_a_raced_read_that_fails_counts_one_failure_and_names_its_key(stalling: str) -> None:
-    store = RemoteStore(stalling)
+    store = RemoteStore(stalling, hedge=True)
     _tailed(store, delay=2.0)
     with pytest.raises(RemoteNotFoundError) as info:
         store.read_sync("missing-a")
@@ -180,6 +212,25 @@ def test_a_raced_read_that_fails_counts_one_failure_and_names_its_key(stalling: 
     assert (stats.failures, stats.reads, stats.hedged) == (2, 0, 0)
 
 
+def test_by_default_read_is_hedged_and_read_sync_is_not(stalling: str) -> None:
+    # A race from a thread hands each read to another thread and back: read_sync goes the
+    # plain way unless hedge=True (see RemoteStore's hedge).
+    store = RemoteStore(stalling)
+    _tailed(store)
+
+    async def main() -> bytes:
+        return bytes(await store.read("stall-f"))
+
+    assert asyncio.run(main()) == b"body of /stall-f"
+    assert (store.stats().hedged, _Stalling.attempts["/stall-f"]) == (1, 2)
+    threading.Timer(0.5, _Stalling.release.set).start()  # well past the delay
+    assert bytes(store.read_sync("stall-g")) == b"body of /stall-g"
+    assert (store.stats().hedged, _Stalling.attempts["/stall-g"]) == (1, 1)
+    assert not any(t.name.startswith("feedline-hedges") for t in threading.enumerate())
+    with pytest.raises(ConfigurationError, match="hedge"):
+        RemoteStore(stalling, hedge="yes")  # type: ignore[arg-type]
+
+
 def test_local_stores_are_not_hedged(tmp_path: Path) -> None:
     (tmp_path / "a").write_bytes(b"local")
     store = RemoteStore(tmp_path.as_uri())
@@ -189,7 +240,7 @@ def test_local_stores_are_not_hedged(tmp_path: Path) -> None:
 
 
 def test_the_race_threads_end_when_idle(stalling: str) -> None:
-    store = RemoteStore(stalling)
+    store = RemoteStore(stalling, hedge=True)
     _tailed(store)
     _Stalling.release.set()
     store.read_sync("stall-e")  # a race: its threads start
@@ -199,3 +250,36 @@ def test_the_race_threads_end_when_idle(stalling: str) -> None:
         assert time.monotonic() < deadline, "the race threads stayed on without work"
         time.sleep(0.01)
     assert bytes(store.read_sync("stall-e")) == b"body of /stall-e"  # and start again
+
+
+class _HedgesLose(Handler):
+    """Every first request answers in 50 ms, every second one (a hedge) in 200 ms."""
+
+    attempts: ClassVar[Counter[str]] = Counter()
+
+    def do_GET(self) -> None:
+        self.attempts[self.path] += 1
+        time.sleep(0.05 if self.attempts[self.path] == 1 else 0.2)
+        self.reply(200, b"body of " + self.path.encode())
+
+
+def test_a_store_whose_hedges_lose_stops_sending_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A tail of the client's own making (its cores busy) is no tail a hedge cuts: the first
+    # request keeps answering first, and after JUDGED such hedges the store sends no more
+    # (each race costs a hand-off between threads).
+    monkeypatch.setattr(_hedge, "SHARE", 1.0)  # a hedge for every read
+    monkeypatch.setattr(_hedge, "BURST", float(JUDGED))
+    _HedgesLose.attempts.clear()
+    with serving(_HedgesLose) as url:
+        store = RemoteStore(url, hedge=True)
+        _tailed(store, delay=0.01)
+        keys = [f"k{i}" for i in range(JUDGED)]
+        with ThreadPoolExecutor(8) as pool:
+            bodies = list(pool.map(lambda k: bytes(store.read_sync(k)), keys))
+        assert bodies == [b"body of /" + k.encode() for k in keys]
+        stats = store.stats()
+        assert (stats.hedged, stats.hedges_won, stats.reads) == (JUDGED, 0, JUDGED)
+        assert stats.hedge_delay is None  # paused
+        assert bytes(store.read_sync("after")) == b"body of /after"
+        assert store.stats().hedged == JUDGED  # no hedge for it
+        assert _HedgesLose.attempts["/after"] == 1

@@ -1,13 +1,13 @@
 """``DataLoader(fetch_concurrency=...)``: a number of calls at once, or ``"auto"``.
 
-A number fixes the threads that call ``dataset[i]`` (per process) and leaves the batches in
-flight at ``prefetch_factor``. ``"auto"`` (or :class:`~feedline.Auto` with bounds on the calls
-at once) hands both to rules that adapt them: the fetcher's pool may grow to ``Auto.high``
-threads, its calls at once set by :func:`~._calls.decide_calls` from the fetcher's
-measurements (more while the cores are idle and calls wait), and the fetch stage's batches in
-flight become a tuned knob of the pipeline (:mod:`feedline.pipeline._tuner`), raised while the
-consumer waits for batches and more of them in flight bring more out. Items that wait on a slow
-store get hundreds of calls at once; items that compute keep about one per core.
+A number fixes the threads that call ``dataset[i]`` (per process). ``"auto"`` (or
+:class:`~feedline.Auto` with bounds on the calls at once) lets the fetcher's pool grow to
+``Auto.high`` threads, its calls at once set by :func:`~._calls.decide_calls` from the
+fetcher's measurements (more while the cores are idle and calls wait): items that wait on a
+slow store get hundreds of calls at once; items that compute keep about one per core. Either
+way the batches in flight follow the calls at once (see :mod:`~._ahead`): a batch is drawn
+when the threads have room for it and fewer than ``prefetch_factor`` are ahead of the
+consumer, or more while it waits for one.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from feedline.errors import ConfigurationError
 from feedline.pipeline import Auto
+
+from ._ahead import ITEMS_PER_CALL
 
 __all__ = ["FETCH_HIGH", "FetchConcurrency"]
 
@@ -63,22 +65,12 @@ class FetchConcurrency:
             )
         return FetchConcurrency(value)
 
-    def batches(self, in_flight: int, batch_size: int, settled: int | None = None) -> int | Auto:
-        """The fetch stage's concurrency: batches fetched at once.
+    def batches(self, in_flight: int, batch_size: int) -> int:
+        """The most batches the fetch stage holds at once, started and not yet taken.
 
-        Fixed: ``in_flight`` (``prefetch_factor``). Tuned: up to enough batches to keep every
-        thread busy, four times over (batches come in order: one whose last item is late
-        holds those behind it, done, in the window; measured over a store whose GETs take 20
-        ms at the median and 200 ms at p99, 8 batches of 32 gave 1,130 objects/s, 16 gave
-        2,200, and 2,900 without the tail),
-        starting from ``in_flight``, or from where the last epoch's tuner left it
-        (``settled``), and never below ``in_flight``, as PyTorch keeps that many in flight:
-        with one batch at a time, the threads idle while each batch's slowest items finish
-        (and a window of a few batches is too noisy to tell, measured: a 30 ms GET + decode
-        epoch lowered to one batch, "as fast", ran at 650 items/s where two ran 690).
+        Enough for :data:`~._ahead.ITEMS_PER_CALL` items per thread, and never fewer than
+        ``in_flight`` + 1. Which of them start when is the fetcher's to decide
+        (:mod:`~._ahead`): batches wait for their slowest item and come out in order, so a
+        late item holds the batches behind it, done.
         """
-        if self.auto is None:
-            return in_flight
-        high = max(in_flight, 4 * math.ceil(self.threads / max(1, batch_size)))
-        start = in_flight if settled is None else max(in_flight, min(high, settled))
-        return Auto(low=in_flight, high=high, start=start)
+        return max(in_flight + 1, math.ceil(ITEMS_PER_CALL * self.threads / max(1, batch_size)))

@@ -28,6 +28,7 @@ from feedline._ledger import ledger_check
 from feedline.errors import ConfigurationError, add_note
 from feedline.pipeline import Pipeline, PipelineBuilder, PipelineStats
 
+from ._ahead import FetchAhead
 from ._fetch import BatchFetcher, Collated, FailureTally, Task
 from ._gather import StateReport, StreamMark
 from ._indices import index_iterator
@@ -148,6 +149,29 @@ class _Finisher:
         if collated.size and len(collated.failed) == collated.size:  # every item failed
             return number, _SKIP, dataset_state
         return number, collated.batch, dataset_state  # None, too, if collate_fn returned it
+
+
+def _next_item(
+    pipeline: Pipeline[Any] | _Direct,
+    fetcher: BatchFetcher | None,
+    timeout: float | None,
+    asked: float,
+) -> Any:
+    """The pipeline's next item, asked for at ``asked`` (perf_counter).
+
+    A consumer that has waited :data:`_WAITED` for it says so to the fetcher, which then
+    draws batches past ``prefetch_factor`` (see ``_ahead.py``). A function, not a
+    method: a traceback through it holds no iterator (its workers end when it is dropped).
+    """
+    if fetcher is None or fetcher.ahead is None or (timeout is not None and timeout <= _WAITED):
+        return pipeline.get_item(timeout=timeout)
+    try:
+        return pipeline.get_item(timeout=_WAITED)
+    except TimeoutError:
+        fetcher.consumer_waits()
+    if timeout is not None:
+        timeout = max(0.0, asked + timeout - time.perf_counter())
+    return pipeline.get_item(timeout=timeout)
 
 
 def _cpu_wanted() -> float:
@@ -403,16 +427,21 @@ class EpochIterator(Generic[T]):
             # hand-over (measured on 2 cores: up to 18 ms between the first batch's collation
             # and the consumer holding it, when the next batches started at collation).
             self._first_pending = self._fetcher
-        # A few batches drawn ahead of the fetch stage, not the dozens a queue after a cheap
-        # source grows to: a move of fetching (see _move.py) waits for those drawn.
-        builder.add_source(tasks, buffer_size=max(2, loader.in_flight))
+        # fetch_concurrency=1: batches strictly one after another, as PyTorch fetches them, so
+        # that draws from the global random generators match. Else batches drawn as the
+        # fetcher has room for them (see _ahead.py). Either way a few batches drawn ahead of
+        # the fetch stage, not the dozens a queue after a cheap source grows to: a move of
+        # fetching (see _move.py) waits for those drawn.
+        concurrency = 1
+        source: Iterator[Task] | FetchAhead = tasks
+        if loader._fetch.threads > 1:
+            items = _batch_items(tl)
+            concurrency = loader._fetch.batches(loader.in_flight, items)
+            source = self._fetcher.draw_ahead(tasks, items, loader.in_flight, concurrency)
+        builder.add_source(source, buffer_size=max(2, loader.in_flight))
         builder.pipe(
             self._fetcher.fetch,
-            # fetch_concurrency=1: batches strictly one after another, as PyTorch fetches
-            # them, so that draws from the global random generators match.
-            concurrency=1
-            if loader._fetch.threads == 1
-            else loader._fetch.batches(loader.in_flight, _batch_items(tl), loader._settled),
+            concurrency=concurrency,
             output_order="input" if tl.in_order else "completion",
             name="fetch",
             buffer_size=max(2, loader.in_flight),  # whole batches: keep this queue short
@@ -494,7 +523,7 @@ class EpochIterator(Generic[T]):
                 # have none here: a read of /proc per batch that they would not use.)
                 asked = time.perf_counter()
                 asked_cpu = _cpu_wanted() if self._fetcher is not None else 0.0
-                item = self._pipeline.get_item(timeout=self._timeout)
+                item = _next_item(self._pipeline, self._fetcher, self._timeout, asked)
                 took = self._took(asked, asked_cpu)
                 if watch is not None:
                     # While this thread waited, only the fetch threads ran user code: if the
@@ -810,10 +839,6 @@ class EpochIterator(Generic[T]):
             # (Not at interpreter exit, where an iterator still alive is closed by __del__
             # and the statistics' imports fail.)
             loader._last_stats = self._pipeline.stats()
-            # The next epoch starts with as many batches in flight as this one's tuner kept
-            # (not a trial it had under way).
-            if loader._fetch.auto is not None:
-                loader._settled = self._pipeline.settled_concurrency().get("fetch")
         self._loader = None  # a closed iterator kept alive keeps no loader
         if loader is not None:
             loader._epoch_ended()

@@ -20,13 +20,14 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from feedline._failures import FailureBudget, LogThrottle
 from feedline.errors import PipelineFailure, add_note, rebuilds
 
+from ._ahead import FetchAhead
 from ._calls import CallsSample, CallsState, decide_calls
 from ._pool import LimitedPool, thread_times
 from ._seeds import RngWatch, asked, done_fetching, fetching
@@ -246,6 +247,9 @@ class BatchFetcher:
         self._window_queued: float | None = None
         self._new_window(time.perf_counter())
         self._first: asyncio.Event | None = None
+        self.ahead: FetchAhead | None = None
+        """The fetch stage's source, when it draws batches as this fetcher has room for them
+        (see :meth:`draw_ahead`)."""
         self.loop: asyncio.AbstractEventLoop | None = None
         self._first_number: int | None = None
         self._running = False  # a call of dataset[i] has begun (see _begin_window)
@@ -263,6 +267,17 @@ class BatchFetcher:
         CPU beside the other workers (measured on 2 cores, 4 workers decoding JPEGs: the
         first batch 9 ms later on the pool). It ends for good at the first items that wait
         (their time is neither on a core nor queued for one): the pool then runs several."""
+
+    def draw_ahead(
+        self, tasks: Iterator[Task], batch_items: int, ready_most: int, held_most: int
+    ) -> FetchAhead:
+        """The fetch stage's source: ``tasks``, each drawn once this fetcher has room for it.
+
+        See :class:`~._ahead.FetchAhead`; the consumer says when it takes a batch, or waits
+        for one, through :meth:`consumer_took` and :meth:`consumer_waits`.
+        """
+        self.ahead = FetchAhead(tasks, lambda: self._pool.limit, batch_items, ready_most, held_most)
+        return self.ahead
 
     def _get(self, index: Any) -> Any:
         try:
@@ -325,7 +340,10 @@ class BatchFetcher:
             else:
                 sample = self._sample(now, starting)
             limit, _ = decide_calls(self._calls, sample)
-            pool.set_limit(limit)
+            if limit != pool.limit:
+                pool.set_limit(limit)
+                if self.ahead is not None:
+                    self.ahead.poke()
         finally:
             self._adjusting.release()
 
@@ -437,6 +455,8 @@ class BatchFetcher:
                 on a core (``None``: unknown).
 
         """
+        if self.ahead is not None:
+            self.ahead.took()
         fed, limit = self._calls.fed, self._pool.limit
         self._calls, to = self._calls.took(waited, computing, limit)
         if self._calls.fed != fed:
@@ -445,6 +465,13 @@ class BatchFetcher:
                 self._waited_share = None  # measured again when it is fed again
         if to != limit:
             self._pool.set_limit(to)
+            if self.ahead is not None:
+                self.ahead.poke()
+
+    def consumer_waits(self) -> None:
+        """Say the consumer waits for a batch now: more may be drawn ahead. Thread-safe."""
+        if self.ahead is not None:
+            self.ahead.waits()
 
     def first_delivered(self) -> None:
         """Let the other batches start: the consumer holds the first one. Thread-safe."""
@@ -563,8 +590,12 @@ class BatchFetcher:
         done: list[Any] = [None]
         lock = threading.Lock()
 
+        ahead = self.ahead
+
         def run(lo: int, hi: int) -> None:
             self._run_items(indices, slots, lo, hi)
+            if ahead is not None:
+                ahead.fetched(hi - lo)
             with lock:
                 left[0] -= 1
                 last = left[0] == 0

@@ -93,8 +93,8 @@ class DataLoader(Generic[T]):
             only the calling thread, so no other thread's lock can be inherited held);
             otherwise the fork server.
         prefetch_factor: Batches in flight per worker (per loader when ``num_workers=0``);
-            default 2. With ``fetch_concurrency="auto"`` and no workers, the fewest: the
-            tuner may raise it.
+            default 2. Without workers, the batches ahead of a consumer that does not wait:
+            while it waits for one, more are drawn, as many as keep the threads busy.
         persistent_workers: Keep worker processes between epochs.
         pin_memory_device: Deprecated in PyTorch; must be ``""``.
         fetch_concurrency: How many ``dataset[i]`` calls run at once (per process): an int,
@@ -216,7 +216,6 @@ class DataLoader(Generic[T]):
         self.max_failures = max_failures
         self._workers: WorkerSet | None = None
         self._last_stats: PipelineStats | None = None
-        self._settled: int | None = None  # the batches in flight the last epoch's tuner left
         self._current: weakref.ref[EpochIterator[T]] | None = None
         self._pending: dict[str, Any] | None = None
         self._position: Position | None = None  # of the current or last epoch
@@ -346,15 +345,15 @@ class DataLoader(Generic[T]):
         fetch = FetchConcurrency.parse(value)
         if fetch == self._fetch:
             return
-        self._fetch, self._settled = fetch, None
+        self._fetch = fetch
         self._settings_changed()
 
     def stats(self) -> PipelineStats | None:
         """The pipeline statistics of the current epoch (or the last one) in this process.
 
         Each stage's concurrency and timings, the bottleneck, and the tuner's decisions: the
-        ``fetch`` stage's concurrency is the batches fetched at once (tuned under
-        ``fetch_concurrency="auto"``), ``collate_fn`` the collation. ``ledger`` counts the
+        ``fetch`` stage's concurrency is the most batches it may hold (which of them are
+        drawn when is the fetcher's to decide), ``collate_fn`` the collation. ``ledger`` counts the
         epoch's batches planned, handed out, failed, handed out twice and never (see the
         loader README). ``None`` before the first epoch. When the batches come straight from
         worker processes (``num_workers > 0`` without ``pin_memory``), no pipeline runs in

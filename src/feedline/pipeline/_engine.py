@@ -22,6 +22,7 @@ from feedline._watchdog import StallWatch
 
 from ._defs import AggregateConfig, OpKind, PipeConfig, PipelineConfig
 from ._executors import Submitter, WorkerPool
+from ._gated import GatedSource
 from ._growth import Growth
 from ._lifecycle import RunLifecycle
 from ._placement import PlacedWork, Placement
@@ -98,7 +99,8 @@ class Run:
             self.stages[0].counters.where = "event loop"
         else:
             wrapped = source_wrapper(src.source, self)
-            self.stages.append(ThreadedSource(self, src.name, wrapped, self.channels[0]))
+            gated = next((s for s in (wrapped, src.source) if isinstance(s, GatedSource)), None)
+            self.stages.append(ThreadedSource(self, src.name, wrapped, self.channels[0], gated))
         knobs: list[Knob] = []
         for i, cfg in enumerate(stages):
             inp, out = self.channels[i], self.channels[i + 1]

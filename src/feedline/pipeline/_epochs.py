@@ -16,12 +16,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ._defs import AggregateConfig, DisaggregateConfig, StageConfig
+from ._gated import GatedSource
 from ._resume import Account, Progress, Tagged, split_group
 
 __all__ = ["Accounting", "Checkpoint", "Passes"]
 
 
-class Passes:
+class Passes(GatedSource):
     """A continuous run's source: its items numbered across passes over the user's source.
 
     Each pass calls ``set_epoch`` (where the source has one) and records where it ended, before

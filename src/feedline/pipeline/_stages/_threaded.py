@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .._epochs import Passes
+from .._gated import GatedSource
 from .._queue import EMPTY, Channel
 from ._common import StageBase
 
@@ -442,12 +443,20 @@ class ThreadedSource(StageBase):
     """Iterates a sync iterable in a thread pool, one job at a time, and feeds the first channel.
 
     The job puts values until the output is full (``on_space`` starts the next) or the source
-    ends. A continuous run's :class:`~.._epochs.Passes` is read only so far ahead of the
-    consumer, and the job ends after each pass, so that with one thread in the pool the stages
-    after finish the pass before the next one begins (its ``set_epoch``, first read).
+    ends. A :class:`~.._gated.GatedSource` is read only while it is ready (a continuous run's
+    :class:`~.._epochs.Passes`: so far ahead of the consumer), the job ending until its wake-up;
+    and the job ends after each pass, so that with one thread in the pool the stages after
+    finish the pass before the next one begins (its ``set_epoch``, first read).
     """
 
-    def __init__(self, run: Run, name: str, source: Iterable[Any], output: Channel) -> None:
+    def __init__(
+        self,
+        run: Run,
+        name: str,
+        source: Iterable[Any],
+        output: Channel,
+        gated: GatedSource | None = None,
+    ) -> None:
         super().__init__(run, name, "source", 1, None, output)
         self._source = source
         self._iterator: Iterator[Any] | None = None
@@ -455,8 +464,9 @@ class ThreadedSource(StageBase):
         self._active = False
         self._done = False  # ended, and the output closed
         self._passes = source if isinstance(source, Passes) else None
-        if self._passes is not None:
-            self._passes.wake_with(self._kick)
+        self._gated = gated  # what says when ``source`` may be read (it may wrap it)
+        if self._gated is not None:
+            self._gated.wake_with(self._kick)
 
     def start(self) -> None:
         """Begin iterating."""
@@ -468,13 +478,13 @@ class ThreadedSource(StageBase):
 
     def _kick(self, ended: int = 0) -> None:
         # Start the job unless one runs; ``ended``: the job returned.
-        passes = self._passes
+        gated = self._gated
         with self.counters.lock:
             if ended:
                 self._active = False
             if self._active or self._done or self.run.life.stopping:
                 return
-            if passes is not None and self._held is EMPTY and not passes.ready():
+            if gated is not None and self._held is EMPTY and not gated.ready():
                 return  # woken again when it may be read
             output = self._output
             if len(output) >= output.capacity and not output.request_space():
@@ -487,7 +497,7 @@ class ThreadedSource(StageBase):
         run = self.run
         life = run.life
         output = self._output
-        passes = self._passes
+        passes, gated = self._passes, self._gated
         c = self.counters
         try:
             if self._iterator is None:
@@ -500,8 +510,8 @@ class ThreadedSource(StageBase):
                     self._held = EMPTY
                     if passes is not None and passes.boundary():
                         return  # a pass ended: see the class's docstring
-                if passes is not None and not passes.ready():
-                    return  # too far ahead of the consumer: woken when it catches up
+                if gated is not None and not gated.ready():
+                    return  # e.g. too far ahead of the consumer: woken when it catches up
                 t0 = c.begin(0)
                 try:
                     self._held = next(iterator)
