@@ -185,3 +185,41 @@ def test_the_fetch_stage_starts_its_workers_as_batches_come() -> None:
     stats = loader.stats()
     assert stats is not None
     assert stats["fetch"].concurrency >= 2048
+
+
+def test_batches_start_in_the_order_drawn_once_the_first_is_delivered() -> None:
+    # Batches held back until the first is delivered are woken together; one drawn just
+    # then (its stage worker already woken) must not start before them.
+    from feedline.loader._fetch import BatchFetcher
+
+    calls: list[int] = []
+
+    class Recording:
+        def __getitem__(self, i: int) -> int:
+            calls.append(i)
+            return i
+
+    fetcher = BatchFetcher(Recording(), 4, wait_for_delivery=True, start=1)
+
+    async def main() -> None:
+        gate = asyncio.get_running_loop().create_future()
+
+        async def drawn_later() -> Any:
+            await gate
+            return await fetcher.fetch((2, [2]))
+
+        first = asyncio.ensure_future(fetcher.fetch((0, [0])))
+        second = asyncio.ensure_future(fetcher.fetch((1, [1])))
+        third = asyncio.ensure_future(drawn_later())
+        await first
+        # The first is delivered (its callback runs next), and the third's worker wakes
+        # (scheduled behind it, but before the second, which that callback wakes).
+        fetcher.first_delivered()
+        gate.set_result(None)
+        await asyncio.gather(second, third)
+
+    try:
+        asyncio.run(main())
+    finally:
+        fetcher.close()
+    assert calls == [0, 1, 2]

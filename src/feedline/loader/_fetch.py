@@ -247,6 +247,7 @@ class BatchFetcher:
         self._window_queued: float | None = None
         self._new_window(time.perf_counter())
         self._first: asyncio.Event | None = None
+        self._held_back = 0  # batches waiting for the first one to be delivered
         self.ahead: FetchAhead | None = None
         """The fetch stage's source, when it draws batches as this fetcher has room for them
         (see :meth:`draw_ahead`)."""
@@ -418,8 +419,16 @@ class BatchFetcher:
             self._pool.set_limit(self._calls.first(self._start, spare=1))
             self._new_window(time.perf_counter())
             self.loop.call_later(self.SLOW_START_SECONDS, self._slow_start, self.loop)
-        elif number != self._first_number:
-            await self._first.wait()
+        elif number != self._first_number and not self._first.is_set():
+            self._held_back += 1
+            try:
+                await self._first.wait()
+            finally:
+                self._held_back -= 1
+        elif self._held_back:
+            # Batches held back for the first one are woken, not yet started: start after
+            # them (batches start in order; one drawn later would otherwise go first).
+            await asyncio.sleep(0)
         fetched = False
         watch = self._watch if number == self._first_number else None
         try:
