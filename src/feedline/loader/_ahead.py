@@ -103,29 +103,28 @@ class FetchAhead(GatedSource):
 
     def fetched(self, items: int) -> None:
         """``items`` of a drawn batch are fetched (a fetch thread)."""
-        with self._lock:
-            self.items -= items
-        self.poke()
+        self._change(items=-items)
 
     def took(self) -> None:
         """The consumer took a batch."""
-        with self._lock:
-            self.taken += 1
-            self._hungry = False
-        self.poke()
+        self._change(taken=1, hungry=False)
 
     def waits(self) -> None:
         """The consumer waits for a batch now."""
-        with self._lock:
-            self._hungry = True
-        self.poke()
+        self._change(hungry=True)
 
     def poke(self) -> None:
-        """Wake the source stage if it stopped and may go on now (once per stop).
+        """Something the source stage may wait for changed (the calls at once, say)."""
+        self._change()
 
-        Called when something it waits for changed: the calls at once, say.
-        """
+    def _change(self, items: int = 0, taken: int = 0, hungry: bool | None = None) -> None:
+        # Apply a change, and wake the source stage if it stopped and may go on now (once
+        # per stop): one round of the lock.
         with self._lock:
+            self.items += items
+            self.taken += taken
+            if hungry is not None:
+                self._hungry = hungry
             wake = self._blocked and self._open()
             if wake:
                 self._blocked = False
