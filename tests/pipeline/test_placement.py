@@ -22,7 +22,7 @@ import pytest
 
 from feedline import ConfigurationError, PipelineBuilder
 from feedline.pipeline import _decide, _tuner
-from feedline.pipeline._placement import cannot_move
+from feedline.pipeline._placement import Placement, cannot_move
 
 from .._system import own_segments, starts_processes, zombies
 from ._helpers import (
@@ -30,6 +30,7 @@ from ._helpers import (
     holds_the_gil_on_bytes,
     holds_the_gil_unless_seven,
     processes_gone,
+    square,
     waits,
 )
 from .test_tuner import decided, run_for, run_until
@@ -200,6 +201,33 @@ def test_an_op_that_waits_stays_on_threads() -> None:
     assert multiprocessing.active_children() == []
     del pipeline
     processes_gone()
+
+
+def test_a_call_sent_to_a_region_as_it_retires_runs_on_a_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The tuner moves the stage back and closes the idle region between a call's reading of
+    # it and its sending there: the call must not start workers nobody would end.
+    placement = Placement(square, "square")
+    placement.move(1)
+    deadline = time.monotonic() + 30
+    while placement.poll() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert placement.processes == 1
+    region = placement._region
+    assert region is not None
+    send = region.submit
+
+    def retire_then_send(fn: Any, /, *args: Any) -> Any:
+        placement.back()
+        placement.tidy()
+        return send(fn, *args)
+
+    monkeypatch.setattr(region, "submit", retire_then_send)
+    assert placement(7) == 49
+    assert multiprocessing.active_children() == []
+    assert sum(calls for _, calls in placement._cpu.values()) == 1  # on this thread
+    placement.close()
 
 
 def test_autotune_alone_moves_nothing() -> None:

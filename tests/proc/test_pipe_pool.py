@@ -74,6 +74,46 @@ def test_calls_go_to_the_least_busy_worker_and_the_pool_restarts_after_close() -
     _no_leftovers()
 
 
+def test_a_pool_closed_with_hold_starts_no_workers_until_reopened() -> None:
+    # A stop closes its regions so: a call that raced with it (counted in just before the
+    # stop, sent just after the close) must not start workers that the stop then waits for.
+    pool = PipePool(2, _CTX, "test")
+    assert pool.submit(square, 3).result(30) == 9
+    pool.close(hold=True)
+    late = pool.submit(sleep_for, 30.0)
+    with pytest.raises(CancelledError, match="closed"):
+        late.result(0)
+    assert multiprocessing.active_children() == []
+    pool.close()  # a plain close keeps the hold
+    with pytest.raises(CancelledError):
+        pool.submit(square, 3).result(0)
+    pool.reopen()
+    assert pool.submit(square, 4).result(30) == 16  # new workers
+    pool.close()
+    _no_leftovers()
+
+
+def test_a_region_stopped_part_way_refuses_calls_until_the_next_epoch() -> None:
+    items = [0.0] + [30.0] * 6
+    pipeline = (
+        PipelineBuilder()
+        .add_source(items)
+        .pipe_in_processes(sleep_for, processes=2, concurrency=4)
+        .add_sink()
+        .build()
+    )
+    for _ in pipeline:
+        break
+    (region,) = pipeline._holder.regions
+    with pytest.raises(CancelledError):  # as a call that raced with the stop finds it
+        region.submit(sleep_for, 30.0).result(0)
+    assert multiprocessing.active_children() == []
+    items[:] = [0.0, 0.0]
+    assert list(pipeline) == [0.0, 0.0]  # the next epoch starts workers again
+    del pipeline
+    _no_leftovers()
+
+
 def test_submitting_large_items_to_a_busy_worker_never_blocks(tmp_path: Path) -> None:
     # 3 MiB per call is far more than a pipe holds: what it cannot take waits in the outbox.
     flag = str(tmp_path / "go")

@@ -147,9 +147,10 @@ class PipePool(Executor):
     """Worker processes, each fed calls through a pipe of its own (see the module's docstring).
 
     The workers start at the first call; :meth:`close` ends them, and the next call starts new
-    ones. Functions and arguments travel pickled, as for any process pool. The workers are not
-    daemonic (an op may start processes of its own); pools still open at interpreter exit are
-    closed before ``multiprocessing`` joins its children.
+    ones (after ``close(hold=True)``, only once :meth:`reopen` is called). Functions and
+    arguments travel pickled, as for any process pool. The workers are not daemonic (an op may
+    start processes of its own); pools still open at interpreter exit are closed before
+    ``multiprocessing`` joins its children.
 
     Args:
         processes: How many worker processes.
@@ -182,6 +183,7 @@ class PipePool(Executor):
         self._on_result, self._on_end = on_result, on_end
         self._lock = threading.Lock()
         self._generation: _Generation | None = None
+        self._held = False  # closed with hold=True: calls fail until reopen()
         self._ending: list[_Generation] = []  # closed, not yet fully ended (an interrupt)
         self._close_lock = threading.Lock()
         self._calls = 0
@@ -215,6 +217,9 @@ class PipePool(Executor):
                 raise RuntimeError(f"{self.name}: the interpreter is exiting")
             gen = self._generation
             if gen is None:
+                if self._held:  # a stop closed it: a call that raced with the stop starts none
+                    future.set_exception(CancelledError(f"{self.name}: the pool was closed"))
+                    return future
                 gen = self._generation = self._start()
             if gen.broken is not None:
                 raise BrokenProcessPool(gen.broken)
@@ -225,13 +230,20 @@ class PipePool(Executor):
                 gen.wake()  # the pool's thread writes the rest when the pipe drains
         return future
 
-    def close(self) -> None:
+    def close(self, hold: bool = False) -> None:
         """End the workers; calls under way fail with ``CancelledError``.
 
         Workers running a call are ended at once; idle ones are given a moment to exit. Safe
         to call again, also after an interruption part-way (it finishes the job).
+
+        Args:
+            hold: Until :meth:`reopen`, later calls fail with ``CancelledError`` instead of
+                starting new workers (a stop closes the pool so: a call that raced with it
+                must not start workers that the stop would then wait for).
+
         """
         with self._lock:
+            self._held = self._held or hold
             gen, self._generation = self._generation, None
             if gen is not None:
                 gen.closing = True
@@ -245,6 +257,11 @@ class PipePool(Executor):
                     self._on_end(ending.initargs)
                 with self._lock:
                     del self._ending[0]
+
+    def reopen(self) -> None:
+        """Let the next call start workers again after ``close(hold=True)``."""
+        with self._lock:
+            self._held = False
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """As :meth:`close` (for ``Executor``'s API)."""

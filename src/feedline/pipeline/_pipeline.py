@@ -61,8 +61,10 @@ class _Holder:
                     pool.close()
 
     def close_regions(self) -> None:
+        # held: a call that raced with the stop fails instead of starting workers that the
+        # stop would wait for; the next run reopens them.
         for pool in self.regions:
-            pool.close()
+            pool.close(hold=True)
 
     def close(self) -> None:
         """The pipeline is gone: stop its run and end its worker processes."""
@@ -148,6 +150,8 @@ class Pipeline(Generic[T]):
             run.watch(self.watch)
             holder.run = run
             self._last = run
+        for pool in holder.regions:
+            pool.reopen()
         for hook, stage in holder.hooks:
             hook.stage_start(stage)
         run.start()

@@ -211,8 +211,12 @@ class Placement:
             else:
                 try:
                     return future.result()  # type: ignore[no-any-return]
-                except (CancelledError, BrokenProcessPool):
-                    raise  # a stop, or a worker that died running them: they fail
+                except CancelledError:
+                    if region is self._region:
+                        raise  # a stop: they fail
+                    # sent to a region moved away from and closed as this call read it
+                except BrokenProcessPool:
+                    raise  # a worker that died running them: they fail
                 except Exception as error:  # the results do not pickle (each op's is caught)
                     self._stay(f"its results cannot be sent back ({_text(error)})")
         # On threads (moved back meanwhile, or now: nothing is lost to a move).
@@ -278,20 +282,30 @@ class Placement:
     def tidy(self) -> None:
         """Close the retired regions that no call uses any more."""
         for region in [r for r in self._retired if r.idle]:
-            region.close()
+            region.close(hold=True)  # a call that read it as it retired goes to threads
             self._retired.remove(region)
 
-    def close(self) -> None:
+    def close(self, hold: bool = False) -> None:
         """End every worker process (calls under way fail) and any move under way.
 
-        A stage in processes stays there: its next call starts new workers.
+        A stage in processes stays there: its next call starts new workers (with ``hold``,
+        only after :meth:`reopen`; until then its calls fail as cancelled).
         """
         if self._probe is not None:
             self._probe[0].close()
             self._probe = None
-        for region in [*self._retired, *([self._region] if self._region else [])]:
-            region.close()
+        for retired in self._retired:
+            retired.close(hold=True)
         self._retired.clear()
+        region = self._region
+        if region is not None:
+            region.close(hold)
+
+    def reopen(self) -> None:
+        """Let the next call start workers again after ``close(hold=True)``."""
+        region = self._region
+        if region is not None:
+            region.reopen()
 
 
 class PlacedWork:

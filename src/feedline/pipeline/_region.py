@@ -111,12 +111,17 @@ class RegionPool(Executor):
                 return outer
         return self._pool.submit(fn, *args, **kwargs)
 
-    def close(self) -> None:
+    def close(self, hold: bool = False) -> None:
         """End the workers at once (items under way are dropped) and free their segments.
 
-        Safe to call again, also after an interruption part-way (it finishes the job).
+        Safe to call again, also after an interruption part-way (it finishes the job). With
+        ``hold``, items fail as cancelled instead of starting workers until :meth:`reopen`.
         """
-        self._pool.close()
+        self._pool.close(hold)
+
+    def reopen(self) -> None:
+        """Let the next item start workers again after ``close(hold=True)``."""
+        self._pool.reopen()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """As :meth:`close` (the pipeline owns the pool; this is for ``Executor``'s API)."""
