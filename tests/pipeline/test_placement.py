@@ -14,8 +14,10 @@ import multiprocessing
 import os
 import re
 import sys
+import threading
 import time
 import types
+from concurrent.futures import CancelledError
 from typing import Any
 
 import pytest
@@ -30,6 +32,7 @@ from ._helpers import (
     holds_the_gil_on_bytes,
     holds_the_gil_unless_seven,
     processes_gone,
+    sleep_for,
     square,
     waits,
 )
@@ -209,11 +212,7 @@ def test_a_call_sent_to_a_region_as_it_retires_runs_on_a_thread(
     # The tuner moves the stage back and closes the idle region between a call's reading of
     # it and its sending there: the call must not start workers nobody would end.
     placement = Placement(square, "square")
-    placement.move(1)
-    deadline = time.monotonic() + 30
-    while placement.poll() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert placement.processes == 1
+    _moved(placement)
     region = placement._region
     assert region is not None
     send = region.submit
@@ -228,6 +227,47 @@ def test_a_call_sent_to_a_region_as_it_retires_runs_on_a_thread(
     assert multiprocessing.active_children() == []
     assert sum(calls for _, calls in placement._cpu.values()) == 1  # on this thread
     placement.close()
+
+
+def _moved(placement: Placement) -> None:
+    placement.move(1)
+    deadline = time.monotonic() + 30
+    while placement.poll() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert placement.processes == 1
+
+
+def test_a_stop_cancels_a_call_in_a_retired_region_without_running_it_again() -> None:
+    # The stage moved back to threads while a call ran on in its old region; the stop ends
+    # that region: the call fails (uncounted, the run stops), and is not run on a thread.
+    placement = Placement(sleep_for, "sleep_for")
+    _moved(placement)
+    region = placement._region
+    assert region is not None
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            placement(5.0)
+        except CancelledError as error:
+            errors.append(error)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    deadline = time.monotonic() + 10
+    while region.idle and time.monotonic() < deadline:
+        time.sleep(0.01)
+    placement.back()  # retired, its call under way
+    t0 = time.monotonic()
+    placement.close(hold=True)  # as a stop does
+    caller.join(10)
+    assert not caller.is_alive()
+    assert time.monotonic() - t0 < 3
+    assert len(errors) == 1
+    assert placement._cpu == {}  # not run again on a thread
+    placement.reopen()
+    placement.close()
+    processes_gone()
 
 
 def test_autotune_alone_moves_nothing() -> None:

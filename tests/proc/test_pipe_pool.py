@@ -114,6 +114,33 @@ def test_a_region_stopped_part_way_refuses_calls_until_the_next_epoch() -> None:
     _no_leftovers()
 
 
+def test_a_call_its_region_cancels_mid_epoch_is_an_items_failure_not_a_silent_loss() -> None:
+    # Whoever closes the pool mid-epoch (not a stop), the item it cancels is named and counted:
+    # the worker that awaited it must not end as if cancelled itself, losing the item unseen.
+    pipeline = (
+        PipelineBuilder()
+        .add_source([0.0, 30.0] + [0.0] * 4)
+        .pipe_in_processes(sleep_for, processes=2, concurrency=4)
+        .add_sink()
+        .build(max_failures=6)
+    )
+    (region,) = pipeline._holder.regions
+    out = []
+    t0 = time.monotonic()
+    for x in pipeline:
+        out.append(x)
+        if len(out) == 1:
+            time.sleep(0.5)  # the 30 s item is in a worker by now
+            region.close()
+    assert time.monotonic() - t0 < 15
+    (stage,) = [s for s in pipeline.stats().stages if s.name == "sleep_for"]
+    assert 30.0 not in out
+    assert stage.failures >= 1
+    assert len(out) + stage.failures == 6  # each item delivered or counted as failed
+    del pipeline
+    _no_leftovers()
+
+
 def test_submitting_large_items_to_a_busy_worker_never_blocks(tmp_path: Path) -> None:
     # 3 MiB per call is far more than a pipe holds: what it cannot take waits in the outbox.
     flag = str(tmp_path / "go")

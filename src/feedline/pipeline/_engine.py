@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -222,7 +223,18 @@ class Run:
             life.job_done()
             raise
         future.add_done_callback(lambda _: life.job_done())
-        return await asyncio.wrap_future(future)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            cancelling = getattr(asyncio.current_task(), "cancelling", None)  # 3.11+
+            if cancelling is not None and cancelling():
+                raise  # this worker is cancelled (the run stops)
+            error = future.exception() if future.done() and not future.cancelled() else None
+            if not isinstance(error, futures.CancelledError):
+                raise
+            # The pool cancelled the call (it was closed): an Exception the stage records,
+            # not counted while the run stops, instead of a BaseException ending the worker.
+            raise error from None
 
     def _tracked(self, fn: Callable[[], None]) -> None:
         try:

@@ -45,20 +45,22 @@ class _Holder:
         if run is not None:
             if not run.finished:  # part-way: what the regions' workers run is dropped
                 run.begin_stop()  # no new calls; those under way fail as the workers end
-                self.close_regions()
+                with self.lock:  # not a later run's regions (a stop from another thread)
+                    if self.run is run:
+                        self.close_regions()
             run.stop()  # re-entrant: an interrupted stop keeps the run for the next call
-            with self.lock:
+            with self.lock:  # before the run is let go: a start() after it reopens them
                 ended = self.run is run
                 if ended:
+                    if not run.finished:  # stopped part-way or failed: items are dropped
+                        self.close_regions()
+                    for pool in self.regions:
+                        if pool.broken:  # its workers could not start: the next epoch retries
+                            pool.close()
                     self.run = None
             if ended:
                 for hook, stage in self.hooks:
                     hook.stage_end(stage)
-            if not run.finished:  # stopped part-way or failed: items under way are dropped
-                self.close_regions()
-            for pool in self.regions:
-                if pool.broken:  # its workers could not start: the next epoch tries again
-                    pool.close()
 
     def close_regions(self) -> None:
         # held: a call that raced with the stop fails instead of starting workers that the

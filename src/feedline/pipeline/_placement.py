@@ -19,6 +19,7 @@ does not pickle, a generator, task hooks (they run in this process), free-thread
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import sys
 import threading
@@ -137,8 +138,10 @@ class Placement:
         self._run = RunOfStages([_Each(op)], name)
         self.takes = 1  # items a job sends at once: more than one in processes
         # unlocked: set by the tuner's thread (the event loop), read by each call; a call that
-        # read the old value runs where it was sent, a retired region stays open for it.
+        # read the old value runs where it was sent (a retired region is closed once idle; a
+        # call sent to it as it closes runs on its thread).
         self._region: RegionPool | None = None
+        self._held = False  # closed by a stop (close(hold=True)) until reopen()
         self._probe: tuple[RegionPool, list[Future[Any]], float] | None = None  # a move under way
         self._retired: list[RegionPool] = []  # regions moved away from, closed when idle
         # CPU seconds and count of the calls run on threads, per thread (each key is written
@@ -212,8 +215,8 @@ class Placement:
                 try:
                     return future.result()  # type: ignore[no-any-return]
                 except CancelledError:
-                    if region is self._region:
-                        raise  # a stop: they fail
+                    if self._held or region is self._region:
+                        raise  # a stop: they fail (uncounted)
                     # sent to a region moved away from and closed as this call read it
                 except BrokenProcessPool:
                     raise  # a worker that died running them: they fail
@@ -275,15 +278,16 @@ class Placement:
         region, self._region = self._region, None
         if region is not None:
             self._retired.append(region)
-        if self._probe is not None:
-            self._probe[0].close()
-            self._probe = None
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            probe[0].close(hold=True)
 
     def tidy(self) -> None:
         """Close the retired regions that no call uses any more."""
         for region in [r for r in self._retired if r.idle]:
             region.close(hold=True)  # a call that read it as it retired goes to threads
-            self._retired.remove(region)
+            with contextlib.suppress(ValueError):  # a stop's close() took the list meanwhile
+                self._retired.remove(region)
 
     def close(self, hold: bool = False) -> None:
         """End every worker process (calls under way fail) and any move under way.
@@ -291,18 +295,20 @@ class Placement:
         A stage in processes stays there: its next call starts new workers (with ``hold``,
         only after :meth:`reopen`; until then its calls fail as cancelled).
         """
-        if self._probe is not None:
-            self._probe[0].close()
-            self._probe = None
-        for retired in self._retired:
-            retired.close(hold=True)
-        self._retired.clear()
+        self._held = self._held or hold  # before the closes: a call they cancel sees it
+        probe, self._probe = self._probe, None
+        if probe is not None:  # held: a poll() under way may still make it the region
+            probe[0].close(hold=True)
+        retired, self._retired = self._retired, []
+        for old in retired:
+            old.close(hold=True)
         region = self._region
         if region is not None:
             region.close(hold)
 
     def reopen(self) -> None:
         """Let the next call start workers again after ``close(hold=True)``."""
+        self._held = False
         region = self._region
         if region is not None:
             region.reopen()

@@ -64,7 +64,8 @@ class RegionPool(Executor):
     """The worker processes of one region: a process pool the pipeline owns.
 
     The processes start with the first item; :meth:`close` ends them, and the next item
-    starts new ones, which name their shared memory with a new prefix.
+    starts new ones (after ``close(hold=True)``, once :meth:`reopen` is called), which name
+    their shared memory with a new prefix.
 
     Args:
         processes: How many worker processes.
