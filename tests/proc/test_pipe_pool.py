@@ -15,6 +15,7 @@ import pytest
 
 from feedline import PipelineBuilder, PipelineFailure
 from feedline._proc.pipe_pool import PipePool
+from feedline.pipeline._pipeline import _Holder
 
 from .._system import own_segments, starts_processes, zombies
 from ..pipeline._helpers import (
@@ -138,6 +139,45 @@ def test_a_call_its_region_cancels_mid_epoch_is_an_items_failure_not_a_silent_lo
     assert stage.failures >= 1
     assert len(out) + stage.failures == 6  # each item delivered or counted as failed
     del pipeline
+    _no_leftovers()
+
+
+def test_a_stop_from_another_thread_never_holds_the_next_epochs_regions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Another thread stops the epoch; its last close of the regions is slow (ending workers
+    # takes a moment). The consumer's next epoch, started meanwhile, must find them open.
+    items = [0.0] * 4 + [30.0] * 4
+    pipeline = (
+        PipelineBuilder()
+        .add_source(items)
+        .pipe_in_processes(sleep_for, processes=2, concurrency=4)
+        .add_sink()
+        .build()
+    )
+    close_regions = _Holder.close_regions
+    closes: list[str] = []
+
+    def slow_close(holder: _Holder) -> None:
+        closes.append(threading.current_thread().name)
+        if threading.current_thread().name == "stopper" and closes.count("stopper") == 2:
+            time.sleep(1.0)  # a start() may come now
+        close_regions(holder)
+
+    monkeypatch.setattr(_Holder, "close_regions", slow_close)
+    it = iter(pipeline)
+    assert next(it) == 0.0
+    stopper = threading.Thread(target=pipeline.stop, name="stopper")
+    stopper.start()
+    rest = list(it)  # ends as the stop reaches the consumer
+    assert 30.0 not in rest
+    items[:] = [0.4] * 8  # an epoch of about 2 s: the stopper's last close comes amid it
+    t0 = time.monotonic()
+    assert list(pipeline) == [0.4] * 8  # the next epoch, started as the stopper closes
+    assert time.monotonic() - t0 < 15
+    stopper.join(30)
+    assert closes.count("stopper") == 2
+    del it, pipeline
     _no_leftovers()
 
 
