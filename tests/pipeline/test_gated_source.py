@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from feedline import PipelineBuilder
-from feedline.pipeline._gated import GatedSource
+from feedline.pipeline import GatedSource
 
 
 class _Allowance(GatedSource):

@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from feedline.pipeline._gated import GatedSource
+from feedline.pipeline import GatedSource
 
 __all__ = ["ITEMS_PER_CALL", "FetchAhead"]
 

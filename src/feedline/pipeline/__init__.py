@@ -9,6 +9,7 @@ from feedline._proc.lifetime import die_with_parent
 from feedline._proc.subprocess import SubprocessIterable, iterate_in_subprocess
 
 from ._builder import PipelineBuilder
+from ._gated import GatedSource
 from ._hooks import TaskHook
 from ._in_subprocess import run_pipeline_in_subprocess
 from ._mixture import Mixture
@@ -20,6 +21,7 @@ from .stats import PipelineStats, StageStats
 __all__ = [
     "Auto",
     "ChannelStats",
+    "GatedSource",
     "Mixture",
     "Pipeline",
     "PipelineBuilder",

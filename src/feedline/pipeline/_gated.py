@@ -4,7 +4,7 @@ The source stage (``_stages/_threaded.py``) asks :meth:`GatedSource.ready` befor
 draws, and stops while the answer is no; the source calls the stage's wake-up (given through
 :meth:`GatedSource.wake_with`) once it may be read again. A continuous run's passes read only so
 far ahead of the consumer's epoch (``_epochs.Passes``); a DataLoader's batches are drawn only as
-its fetcher's window admits them (``feedline.loader._window``).
+its fetch threads have room for them (``feedline.loader._ahead``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,13 @@ __all__ = ["GatedSource"]
 
 
 class GatedSource(abc.ABC):
-    """An iterable the source stage reads only while :meth:`ready`."""
+    """An iterable the source stage reads only while :meth:`ready`.
+
+    Subclass it for a sync source whose reads something outside the pipeline paces (credits
+    a consumer hands back, a budget of items ahead): the source stage ends its job while the
+    answer is no, so a stop never waits on it, and resumes when the wake-up is called. See
+    "Gated sources" in the pipeline README.
+    """
 
     @abc.abstractmethod
     def __iter__(self) -> Iterator[Any]:
