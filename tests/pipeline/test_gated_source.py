@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from feedline import PipelineBuilder
+from feedline import ConfigurationError, PipelineBuilder
 from feedline.pipeline import GatedSource
 
 
@@ -73,3 +73,10 @@ def test_a_pipeline_whose_gated_source_waits_stops_at_once() -> None:
     pipeline.stop()
     assert time.monotonic() - t0 < 2
     assert source.drawn == 1
+
+
+def test_a_continuous_run_refuses_a_gated_source() -> None:
+    # Its passes read ahead of the source's gate on the run's own terms: refused, not ignored.
+    builder = PipelineBuilder().add_source(_Allowance(4)).pipe(str).add_sink()
+    with pytest.raises(ConfigurationError, match="GatedSource"):
+        builder.build(continuous=True)

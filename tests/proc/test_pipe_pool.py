@@ -15,6 +15,7 @@ import pytest
 
 from feedline import PipelineBuilder, PipelineFailure
 from feedline._proc.pipe_pool import PipePool
+from feedline.pipeline._engine import Run
 from feedline.pipeline._pipeline import _Holder
 
 from .._system import own_segments, starts_processes, zombies
@@ -145,8 +146,10 @@ def test_a_call_its_region_cancels_mid_epoch_is_an_items_failure_not_a_silent_lo
 def test_a_stop_from_another_thread_never_holds_the_next_epochs_regions(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Another thread stops the epoch; its last close of the regions is slow (ending workers
-    # takes a moment). The consumer's next epoch, started meanwhile, must find them open.
+    # Another thread stops the epoch and does its last close of the regions slowly (ending
+    # workers takes a moment); the consumer's next epoch, started meanwhile, must find them
+    # open. The consumer's own stop waits for the stopper to be in that close, so that the
+    # stopper is the one to do it.
     items = [0.0] * 4 + [30.0] * 4
     pipeline = (
         PipelineBuilder()
@@ -155,25 +158,32 @@ def test_a_stop_from_another_thread_never_holds_the_next_epochs_regions(
         .add_sink()
         .build()
     )
-    close_regions = _Holder.close_regions
+    close_regions, run_stop = _Holder.close_regions, Run.stop
     closes: list[str] = []
+    last_close = threading.Event()
 
     def slow_close(holder: _Holder) -> None:
         closes.append(threading.current_thread().name)
         if threading.current_thread().name == "stopper" and closes.count("stopper") == 2:
+            last_close.set()
             time.sleep(1.0)  # a start() may come now
         close_regions(holder)
 
+    def stop(run: Run) -> None:
+        run_stop(run)
+        if threading.current_thread().name == "MainThread":
+            last_close.wait(10)  # let the stopper take the last close
+
     monkeypatch.setattr(_Holder, "close_regions", slow_close)
+    monkeypatch.setattr(Run, "stop", stop)
     it = iter(pipeline)
     assert next(it) == 0.0
     stopper = threading.Thread(target=pipeline.stop, name="stopper")
     stopper.start()
-    rest = list(it)  # ends as the stop reaches the consumer
-    assert 30.0 not in rest
+    assert 30.0 not in list(it)  # ends as the stop reaches the consumer
     items[:] = [0.4] * 8  # an epoch of about 2 s: the stopper's last close comes amid it
     t0 = time.monotonic()
-    assert list(pipeline) == [0.4] * 8  # the next epoch, started as the stopper closes
+    assert list(pipeline) == [0.4] * 8
     assert time.monotonic() - t0 < 15
     stopper.join(30)
     assert closes.count("stopper") == 2

@@ -24,6 +24,7 @@ from ._defs import (
     StageConfig,
     op_kind,
 )
+from ._gated import GatedSource
 from ._hooks import TaskHook, hooked
 from ._pipeline import Pipeline
 from ._placement import Placement, cannot_move
@@ -591,6 +592,11 @@ class PipelineBuilder(Generic[T]):
         if continuous and source.is_async:
             raise ConfigurationError(
                 "continuous=True needs a sync source (an iterable it can iterate again)"
+            )
+        if continuous and isinstance(source.source, GatedSource):
+            raise ConfigurationError(
+                "continuous=True cannot gate a GatedSource: the run reads its passes ahead on "
+                "its own terms; build without continuous=True to keep the source's gate"
             )
         if resumable:
             _check_resumable(source, stages)

@@ -226,7 +226,9 @@ class Run:
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
-            cancelling = getattr(asyncio.current_task(), "cancelling", None)  # 3.11+
+            # 3.11+; on 3.10 a cancel of this task in the same turn as the pool's is taken
+            # for the pool's: the run stops then, and the worker's loop ends on that.
+            cancelling = getattr(asyncio.current_task(), "cancelling", None)
             if cancelling is not None and cancelling():
                 raise  # this worker is cancelled (the run stops)
             error = future.exception() if future.done() and not future.cancelled() else None

@@ -19,10 +19,11 @@ __all__ = ["GatedSource"]
 class GatedSource(abc.ABC):
     """An iterable the source stage reads only while :meth:`ready`.
 
-    Subclass it for a sync source whose reads something outside the pipeline paces (credits
-    a consumer hands back, a budget of items ahead): the source stage ends its job while the
-    answer is no, so a stop never waits on it, and resumes when the wake-up is called. See
-    "Gated sources" in the pipeline README.
+    Subclass it for a sync source whose reads something outside the pipeline paces (a pause
+    the user sets, a budget of items ahead): the source stage ends its job while the answer
+    is no, so a stop never waits on it, and resumes when the wake-up is called. Not for
+    ``build(continuous=True)``, whose passes are gated by the run. See "Gated sources" in the
+    pipeline README.
     """
 
     @abc.abstractmethod
@@ -38,4 +39,8 @@ class GatedSource(abc.ABC):
 
     @abc.abstractmethod
     def wake_with(self, wake: Callable[[], None]) -> None:
-        """Call ``wake`` (from any thread) once the source may be read again after a no."""
+        """Call ``wake`` (from any thread) once the source may be read again after a no.
+
+        ``wake`` may call :meth:`ready` before it returns, on the caller's thread: call it
+        outside any lock that :meth:`ready` takes.
+        """

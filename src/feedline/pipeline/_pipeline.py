@@ -43,13 +43,17 @@ class _Holder:
         # and one racing with it may as well come first.
         run = self.run
         if run is not None:
+            # The run's join lock orders its stops' region closes (two stops never both see
+            # the run as current, so neither holds a later run's regions: a start() comes only
+            # after the run is let go, and reopens them). Not self.lock: state_dict() need
+            # not wait for workers to end.
             if not run.finished:  # part-way: what the regions' workers run is dropped
                 run.begin_stop()  # no new calls; those under way fail as the workers end
-                with self.lock:  # not a later run's regions (a stop from another thread)
+                with run.life.join_lock:
                     if self.run is run:
                         self.close_regions()
             run.stop()  # re-entrant: an interrupted stop keeps the run for the next call
-            with self.lock:  # before the run is let go: a start() after it reopens them
+            with run.life.join_lock:
                 ended = self.run is run
                 if ended:
                     if not run.finished:  # stopped part-way or failed: items are dropped
@@ -57,7 +61,8 @@ class _Holder:
                     for pool in self.regions:
                         if pool.broken:  # its workers could not start: the next epoch retries
                             pool.close()
-                    self.run = None
+                    with self.lock:
+                        self.run = None
             if ended:
                 for hook, stage in self.hooks:
                     hook.stage_end(stage)

@@ -243,6 +243,8 @@ class Placement:
         """Start ``processes`` workers and probe each; calls stay on threads until all answer."""
         if self.stays is not None or self._region is not None or self._probe is not None:
             return
+        if self._held:  # a stop closed the stage's regions: no new workers until reopen()
+            return
         region = RegionPool(processes, self._mp_context, self.name)
         try:  # one probe for each worker (each goes to the worker with the fewest calls)
             probes = [region.submit(_unpickled, self._run) for _ in range(processes)]
