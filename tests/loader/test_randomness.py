@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 
 import feedline.loader  # noqa: E402
 from feedline import DataLoader  # noqa: E402
+from feedline.loader._rewind import GeneratorRewind  # noqa: E402
 from feedline.loader._seeds import RngWatch  # noqa: E402
 
 from .._system import starts_processes  # noqa: E402
@@ -247,6 +248,43 @@ def test_draws_the_program_made_after_the_loop_are_not_undone() -> None:
         outcomes.append((first, torch.rand(3, generator=generator).tolist()))
     assert outcomes[1] == outcomes[0]
     assert outcomes[1][0] != outcomes[1][1]
+
+
+def _chunk(generator: Any) -> None:  # the sampler draws indices for several batches at once
+    torch.randint(10, (4,), generator=generator)
+
+
+@pytest.mark.parametrize("program_draws_first", [True, False])
+def test_a_program_draw_between_the_loaders_draws_stands_and_theirs_are_undone(
+    program_draws_first: bool,
+) -> None:
+    # The loader draws batches ahead on its own thread while the program draws from the same
+    # generator: whichever comes first, leaving after batch 0 leaves the generator as PyTorch
+    # would (its batch 0's draw, then the program's), not before the program's draw.
+    expected = torch.Generator().manual_seed(0)
+    _chunk(expected)  # batch 0 (and 1, from the same draw)
+    program_draw = torch.rand(3, generator=expected)
+
+    generator = torch.Generator().manual_seed(0)
+    rewind = GeneratorRewind([generator])
+    rewind.drawn(-1)
+    rewind.before_draw(0)
+    _chunk(generator)
+    rewind.drawn(0)
+    rewind.before_draw(1)
+    rewind.drawn(1)  # from the chunk: no draw
+    if program_draws_first:
+        assert torch.equal(torch.rand(3, generator=generator), program_draw)
+    rewind.before_draw(2)
+    _chunk(generator)  # the loader's next chunk, ahead of the consumer
+    rewind.drawn(2)
+    if not program_draws_first:
+        torch.rand(3, generator=generator)  # after the loader's: from the later chunk's state
+    rewind.rewind(0)  # the consumer took batch 0 only, and left
+    if program_draws_first:
+        assert torch.equal(generator.get_state(), expected.get_state())
+    else:  # the program drew after the loader's last draw: everything stands
+        assert not torch.equal(generator.get_state(), expected.get_state())
 
 
 def test_global_draws_on_threads_in_workers_warn_in_the_parent(

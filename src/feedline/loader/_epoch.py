@@ -1042,7 +1042,13 @@ def _numbered(
     if rewinder and replay == 0:
         rewinder.drawn(skip - 1)  # before the first batch is drawn
     drawn = skip
-    for n, b in zip(itertools.count(skip), itertools.islice(batches, replay, None)):
+    rest = itertools.islice(batches, replay, None)
+    for n in itertools.count(skip):
+        if rewinder:
+            rewinder.before_draw(n)
+        b = next(rest, _NO_MORE)
+        if b is _NO_MORE:  # (not None: an iterable dataset's sampler yields None)
+            break
         if sampler is not None:
             states[n] = copy.deepcopy(sampler.state_dict())  # it may change what it gave
         if rewinder:
@@ -1052,6 +1058,9 @@ def _numbered(
             yield n, b
     if ledger is not None:
         ledger.plan(drawn)
+
+
+_NO_MORE: Any = object()  # the end of the sampler's batches
 
 
 def _seed_chain(loader: DataLoader[Any], state: dict[str, Any] | None) -> tuple[int, int] | None:

@@ -39,10 +39,24 @@ class GeneratorRewind:
         self._generators = generators
         self._states: dict[int, list[Any]] = {}
         self._last: list[Any] | None = None  # after the latest batch drawn
+        # The program drew between two batches: the number of the batch before its draws,
+        # and the states just after them (before the loader's next draw).
+        self._foreign: tuple[int, list[Any]] | None = None
         self._lock = threading.Lock()
 
     def __bool__(self) -> bool:
         return bool(self._generators)
+
+    def before_draw(self, number: int) -> None:
+        """Batch ``number`` is about to be drawn: notes whether the program drew since the last."""
+        with self._lock:
+            last = self._last
+        if last is None:
+            return
+        now = [g.get_state() for g in self._generators]
+        if any(not g.equal(s) for g, s in zip(now, last, strict=True)):
+            with self._lock:
+                self._foreign = (number - 1, now)
 
     def drawn(self, number: int) -> None:
         """Batch ``number`` was drawn (``number - 1`` before the first: the state then)."""
@@ -58,14 +72,22 @@ class GeneratorRewind:
     def rewind(self, number: int) -> None:
         """Put the generators back to their states after batch ``number`` was drawn.
 
-        Nothing is done where that state was not kept, or where a generator moved since the
-        last batch was drawn (the program drew from it meanwhile: its draws stand).
+        The program's own draws stand: nothing is done where a generator moved since the last
+        batch was drawn, nor where the program drew between batches drawn after ``number`` and
+        the loader drew before them too; where it drew between them and the loader drew
+        nothing from ``number`` up to there, the generators go back to just after its draws.
+        Nothing is done either where the state after ``number`` was not kept.
         """
         with self._lock:
-            states, last = self._states.get(number), self._last
+            states, last, foreign = self._states.get(number), self._last, self._foreign
+            then = None if foreign is None else self._states.get(foreign[0])
         if states is None or last is None or states is last:
             return
         if any(not g.get_state().equal(s) for g, s in zip(self._generators, last, strict=True)):
             return
+        if foreign is not None and foreign[0] >= number:
+            if then is None or any(not a.equal(b) for a, b in zip(states, then, strict=True)):
+                return
+            states = foreign[1]
         for generator, state in zip(self._generators, states, strict=True):
             generator.set_state(state)
