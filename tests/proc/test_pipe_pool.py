@@ -10,10 +10,11 @@ import time
 from concurrent.futures import CancelledError
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from feedline import PipelineBuilder, PipelineFailure
+from feedline import Pipeline, PipelineBuilder, PipelineFailure
 from feedline._proc.pipe_pool import PipePool
 from feedline.pipeline._engine import Run
 from feedline.pipeline._pipeline import _Holder
@@ -53,6 +54,17 @@ _segments_before: set[str] = set()
 def _count_segments() -> None:
     _segments_before.clear()
     _segments_before.update(own_segments())
+
+
+def _sleeping_region(seconds: list[float], **build: Any) -> Pipeline[float]:
+    """A pipeline whose items sleep their value in a process region (2 workers, 4 calls)."""
+    return (
+        PipelineBuilder()
+        .add_source(seconds)
+        .pipe_in_processes(sleep_for, processes=2, concurrency=4)
+        .add_sink()
+        .build(**build)
+    )
 
 
 def _no_leftovers() -> None:
@@ -97,13 +109,7 @@ def test_a_pool_closed_with_hold_starts_no_workers_until_reopened() -> None:
 
 def test_a_region_stopped_part_way_refuses_calls_until_the_next_epoch() -> None:
     items = [0.0] + [30.0] * 6
-    pipeline = (
-        PipelineBuilder()
-        .add_source(items)
-        .pipe_in_processes(sleep_for, processes=2, concurrency=4)
-        .add_sink()
-        .build()
-    )
+    pipeline = _sleeping_region(items)
     for _ in pipeline:
         break
     (region,) = pipeline._holder.regions
@@ -119,13 +125,7 @@ def test_a_region_stopped_part_way_refuses_calls_until_the_next_epoch() -> None:
 def test_a_call_its_region_cancels_mid_epoch_is_an_items_failure_not_a_silent_loss() -> None:
     # Whoever closes the pool mid-epoch (not a stop), the item it cancels is named and counted:
     # the worker that awaited it must not end as if cancelled itself, losing the item unseen.
-    pipeline = (
-        PipelineBuilder()
-        .add_source([0.0, 30.0] + [0.0] * 4)
-        .pipe_in_processes(sleep_for, processes=2, concurrency=4)
-        .add_sink()
-        .build(max_failures=6)
-    )
+    pipeline = _sleeping_region([0.0, 30.0] + [0.0] * 4, max_failures=6)
     (region,) = pipeline._holder.regions
     out = []
     t0 = time.monotonic()
@@ -151,13 +151,7 @@ def test_a_stop_from_another_thread_never_holds_the_next_epochs_regions(
     # open. The consumer's own stop waits for the stopper to be in that close, so that the
     # stopper is the one to do it.
     items = [0.0] * 4 + [30.0] * 4
-    pipeline = (
-        PipelineBuilder()
-        .add_source(items)
-        .pipe_in_processes(sleep_for, processes=2, concurrency=4)
-        .add_sink()
-        .build()
-    )
+    pipeline = _sleeping_region(items)
     close_regions, run_stop = _Holder.close_regions, Run.stop
     closes: list[str] = []
     last_close = threading.Event()
@@ -378,13 +372,7 @@ def test_a_close_interrupted_part_way_is_finished_by_the_next(
 
 
 def test_leaving_an_epoch_early_does_not_wait_for_the_items_in_the_workers() -> None:
-    pipeline = (
-        PipelineBuilder()
-        .add_source([0.0] + [30.0] * 6)
-        .pipe_in_processes(sleep_for, processes=2, concurrency=4)
-        .add_sink()
-        .build()
-    )
+    pipeline = _sleeping_region([0.0] + [30.0] * 6)
     t0 = time.monotonic()
     for _ in pipeline:
         break

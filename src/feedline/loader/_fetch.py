@@ -341,10 +341,7 @@ class BatchFetcher:
             else:
                 sample = self._sample(now, starting)
             limit, _ = decide_calls(self._calls, sample)
-            if limit != pool.limit:
-                pool.set_limit(limit)
-                if self.ahead is not None:
-                    self.ahead.poke()
+            self._set_limit(limit)
         finally:
             self._adjusting.release()
 
@@ -416,7 +413,7 @@ class BatchFetcher:
         elif self._first is None:
             self._first, self._first_number = asyncio.Event(), number
             self.loop = asyncio.get_running_loop()
-            self._pool.set_limit(self._calls.first(self._start, spare=1))
+            self._set_limit(self._calls.first(self._start, spare=1))
             self._new_window(time.perf_counter())
             self.loop.call_later(self.SLOW_START_SECONDS, self._slow_start, self.loop)
         elif number != self._first_number and not self._first.is_set():
@@ -472,8 +469,12 @@ class BatchFetcher:
             self._jobs_run = 0  # the next job measures (see SAMPLE_EVERY)
             if not self._calls.fed:
                 self._waited_share = None  # measured again when it is fed again
-        if to != limit:
-            self._pool.set_limit(to)
+        self._set_limit(to)
+
+    def _set_limit(self, limit: int) -> None:
+        # The calls at once: what the batches drawn ahead follow (see _ahead.py).
+        if limit != self._pool.limit:
+            self._pool.set_limit(limit)
             if self.ahead is not None:
                 self.ahead.poke()
 
@@ -516,7 +517,7 @@ class BatchFetcher:
         first = not self._first_fetched
         watch = self._watch if first else None
         if first:
-            self._pool.set_limit(self._calls.first(self._start, spare=0))
+            self._set_limit(self._calls.first(self._start, spare=0))
             self._new_window(time.perf_counter())
         try:
             if watch is not None:

@@ -125,9 +125,7 @@ class Hedger:
         """A read starts: the delay after which to hedge it (``None``: not hedged)."""
         with self._lock:
             self._tokens = min(BURST, self._tokens + SHARE)
-            if self._paused_until and time.monotonic() < self._paused_until:
-                return None
-            return self._delay
+            return None if self.paused else self._delay
 
     def judge(self, won: bool) -> None:
         """A hedge's race ended: the hedge answered first (``won``) or not."""
@@ -143,7 +141,8 @@ class Hedger:
     @property
     def paused(self) -> bool:
         """Whether hedging pauses now, its hedges having lost (see :data:`WINS`)."""
-        return time.monotonic() < self._paused_until
+        until = self._paused_until
+        return bool(until) and time.monotonic() < until  # no clock read until a pause
 
     def spend(self) -> bool:
         """Whether a hedge may go now (it is then counted against the budget)."""
