@@ -66,6 +66,7 @@ def test_a_pipeline_whose_gated_source_waits_stops_at_once() -> None:
     # nothing holds the stop up.
     source = _Allowance(10)
     pipeline = PipelineBuilder[int]().add_source(source).pipe(lambda x: x).add_sink(4).build()
+    threads = set(threading.enumerate())
     pipeline.start()
     source.allow(1)
     assert pipeline.get_item(timeout=5) == 0
@@ -73,6 +74,7 @@ def test_a_pipeline_whose_gated_source_waits_stops_at_once() -> None:
     pipeline.stop()
     assert time.monotonic() - t0 < 2
     assert source.drawn == 1
+    assert set(threading.enumerate()) <= threads  # the pipeline's threads are gone
 
 
 def test_a_continuous_run_refuses_a_gated_source() -> None:

@@ -211,6 +211,7 @@ def test_a_call_sent_to_a_region_as_it_retires_runs_on_a_thread(
 ) -> None:
     # The tuner moves the stage back and closes the idle region between a call's reading of
     # it and its sending there: the call must not start workers nobody would end.
+    segments = own_segments()
     placement = Placement(square, "square")
     _moved(placement)
     region = placement._region
@@ -227,6 +228,8 @@ def test_a_call_sent_to_a_region_as_it_retires_runs_on_a_thread(
     assert multiprocessing.active_children() == []
     assert sum(calls for _, calls in placement._cpu.values()) == 1  # on this thread
     placement.close()
+    processes_gone(segments)
+    assert not [t for t in threading.enumerate() if t.name.startswith("feedline-pool")]
 
 
 def _moved(placement: Placement) -> None:
@@ -240,6 +243,7 @@ def _moved(placement: Placement) -> None:
 def test_a_stop_cancels_a_call_in_a_retired_region_without_running_it_again() -> None:
     # The stage moved back to threads while a call ran on in its old region; the stop ends
     # that region: the call fails (uncounted, the run stops), and is not run on a thread.
+    segments = own_segments()
     placement = Placement(sleep_for, "sleep_for")
     _moved(placement)
     region = placement._region
@@ -267,7 +271,8 @@ def test_a_stop_cancels_a_call_in_a_retired_region_without_running_it_again() ->
     assert placement._cpu == {}  # not run again on a thread
     placement.reopen()
     placement.close()
-    processes_gone()
+    processes_gone(segments)
+    assert not [t for t in threading.enumerate() if t.name.startswith("feedline-pool")]
 
 
 def test_autotune_alone_moves_nothing() -> None:
