@@ -201,8 +201,39 @@ def test_python_code_on_free_threaded_python_gets_a_thread_per_core() -> None:
         .add_sink()
         .build()
     )
-    run_until(pipeline, decided(r"parse: (back to 2|1 -> 2 kept \()"))
+    try:
+        run_until(pipeline, decided(r"parse: (back to 2|1 -> 2 kept \()"))
+    except AssertionError:
+        # A shared machine may have had its second core busy the whole time: then two plain
+        # threads do not scale either, and there was nothing for the tuner to find.
+        scale = _plain_threads_scale(parse)
+        if scale < 1.4:
+            pytest.skip(f"the second core was busy: two plain threads ran {scale:.2f}x one")
+        raise
     assert pipeline.settled_concurrency()["parse"] == 2
+
+
+def _plain_threads_scale(fn: Callable[[int], object], rounds: int = 5) -> float:
+    """The median over ``rounds`` of how many more calls of ``fn`` two threads end than one."""
+
+    def rate(threads: int, seconds: float = 0.3) -> float:
+        counts = [0] * threads
+        deadline = time.perf_counter() + seconds
+
+        def loop(k: int) -> None:
+            while time.perf_counter() < deadline:
+                fn(0)
+                counts[k] += 1
+
+        workers = [threading.Thread(target=loop, args=(k,)) for k in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        return sum(counts) / seconds
+
+    ratios = sorted(rate(2) / max(rate(1), 1.0) for _ in range(rounds))
+    return ratios[rounds // 2]
 
 
 def test_explicit_concurrency_is_never_changed_and_bounds_hold() -> None:
