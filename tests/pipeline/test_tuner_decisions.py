@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from feedline.pipeline._decide import CEILING_TTL, MOVE_TTL, Memory
+from feedline.pipeline._decide import Memory
+from feedline.pipeline._settings import CEILING_TTL, MOVE_TTL
 
 from ._windows import Play, W, computes, gate, holds_the_gil, server, waits
 

@@ -30,8 +30,8 @@ from ._pipeline import Pipeline
 from ._placement import Placement, cannot_move
 from ._region import RegionPool, RunOfStages
 from ._resume import TaggedAsyncGenerator, TaggedGenerator, TaggedOp
-from ._settings import DEFAULT_SINK, MAX_DEFAULT_SINK, MAX_DEFAULT_THREADS
-from ._tuning import THREAD_HIGH, Auto, Tuning
+from ._settings import DEFAULT_SINK, MAX_DEFAULT_SINK, MAX_DEFAULT_THREADS, THREAD_HIGH
+from ._tuning import Auto, Tuning
 
 __all__ = ["PipelineBuilder"]
 

@@ -48,108 +48,35 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from ._settings import (
+    BLOCKED,
+    BUSY,
+    BUSY_CPU,
+    CEILING_TTL,
+    CHANGED,
+    COLD_CPU,
+    COMPUTES,
+    CONTENTION,
+    FEED_MARGIN,
+    FEED_MOST,
+    GAIN,
+    JUDGED_RAISE,
+    JUMP_WINDOWS,
+    KEEP_LOWER,
+    LOWER_CORES,
+    MOVE_CPU,
+    MOVE_GAIN,
+    MOVE_GIL,
+    MOVE_IDLE,
+    MOVE_ROOM,
+    MOVE_TTL,
+    MOVE_WAITED,
+    SHARE,
+    TRIM_AFTER,
+    WAITING,
+)
+
 __all__ = ["Decision", "Memory", "Sample", "StageSample", "State", "Trial", "decide"]
-
-GAIN = 1.05
-"""A raise is kept if the output rate grew by this factor at least (measured noise of a
-window on two shared cores: +-8 %, so smaller gains are not told from noise)..."""
-
-SHARE = 0.25
-"""... and by this share of the raise (a doubling: a quarter more), so that a raise that does
-not pay is not kept on a lucky window."""
-
-JUDGED_RAISE = 4.0
-"""A raise of more than this many times must bring what a raise of this many times must."""
-
-WAITING = 4.0
-"""A stage with this many calls in flight per core the process kept busy waits more than it
-computes: its raise needs only :data:`GAIN` (calls that wait cost memory, not cores; a read
-raised from 32 to 64 for 6 % was held at 40 otherwise)."""
-
-COMPUTES = 0.25
-"""Calls that kept this share of a core busy each, or more, compute (or hold the GIL): a raise
-of them kept against the run's first window is tried back (the start-up, not the raise, may
-have brought the gain). Calls that wait leave the cores idle (reads of 20 ms: 0.02 a call),
-and their raise stands."""
-
-KEEP_LOWER = 0.97
-"""Fewer calls are kept if the output stays at this share of its rate, and the stage can still
-end this share of the calls it ended before (items queued behind it hide a cut for a window)."""
-
-BUSY = 0.6
-"""A stage is raised only if its calls filled this share of its slots."""
-
-BLOCKED = 0.5
-"""A stage whose output (or a sink) was full this share of the window is held up downstream."""
-
-BUSY_CPU = 0.95
-"""From this share of the CPU budget busy on, nothing is raised: more calls would queue for
-the cores (not lower: beside a server on 2 cores, decode still paid from 1.8 cores busy)."""
-
-COLD_CPU = 0.8
-"""The run's first window raises only below this share of the CPU budget: its rate, held down
-by the start-up, makes any raise on busy cores look as if it paid (a JPEG decode went from
-one call per core to two that way, 15 % slower)."""
-
-LOWER_CORES = 0.9
-"""After a raise that did not pay, the stage is tried at half, but not below this share of the
-cores the process kept busy (a decode at one call per core halved would leave cores idle)."""
-
-CONTENTION = 0.5
-"""A raise of R times whose calls grew more than R ** CONTENTION times found contention (the
-GIL, busy cores, a server at its limit): fewer calls are tried. Calls about as long wait on
-something fewer would not shorten: fewer are tried only if they could still end as many."""
-
-CHANGED = 2.0
-"""Calls this many times longer or shorter than at the concurrency kept: conditions changed
-(a slower server, larger items), and what did or did not pay before may differ now."""
-
-CEILING_TTL = 30.0
-"""Seconds a ceiling or floor holds at most: found in one noisy window, it is tried again."""
-
-JUMP_WINDOWS = 3
-"""Windows for which calls that became F times longer let the next raise go to F times the
-calls in flight; later, conditions may have changed again."""
-
-FEED_MARGIN = 1.25
-"""A stage feeding a tuned stage that waits for items goes to this many times the calls in
-flight that stage's capacity needs (a 30 ms read feeding two 2.5 ms decodes: 2 -> 16)."""
-
-FEED_MOST = 8
-"""The most times its concurrency a raise to feed the next stage goes at once (a next stage
-of microseconds would ask for thousands)."""
-
-TRIM_AFTER = 3
-"""Windows in a row a stage must use few of its slots before it is lowered."""
-
-MOVE_CPU = 0.35
-"""A stage whose calls on threads kept this many cores busy, or more, computes: if more calls
-did not pay while cores stayed idle, the GIL holds it back (calls that wait use little CPU,
-and processes would not help them)."""
-
-MOVE_GIL = 1.25
-"""... and at most this many: under the GIL, threads of Python code keep one core busy at the
-most, whatever their number (a decode that releases it keeps all the cores busy, and would
-gain nothing from processes)."""
-
-MOVE_WAITED = 0.75
-"""... and computed at most this share of the time each call ran: under the GIL a call waits
-for it part of the time (a decode that releases it computes throughout, and a stage starved
-by a slow read upstream is not held back by the GIL)."""
-
-MOVE_ROOM = 0.1
-"""... and not while the whole machine leaves less than this many cores idle: the calls then
-wait for cores that other processes keep busy, not for the GIL."""
-
-MOVE_IDLE = 0.5
-"""Cores of the CPU budget that must be idle for a move to processes to have room to pay."""
-
-MOVE_GAIN = 1.1
-"""A move to processes is kept if the output rate grew by this factor (a process hop costs
-a pickle and a wake-up per item: a smaller gain is not worth it, nor told from noise)."""
-
-MOVE_TTL = 300.0
-"""Seconds after a move that did not pay before the stage is tried in processes again."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from feedline._cores import machine_idle as _machine_idle
 from ._decide import Decision, Sample, StageSample, State, decide
 from ._growth import approx_nbytes
 from ._queue import Channel
+from ._settings import FIRST_WINDOW, MAX_WINDOW, MIN_ITEMS, MIN_WINDOW, SIZE_EVERY
 from ._tuning import Tuning
 
 __all__ = [
@@ -41,23 +42,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("feedline.pipeline")
-
-MIN_WINDOW = 0.25
-"""Seconds a window lasts at least (and three of the slowest tuned op's calls): shorter ones
-are mostly noise."""
-
-FIRST_WINDOW = 0.1
-"""Seconds of the run's first window, whatever came out: it only decides a raise, and a cold
-start at a few calls in flight, its first calls slow, is where waiting costs most."""
-
-MAX_WINDOW = 2.0
-"""Seconds a window lasts at most, however few items came out."""
-
-MIN_ITEMS = 8
-"""Items out a window needs before it closes (unless it reached :data:`MAX_WINDOW`)."""
-
-SIZE_EVERY = 8
-"""With a memory budget, one item in this many put in each queue is measured."""
 
 
 class ItemSizes:

@@ -11,13 +11,9 @@ from dataclasses import dataclass
 from feedline._cores import usable_cores
 from feedline.errors import ConfigurationError
 
-__all__ = ["THREAD_HIGH", "LOOP_HIGH", "Auto", "Tuning"]
+from ._settings import LOOP_HIGH, THREAD_HIGH
 
-THREAD_HIGH = 32
-"""The most calls a tuned stage on threads runs at once, unless its ``Auto`` says otherwise."""
-
-LOOP_HIGH = 256
-"""The most calls a tuned coroutine stage (on the event loop) runs at once, by default."""
+__all__ = ["Auto", "Tuning"]
 
 
 @dataclass(frozen=True)
