@@ -333,8 +333,7 @@ class Channel:
     @property
     def closed(self) -> bool:
         """Whether the producer is done (items may remain)."""
-        with self._lock:  # not through state(): a loop stage asks at each wake-up
-            return self._closed
+        return self.state()[1]
 
     @property
     def exhausted(self) -> bool:

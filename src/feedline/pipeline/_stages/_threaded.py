@@ -286,16 +286,10 @@ class ThreadedStage(StageBase):
                         continue
                     item = EMPTY
                 elif order is not None:
-                    # The window check, the take and the numbering are one step: checked apart,
-                    # two jobs could overfill the window, or number items 9 and 10 the other
-                    # way round. (unlocked: ``next_emit``; a stale value only ends this job
-                    # early, and the emit that moves it kicks.)
-                    with self._take_lock:
-                        if order.full():
-                            return  # the reorder window is full; the next emit restarts us
-                        item = self._input.try_get()
-                        if item is not EMPTY:
-                            seq = order.number()
+                    taken = self._take_many(1)
+                    if taken is None:
+                        return  # the reorder window is full; the next emit restarts us
+                    seq, item = taken[0] if taken else (-1, EMPTY)
                 else:
                     item = self._input.try_get()
                 if item is EMPTY:
@@ -340,6 +334,10 @@ class ThreadedStage(StageBase):
         order = self._order
         if order is None:
             return [(-1, item) for item in self._input.try_get_many(most)]
+        # The window check, the take and the numbering are one step: apart, two jobs could
+        # overfill the window, or number items 9 and 10 the other way round. (unlocked:
+        # ``next_emit``; a stale value only ends the job early, and the emit that moves it
+        # kicks.)
         taken: list[tuple[int, Any]] = []
         with self._take_lock:
             while len(taken) < most and not order.full():
