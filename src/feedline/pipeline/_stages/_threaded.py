@@ -3,7 +3,8 @@
 A job takes items from the stage's input and processes them until the input is empty or the
 output is full, then returns; it never blocks. A stage runs at most ``concurrency`` jobs and
 starts them when items arrive (``on_data``) or its output drains (``on_space``): a hand-over
-between threads then costs a wake-up per burst, not per item.
+between threads then costs a wake-up per burst, not per item. Cheap calls go a *take* at a
+time (:func:`per_take`): several items per lock, per count and per hand-over.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from .._epochs import Passes
 from .._gated import GatedSource
 from .._queue import EMPTY, Channel
+from .._settings import TAKE_MOST, TAKE_SECONDS
 from ._common import StageBase
 
 if TYPE_CHECKING:
@@ -25,6 +27,16 @@ if TYPE_CHECKING:
 __all__ = ["AggregateWork", "ThreadedSource", "ThreadedStage"]
 
 _SKIP: Any = object()  # a failed item's place in an ordered stage
+
+
+def per_take(per_call: float) -> int:
+    """Items taken (or made, by a source) at once by calls of ``per_call`` seconds each.
+
+    :data:`TAKE_SECONDS` of them, :data:`TAKE_MOST` at most; one while not yet timed.
+    """
+    if per_call < 0:
+        return 1
+    return max(1, min(TAKE_MOST, int(TAKE_SECONDS / max(per_call, 1e-9))))
 
 
 class _HandOff:
@@ -290,6 +302,13 @@ class ThreadedStage(StageBase):
                     if taken is None:
                         return  # the reorder window is full; the next emit restarts us
                     seq, item = taken[0] if taken else (-1, EMPTY)
+                elif not self._iterates and (most := self._takes()) > 1:
+                    batch = self._input.try_get_many(most)
+                    if batch:
+                        if not self._process_batch(batch):
+                            return
+                        continue
+                    item = EMPTY
                 else:
                     item = self._input.try_get()
                 if item is EMPTY:
@@ -327,6 +346,36 @@ class ThreadedStage(StageBase):
         if self._iterates:
             return self._drive(result, item)
         return self._emit(seq, result)
+
+    def _takes(self) -> int:
+        # Items a job of an unordered stage takes at once: :data:`TAKE_SECONDS` of its calls,
+        # :data:`TAKE_MOST` at most (one until its calls were timed).
+        return per_take(self.counters.ewma)
+
+    def _process_batch(self, batch: list[Any]) -> bool:
+        """Run the op on each item taken, then hand the results on together.
+
+        Returns False if the output is full: what did not fit waits in the stage, as a result
+        of one item does.
+        """
+        c, work = self.counters, self._work
+        t0 = c.begin(len(batch))
+        results = []
+        for item in batch:
+            try:
+                results.append(work(item))
+            except Exception as error:
+                self.record_failure(item, error)
+        c.end(t0, calls=len(batch))
+        with self._emit_lock:
+            ready = self._ready
+            if not ready:
+                sent = self._output.try_put_many(results) if results else 0
+                if sent == len(results):
+                    return True
+                del results[:sent]
+            ready.extend(results)
+            return self._flush_ready() or len(ready) < self._concurrency
 
     def _take_many(self, most: int) -> list[tuple[int, Any]] | None:
         # Up to ``most`` items waiting, numbered where the stage keeps input order (None: its
@@ -510,15 +559,27 @@ class ThreadedSource(StageBase):
                         return  # a pass ended: see the class's docstring
                 if gated is not None and not gated.ready():
                     return  # e.g. too far ahead of the consumer: woken when it catches up
+                # Each value is put as soon as it is made (a source may wait before its next
+                # one); a cheap source's values are counted a few at a time. A gated source
+                # (a continuous run's passes too) is asked before each.
+                most = 1 if gated is not None or passes is not None else per_take(c.ewma)
+                made = 0
                 t0 = c.begin(0)
                 try:
-                    self._held = next(iterator)
+                    while made < most:
+                        value = next(iterator)
+                        made += 1
+                        if not output.try_put(value):
+                            self._held = value
+                            return  # full: on_space starts the next job
+                        if passes is not None and passes.boundary():
+                            return  # a pass ended: see the class's docstring
                 except StopIteration:
                     self._done = True
                     output.close()
                     return
                 finally:
-                    c.end(t0, self._held is not EMPTY)
+                    c.end(t0, made, calls=max(1, made))
         except BaseException as error:  # an error in the source ends the run and propagates
             self._done = True
             run.begin_stop(error)
