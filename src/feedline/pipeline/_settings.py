@@ -70,15 +70,13 @@ work came cost 25% of the rate of 3 no-op async stages at concurrency 8."""
 # -- the consumer ---------------------------------------------------------------------------
 
 TAKE_SECONDS = 0.5e-3
-"""Seconds of calls a job of an unordered threaded stage takes from its input at once (and a
-source makes at once): cheap calls then pay one lock, one count of their stage and one
-hand-over for several items. Results of a take go on together, so an item waits for at most
-this long behind the others of its take. On free-threaded Python, where the engine's own
-Python code runs unspecialized, taking one item at a time cost 1.4x the time per item of a
-``numpy.load`` stage at two threads."""
+"""Seconds of calls (by their smoothed time) a job of an unordered threaded stage takes from its
+input at once: cheap calls then pay one lock of the input and one count of their stage for
+several items. Each result goes on as it is made, so a take delays nothing that is done."""
 
 TAKE_MOST = 8
-"""The most items a take holds, however cheap the calls."""
+"""The most items a take holds, however cheap the calls (and no more than the output has room
+for)."""
 
 CONSUMER_SPIN = 100e-6
 """Seconds the consumer yields (``sleep(0)``) before it sleeps, behind an event-loop stage and

@@ -148,6 +148,13 @@ class StageCounters:
                     self._record(dt)
             self.items_in += items
 
+    def ended(self, durations: list[float]) -> None:
+        """A task that made calls of ``durations`` one after another ended (one lock)."""
+        with self.lock:
+            self.in_flight -= 1
+            for dt in durations:
+                self._record(dt)
+
     def lap(self, t_start: float) -> float:
         """Record a call that began at ``t_start`` and ended now; returns now.
 

@@ -4,13 +4,14 @@ A job takes items from the stage's input and processes them until the input is e
 output is full, then returns; it never blocks. A stage runs at most ``concurrency`` jobs and
 starts them when items arrive (``on_data``) or its output drains (``on_space``): a hand-over
 between threads then costs a wake-up per burst, not per item. Cheap calls go a *take* at a
-time (:func:`per_take`): several items per lock, per count and per hand-over.
+time (:func:`per_take`): several items per lock of the input and per count of the stage.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -27,10 +28,11 @@ if TYPE_CHECKING:
 __all__ = ["AggregateWork", "ThreadedSource", "ThreadedStage"]
 
 _SKIP: Any = object()  # a failed item's place in an ordered stage
+_now = time.perf_counter
 
 
 def per_take(per_call: float) -> int:
-    """Items taken (or made, by a source) at once by calls of ``per_call`` seconds each.
+    """Items a job takes at once for calls of ``per_call`` seconds each.
 
     :data:`TAKE_SECONDS` of them, :data:`TAKE_MOST` at most; one while not yet timed.
     """
@@ -348,34 +350,42 @@ class ThreadedStage(StageBase):
         return self._emit(seq, result)
 
     def _takes(self) -> int:
-        # Items a job of an unordered stage takes at once: :data:`TAKE_SECONDS` of its calls,
-        # :data:`TAKE_MOST` at most (one until its calls were timed).
-        return per_take(self.counters.ewma)
+        # Items a job of an unordered stage takes at once: TAKE_SECONDS of its calls, no more
+        # than its output has room for (their results go on as they are made, and what does
+        # not fit waits in the stage), one until its calls were timed.
+        most = per_take(self.counters.ewma)
+        if most > 1:
+            output = self._output
+            most = min(most, output.capacity - len(output))
+        return most
 
     def _process_batch(self, batch: list[Any]) -> bool:
-        """Run the op on each item taken, then hand the results on together.
+        """Run the op on each item taken and hand each result on as it is made.
 
-        Returns False if the output is full: what did not fit waits in the stage, as a result
-        of one item does.
+        As one item at a time would: a later call may wait for the consumer to use an earlier
+        result (a pool of buffers it gives back), and a stop ends the take. The calls are
+        timed one by one and counted in one go. False if the output is full.
         """
-        c, work = self.counters, self._work
-        t0 = c.begin(len(batch))
-        results = []
-        for item in batch:
-            try:
-                results.append(work(item))
-            except Exception as error:
-                self.record_failure(item, error)
-        c.end(t0, calls=len(batch))
-        with self._emit_lock:
-            ready = self._ready
-            if not ready:
-                sent = self._output.try_put_many(results) if results else 0
-                if sent == len(results):
-                    return True
-                del results[:sent]
-            ready.extend(results)
-            return self._flush_ready() or len(ready) < self._concurrency
+        c, work, life = self.counters, self._work, self.run.life
+        going = True
+        times: list[float] = []
+        c.begin(len(batch))
+        try:
+            for item in batch:
+                if life.stopping:
+                    return False
+                t0 = _now()
+                try:
+                    result = work(item)
+                except Exception as error:
+                    times.append(_now() - t0)
+                    self.record_failure(item, error)
+                    continue
+                times.append(_now() - t0)
+                going = self._emit(-1, result) and going  # each is handed on or held
+        finally:
+            c.ended(times)
+        return going
 
     def _take_many(self, most: int) -> list[tuple[int, Any]] | None:
         # Up to ``most`` items waiting, numbered where the stage keeps input order (None: its
@@ -559,27 +569,15 @@ class ThreadedSource(StageBase):
                         return  # a pass ended: see the class's docstring
                 if gated is not None and not gated.ready():
                     return  # e.g. too far ahead of the consumer: woken when it catches up
-                # Each value is put as soon as it is made (a source may wait before its next
-                # one); a cheap source's values are counted a few at a time. A gated source
-                # (a continuous run's passes too) is asked before each.
-                most = 1 if gated is not None or passes is not None else per_take(c.ewma)
-                made = 0
                 t0 = c.begin(0)
                 try:
-                    while made < most:
-                        value = next(iterator)
-                        made += 1
-                        if not output.try_put(value):
-                            self._held = value
-                            return  # full: on_space starts the next job
-                        if passes is not None and passes.boundary():
-                            return  # a pass ended: see the class's docstring
+                    self._held = next(iterator)
                 except StopIteration:
                     self._done = True
                     output.close()
                     return
                 finally:
-                    c.end(t0, made, calls=max(1, made))
+                    c.end(t0, self._held is not EMPTY)
         except BaseException as error:  # an error in the source ends the run and propagates
             self._done = True
             run.begin_stop(error)
