@@ -369,7 +369,9 @@ def test_the_queue_from_a_cheap_source_to_an_op_of_real_work_stays_small() -> No
         assert sorted(p) == list(range(3000))
         stats = p.stats()
     assert stats["source"].queue.capacity == 4, stats["source"].queue
-    assert stats["source"].queue.mean_occupancy > 0.3  # the source was ahead: often full
+    # The source was ahead: the queue was full at times (not for long: the stage takes 3 of
+    # its 4 items at once, a take of 0.5 ms of its calls).
+    assert stats["source"].queue.full_fraction > 0.01
 
 
 def test_an_explicit_source_buffer_is_fixed() -> None:

@@ -133,27 +133,21 @@ class StageCounters:
             return time.perf_counter()
 
     def end(self, t_start: float, items: int = 0, calls: int = 1) -> None:
-        """:meth:`task_ended` under :attr:`lock`, with ``items`` new items in (a source's).
+        """:meth:`ended` for a task that began at ``t_start``, with ``items`` new items in.
 
         ``calls``: that many calls made as one (a chunk sent to a worker process), each
         recorded as an equal share of the time.
         """
-        with self.lock:
-            self.in_flight -= 1
-            if calls == 1:
-                self._record(time.perf_counter() - t_start)
-            else:
-                dt = (time.perf_counter() - t_start) / max(calls, 1)
-                for _ in range(calls):
-                    self._record(dt)
-            self.items_in += items
+        calls = max(calls, 1)
+        self.ended([(time.perf_counter() - t_start) / calls] * calls, items)
 
-    def ended(self, durations: list[float]) -> None:
-        """A task that made calls of ``durations`` one after another ended (one lock)."""
+    def ended(self, durations: list[float], items: int = 0) -> None:
+        """A task that made calls of ``durations`` in turn ended; ``items`` new items in."""
         with self.lock:
             self.in_flight -= 1
             for dt in durations:
                 self._record(dt)
+            self.items_in += items
 
     def lap(self, t_start: float) -> float:
         """Record a call that began at ``t_start`` and ended now; returns now.
