@@ -61,6 +61,39 @@ def test_threads_parse_at_once_without_error_once_feedline_is_imported() -> None
     assert run.stdout.startswith("0 "), run.stdout
 
 
+# A finalizer that parses, run by a collection in the middle of a large parse in the same
+# thread: a lock cannot keep it out (the thread holds it), so no collection runs in a parse.
+_NESTED = textwrap.dedent(
+    """
+    import ast, gc, sys
+    if sys.argv[1] == "feedline":
+        import feedline
+    class Parses:
+        def __del__(self):
+            ast.parse("x = [1, 2, 3]")
+    text = "\\n".join(f"v{i} = [{i}, ({i}, {{'k': {i}}})]" for i in range(2000))
+    gc.set_threshold(50)
+    errors = []
+    for _ in range(20):
+        for _ in range(30):
+            a = Parses(); a.cycle = [a]; del a
+        try:
+            ast.parse(text)
+        except SystemError as e:
+            errors.append(e)
+    print(len(errors), errors[:1])
+    """
+)
+
+
+def test_a_finalizer_that_parses_inside_a_parse_breaks_nothing_once_feedline_is_imported() -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", _NESTED, "feedline"], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("0 "), run.stdout
+
+
 def test_the_lock_is_in_place_only_where_needed() -> None:
     locked = getattr(__import__("ast").parse, "_feedline_locked", False)
     assert locked is _ast_lock.affected()

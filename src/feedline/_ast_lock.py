@@ -1,19 +1,22 @@
 """A lock around ``ast.parse`` on interpreters whose AST constructor threads can corrupt.
 
 CPython 3.11 before 3.11.8 and 3.12 before 3.12.2 count the AST constructor's recursion depth in
-state that all threads share (CPython gh-106905). When a garbage collection inside one thread's
-``ast.parse`` runs a finalizer that lets another thread parse, one of the two fails with
-``SystemError: AST constructor recursion depth mismatch``. ``numpy.load`` parses every NPY header
-with ``ast.literal_eval``, so a dataset that loads arrays in feedline's threads meets this where
-PyTorch's worker processes, one parse each, do not. On those interpreters :func:`install` wraps the
-module's ``parse`` (which ``literal_eval`` calls) in a lock. Parsing holds the GIL from start to
-end, so the lock takes no parallelism away; elsewhere nothing is changed.
+state that all threads share (CPython gh-106905). When a parse starts while another is under
+way, in another thread or in a finalizer that a garbage collection inside the first one runs,
+the first fails with ``SystemError: AST constructor recursion depth mismatch``. ``numpy.load``
+parses every NPY header with ``ast.literal_eval``, so a dataset that loads arrays in feedline's
+threads meets this where PyTorch's worker processes, one parse each, do not. On those
+interpreters :func:`install` wraps the module's ``parse`` (which ``literal_eval`` calls): one
+parse at a time (a lock), and no garbage collection during it, so no finalizer parses inside
+it. Parsing holds the GIL from start to end, so neither takes parallelism away; elsewhere
+nothing is changed.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import gc
 import os
 import sys
 import threading
@@ -44,7 +47,13 @@ def install() -> bool:
     @functools.wraps(parse)
     def locked_parse(*args: Any, **kwargs: Any) -> Any:
         with _lock:
-            return parse(*args, **kwargs)
+            collecting = gc.isenabled()
+            gc.disable()  # under the lock: a parse in another thread waits, and enables none
+            try:
+                return parse(*args, **kwargs)
+            finally:
+                if collecting:
+                    gc.enable()
 
     locked_parse._feedline_locked = True  # type: ignore[attr-defined]
     ast.parse = locked_parse
