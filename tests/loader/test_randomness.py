@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 import warnings
 from typing import Any
 
@@ -236,13 +237,16 @@ def test_a_loop_left_early_leaves_the_generator_where_pytorch_leaves_it(
 
 def test_draws_the_program_made_after_the_loop_are_not_undone() -> None:
     # The iterator is kept past the loop and the program draws from the generator: those
-    # draws stand when the iterator is dropped later.
+    # draws stand when the iterator is dropped later. (The program draws once the loader's
+    # thread has drawn its batches ahead: a draw at the moment it draws one cannot be told
+    # from the loader's, see the loader's README.)
     outcomes = []
     for cls in (TorchLoader, DataLoader):
         generator = torch.Generator().manual_seed(0)
         sampler = RandomSampler(range(50), replacement=True, generator=generator)
         it = iter(cls(list(range(50)), batch_size=1, sampler=sampler))
         next(it)
+        time.sleep(0.5)  # the few batches a consumer that does not wait gets ahead are drawn
         first = torch.rand(3, generator=generator).tolist()
         del it
         outcomes.append((first, torch.rand(3, generator=generator).tolist()))
