@@ -133,13 +133,19 @@ class StageCounters:
             return time.perf_counter()
 
     def end(self, t_start: float, items: int = 0, calls: int = 1) -> None:
-        """:meth:`ended` for a task that began at ``t_start``, with ``items`` new items in.
+        """:meth:`task_ended` under :attr:`lock`, with ``items`` new items in (a source's).
 
         ``calls``: that many calls made as one (a chunk sent to a worker process), each
-        recorded as an equal share of the time.
+        recorded as an equal share of the time. The clock is read under the lock: a wait for
+        it (and, under the GIL, for the GIL after it) is the call's, as the tuner reads busy
+        slots (a stage that holds the GIL then shows its slots busy and may move).
         """
-        calls = max(calls, 1)
-        self.ended([(time.perf_counter() - t_start) / calls] * calls, items)
+        with self.lock:
+            self.in_flight -= 1
+            dt = (time.perf_counter() - t_start) / max(calls, 1)
+            for _ in range(max(calls, 1)):
+                self._record(dt)
+            self.items_in += items
 
     def ended(self, durations: list[float], items: int = 0) -> None:
         """A task that made calls of ``durations`` in turn ended; ``items`` new items in."""
