@@ -18,6 +18,7 @@ from feedline.errors import ConfigurationError
 from feedline.pipeline._growth import Growth, approx_nbytes
 from feedline.pipeline._queue import EMPTY, Channel
 from feedline.pipeline._resume import Tagged
+from feedline.pipeline._settings import MAX_DEFAULT_QUEUE
 from feedline.pipeline._stages._sink import SinkReader
 
 MiB = 1 << 20
@@ -361,17 +362,20 @@ def _spin(seconds: float) -> Callable[[int], int]:
     return spin
 
 
-def test_the_queue_from_a_cheap_source_to_an_op_of_real_work_stays_small() -> None:
-    # 150 us per call: 8 items would be more than QUEUE_SPAN (1 ms) of it, so the source's
-    # queue keeps its first size, however often the source fills it.
-    p = PipelineBuilder().add_source(range(3000)).pipe(_spin(150e-6), name="work").build()
-    with p.auto_stop():
-        assert sorted(p) == list(range(3000))
-        stats = p.stats()
-    assert stats["source"].queue.capacity == 4, stats["source"].queue
-    # The source was ahead: the queue was full at times (not for long: the stage takes 3 of
-    # its 4 items at once, a take of 0.5 ms of its calls).
-    assert stats["source"].queue.full_fraction > 0.01
+def test_the_queue_from_a_cheap_source_to_an_op_of_real_work_grows_to_a_span_of_its_calls() -> None:
+    # 150 us per call (or more, on a loaded machine), one slot: the doubled queue may hold up
+    # to QUEUE_SPAN (8 ms) of it, so the source's queue grows from 4 to 32 at the most. It
+    # grows only while the source's calls time as cheap, which a loaded machine can upset for
+    # a whole run: up to three runs.
+    for _ in range(3):
+        p = PipelineBuilder().add_source(range(3000)).pipe(_spin(150e-6), name="work").build()
+        with p.auto_stop():
+            assert sorted(p) == list(range(3000))
+            queue = p.stats()["source"].queue
+        assert 4 <= queue.capacity <= 32, queue
+        if queue.capacity > 4:
+            break
+    assert queue.capacity > 4, queue
 
 
 def test_an_explicit_source_buffer_is_fixed() -> None:
@@ -408,7 +412,7 @@ def test_the_queue_from_a_cheap_source_to_a_light_op_grows() -> None:
     with p.auto_stop():
         assert sum(p) == 10_000 * sum(3 * i + i for i in range(40))
         stats = p.stats()
-    assert 4 <= stats["source"].queue.capacity <= 64, stats["source"].queue
+    assert 4 <= stats["source"].queue.capacity <= 256, stats["source"].queue
 
 
 def test_a_queue_after_a_cheap_stage_doubles_while_it_holds_less_than_a_span_of_the_next() -> None:
@@ -421,12 +425,18 @@ def test_a_queue_after_a_cheap_stage_doubles_while_it_holds_less_than_a_span_of_
         growth = run.channels[0].growth
         assert growth is not None
         source.counters.ewma, parse.counters.ewma = 1e-6, 30e-6  # a cheap source, a light op
-        # Up to QUEUE_SPAN (1 ms) of the op's calls: 32 items of 30 us.
-        assert [n for n in (4, 8, 16, 32) if growth.allowed(n)] == [4, 8, 16]
+        sizes = (4, 8, 16, 32, 64, 128, 256)
+        # Up to QUEUE_SPAN (8 ms) of the op's calls: 256 items of 30 us.
+        assert [n for n in sizes if growth.allowed(n)] == [4, 8, 16, 32, 64, 128]
         parse.counters.ewma = 130e-6  # the same op on a loaded machine
-        assert [n for n in (4, 8, 16, 32) if growth.allowed(n)] == []
+        assert [n for n in sizes if growth.allowed(n)] == [4, 8, 16]
+        parse.counters.set_concurrency(4)  # four slots drain the queue four times as fast
+        assert [n for n in sizes if growth.allowed(n)] == [4, 8, 16, 32, 64]
+        parse.counters.set_concurrency(1)
+        parse.counters.ewma = 2e-3  # an op of real work: one doubling holds 16 ms
+        assert not growth.allowed(4)
         parse.counters.ewma = 5e-6  # a cheap op: up to the item limit
-        assert growth.allowed(32)
+        assert growth.allowed(256)
         source.counters.ewma = 1e-3  # a source that is not cheap: it never doubles
         assert not growth.allowed(4)
     finally:
@@ -475,7 +485,7 @@ def test_default_queues_between_cheap_stages_grow_and_explicit_ones_do_not() -> 
         if any(grown[name] > start for name, start in starts.items()):
             break
     assert any(grown[name] > start for name, start in starts.items()), grown
-    assert all(start <= grown[name] <= 64 for name, start in starts.items()), grown
+    assert all(start <= grown[name] <= MAX_DEFAULT_QUEUE for name, start in starts.items()), grown
     fixed = _queue_capacities(20_000, buffer_size=8)
     assert fixed["s0"] == fixed["s1"] == 8, fixed
 
@@ -485,9 +495,11 @@ async def _slow(x: int) -> int:
     return x
 
 
-def test_a_queue_next_to_an_expensive_stage_does_not_grow() -> None:
+def test_a_queue_after_an_expensive_stage_does_not_grow_and_one_before_it_holds_a_span() -> None:
     # The source outruns the slow stage, whose queue fills and is drained over and over, and
     # the fast stage after it drains its input at once: both would grow between cheap stages.
+    # Before the slow stage, four slots of 1 ms (or more): 16 items are 4 ms of its calls, 32
+    # would be 8 ms (QUEUE_SPAN), so the source's queue grows from 8 to 16 at the most.
     p = (
         PipelineBuilder()
         .add_source(range(300))
@@ -498,7 +510,7 @@ def test_a_queue_next_to_an_expensive_stage_does_not_grow() -> None:
     with p.auto_stop():
         assert sorted(p) == list(range(300))
         stats = p.stats()
-    assert stats["source"].queue.capacity == 8  # max(4, 2 * concurrency)
+    assert stats["source"].queue.capacity in (8, 16)  # from max(4, 2 * concurrency)
     assert stats["slow"].queue.capacity == 8
 
 

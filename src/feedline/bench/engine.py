@@ -302,8 +302,9 @@ def run(options: BenchOptions) -> ScenarioResult:
         "doubles up to 64 items while it keeps the consumer waiting), and "
         "num_threads=max(8, concurrency); "
         "the queues between stages are each library's defaults (feedline: max(2, concurrency) "
-        "after a sync stage, max(8, concurrency) after an async one, each doubling up to 64 "
-        "items while this stage is cheap and the next cheap or of little work, when its size "
+        "after a sync stage, max(8, concurrency) after an async one, each doubling up to 512 "
+        "items while this stage is cheap and the doubled queue holds under 8 ms of the next "
+        "stage's calls at its concurrency, when its size "
         "keeps the next stage waiting or it is filled)",
         "hand-off latency: items/s column is 1/p50; ratio is SPDL's p50 / ours (higher is better)",
         "sha256: ThreadPoolExecutor.map keeps every result; a pipeline bounds its output buffer "

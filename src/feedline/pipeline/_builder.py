@@ -228,9 +228,9 @@ class PipelineBuilder(Generic[T]):
                 sink's ``buffer_size`` applies instead); defaults to ``max(2, concurrency)``,
                 and ``max(8, concurrency)`` for an async op (longer bursts on the event
                 loop). A default-sized queue doubles when it held the next stage up, while
-                this stage is cheap (under 20 µs a call) and the next one cheap or light (the
-                doubled queue holding under 1 ms of its calls), up to 64 items and 16 MiB of
-                items like those measured (see :meth:`add_sink`). An explicit size is fixed:
+                this stage is cheap (under 20 µs a call) and the doubled queue holds under 8
+                ms of the next stage's calls at its concurrency, up to 512 items and 16 MiB
+                of items like those measured (see :meth:`add_sink`). An explicit size is fixed:
                 pass a smaller one for large items, since each queued item holds its memory.
 
         Raises:

@@ -30,7 +30,7 @@ from ._placement import PlacedWork, Placement
 from ._queue import EMPTY, Channel
 from ._resume import Tagged
 from ._settings import (
-    MAX_DEFAULT_SINK,
+    MAX_DEFAULT_QUEUE,
     QUEUE_GROW_BYTES,
     QUEUE_SPAN,
     SINK_GROW_BYTES,
@@ -121,7 +121,7 @@ class Run:
     def _growth(self, index: int, capacity: int) -> Growth | None:
         # How the channel after stage ``index`` (0: the source) may grow (see _growth): the
         # sink and a queue between stages when they have the default size; a queue between
-        # stages only while its producer is cheap and its consumer cheap or of little work.
+        # stages only while its producer is cheap, by QUEUE_SPAN of its consumer's calls.
         config = self.config
         sink_bytes, queue_bytes = SINK_GROW_BYTES, QUEUE_GROW_BYTES
         if config.tuning is not None and config.tuning.memory_budget is not None:
@@ -132,19 +132,19 @@ class Run:
             grow_to = config.sink.grow_to
             return Growth(capacity, grow_to, sink_bytes) if grow_to > capacity else None
         grows = config.stages[index - 1].grows if index else config.source.buffer_size is None
-        if not grows or capacity >= MAX_DEFAULT_SINK:
+        if not grows or capacity >= MAX_DEFAULT_QUEUE:
             return None
         stages = self.stages  # filled in after the channels: read when growth is asked for
 
         def may_double(n: int) -> bool:
-            # Called with the channel's lock held: reads the stages' smoothed call times only.
+            # Called with the channel's lock held: reads the stages' counters only.
             producer, consumer = stages[index], stages[index + 1]
             if not producer.cheap():
                 return False
-            each = consumer.counters.ewma
-            return consumer.cheap() or 0 <= 2 * n * each < QUEUE_SPAN
+            c = consumer.counters
+            return 0 <= 2 * n * c.ewma < QUEUE_SPAN * c.concurrency
 
-        return Growth(capacity, MAX_DEFAULT_SINK, queue_bytes, may_double, on_fill=True)
+        return Growth(capacity, MAX_DEFAULT_QUEUE, queue_bytes, may_double, on_fill=True)
 
     def _make_stage(self, cfg: Any, inp: Channel, out: Channel) -> StageBase:
         if isinstance(cfg, AggregateConfig):
