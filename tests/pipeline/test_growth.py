@@ -18,7 +18,7 @@ from feedline.errors import ConfigurationError
 from feedline.pipeline._growth import Growth, approx_nbytes
 from feedline.pipeline._queue import EMPTY, Channel
 from feedline.pipeline._resume import Tagged
-from feedline.pipeline._settings import MAX_DEFAULT_QUEUE
+from feedline.pipeline._settings import MAX_DEFAULT_QUEUE, NUMBER_BYTES
 from feedline.pipeline._stages._sink import SinkReader
 
 MiB = 1 << 20
@@ -145,11 +145,14 @@ def test_approx_nbytes_counts_arrays_buffers_containers_and_plain_objects() -> N
     assert approx_nbytes(a) == 128
     assert approx_nbytes(b"abcd") == 4
     assert approx_nbytes(memoryview(b"abcdef")) == 6
-    assert approx_nbytes({"x": a, "y": (a, b"12"), "n": 3, "f": None}) == 258
+    assert approx_nbytes({"x": a, "y": (a, b"12"), "n": 3, "f": None}) == 258 + NUMBER_BYTES
     assert approx_nbytes([a] * 1000) == 128_000  # extrapolated from the first 16
     assert approx_nbytes(Tagged(5, [a, a])) == 256
-    assert approx_nbytes(_Sample(a, 7)) == 128  # a dataclass: its fields
-    assert approx_nbytes(3) == 0
+    assert approx_nbytes(_Sample(a, 7)) == 128 + NUMBER_BYTES  # a dataclass: its fields
+    assert approx_nbytes(3) == approx_nbytes(2.5) == NUMBER_BYTES
+    assert approx_nbytes(None) == approx_nbytes(True) == 0  # one object each
+    # Token ids: numbers count, so that a queue of them stays within its byte budget.
+    assert approx_nbytes({"ids": list(range(2048)), "mask": [1] * 2048}) == 4096 * NUMBER_BYTES
     assert approx_nbytes([]) == 0
     # What it cannot tell: None, not 0, so that a budget does not count it as free.
     assert approx_nbytes(object()) is None
@@ -490,20 +493,16 @@ def test_default_queues_between_cheap_stages_grow_and_explicit_ones_do_not() -> 
     assert fixed["s0"] == fixed["s1"] == 8, fixed
 
 
-async def _slow(x: int) -> int:
-    await asyncio.sleep(0.001)
-    return x
-
-
 def test_a_queue_after_an_expensive_stage_does_not_grow_and_one_before_it_holds_a_span() -> None:
     # The source outruns the slow stage, whose queue fills and is drained over and over, and
-    # the fast stage after it drains its input at once: both would grow between cheap stages.
-    # Before the slow stage, four slots of 1 ms (or more): 16 items are 4 ms of its calls, 32
-    # would be 8 ms (QUEUE_SPAN), so the source's queue grows from 8 to 16 at the most.
+    # the fast stage after it drains its input at once: both would grow after a cheap stage.
+    # Before the slow stage, four slots of 1.5 ms (more on a loaded machine, up to 2 ms for
+    # the same sizes): 16 items are 6 ms of its calls, 32 would be 12 ms, over QUEUE_SPAN (8
+    # ms), so the source's queue grows from 8 to 16 at the most.
     p = (
         PipelineBuilder()
         .add_source(range(300))
-        .pipe(_slow, concurrency=4, name="slow")
+        .pipe(_slower, concurrency=4, name="slow")
         .pipe(_anoop, name="fast")
         .build()
     )
@@ -514,12 +513,37 @@ def test_a_queue_after_an_expensive_stage_does_not_grow_and_one_before_it_holds_
     assert stats["slow"].queue.capacity == 8
 
 
+async def _slower(x: int) -> int:
+    await asyncio.sleep(0.0015)
+    return x
+
+
 def _turn(channel: Channel, item: Any) -> None:
     """Fill the channel, drain it (finding it empty), then pass one more item through."""
     _fill(channel, item)
     _drain(channel)
     channel.try_put(item)
     channel.try_get()
+
+
+def test_a_channel_the_tuner_resizes_up_keeps_to_its_byte_budget_from_the_next_item() -> None:
+    # The tuner sizes a queue for the stage beside it (256 reads in flight): the next item
+    # taken is measured, and 1 MiB items bring it back to what 16 MiB of them hold.
+    growth = Growth(4, MAX_DEFAULT_QUEUE, 16 * MiB)
+    channel = Channel("q", 4, growth)
+    assert growth.within_bytes(256) == 256  # no item measured yet
+    growth.rebase(256)
+    channel.resize(256)
+    assert channel.capacity == 256
+    mib = np.zeros(MiB, dtype=np.uint8)
+    channel.try_put(mib)
+    channel.try_get()
+    assert channel.capacity == 16
+    assert growth.within_bytes(256) == 16  # what the tuner sizes it to from now on
+    channel.resize(4)  # back to its first size: nothing to measure
+    channel.try_put(mib)
+    channel.try_get()
+    assert channel.capacity == 4
 
 
 def test_a_grown_channel_shrinks_when_items_get_larger_even_if_every_turn_asks_to_grow() -> None:

@@ -160,7 +160,10 @@ class PipelineBuilder(Generic[T]):
             name: The stage's name in statistics and errors.
             buffer_size: Capacity of the queue after the source; defaults to twice the first
                 stage's concurrency, at least 4, growing as a default queue after a stage
-                does (see :meth:`pipe`). An explicit size is fixed: the source is read at
+                does (see :meth:`pipe`): up to 512 items ahead of a cheap first stage. A
+                ``break`` leaves what the queues hold read from the source and not
+                delivered: a resumable pipeline reads those again, a one-shot iterator that
+                other code shares does not. An explicit size is fixed: the source is read at
                 most this many items ahead of the first stage. Without stages, the sink's
                 ``buffer_size`` applies instead.
 
@@ -526,10 +529,10 @@ class PipelineBuilder(Generic[T]):
                 number is never changed, and no stage moves to processes unless it asks to
                 (``executor="auto"``).
             memory_budget: The most bytes of items held in the queues and in the calls in
-                flight, measured with ``approx_nbytes`` (arrays, tensors, bytes, and lists,
-                dicts or dataclasses of them) on one item in eight put in each queue. Tuned
-                stages and default queues stay within it, and are lowered if items grow;
-                stages and queues with sizes of their own count, but are never changed.
+                flight, measured with ``approx_nbytes`` (arrays, tensors, bytes, numbers, and
+                lists, dicts or dataclasses of them) on one item in eight put in each queue.
+                Tuned stages and default queues stay within it, and are lowered if items
+                grow; stages and queues with sizes of their own count, but are never changed.
             cpu_budget: Cores the pipeline may keep busy, this process's other threads
                 included (default: the cores it may use): tuned stages are not raised while
                 the process uses that much. Only tuned stages are held to it.

@@ -2,7 +2,7 @@
 
 A consumer that finds its queue empty although it became full since it last found it empty was
 held up by the queue's size (each turn costs both sides a wake-up): the queue doubles, as
-tf.data's prefetch buffers grow. Between cheap stages it also doubles when its producer fills
+tf.data's prefetch buffers grow. After a cheap stage it also doubles when its producer fills
 it, since a consumer's thread that runs the producer never finds it empty. Growth stops at a
 number of items and at a byte budget for items like those measured lately (see "Queue sizes"
 in the README); a grown queue measures one item in :data:`RECHECK` and shrinks if they grew.
@@ -14,25 +14,28 @@ from collections.abc import Callable
 from typing import Any
 
 from ._resume import Tagged
-from ._settings import MAX_QUIET, RECHECK, SIZE_FALL, UNKNOWN_SIZE_CAP
+from ._settings import MAX_QUIET, NUMBER_BYTES, RECHECK, SIZE_FALL, UNKNOWN_SIZE_CAP
 
 __all__ = ["Growth", "approx_nbytes"]
 
 
-_SCALARS = (int, float, complex, bool, type(None))
+_NUMBERS = (int, float, complex)
 
 
 def approx_nbytes(item: Any, depth: int = 3) -> int | None:
     """Bytes that ``item`` holds in arrays, tensors and buffers, nested up to ``depth`` deep.
 
     A rough figure for a memory budget: arrays and buffers count their ``nbytes``, strings
-    their length, numbers nothing; lists, tuples, dicts and the attributes of plain objects
+    their length, numbers :data:`NUMBER_BYTES` (``None`` and booleans nothing, one object
+    each); lists, tuples, dicts and the attributes of plain objects
     (dataclasses) the sum of what they hold, a long one extrapolated from its first 16
     elements. ``None`` if some part cannot be told (an object of another kind, one nested
     deeper, or one whose ``nbytes`` raises, as a sparse torch tensor's does).
     """
-    if isinstance(item, _SCALARS):
+    if item is None or isinstance(item, bool):
         return 0
+    if isinstance(item, _NUMBERS):
+        return NUMBER_BYTES
     if isinstance(item, bytes | bytearray | str):
         return len(item)
     try:
@@ -176,6 +179,17 @@ class Growth:
         else:
             self._quiet_until = gets + self._quiet
             self._quiet = min(2 * self._quiet, MAX_QUIET)
+
+    def within_bytes(self, capacity: int) -> int:
+        """``capacity``, cut to what the byte budget holds of the items measured lately.
+
+        As is while no item was measured (not below the build's size): a channel resized up
+        measures its next item.
+        """
+        each = self._nbytes
+        if not each:
+            return capacity
+        return max(self.first, min(capacity, int(self.grow_bytes // each)))
 
     def limit(self, item: Any) -> int:
         """The most items the channel may hold, ``item`` measured (never below its first size).

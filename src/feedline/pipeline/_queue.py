@@ -268,12 +268,16 @@ class Channel:
     def resize(self, capacity: int) -> None:
         """Hold at most ``capacity`` items from now on (>= 1); a refused producer is told of room.
 
-        Items already held stay, even if they are more than a smaller capacity.
+        Items already held stay, even if they are more than a smaller capacity. A channel that
+        grows, resized above its first size, measures the next item taken against its byte
+        budget (see :mod:`._growth`), and shrinks if its items are too large for the size.
         """
         if capacity < 1:
             raise ValueError(f"channel capacity must be >= 1, got {capacity}")
         with self._lock:
             wake = self._resize(capacity)
+            if self._growth is not None and capacity > self._growth.first:
+                self._measure_at = self._tally.gets + 1
         if wake:
             self._producer.on_space()
 

@@ -22,8 +22,8 @@ MAX_DEFAULT_SINK = 64
 """The most a default sink holds, however wide the last stage (say, 256 reads in flight)."""
 
 MAX_DEFAULT_QUEUE = 512
-"""The most a default queue between two stages grows to (its byte budget and
-:data:`QUEUE_SPAN` usually stop it first)."""
+"""The most a default queue between two stages grows to: after a cheap source and before a cheap
+stage it gets there, unless its byte budget stops it first."""
 
 SINK_GROW_BYTES = 64 << 20
 """A default sink grows only while the items it would hold come to at most this many bytes."""
@@ -34,6 +34,10 @@ this many bytes."""
 
 UNKNOWN_SIZE_CAP = 16
 """The most a growing queue holds of items whose size ``approx_nbytes`` cannot tell."""
+
+NUMBER_BYTES = 32
+"""What ``approx_nbytes`` counts for a Python number: the object (24 to 32 bytes) and its place
+in the list or dict that holds it (8), so that lists of token ids count toward a byte budget."""
 
 RECHECK = 64
 """A grown queue measures one item in this many against its byte budget, and shrinks if over."""

@@ -284,9 +284,10 @@ class Tuner:
         # holds finished calls back while its output is full). A queue between two stages is
         # sized for the larger (a decode of 2 put back after a trial must not shrink the queue
         # its 64 reads fill), but by this stage ``alone`` for the memory budget (halving it
-        # must free what its queues hold). Within the queue's byte limits (Growth) and the
-        # budget; a queue that grew on its own (after a cheap stage) keeps its size. A stage
-        # that takes chunks (in processes) has them sized for ``items`` instead.
+        # must free what its queues hold). Within the queue's byte limits (a channel resized
+        # up measures its next item) and the budget; a queue that grew on its own (after a
+        # cheap stage) keeps its size. A stage that takes chunks (in processes) has them
+        # sized for ``items`` instead.
         knob.stage.set_concurrency(concurrency)
         for index in (knob.index - 1, knob.index):
             channel = self._channels[index]
@@ -294,7 +295,7 @@ class Tuner:
             if channel is self._sink or growth is None:
                 continue
             other = 0 if alone else self._neighbour(index, knob)
-            size = min(max(items or concurrency, other), growth.grow_to)
+            size = growth.within_bytes(min(max(items or concurrency, other), growth.grow_to))
             budget, each = self._tuning.memory_budget, self._bytes(index)
             if budget is not None and each > 0:
                 size = min(size, max(growth.first, int(budget // (4 * each))))
