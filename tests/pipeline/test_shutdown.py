@@ -327,3 +327,43 @@ def test_close_from_another_thread_ends_the_loop_quietly(
     assert list(it) == [0, 1, 2]  # a new child serves the next epoch
     it.close()
     _helpers.assert_nothing_left(threads, segments)
+
+
+def test_a_task_runs_only_once_the_pool_thread_started_for_it_has_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A thread becomes idle while a submission makes a new one for its task: the idle thread
+    # may run the task first. The run's stop follows its last job, and then joins every pool
+    # thread: one still unstarted raised "cannot join thread before it is started".
+    release = threading.Event()
+    seen: list[bool] = []
+    original_init, original_start = threading.Thread.__init__, threading.Thread.start
+
+    def init(self: threading.Thread, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        if self.name == "test-pool_1":
+            release.set()  # the first task ends: its thread takes the next task
+
+    def start(self: threading.Thread) -> None:
+        if self.name == "test-pool_1":
+            time.sleep(0.3)  # a slow thread start
+        original_start(self)
+
+    monkeypatch.setattr(threading.Thread, "__init__", init)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    pool = _executors.WorkerPool(2, "test-pool", threading.Lock())
+    done = threading.Event()
+
+    def check() -> None:
+        seen.append(all(t.ident is not None for t in pool._threads))
+        done.set()
+
+    try:
+        pool.submit(release.wait)
+        pool.submit(check)  # no thread idle: it makes a second one
+        assert done.wait(5)
+        assert seen == [True]
+    finally:
+        release.set()
+        pool.shutdown(wait=True)
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-pool")]

@@ -71,9 +71,12 @@ class WorkerPool:
                         daemon=True,
                     )
                     self._threads.append(thread)
-        self._queue.put((fn, args))
+        # Started before the task is put, and the put last: once the task runs (maybe on
+        # another thread that became idle), no submission is still at work on the pool's
+        # threads, so the run's shutdown, which follows its last job, joins started threads.
         if spawn:
             thread.start()
+        self._queue.put((fn, args))
 
     def _work(self) -> None:
         get = self._queue.get
