@@ -367,3 +367,31 @@ def test_a_task_runs_only_once_the_pool_thread_started_for_it_has_started(
         release.set()
         pool.shutdown(wait=True)
     assert not [t for t in threading.enumerate() if t.name.startswith("test-pool")]
+
+
+def test_a_thread_that_cannot_start_leaves_the_pool_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    original_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name == "test-pool_1":
+            raise RuntimeError("can't start new thread")
+        original_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    pool = _executors.WorkerPool(2, "test-pool", threading.Lock())
+    release, ran = threading.Event(), threading.Event()
+    try:
+        pool.submit(release.wait)  # the first thread, busy until released
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            pool.submit(ran.set)  # no thread idle: the second cannot start
+        assert [t.name for t in pool._threads] == ["test-pool_0"]
+        release.set()
+        monkeypatch.setattr(threading.Thread, "start", original_start)
+        pool.submit(ran.set)  # not queued before: it runs now, on either thread
+        assert ran.wait(5)
+    finally:
+        release.set()
+        pool.shutdown(wait=True)  # joins only threads that started
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-pool")]

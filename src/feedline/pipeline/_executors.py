@@ -32,7 +32,8 @@ class WorkerPool:
         max_workers: The most threads the pool starts.
         name: Prefix of the threads' names.
         lock: Guards the pool's threads and idle count: its run's (the lifecycle's), held
-            only for a few assignments and never while another lock is taken.
+            only for a few assignments (and to start each of the pool's threads) and never
+            while another of the engine's locks is taken.
 
     """
 
@@ -53,7 +54,8 @@ class WorkerPool:
         """Run ``fn(*args)`` in a pool thread.
 
         Raises:
-            RuntimeError: After :meth:`shutdown`.
+            RuntimeError: After :meth:`shutdown`, or if a thread cannot be started (the pool
+                is then as it was, and the task not queued).
 
         """
         with self._lock:
@@ -61,21 +63,16 @@ class WorkerPool:
                 raise RuntimeError("cannot submit work to a WorkerPool that was shut down")
             if self._idle:
                 self._idle -= 1
-                spawn = False
-            else:
-                spawn = len(self._threads) < self.max_workers
-                if spawn:
-                    thread = threading.Thread(
-                        target=self._work,
-                        name=f"{self._name}_{len(self._threads)}",
-                        daemon=True,
-                    )
-                    self._threads.append(thread)
-        # Started before the task is put, and the put last: once the task runs (maybe on
-        # another thread that became idle), no submission is still at work on the pool's
-        # threads, so the run's shutdown, which follows its last job, joins started threads.
-        if spawn:
-            thread.start()
+            elif len(self._threads) < self.max_workers:
+                # Started under the lock (at most max_workers times), before it is listed
+                # and before the task is put: once the task runs, maybe on another thread
+                # that became idle meanwhile, every listed thread has started, so the run's
+                # shutdown, which follows its last job, never joins one that has not.
+                thread = threading.Thread(
+                    target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True
+                )
+                thread.start()
+                self._threads.append(thread)
         self._queue.put((fn, args))
 
     def _work(self) -> None:
