@@ -181,15 +181,15 @@ class Growth:
             self._quiet = min(2 * self._quiet, MAX_QUIET)
 
     def within_bytes(self, capacity: int) -> int:
-        """``capacity``, cut to what the byte budget holds of the items measured lately.
+        """``capacity`` within the item limit and the byte budget, not below the build's size.
 
-        As is while no item was measured (not below the build's size): a channel resized up
-        measures its next item.
+        The budget holds so many of the items measured lately; while none was, it cuts
+        nothing (a channel resized up measures its next item, see ``Channel.resize``).
         """
         each = self._nbytes
-        if not each:
-            return capacity
-        return max(self.first, min(capacity, int(self.grow_bytes // each)))
+        if each:
+            capacity = min(capacity, int(self.grow_bytes // each))
+        return max(self.first, min(self.grow_to, capacity))
 
     def limit(self, item: Any) -> int:
         """The most items the channel may hold, ``item`` measured (never below its first size).
@@ -201,13 +201,9 @@ class Growth:
         except Exception:  # a user's object may fail in ways approx_nbytes cannot foresee
             nbytes = None
         if nbytes is None:
-            limit = UNKNOWN_SIZE_CAP
-        else:
-            old = self._nbytes
-            if old is None or nbytes > old:
-                each = float(nbytes)
-            else:
-                each = old + SIZE_FALL * (nbytes - old)
-            self._nbytes = each
-            limit = int(self.grow_bytes // each) if each > 0 else self.grow_to
-        return max(self.first, min(self.grow_to, limit))
+            return max(self.first, min(self.grow_to, UNKNOWN_SIZE_CAP))
+        old = self._nbytes
+        self._nbytes = (
+            float(nbytes) if old is None or nbytes > old else old + SIZE_FALL * (nbytes - old)
+        )
+        return self.within_bytes(self.grow_to)

@@ -295,7 +295,7 @@ class Tuner:
             if channel is self._sink or growth is None:
                 continue
             other = 0 if alone else self._neighbour(index, knob)
-            size = growth.within_bytes(min(max(items or concurrency, other), growth.grow_to))
+            size = growth.within_bytes(max(items or concurrency, other))
             budget, each = self._tuning.memory_budget, self._bytes(index)
             if budget is not None and each > 0:
                 size = min(size, max(growth.first, int(budget // (4 * each))))

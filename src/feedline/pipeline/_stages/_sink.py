@@ -22,8 +22,8 @@ class SinkReader:
     producer that sees ``_waiting`` puts a token. A spare token (two producers saw the flag)
     only costs one more look at the channel. Not a lock: on free-threaded Python a blocking
     acquire yields the core up to 40 times before it sleeps (measured: 42 ``sched_yield``
-    calls per item, a quarter of the process's CPU, with a consumer that waits for each
-    item), where the queue's ``get`` sleeps at once, as the pool's threads do.
+    calls per item with a consumer that waits for each item), where the queue's ``get``
+    sleeps at once, as the pool's threads do.
     """
 
     def __init__(self, channel: Channel, spin: bool) -> None:
