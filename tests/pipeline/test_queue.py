@@ -147,6 +147,17 @@ def test_closed_channel_refuses_puts_and_capacity_must_be_positive() -> None:
         Channel("bad", 0)
 
 
+def test_a_get_tells_an_ended_channel_from_an_empty_one_in_one_call() -> None:
+    ended = object()
+    ch = Channel("q", 2)
+    assert ch.try_get(ended) is EMPTY  # empty, and more may come
+    ch.try_put("a")
+    ch.close()
+    assert ch.try_get(ended) == "a"  # closed, but an item is left
+    assert ch.try_get(ended) is ended
+    assert ch.try_get() is EMPTY  # without ``ended``: EMPTY, as before
+
+
 _OPS = st.lists(
     st.one_of(
         st.tuples(st.just("put"), st.just(0.0)),

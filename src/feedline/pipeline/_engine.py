@@ -79,10 +79,10 @@ class Run:
         self._stop_event = asyncio.Event()  # bound to the loop when _main awaits it
         self._t0 = time.perf_counter()
 
-        # A channel after the source and after each stage (see "Queue sizes" in the README):
-        # the source's holds two items per slot of the first stage, so that each refill from
-        # its low-water mark (half full) moves a slot's worth; one after a stage at least one
-        # per slot of the next; the last is the sink.
+        # A channel after the source and after each stage (see "Queue sizes and growth" in
+        # the README): the source's holds two items per slot of the first stage, so that each
+        # refill from its low-water mark (half full) moves a slot's worth; one after a stage
+        # at least one per slot of the next; the last is the sink.
         stages = config.stages
         slots = [getattr(cfg, "concurrency", 1) for cfg in stages]
         sizes = [config.source.buffer_size or max(4, 2 * slots[0])] if stages else []

@@ -2,10 +2,10 @@
 
 A consumer that finds its queue empty although it became full since it last found it empty was
 held up by the queue's size (each turn costs both sides a wake-up): the queue doubles, as
-tf.data's prefetch buffers grow. After a cheap stage it also doubles when its producer fills
-it, since a consumer's thread that runs the producer never finds it empty. Growth stops at a
-number of items and at a byte budget for items like those measured lately (see "Queue sizes"
-in the README); a grown queue measures one item in :data:`RECHECK` and shrinks if they grew.
+tf.data's prefetch buffers grow. A queue between stages also doubles when its cheap producer
+fills it, before its consumer runs dry. Growth stops at a number of items and at a byte budget
+for items like those measured lately (see "Queue sizes and growth" in the README); a grown
+queue measures one item in :data:`RECHECK` and shrinks if they grew.
 """
 
 from __future__ import annotations

@@ -50,11 +50,10 @@ class RunLifecycle:
 
     def job_begin(self) -> bool:
         """Count a job that the stop must wait for; False (not counted) once stopping."""
-        with self.lock:
-            if self.stopping:
-                return False
-            self._jobs += 1
-            return True
+        return self.start(self._count_job)
+
+    def _count_job(self) -> None:
+        self._jobs += 1
 
     def job_done(self) -> None:
         """A job counted by :meth:`job_begin` ended."""

@@ -179,11 +179,19 @@ class Channel:
             self._producer_refused = False
         return wake
 
-    def try_get(self) -> Any:
-        """Take the oldest item, or return :data:`EMPTY` at once if there is none."""
+    def try_get(self, ended: Any = EMPTY) -> Any:
+        """Take the oldest item, or return at once if there is none.
+
+        Returns:
+            The item; ``ended`` if the channel is exhausted (closed and empty); else
+            :data:`EMPTY`. A caller that passes its own ``ended`` learns both in one lock.
+
+        """
         with self._lock:
             items = self._items
             if not items:
+                if self._closed:
+                    return ended
                 self._found_empty()
                 return EMPTY
             got = self._tally.take(_now(), len(items), 1, self._closed)

@@ -98,7 +98,8 @@ CONTINUOUS_AHEAD = 1024
 """A continuous run reads at most this many source items past the consumer's epoch."""
 
 SOURCE_POLL = 0.1
-"""How often a pipeline used as another's source checks whether its reader stopped."""
+"""How often a pipeline used as another's source checks whether its reader stopped, and a
+continuous run's consumer whether its epoch ended with no item coming."""
 
 RESUME_SKIP_CHECK = 256
 """Items a resumed source skips between two looks at whether the run is stopping."""

@@ -13,6 +13,8 @@ from .._settings import CONSUMER_SPIN
 
 __all__ = ["SinkReader"]
 
+_ENDED: Any = object()  # try_get's answer for a channel closed and empty
+
 
 class SinkReader:
     """Reads the last channel from the consumer's thread.
@@ -61,11 +63,10 @@ class SinkReader:
             TimeoutError: If nothing arrived within ``timeout`` seconds.
 
         """
-        channel = self._channel
-        item = channel.try_get()
-        if item is not EMPTY or channel.exhausted or self._interrupted:
-            return item
-        return self._wait(timeout)
+        item = self._channel.try_get(_ENDED)
+        if item is EMPTY and not self._interrupted:
+            return self._wait(timeout)
+        return EMPTY if item is _ENDED else item
 
     def _signaled(self, timeout: float) -> bool:
         # Whether a token came within ``timeout`` seconds.
@@ -76,41 +77,39 @@ class SinkReader:
         return True
 
     def _wait(self, timeout: float | None) -> Any:
+        # One lock of the channel per look: an item, its end, or empty and open (EMPTY).
         channel = self._channel
         wait_began = time.monotonic()
         deadline = None if timeout is None else wait_began + timeout
         started = time.perf_counter()
         spin_until = started + CONSUMER_SPIN if self._spin and self._delay < CONSUMER_SPIN else 0.0
         while True:
-            item = channel.try_get()
-            if item is not EMPTY or channel.exhausted or self._interrupted:
+            item = channel.try_get(_ENDED)
+            if item is EMPTY and not self._interrupted:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"no item arrived from the pipeline within {timeout} s")
+                if spin_until and time.perf_counter() < spin_until:
+                    time.sleep(0)
+                    continue
+                self._waiting = True
+                item = channel.try_get(_ENDED)  # the re-check, after the announcement
+            if item is not EMPTY or self._interrupted:
+                self._waiting = False  # a token put meanwhile costs one more look, later
+                if item is _ENDED:
+                    return EMPTY
                 if item is not EMPTY:
                     delay = max(0.0, channel.last_put - started)
                     self._delay += 0.25 * (delay - self._delay)
                 return item
-            late = deadline is not None and time.monotonic() >= deadline
-            if late and channel.state() == (0, False):  # empty and open
-                raise TimeoutError(f"no item arrived from the pipeline within {timeout} s")
-            if spin_until and time.perf_counter() < spin_until:
-                time.sleep(0)
-                continue
-            self._waiting = True
-            if channel.state() != (0, False) or self._interrupted:
-                self._waiting = False
-                continue
             watch = self.watch
-            woken = True
             if deadline is None and watch is None:
                 self._signal.get()
             else:
                 # With a watch, a wake-up every TICK to tick it (the stall watchdog).
                 remaining = TICK if deadline is None else deadline - time.monotonic()
                 woken = remaining > 0 and self._signaled(min(remaining, TICK))
+                if not woken and watch is not None:
+                    watch.tick(wait_began)
             # Woken, timed out, or a spare token returned at once: lower the flag in every
             # case, or every later put would add a token for nothing.
             self._waiting = False
-            if not woken and channel.state() == (0, False):
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"no item arrived from the pipeline within {timeout} s")
-                if watch is not None:
-                    watch.tick(wait_began)
