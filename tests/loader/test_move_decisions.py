@@ -79,7 +79,23 @@ ROWS = [
     ),
     Row(
         "the training thread sleeps, fetching idles: its own waits (a GPU), not the GIL",
-        window(slept=0.4, loader_cores=0.05),
+        window(slept=0.4, loader_cores=0.02),
+        "stay",
+    ),
+    Row(
+        "long steps, a small share slept but more a batch than a worker's batch costs: move",
+        window(batches=12, slept=0.04, loader_cores=0.3),
+        "move",
+        workers=1,
+    ),
+    Row(
+        "short steps, the share over its bound but under 1.5 ms a batch: not worth a move",
+        window(batches=40, slept=0.05),
+        "stay",
+    ),
+    Row(
+        "very long steps: many ms a batch, but a share under its bound",
+        window(batches=8, seconds=8.0, slept=0.02),
         "stay",
     ),
     Row(

@@ -11,7 +11,8 @@ times it already reads) and a pure function decides (:func:`decide`, its rows in
 ``tests/loader/test_move_decisions.py``):
 
 * on threads, a window where the training thread slept (off the cores, not queued for one)
-  for a share of its time between batches while the ``dataset[i]`` calls kept cores busy, or
+  for a share of its time between batches, and longer a batch than taking a batch from a
+  worker would cost it, while the ``dataset[i]`` calls kept cores busy, or
   where the consumer waited for most batches while the calls kept at most about one core
   busy with cores idle, is a reason to try worker processes: half as many again as the cores
   the calls kept busy in the first case, as many as the cores in the second;
@@ -46,10 +47,17 @@ MIN_SECONDS = 0.25
 """Seconds a window needs before it is judged."""
 SKIP_BATCHES = 2
 """Batches left out at the start of an epoch or after a move: start-up, not the steady state."""
-SLEPT = 0.10
+SLEPT = 0.03
 """The training thread sleeping this share of its time between batches, beside fetching that
-keeps cores busy, suggests it waits for the GIL the fetch threads hold."""
-LOADER_BUSY = 0.10
+keeps cores busy, suggests it waits for the GIL the fetch threads hold (measured beside JPEG
+decoding on threads: 4-7 % under a step of small tensor ops, under 1 % under a model step)."""
+SLEPT_SECONDS = 1.5e-3
+"""...and for at least this long per batch: about what taking a batch from a worker process
+costs the training thread instead (2 ms for 16 decoded pictures), which the move must save.
+Measured with steps of about 25 ms: 0.7-1.1 ms beside ``numpy.load`` under a model step,
+where worker processes gained nothing; 2.2-4.4 ms beside ``load_npz`` under a step of small
+tensor ops, where they gained 13 %."""
+LOADER_BUSY = 0.05
 """Cores the fetching must keep busy for the training thread's sleep to be put down to it."""
 WAITED = 0.5
 """The consumer waiting for this share of its batches: the fetching is the slow side."""
@@ -98,6 +106,13 @@ class Sample:
     def rate(self) -> float:
         """Batches per second."""
         return self.batches / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def slept_seconds(self) -> float:
+        """Seconds the training thread slept per batch (0 when not measured)."""
+        if self.slept is None or not self.batches:
+            return 0.0
+        return self.slept * self.seconds / self.batches
 
 
 @dataclass(frozen=True)
@@ -197,10 +212,11 @@ def _wanted(sample: Sample, trial_rate: float | None, may_try: bool) -> Decision
     if busy < LOADER_BUSY:
         return Decision("stay", f"fetching keeps {busy:.2f} cores busy")
     why = ""
-    if sample.slept is not None and sample.slept >= SLEPT:
+    if sample.slept is not None and sample.slept >= SLEPT and sample.slept_seconds >= SLEPT_SECONDS:
         why = (
             f"the training thread slept {sample.slept:.0%} of its time between batches "
-            f"while fetching kept {busy:.2f} cores busy"
+            f"({1e3 * sample.slept_seconds:.1f} ms a batch) while fetching kept {busy:.2f} "
+            "cores busy"
         )
         workers = math.ceil(1.5 * busy)
     elif (
