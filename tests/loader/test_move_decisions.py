@@ -7,11 +7,11 @@ any one clause of the rule fails a row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
-from feedline.loader._move import KEEP_GAIN, Sample, decide
+from feedline.loader._move import KEEP_GAIN, SKIP_BATCHES, Sample, Window, decide
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ def window(**fields: float | int | None) -> Sample:
         "loader_cores": 0.8,
         "cores": 4,
         "idle": 2.0,
+        "between": 0.025,
     }
     base.update(fields)
     return Sample(**base)  # type: ignore[arg-type]
@@ -84,7 +85,13 @@ ROWS = [
     ),
     Row(
         "long steps, a small share slept but more a batch than a worker's batch costs: move",
-        window(batches=12, slept=0.04, loader_cores=0.3),
+        window(batches=12, between=1 / 12, slept=0.04, loader_cores=0.3),
+        "move",
+        workers=1,
+    ),
+    Row(
+        "fetching keeps a twentieth of a core busy: enough to put the sleep down to it",
+        window(slept=0.3, loader_cores=0.07),
         "move",
         workers=1,
     ),
@@ -95,7 +102,7 @@ ROWS = [
     ),
     Row(
         "very long steps: many ms a batch, but a share under its bound",
-        window(batches=8, seconds=8.0, slept=0.02),
+        window(batches=8, seconds=8.0, between=1.0, slept=0.02),
         "stay",
     ),
     Row(
@@ -184,3 +191,23 @@ def test_a_trial_is_judged_against_the_better_of_the_windows_that_asked() -> Non
     assert (slow.action, slow.baseline) == ("move", 45.0)
     fast = decide(window(slept=0.3, batches=60), None, True, asked=45.0)
     assert (fast.action, fast.baseline) == ("move", 60.0)
+
+
+def test_the_sleep_a_batch_is_over_the_batches_it_was_measured_on() -> None:
+    # The batch after a wait has no time between batches (the wait is not the consumer's
+    # step): it must not dilute, nor inflate, the sleep a batch. Here the thread sleeps 1 ms
+    # of each 25 ms step it was measured on, and every other batch came after a 50 ms wait.
+    window = Window(0)
+    now = 0.0
+    for _ in range(SKIP_BATCHES):
+        window.took(now, False, None, None)
+    for k in range(16):
+        waited = k % 2 == 1
+        now += 0.075 if waited else 0.025
+        between, computing = (None, None) if waited else (0.025, 1 - 0.001 / 0.025)
+        window.took(now, waited, between, computing)
+    sample = window.sample(cores=4)
+    assert sample.between == pytest.approx(0.025)
+    assert sample.slept == pytest.approx(0.04)
+    assert sample.slept_seconds == pytest.approx(0.001)  # not 0.04 * 0.05 s a batch
+    assert decide(replace(sample, loader_cores=0.5), None, True).action == "stay"

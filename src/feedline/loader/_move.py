@@ -90,6 +90,8 @@ class Sample:
             processes, where the rule does not use it).
         cores: Cores this process may use.
         idle: Cores the whole machine left idle (``None``: unknown).
+        between: The consumer's mean time between two batches, over those whose time
+            ``slept`` is a share of (``None``: none).
 
     """
 
@@ -101,6 +103,7 @@ class Sample:
     loader_cores: float
     cores: int
     idle: float | None = None
+    between: float | None = None
 
     @property
     def rate(self) -> float:
@@ -109,10 +112,10 @@ class Sample:
 
     @property
     def slept_seconds(self) -> float:
-        """Seconds the training thread slept per batch (0 when not measured)."""
-        if self.slept is None or not self.batches:
+        """Seconds the training thread slept per batch it measured (0: none measured)."""
+        if self.slept is None or self.between is None:
             return 0.0
-        return self.slept * self.seconds / self.batches
+        return self.slept * self.between
 
 
 @dataclass(frozen=True)
@@ -275,6 +278,7 @@ class Window:
         self._batches = 0
         self._waited = 0
         self._between = 0.0  # the consumer's time between batches, where measured
+        self._measured = 0  # the batches it was measured for
         self._slept = 0.0  # of which its thread slept
         self._last = 0.0  # when it took the last batch
 
@@ -282,6 +286,7 @@ class Window:
         self._start, self._cpu, self._idle = now, self._cpu_now(), machine_idle()
         self._batches = self._waited = 0
         self._between = self._slept = 0.0
+        self._measured = 0
 
     def took(
         self, now: float, waited: bool, between: float | None, computing: float | None
@@ -300,6 +305,7 @@ class Window:
         self._waited += waited
         if between is not None and computing is not None:
             self._between += between
+            self._measured += 1
             self._slept += between * max(0.0, 1.0 - computing)
         self._last = now
 
@@ -327,6 +333,7 @@ class Window:
             loader_cores=max(0.0, self._cpu_now() - self._cpu) / seconds if seconds > 0 else 0.0,
             cores=cores,
             idle=idle,
+            between=self._between / self._measured if self._measured else None,
         )
 
     def restart(self) -> None:

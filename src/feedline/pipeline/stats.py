@@ -238,8 +238,8 @@ class StageStats:
             share of).
         runs_in: Where its calls run: ``"threads"``, ``"event loop"``, ``"processes (N)"``
             (a process region, or a stage of ``executor="auto"`` moved there), ``"process
-            pool"``; a stage of ``executor="auto"`` that cannot move says why, as
-            ``"threads (stays: ...)"``.
+            pool"``, ``"threads (its own executor)"``; a stage of ``executor="auto"`` that
+            cannot move says why, as ``"threads (stays: ...)"``.
 
     """
 
