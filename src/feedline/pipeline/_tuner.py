@@ -160,7 +160,6 @@ class Tuner:
         self._mark = self._take_mark()
         self._t0 = self._mark.t
         self.cpu_s = 0.0  # CPU time the tuner's looks took (thread time)
-        self.looks = 0
 
     def settled(self) -> dict[str, int]:
         """Each tuned stage's concurrency, by name, leaving out a trial under way."""
@@ -186,7 +185,6 @@ class Tuner:
 
     def look(self) -> None:
         """One look: keep within the memory budget, then measure and decide if a window closed."""
-        self.looks += 1
         budget = self._tuning.memory_budget
         if budget is not None:
             self._keep_within(budget)
