@@ -55,7 +55,7 @@ SLEPT_SECONDS = 1.5e-3
 """...and for at least this long per batch: about what taking a batch from a worker process
 costs the training thread instead (2 ms for 16 decoded pictures), which the move must save.
 Measured with steps of about 25 ms: 0.7-1.1 ms beside ``numpy.load`` under a model step,
-where worker processes gained nothing; 2.2-4.4 ms beside ``load_npz`` under a step of small
+where worker processes gained nothing; 2.0-4.1 ms beside ``load_npz`` under a step of small
 tensor ops, where they gained 13 %."""
 LOADER_BUSY = 0.05
 """Cores the fetching must keep busy for the training thread's sleep to be put down to it."""
