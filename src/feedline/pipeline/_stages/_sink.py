@@ -78,18 +78,20 @@ class SinkReader:
 
     def _wait(self, timeout: float | None) -> Any:
         # One lock of the channel per look: an item, its end, or empty and open (EMPTY).
+        # ``get``'s look found it empty and open: the first turn goes on from there.
         channel = self._channel
         wait_began = time.monotonic()
         deadline = None if timeout is None else wait_began + timeout
         started = time.perf_counter()
         spin_until = started + CONSUMER_SPIN if self._spin and self._delay < CONSUMER_SPIN else 0.0
+        item = EMPTY
         while True:
-            item = channel.try_get(_ENDED)
             if item is EMPTY and not self._interrupted:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"no item arrived from the pipeline within {timeout} s")
                 if spin_until and time.perf_counter() < spin_until:
                     time.sleep(0)
+                    item = channel.try_get(_ENDED)
                     continue
                 self._waiting = True
                 item = channel.try_get(_ENDED)  # the re-check, after the announcement
@@ -113,3 +115,4 @@ class SinkReader:
             # Woken, timed out, or a spare token returned at once: lower the flag in every
             # case, or every later put would add a token for nothing.
             self._waiting = False
+            item = channel.try_get(_ENDED)
