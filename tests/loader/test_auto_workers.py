@@ -42,7 +42,7 @@ class Script:
         self.calls = 0
 
     def __call__(
-        self, sample: Any, trial_rate: float | None, may_try: bool, asked: float | None = None
+        self, sample: Any, trial_rate: float | None, may_try: bool, asked: Any = None
     ) -> Decision:
         self.calls += 1
         if self.decisions and may_try:
@@ -75,6 +75,9 @@ def script(monkeypatch: pytest.MonkeyPatch) -> Iterator[Script]:
     monkeypatch.setattr(_move, "MIN_BATCHES", 3)
     monkeypatch.setattr(_move, "MIN_SECONDS", 0.0)
     monkeypatch.setattr(_move, "SKIP_BATCHES", 1)
+    monkeypatch.setattr(_move, "TRIAL_BATCHES", 3)
+    monkeypatch.setattr(_move, "TRIAL_SECONDS", 0.0)
+    monkeypatch.setattr(_move, "TRIAL_SKIP", 1)
     monkeypatch.setattr(_epoch, "_HINTED", [False])
     scripted = Script()
     monkeypatch.setattr(_epoch, "decide", scripted)

@@ -11,7 +11,17 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from feedline.loader._move import KEEP_GAIN, SKIP_BATCHES, Sample, Window, decide
+from feedline.loader._move import (
+    KEEP_GAIN,
+    MIN_BATCHES,
+    SKIP_BATCHES,
+    TRIAL_BATCHES,
+    TRIAL_SECONDS,
+    TRIAL_SKIP,
+    Sample,
+    Window,
+    decide,
+)
 
 
 @dataclass(frozen=True)
@@ -22,7 +32,7 @@ class Row:
     workers: int = 0
     trial_rate: float | None = None
     may_try: bool = True
-    asked: float | None = 30.0  # the window before asked for a trial, at 30 batches/s
+    asked: Sample | None = None  # the window before, if it asked for a trial (see ROWS)
 
 
 def window(**fields: float | int | None) -> Sample:
@@ -42,20 +52,41 @@ def window(**fields: float | int | None) -> Sample:
     return Sample(**base)  # type: ignore[arg-type]
 
 
+ASKED = window(batches=30, slept=0.05)
+"""A window before that asked for a trial: 30 batches in a second."""
+
+
 ROWS = [
     Row(
         "the first window that asks for a trial only asks: the next must ask too",
-        window(slept=0.3),
+        window(slept=0.08),
         "ask",
         workers=2,
-        asked=None,
+    ),
+    Row(
+        "the second window that asks moves",
+        window(slept=0.08),
+        "move",
+        workers=2,
+        asked=ASKED,
+    ),
+    Row(
+        "a first window whose thread sleeps three times the bounds moves at once",
+        window(slept=0.3),
+        "move",
+        workers=2,
+    ),
+    Row(
+        "a first window three times the share, but not three times the ms a batch, only asks",
+        window(batches=100, between=0.01, slept=0.3),
+        "ask",
+        workers=2,
     ),
     Row(
         "kept in workers, the first window asking for more only asks",
         window(workers=1, waited=0.8, slept=None, idle=1.5),
         "ask",
         workers=2,
-        asked=None,
     ),
     Row("too few batches to judge", window(batches=5, slept=0.5), "wait"),
     Row("too short to judge", window(seconds=0.1, slept=0.5), "wait"),
@@ -73,8 +104,14 @@ ROWS = [
         workers=2,
     ),
     Row(
-        "one worker at least",
+        "two workers at least, that cover each other's pauses",
         window(slept=0.3, loader_cores=0.15),
+        "move",
+        workers=2,
+    ),
+    Row(
+        "one worker on one core",
+        window(slept=0.3, loader_cores=0.15, cores=1),
         "move",
         workers=1,
     ),
@@ -87,13 +124,14 @@ ROWS = [
         "long steps, a small share slept but more a batch than a worker's batch costs: move",
         window(batches=12, between=1 / 12, slept=0.04, loader_cores=0.3),
         "move",
-        workers=1,
+        workers=2,
+        asked=ASKED,
     ),
     Row(
         "fetching keeps a twentieth of a core busy: enough to put the sleep down to it",
         window(slept=0.3, loader_cores=0.07),
         "move",
-        workers=1,
+        workers=2,
     ),
     Row(
         "short steps, the share over its bound but under 1.5 ms a batch: not worth a move",
@@ -110,6 +148,7 @@ ROWS = [
         window(waited=0.9, slept=None, loader_cores=1.0),
         "move",
         workers=4,
+        asked=ASKED,
     ),
     Row(
         "the consumer waits while fetching keeps several cores busy: threads scale",
@@ -141,7 +180,7 @@ ROWS = [
     ),
     Row(
         "a trial in workers that did not pay goes back",
-        window(workers=2, batches=41, slept=None),
+        window(workers=2, batches=40, slept=None),
         "back",
         trial_rate=40.0,
     ),
@@ -155,6 +194,7 @@ ROWS = [
         window(workers=1, waited=0.8, slept=None, idle=1.5),
         "move",
         workers=2,
+        asked=ASKED,
     ),
     Row(
         "kept in workers, the consumer waits, no idle core: stays",
@@ -180,17 +220,48 @@ def test_decision_table(row: Row) -> None:
     assert decision.action == row.action, decision.why
     if row.action in ("move", "keep", "ask"):
         assert decision.workers == row.workers, decision.why
-    if row.action == "move":  # judged against the better of the two windows that asked
-        assert decision.baseline == max(row.asked or 0.0, row.sample.rate)
+    if row.action == "move":  # judged against the windows that asked, together
+        asked, sample = row.asked, row.sample
+        if asked is None:
+            assert decision.baseline == sample.rate
+        else:
+            together = (asked.batches + sample.batches) / (asked.seconds + sample.seconds)
+            assert decision.baseline == pytest.approx(together)
     if row.action != "wait":
         assert decision.why  # every decision says why
 
 
-def test_a_trial_is_judged_against_the_better_of_the_windows_that_asked() -> None:
-    slow = decide(window(slept=0.3, batches=20), None, True, asked=45.0)
-    assert (slow.action, slow.baseline) == ("move", 45.0)
-    fast = decide(window(slept=0.3, batches=60), None, True, asked=45.0)
-    assert (fast.action, fast.baseline) == ("move", 60.0)
+def test_a_trial_is_judged_against_the_rate_of_the_windows_that_asked_together() -> None:
+    # 30 batches in one second, then 60 in one second: 45 a second, whichever came first.
+    fast = window(slept=0.08, batches=60)
+    assert decide(fast, None, True, asked=ASKED).baseline == pytest.approx(45.0)
+    # Weighted by time: 30 in one second, then 60 in two: 30 a second.
+    slow = window(slept=0.08, batches=60, seconds=2.0)
+    assert decide(slow, None, True, asked=ASKED).baseline == pytest.approx(30.0)
+
+
+def test_a_trial_window_leaves_out_more_batches_and_is_longer() -> None:
+    trial = Window(2, trial=True)
+    now = 0.0
+    for _ in range(TRIAL_SKIP):
+        assert not trial.ready()
+        trial.took(now, False, None, None)
+    for _ in range(TRIAL_BATCHES - 1):
+        now += TRIAL_SECONDS  # long enough: only the batches are short
+        trial.took(now, False, None, None)
+        assert not trial.ready()
+    now += 0.001
+    trial.took(now, False, None, None)
+    assert trial.ready()
+    assert trial.sample(cores=4).batches == TRIAL_BATCHES
+    # The window after a trial's is an ordinary one.
+    trial.restart()
+    trial.took(now, False, None, None)
+    for _ in range(MIN_BATCHES):
+        now += 1.0
+        trial.took(now, False, None, None)
+    assert trial.ready()
+    assert trial.sample(cores=4).batches == MIN_BATCHES
 
 
 def test_the_sleep_a_batch_is_over_the_batches_it_was_measured_on() -> None:

@@ -33,7 +33,7 @@ from ._fetch import BatchFetcher, Collated, FailureTally, Task
 from ._gather import StateReport, StreamMark
 from ._indices import index_iterator
 from ._ledgers import LoaderLedger, stream_batch_taken
-from ._move import RETRY_AFTER, Window, decide
+from ._move import RETRY_AFTER, Sample, Window, decide
 from ._pool import thread_times
 from ._rewind import GeneratorRewind, sampler_generators
 from ._seeds import RngWatch, next_only
@@ -256,7 +256,7 @@ class EpochIterator(Generic[T]):
         # worker processes fetching is moving to (0: back to threads) at the next boundary.
         self._window: Window | None = None
         self._moving: int | None = None
-        self._asked: float | None = None  # the rate of the last window, if it asked to move
+        self._asked: Sample | None = None  # the last window, if it asked to move
         self._took_last: tuple[float, bool, float | None, float | None] | None = None
         # The loader's placement as the epoch started (num_workers set meanwhile takes
         # effect at the next epoch).
@@ -664,7 +664,7 @@ class EpochIterator(Generic[T]):
         if decision.action == "wait":
             return
         window.restart()
-        self._asked = sample.rate if decision.action == "ask" else None
+        self._asked = sample if decision.action == "ask" else None
         if decision.action in ("stay", "ask"):
             return
         if not placement.auto:
@@ -690,11 +690,11 @@ class EpochIterator(Generic[T]):
             _log.info("feedline.DataLoader: %s", placement.log[-1])
             gate.pause()  # the batches drawn so far are fetched where they are
 
-    def _new_window(self, workers: int) -> Window:
-        # Measures the next window; on threads, the fetch calls' own CPU time is the
-        # fetching's (not the engine's, nor other threads' of the process).
+    def _new_window(self, workers: int, trial: bool = False) -> Window:
+        # Measures the next window (a trial's, after a move to try workers); on threads, the
+        # fetch calls' own CPU time is the fetching's (not the engine's, nor other threads').
         fetcher = self._fetcher
-        return Window(workers, None if fetcher is None else lambda: fetcher.calls_cpu)
+        return Window(workers, None if fetcher is None else lambda: fetcher.calls_cpu, trial)
 
     def _moved(self) -> bool:
         # _move_on, stopping the epoch (its workers ended) if it raises: Ctrl-C during the
@@ -753,7 +753,8 @@ class EpochIterator(Generic[T]):
         self._pipeline = self._serve(builder, loader, epoch)
         self._finalizer.detach()
         self._finalizer = self._finalize()
-        self._window = self._new_window(workers) if placement.stays is None else None
+        trial = placement.trial_rate is not None
+        self._window = self._new_window(workers, trial) if placement.stays is None else None
         self._left = (None, 0.0)
         self._pipeline.start()
         return True

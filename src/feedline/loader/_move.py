@@ -15,13 +15,14 @@ times it already reads) and a pure function decides (:func:`decide`, its rows in
   worker would cost it, while the ``dataset[i]`` calls kept cores busy, or
   where the consumer waited for most batches while the calls kept at most about one core
   busy with cores idle, is a reason to try worker processes: half as many again as the cores
-  the calls kept busy in the first case, as many as the cores in the second;
-* two windows in a row must ask for a trial (one just after a start-up or a move is slow);
+  the calls kept busy in the first case (two at least), as many as the cores in the second;
+* two windows in a row must ask for a trial (one just after a start-up may be slow), unless
+  the training thread slept :data:`PLAIN` times the bounds in the first;
 * the trial moves fetching to the workers at a batch boundary (the epoch's position and
-  ledger go on across it), and after a window there it is kept if the consumer's batches per
-  second rose by :data:`KEEP_GAIN` over the better of the two windows that asked, else
-  fetching goes back where it was, and no other trial is made for :data:`RETRY_AFTER`
-  seconds;
+  ledger go on across it), and after a longer window there (:data:`TRIAL_BATCHES`) it is
+  kept if the consumer's batches per second rose by :data:`KEEP_GAIN` over the windows that
+  asked, taken together, else fetching goes back where it was, and no other trial is made
+  for :data:`RETRY_AFTER` seconds;
 * in workers, a consumer that still waits for most batches while the machine has idle cores
   gets a trial with twice the workers (at most the cores), judged the same way;
 * a dataset that cannot move (an ``IterableDataset``, a stateful one, one that does not pickle
@@ -47,6 +48,13 @@ MIN_SECONDS = 0.25
 """Seconds a window needs before it is judged."""
 SKIP_BATCHES = 2
 """Batches left out at the start of an epoch or after a move: start-up, not the steady state."""
+TRIAL_SKIP = 3
+"""Batches left out at the start of a trial: the new workers' first batches come late."""
+TRIAL_BATCHES = 16
+"""Batches a trial's window needs before it is judged: twice a window's, since the gain it
+must show (a few per cent) is about the spread of one window's rate."""
+TRIAL_SECONDS = 0.5
+"""Seconds a trial's window needs before it is judged."""
 SLEPT = 0.03
 """The training thread sleeping this share of its time between batches, beside fetching that
 keeps cores busy, suggests it waits for the GIL the fetch threads hold (measured beside JPEG
@@ -57,6 +65,10 @@ costs the training thread instead (2 ms for 16 decoded pictures), which the move
 Measured with steps of about 25 ms: 0.7-1.1 ms beside ``numpy.load`` under a model step,
 where worker processes gained nothing; 2.0-4.1 ms beside ``load_npz`` under a step of small
 tensor ops, where they gained 13 %."""
+PLAIN = 3.0
+"""A window whose training thread sleeps this many times :data:`SLEPT` and
+:data:`SLEPT_SECONDS` moves at once, without a second window to ask too (measured beside
+``numpy.load`` under a step of small tensor ops: 19-26 %, 7-10 ms a batch)."""
 LOADER_BUSY = 0.05
 """Cores the fetching must keep busy for the training thread's sleep to be put down to it."""
 WAITED = 0.5
@@ -66,10 +78,16 @@ GIL_CORES = 1.25
 idle is bound by the GIL: more threads cannot add to it, more processes can."""
 IDLE_CORES = 0.5
 """Idle cores of the machine the fetching must leave, for the loader-bound case."""
-KEEP_GAIN = 1.05
-"""A trial in worker processes is kept if the consumer's batches per second rise this much."""
+KEEP_GAIN = 1.02
+"""A trial in worker processes is kept if the consumer's batches per second rise this much
+over the two windows that asked for it."""
 GROW_IDLE = 0.5
 """Idle cores of the machine that let a trial with more worker processes be made."""
+LEAST_WORKERS = 2
+"""Worker processes a move from threads starts at least (fewer only on fewer cores): two cover
+each other's pauses, where one falls behind the training loop now and then (measured beside
+JPEG decoding under a step of small tensor ops: 2 workers 1.06x PyTorch's best, 1 worker
+0.99x)."""
 RETRY_AFTER = 300.0
 """Seconds before another trial, after one that did not pay."""
 
@@ -167,20 +185,20 @@ class Placement:
 
 
 def decide(
-    sample: Sample, trial_rate: float | None, may_try: bool, asked: float | None = None
+    sample: Sample, trial_rate: float | None, may_try: bool, asked: Sample | None = None
 ) -> Decision:
     """The placement rule, a pure function of one window (see the module docstring).
 
     A trial is made when two windows in a row ask for it: the first says ``"ask"``, the
-    second ``"move"``, with the better of their two rates as the trial's ``baseline`` (one
-    window after a start-up or a move may be slow, and would make any trial look good).
+    second ``"move"``, with their rate together as the trial's ``baseline`` (one window's rate
+    spreads by about as much as the gain a trial must show).
 
     Args:
         sample: The window.
         trial_rate: In a trial: the batches per second before it, which it is judged
             against (``None``: no trial under way).
         may_try: A trial may be made now (the dataset can move, none failed recently).
-        asked: The batches per second of the window before, if it asked for a trial.
+        asked: The window before, if it asked for a trial.
 
     """
     if sample.batches < MIN_BATCHES or sample.seconds < MIN_SECONDS:
@@ -188,9 +206,22 @@ def decide(
     wanted = _wanted(sample, trial_rate, may_try)
     if wanted.action != "move":
         return wanted
-    if asked is None:
+    if asked is None and not _plain(sample):
         return Decision("ask", wanted.why, wanted.workers)
-    return Decision("move", wanted.why, wanted.workers, max(asked, sample.rate))
+    if asked is None:
+        return Decision("move", wanted.why, wanted.workers, sample.rate)
+    seconds = asked.seconds + sample.seconds
+    return Decision("move", wanted.why, wanted.workers, (asked.batches + sample.batches) / seconds)
+
+
+def _plain(sample: Sample) -> bool:
+    # The training thread sleeps so much beside threads that one window shows it.
+    return (
+        not sample.workers
+        and sample.slept is not None
+        and sample.slept >= PLAIN * SLEPT
+        and sample.slept_seconds >= PLAIN * SLEPT_SECONDS
+    )
 
 
 def _wanted(sample: Sample, trial_rate: float | None, may_try: bool) -> Decision:
@@ -238,7 +269,7 @@ def _wanted(sample: Sample, trial_rate: float | None, may_try: bool) -> Decision
         return Decision("stay", "fetching on threads does not hold the training thread back")
     if not may_try:
         return Decision("stay", why)
-    return Decision("move", why, max(1, min(sample.cores, workers)))
+    return Decision("move", why, max(1, min(sample.cores, max(LEAST_WORKERS, workers))))
 
 
 def _more_workers(sample: Sample, may_try: bool) -> Decision:
@@ -268,10 +299,13 @@ class Window:
     process's CPU time and the machine's idle time once per window.
     """
 
-    def __init__(self, workers: int, cpu: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self, workers: int, cpu: Callable[[], float] | None = None, trial: bool = False
+    ) -> None:
         self.workers = workers
         self._cpu_now = cpu or (lambda: 0.0)
-        self._skip = SKIP_BATCHES
+        self._skip = TRIAL_SKIP if trial else SKIP_BATCHES
+        self._least = (TRIAL_BATCHES, TRIAL_SECONDS) if trial else (MIN_BATCHES, MIN_SECONDS)
         self._start = 0.0
         self._cpu = 0.0  # the fetching's CPU seconds at the start
         self._idle: float | None = None
@@ -311,11 +345,8 @@ class Window:
 
     def ready(self) -> bool:
         """Whether the window is long enough to be judged."""
-        return (
-            not self._skip
-            and self._batches >= MIN_BATCHES
-            and self._last - self._start >= MIN_SECONDS
-        )
+        batches, seconds = self._least
+        return not self._skip and self._batches >= batches and self._last - self._start >= seconds
 
     def sample(self, cores: int) -> Sample:
         """The window so far."""
@@ -337,5 +368,6 @@ class Window:
         )
 
     def restart(self) -> None:
-        """Start a new window at the next batch."""
+        """Start a new window at the next batch, judged as an ordinary one."""
         self._skip = 1
+        self._least = (MIN_BATCHES, MIN_SECONDS)
