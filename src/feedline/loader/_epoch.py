@@ -390,7 +390,9 @@ class EpochIterator(Generic[T]):
             if placement.auto and placement.stays is not None and said not in placement.log:
                 placement.note(said)
         if workers > 0:
-            self._window = self._new_window(workers) if measure else None
+            # (a trial the last epoch ended in is judged on a trial's window)
+            trial = placement is not None and placement.trial_rate is not None
+            self._window = self._new_window(workers, trial) if measure else None
             report = None if self.position.dataset_states is None else state_reporter(self.position)
             # A state saved between epochs: persistent workers go on with their datasets'
             # states into an epoch seeded anew (see WorkerSet.epoch).
