@@ -40,11 +40,13 @@ class Script:
     def __init__(self, *decisions: Decision) -> None:
         self.decisions = list(decisions)
         self.calls = 0
+        self.trials: list[float | None] = []  # the trial rate each call was given
 
     def __call__(
         self, sample: Any, trial_rate: float | None, may_try: bool, asked: Any = None
     ) -> Decision:
         self.calls += 1
+        self.trials.append(trial_rate)
         if self.decisions and may_try:
             return self.decisions.pop(0)
         return Decision("stay", "scripted")
@@ -140,6 +142,26 @@ def test_a_kept_move_starts_the_next_epoch_in_workers(script: Script) -> None:
     second = batches_of(loader)
     assert [i for i, _ in second] == list(range(400))
     assert all(pid != os.getpid() for _, pid in second)
+
+
+def test_a_trial_the_epoch_ended_in_is_judged_in_the_next_epoch(
+    script: Script, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A trial's window is longer than the rest of the epoch: the next epoch, which starts in
+    # the workers, judges the trial on an ordinary window (else an epoch too short for a
+    # trial's window would leave every trial unjudged, in the workers for good).
+    monkeypatch.setattr(_move, "TRIAL_BATCHES", 1_000)
+    script.decisions = [move(2), BACK]
+    loader = DataLoader(Spinning(80), batch_size=4, num_workers="auto")
+    assert [i for i, _ in batches_of(loader)] == list(range(80))
+    assert script.calls == 1  # the move; its trial window never filled
+    assert loader.num_workers == 2
+    second = batches_of(loader)
+    assert [i for i, _ in second] == list(range(80))
+    assert script.trials[1] is not None  # judged as the trial it is
+    assert loader.num_workers == 0
+    assert any("moves back to threads" in t for t in loader.stats().tuning)  # type: ignore[union-attr]
+    assert second[-1][1] == os.getpid()
 
 
 def test_break_after_a_move_then_state_dict_resumes_with_nothing_lost_or_repeated(

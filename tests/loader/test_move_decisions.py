@@ -179,10 +179,32 @@ ROWS = [
         trial_rate=40.0,
     ),
     Row(
-        "a trial in workers that did not pay goes back",
+        "a trial's first window that falls short: measured once more",
         window(workers=2, batches=40, slept=None),
+        "ask",
+        workers=2,
+        trial_rate=40.0,
+    ),
+    Row(
+        "a trial short on its two windows together goes back",
+        window(workers=2, batches=44, slept=None),
         "back",
         trial_rate=40.0,
+        asked=window(workers=2, batches=36, slept=None),
+    ),
+    Row(
+        "a trial that pays on its two windows together is kept",
+        window(workers=2, batches=46, slept=None),
+        "keep",
+        workers=2,
+        trial_rate=40.0,
+        asked=window(workers=2, batches=40, slept=None),
+    ),
+    Row(
+        "a first window three times the ms a batch, but not three times the share, only asks",
+        window(batches=10, between=0.1, slept=0.08),
+        "ask",
+        workers=2,
     ),
     Row(
         "kept in workers, the consumer fed: stays",
@@ -254,6 +276,15 @@ def test_a_trial_window_leaves_out_more_batches_and_is_longer() -> None:
     trial.took(now, False, None, None)
     assert trial.ready()
     assert trial.sample(cores=4).batches == TRIAL_BATCHES
+    # Enough batches, too short a time: not yet.
+    quick = Window(2, trial=True)
+    now = 0.0
+    for _ in range(TRIAL_SKIP + TRIAL_BATCHES):
+        now += 0.001
+        quick.took(now, False, None, None)
+    assert not quick.ready()
+    quick.took(now + TRIAL_SECONDS, False, None, None)
+    assert quick.ready()
     # The window after a trial's is an ordinary one.
     trial.restart()
     trial.took(now, False, None, None)

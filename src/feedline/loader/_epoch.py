@@ -390,9 +390,9 @@ class EpochIterator(Generic[T]):
             if placement.auto and placement.stays is not None and said not in placement.log:
                 placement.note(said)
         if workers > 0:
-            # (a trial the last epoch ended in is judged on a trial's window)
-            trial = placement is not None and placement.trial_rate is not None
-            self._window = self._new_window(workers, trial) if measure else None
+            # (a trial the last epoch ended in is judged on an ordinary window: an epoch too
+            # short for a trial's would never judge it)
+            self._window = self._new_window(workers) if measure else None
             report = None if self.position.dataset_states is None else state_reporter(self.position)
             # A state saved between epochs: persistent workers go on with their datasets'
             # states into an epoch seeded anew (see WorkerSet.epoch).
@@ -667,6 +667,8 @@ class EpochIterator(Generic[T]):
             return
         window.restart()
         self._asked = sample if decision.action == "ask" else None
+        if decision.action == "ask" and placement.trial_rate is not None:
+            placement.note(f"fetch: the trial: {decision.why}")
         if decision.action in ("stay", "ask"):
             return
         if not placement.auto:

@@ -21,8 +21,9 @@ times it already reads) and a pure function decides (:func:`decide`, its rows in
 * the trial moves fetching to the workers at a batch boundary (the epoch's position and
   ledger go on across it), and after a longer window there (:data:`TRIAL_BATCHES`) it is
   kept if the consumer's batches per second rose by :data:`KEEP_GAIN` over the windows that
-  asked, taken together, else fetching goes back where it was, and no other trial is made
-  for :data:`RETRY_AFTER` seconds;
+  asked, taken together; one that falls short is measured for one more window and judged on
+  both; else fetching goes back where it was, and no other trial is made for
+  :data:`RETRY_AFTER` seconds;
 * in workers, a consumer that still waits for most batches while the machine has idle cores
   gets a trial with twice the workers (at most the cores), judged the same way;
 * a dataset that cannot move (an ``IterableDataset``, a stateful one, one that does not pickle
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from feedline._cores import machine_idle
 
@@ -80,7 +81,7 @@ IDLE_CORES = 0.5
 """Idle cores of the machine the fetching must leave, for the loader-bound case."""
 KEEP_GAIN = 1.02
 """A trial in worker processes is kept if the consumer's batches per second rise this much
-over the two windows that asked for it."""
+over the windows that asked for it."""
 GROW_IDLE = 0.5
 """Idle cores of the machine that let a trial with more worker processes be made."""
 LEAST_WORKERS = 2
@@ -191,57 +192,66 @@ def decide(
 
     A trial is made when two windows in a row ask for it: the first says ``"ask"``, the
     second ``"move"``, with their rate together as the trial's ``baseline`` (one window's rate
-    spreads by about as much as the gain a trial must show).
+    spreads by about as much as the gain a trial must show). A first window whose training
+    thread slept :data:`PLAIN` times both bounds moves at once, against its own rate (the
+    gain such a sleep leaves room for is well over a window's spread). A trial's window that
+    falls short of :data:`KEEP_GAIN` says ``"ask"`` too: the next window judges the trial on
+    both together.
 
     Args:
         sample: The window.
         trial_rate: In a trial: the batches per second before it, which it is judged
             against (``None``: no trial under way).
         may_try: A trial may be made now (the dataset can move, none failed recently).
-        asked: The window before, if it asked for a trial.
+        asked: The window before, if it said ``"ask"``.
 
     """
     if sample.batches < MIN_BATCHES or sample.seconds < MIN_SECONDS:
         return Decision("wait")
-    wanted = _wanted(sample, trial_rate, may_try)
+    if sample.workers and trial_rate is not None:
+        return _judged(sample, trial_rate, asked)
+    wanted = _wanted(sample, may_try)
     if wanted.action != "move":
         return wanted
     if asked is None and not _plain(sample):
         return Decision("ask", wanted.why, wanted.workers)
-    if asked is None:
-        return Decision("move", wanted.why, wanted.workers, sample.rate)
-    seconds = asked.seconds + sample.seconds
-    return Decision("move", wanted.why, wanted.workers, (asked.batches + sample.batches) / seconds)
+    rate = sample.rate if asked is None else _together(asked, sample).rate
+    return Decision("move", wanted.why, wanted.workers, rate)
+
+
+def _together(first: Sample, then: Sample) -> Sample:
+    # Two windows in a row as one (their batches over their seconds).
+    return replace(then, batches=first.batches + then.batches, seconds=first.seconds + then.seconds)
 
 
 def _plain(sample: Sample) -> bool:
     # The training thread sleeps so much beside threads that one window shows it.
     return (
-        not sample.workers
-        and sample.slept is not None
+        sample.slept is not None
         and sample.slept >= PLAIN * SLEPT
         and sample.slept_seconds >= PLAIN * SLEPT_SECONDS
     )
 
 
-def _wanted(sample: Sample, trial_rate: float | None, may_try: bool) -> Decision:
-    # What one window asks for, alone.
+def _judged(sample: Sample, trial_rate: float, asked: Sample | None) -> Decision:
+    # A trial in workers: kept if its rate rose by KEEP_GAIN; one that falls short at its
+    # first window is measured once more and judged on both (one window's spread is about
+    # the gain it must show: a single slow window must not send it back).
+    whole = sample if asked is None else _together(asked, sample)
+    gain = whole.rate / trial_rate if trial_rate > 0 else math.inf
+    where = f"{whole.rate:.1f} batches/s in {sample.workers} worker process(es)"
+    if gain >= KEEP_GAIN:
+        return Decision("keep", f"{where}, {trial_rate:.1f} before ({gain:.2f}x)", sample.workers)
+    why = f"{where}, {trial_rate:.1f} before ({gain:.2f}x, under {KEEP_GAIN}x)"
+    if asked is None:
+        return Decision("ask", f"{why}: measured once more", sample.workers)
+    return Decision("back", why)
+
+
+def _wanted(sample: Sample, may_try: bool) -> Decision:
+    # What one window on threads, or in workers kept, asks for alone.
     if sample.workers:
-        if trial_rate is None:
-            return _more_workers(sample, may_try)
-        gain = sample.rate / trial_rate if trial_rate > 0 else math.inf
-        if gain >= KEEP_GAIN:
-            return Decision(
-                "keep",
-                f"{sample.rate:.1f} batches/s in {sample.workers} worker process(es), "
-                f"{trial_rate:.1f} before ({gain:.2f}x)",
-                sample.workers,
-            )
-        return Decision(
-            "back",
-            f"{sample.rate:.1f} batches/s in {sample.workers} worker process(es), "
-            f"{trial_rate:.1f} before ({gain:.2f}x, under {KEEP_GAIN}x)",
-        )
+        return _more_workers(sample, may_try)
     busy = sample.loader_cores
     if busy < LOADER_BUSY:
         return Decision("stay", f"fetching keeps {busy:.2f} cores busy")

@@ -130,7 +130,7 @@ class ThreadedStage(StageBase):
     held while the output is full (an unordered stage's result goes straight on when none
     is held) and an ordered stage's hand-over; ``_take_lock`` an ordered stage's taking and
     numbering. The hand-over cannot share the stage's lock: the channels call the stages
-    next to it (``on_data``, ``on_space``) under ``_emit_lock``. Taking
+    next to it (``on_data``, ``on_space``), at times under ``_emit_lock``. Taking
     could share it, but an ordered stage's jobs then wait for each other (measured: 60% more
     CPU per item, 8 no-op jobs).
 
