@@ -164,6 +164,26 @@ def test_a_trial_the_epoch_ended_in_is_judged_in_the_next_epoch(
     assert second[-1][1] == os.getpid()
 
 
+def test_a_trial_that_falls_short_in_epochs_shorter_than_two_windows_is_judged() -> None:
+    # The real rule, epochs of 14 batches: the window a trial fell short on ("ask") is kept
+    # across the epoch's end, and the next epoch's window judges the trial on both (else
+    # each epoch would end on a new "ask", and the loader stay in the workers for good).
+    loader = DataLoader(Spinning(56), batch_size=4, num_workers="auto")
+    placement = loader._placement
+    assert placement is not None
+    placement.workers, placement.trial_rate = 2, 1e6  # a trial no rate can pass
+    workers = []
+    for _ in range(3):
+        for _batch in loader:
+            time.sleep(0.04)  # the training step: 14 batches make about 0.6 s
+        workers.append(loader.num_workers)
+    assert workers[:2] == [2, 0], loader.stats().tuning  # type: ignore[union-attr]
+    assert placement.trial_rate is None
+    tuning = loader.stats().tuning  # type: ignore[union-attr]
+    assert any("measured once more" in t for t in tuning)
+    assert any("over two windows" in t and "moves back to threads" in t for t in tuning)
+
+
 def test_break_after_a_move_then_state_dict_resumes_with_nothing_lost_or_repeated(
     script: Script,
 ) -> None:

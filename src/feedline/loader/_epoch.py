@@ -33,7 +33,7 @@ from ._fetch import BatchFetcher, Collated, FailureTally, Task
 from ._gather import StateReport, StreamMark
 from ._indices import index_iterator
 from ._ledgers import LoaderLedger, stream_batch_taken
-from ._move import RETRY_AFTER, Sample, Window, decide
+from ._move import RETRY_AFTER, Window, decide
 from ._pool import thread_times
 from ._rewind import GeneratorRewind, sampler_generators
 from ._seeds import RngWatch, next_only
@@ -256,7 +256,6 @@ class EpochIterator(Generic[T]):
         # worker processes fetching is moving to (0: back to threads) at the next boundary.
         self._window: Window | None = None
         self._moving: int | None = None
-        self._asked: Sample | None = None  # the last window, if it asked to move
         self._took_last: tuple[float, bool, float | None, float | None] | None = None
         # The loader's placement as the epoch started (num_workers set meanwhile takes
         # effect at the next epoch).
@@ -662,11 +661,11 @@ class EpochIterator(Generic[T]):
             return
         sample = window.sample(usable_cores())
         may_try = placement.stays is None and time.monotonic() >= placement.retry_at
-        decision = decide(sample, placement.trial_rate, may_try, self._asked)
+        decision = decide(sample, placement.trial_rate, may_try, placement.asked)
         if decision.action == "wait":
             return
         window.restart()
-        self._asked = sample if decision.action == "ask" else None
+        placement.asked = sample if decision.action == "ask" else None
         if decision.action == "ask" and placement.trial_rate is not None:
             placement.note(f"fetch: the trial: {decision.why}")
         if decision.action in ("stay", "ask"):

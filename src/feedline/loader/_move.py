@@ -142,9 +142,9 @@ class Decision:
     """What to do after a window, and why.
 
     ``action``: ``"wait"`` (too short to judge), ``"stay"``, ``"ask"`` (a trial would be
-    made if the next window asks too), ``"move"`` (to ``workers`` processes, a trial judged
-    against ``baseline`` batches per second), ``"keep"`` (a trial paid) or ``"back"`` (where
-    it was before the trial).
+    made if the next window asks too; in a trial: it is judged on the next window and this
+    one), ``"move"`` (to ``workers`` processes, a trial judged against ``baseline`` batches
+    per second), ``"keep"`` (a trial paid) or ``"back"`` (where it was before the trial).
     """
 
     action: str
@@ -164,6 +164,8 @@ class Placement:
             (``None``: no trial under way).
         previous: The worker processes before the trial (0: threads), where it goes back.
         retry_at: ``time.monotonic()`` before which no trial is made.
+        asked: The last window, if it said ``"ask"`` (kept across epochs: an epoch may be
+            shorter than two windows).
         stays: Why the dataset cannot move (``None``: it can).
         log: The decisions taken, oldest first, for ``stats().tuning``.
         hinted: The hint was logged (a loader with ``num_workers=0``).
@@ -175,6 +177,7 @@ class Placement:
     trial_rate: float | None = None
     previous: int = 0
     retry_at: float = 0.0
+    asked: Sample | None = None
     stays: str | None = None
     log: list[str] = field(default_factory=list)
     hinted: bool = False
@@ -225,7 +228,8 @@ def _together(first: Sample, then: Sample) -> Sample:
 
 
 def _plain(sample: Sample) -> bool:
-    # The training thread sleeps so much beside threads that one window shows it.
+    # The training thread sleeps so much that one window shows it (only measured beside
+    # threads: a window in workers has no ``slept``).
     return (
         sample.slept is not None
         and sample.slept >= PLAIN * SLEPT
@@ -240,6 +244,8 @@ def _judged(sample: Sample, trial_rate: float, asked: Sample | None) -> Decision
     whole = sample if asked is None else _together(asked, sample)
     gain = whole.rate / trial_rate if trial_rate > 0 else math.inf
     where = f"{whole.rate:.1f} batches/s in {sample.workers} worker process(es)"
+    if asked is not None:
+        where += " over two windows"
     if gain >= KEEP_GAIN:
         return Decision("keep", f"{where}, {trial_rate:.1f} before ({gain:.2f}x)", sample.workers)
     why = f"{where}, {trial_rate:.1f} before ({gain:.2f}x, under {KEEP_GAIN}x)"

@@ -455,17 +455,17 @@ class ThreadedStage(StageBase):
         ``value`` ``EMPTY``: only hand on what waits (:meth:`_flush`).
         """
         order = self._order
-        if order is None and value is not EMPTY:
-            # unlocked: with nothing held, a result goes straight on (an unordered stage's
-            # results have no order among them); one that another job holds meanwhile goes
-            # on at that job's next look (_flush), or the next job's (see _kick).
-            if not self._ready and self._output.try_put(value):
-                return True
-            with self._emit_lock:
-                self._ready.append(value)
-                return self._flush_ready() or len(self._ready) < self._concurrency
+        # unlocked: with nothing held, a result goes straight on (an unordered stage's results
+        # have no order among them); one that another job holds meanwhile goes on at that
+        # job's next look (_flush), or the next job's (see _kick).
+        straight = order is None and value is not EMPTY  # a result of an unordered stage
+        if straight and not self._ready and self._output.try_put(value):
+            return True
         with self._emit_lock:
             if order is None:
+                if straight:
+                    self._ready.append(value)
+                    return self._flush_ready() or len(self._ready) < self._concurrency
                 return self._flush_ready()
             if value is not EMPTY:
                 order.pending[seq] = value
