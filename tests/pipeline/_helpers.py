@@ -351,7 +351,10 @@ def live_threads() -> set[threading.Thread]:
 
 
 def assert_nothing_left(threads: set[threading.Thread], segments: set[str]) -> None:
-    """No thread beyond ``threads``, child process, zombie or segment beyond ``segments``."""
+    """No thread beyond ``threads``, child process, zombie or segment beyond ``segments``.
+
+    A thread that ends on its own (the ``feedline-unmap`` thread, idle) has 2 s to go.
+    """
     import multiprocessing
 
     from .._system import own_segments, zombies
@@ -359,6 +362,7 @@ def assert_nothing_left(threads: set[threading.Thread], segments: set[str]) -> N
     assert multiprocessing.active_children() == []
     assert zombies() == []
     assert own_segments() == segments
+    wait_until(lambda: not live_threads() - threads, within=2.0)
     assert sorted(t.name for t in live_threads() - threads) == []
 
 

@@ -10,6 +10,8 @@ The rule (:func:`fork_hazards`): every thread other than the caller must be one 
 
 - a ``multiprocessing`` queue's feeder thread, which only moves pickled bytes from its deque
   to its pipe and whose queue the child never touches (PyTorch forks beside them too);
+- feedline's ``feedline-unmap`` thread (:mod:`.unmap`), which only drops mappings from a queue
+  that the child makes anew;
 - a native thread that carries the process's own name: the pools of OpenMP, BLAS and torch
   (torch starts one as it is imported) are made that way, and each registers fork handlers
   that rebuild them in the child, which PyTorch's DataLoader relies on.
@@ -43,6 +45,8 @@ import threading
 from collections.abc import Callable
 from multiprocessing import resource_tracker
 
+from .unmap import THREAD_NAME as UNMAP
+
 __all__ = ["PerProcess", "fork_hazards", "note_obstore_request", "obstore_started_in"]
 
 _FEEDER = "QueueFeederThread"  # multiprocessing.Queue's feeder threads are named so
@@ -66,7 +70,7 @@ def fork_hazards() -> list[str]:
     hazards = [
         f"Python thread {t.name!r}"
         for tid, t in known.items()
-        if tid != me and t.is_alive() and not t.name.startswith(_FEEDER)
+        if tid != me and t.is_alive() and not t.name.startswith(_FEEDER) and t.name != UNMAP
     ]
     try:
         tasks = os.listdir("/proc/self/task")

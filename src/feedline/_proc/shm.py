@@ -3,7 +3,8 @@
 The child copies each large array into a fresh POSIX shared-memory segment and sends only its
 name, shape and dtype. The parent maps the segment, unlinks its name at once (the mapping stays
 valid) and returns an array that views the mapping: one copy in the child, none in the parent,
-and the memory is freed when the parent's array is garbage-collected. Segments that never reach
+and the memory is freed when the parent's array is garbage-collected, on a thread of its own
+(:mod:`.unmap`). Segments that never reach
 the parent (the parent died, an epoch was cut short) are removed by multiprocessing's resource
 tracker, which both processes share.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import mmap
 import os
 import secrets
@@ -39,6 +41,8 @@ from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 import numpy as np
+
+from .unmap import hand_over
 
 __all__ = [
     "SHM_AVAILABLE",
@@ -144,7 +148,7 @@ def shared_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray[Any, Any]:
     dtype = np.dtype(dtype)
     if not SHM_AVAILABLE:
         return np.empty(shape, dtype)
-    size = max(1, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    size = max(1, math.prod(shape) * dtype.itemsize)
     name = _names() if _names is not None else _fresh_name()
     path = os.path.join(_SHM_DIR, name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -157,7 +161,7 @@ def shared_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray[Any, Any]:
     finally:
         os.close(fd)
     resource_tracker.register("/" + name, "shared_memory")  # removed if this process dies
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     array = np.frombuffer(mapping, dtype=dtype, count=count).reshape(shape)
     address = array.__array_interface__["data"][0]
     with _made_lock:
@@ -289,8 +293,10 @@ def _attach(ref: ShmArray) -> np.ndarray[Any, Any]:
         os.unlink(path)
         # The child registered the segment with the shared resource tracker; it is ours now.
         resource_tracker.unregister("/" + ref.name.lstrip("/"), "shared_memory")
-    count = int(np.prod(ref.shape, dtype=np.int64))
-    return np.frombuffer(mapping, dtype=ref.dtype, count=count).reshape(ref.shape)
+    count = math.prod(ref.shape)
+    flat = np.frombuffer(mapping, dtype=ref.dtype, count=count)
+    hand_over(flat, mapping)  # unmapped off the thread that drops the last view (see .unmap)
+    return flat.reshape(ref.shape)
 
 
 def unpack(obj: Any) -> Any:
