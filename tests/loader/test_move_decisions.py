@@ -14,10 +14,13 @@ import pytest
 from feedline.loader._move import (
     KEEP_GAIN,
     MIN_BATCHES,
+    RETRY_AFTER,
+    RETRY_MOST,
     SKIP_BATCHES,
     TRIAL_BATCHES,
     TRIAL_SECONDS,
     TRIAL_SKIP,
+    Placement,
     Sample,
     Window,
     decide,
@@ -313,3 +316,20 @@ def test_the_sleep_a_batch_is_over_the_batches_it_was_measured_on() -> None:
     assert sample.slept == pytest.approx(0.04)
     assert sample.slept_seconds == pytest.approx(0.001)  # not 0.04 * 0.05 s a batch
     assert decide(replace(sample, loader_cores=0.5), None, True).action == "stay"
+
+
+def test_each_trial_that_goes_back_doubles_the_wait_for_the_next_up_to_the_most() -> None:
+    # One trial that noise sent back costs a long run only RETRY_AFTER seconds of the gain;
+    # a loader whose trials keep going back tries ever more rarely.
+    placement = Placement(auto=True, trial_rate=10.0)
+    waits = []
+    now = 1000.0
+    for _ in range(8):
+        placement.went_back(now)
+        assert placement.trial_rate is None
+        waits.append(placement.retry_at - now)
+        now = placement.retry_at
+    assert waits[:3] == [RETRY_AFTER, 2 * RETRY_AFTER, 4 * RETRY_AFTER]
+    assert waits == sorted(waits)
+    assert waits[-1] == RETRY_MOST
+    assert placement.backs == 8

@@ -33,7 +33,7 @@ from ._fetch import BatchFetcher, Collated, FailureTally, Task
 from ._gather import StateReport, StreamMark
 from ._indices import index_iterator
 from ._ledgers import LoaderLedger, stream_batch_taken
-from ._move import RETRY_AFTER, Window, decide
+from ._move import Window, decide
 from ._pool import thread_times
 from ._rewind import GeneratorRewind, sampler_generators
 from ._seeds import RngWatch, next_only
@@ -684,8 +684,7 @@ class EpochIterator(Generic[T]):
             placement.trial_rate = None
             placement.note(f"fetch: stays in {decision.workers} worker process(es): {decision.why}")
         else:  # back
-            placement.trial_rate = None
-            placement.retry_at = time.monotonic() + RETRY_AFTER
+            placement.went_back(time.monotonic())
             self._moving = placement.previous
             where = f"{placement.previous} worker process(es)" if placement.previous else "threads"
             placement.note(f"fetch: moves back to {where}: {decision.why}")

@@ -23,7 +23,7 @@ times it already reads) and a pure function decides (:func:`decide`, its rows in
   kept if the consumer's batches per second rose by :data:`KEEP_GAIN` over the windows that
   asked, taken together; one that falls short is measured for one more window and judged on
   both; else fetching goes back where it was, and no other trial is made for
-  :data:`RETRY_AFTER` seconds;
+  :data:`RETRY_AFTER` seconds, twice as long after each later trial that goes back;
 * in workers, a consumer that still waits for most batches while the machine has idle cores
   gets a trial with twice the workers (at most the cores), judged the same way;
 * a dataset that cannot move (an ``IterableDataset``, a stateful one, one that does not pickle
@@ -89,8 +89,12 @@ LEAST_WORKERS = 2
 each other's pauses, where one falls behind the training loop now and then (measured beside
 JPEG decoding under a step of small tensor ops: 2 workers 1.06x PyTorch's best, 1 worker
 0.99x)."""
-RETRY_AFTER = 300.0
-"""Seconds before another trial, after one that did not pay."""
+RETRY_AFTER = 30.0
+"""Seconds before another trial, after the first that did not pay; each later one that does
+not pay doubles them, up to :data:`RETRY_MOST` (a trial costs two moves and a window, a tenth
+of a second or so; a trial that noise sent back costs the gain until the next)."""
+RETRY_MOST = 480.0
+"""The most seconds between trials."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,7 @@ class Placement:
             (``None``: no trial under way).
         previous: The worker processes before the trial (0: threads), where it goes back.
         retry_at: ``time.monotonic()`` before which no trial is made.
+        backs: The trials that went back.
         asked: The last window, if it said ``"ask"`` (kept across epochs: an epoch may be
             shorter than two windows).
         stays: Why the dataset cannot move (``None``: it can).
@@ -177,6 +182,7 @@ class Placement:
     trial_rate: float | None = None
     previous: int = 0
     retry_at: float = 0.0
+    backs: int = 0
     asked: Sample | None = None
     stays: str | None = None
     log: list[str] = field(default_factory=list)
@@ -186,6 +192,12 @@ class Placement:
         """Keep ``text`` in the log (the last 20)."""
         self.log.append(text)
         del self.log[:-20]
+
+    def went_back(self, now: float) -> None:
+        """A trial went back at ``now`` (``time.monotonic()``): the next one waits longer."""
+        self.retry_at = now + min(RETRY_MOST, RETRY_AFTER * 2**self.backs)
+        self.backs += 1
+        self.trial_rate = None
 
 
 def decide(
