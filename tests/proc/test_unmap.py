@@ -13,7 +13,7 @@ import pytest
 
 from feedline._proc.forking import fork_hazards
 from feedline._proc.shm import SHM_AVAILABLE, pack, shared_empty, unpack
-from feedline._proc.unmap import IDLE_SECONDS, THREAD_NAME, hand_over
+from feedline._proc.unmap import IDLE_SECONDS, MOST_QUEUED, THREAD_NAME, hand_over
 
 from .._system import own_segments
 from ..pipeline._helpers import wait_until
@@ -26,18 +26,20 @@ class _Blocker:
 
     def __init__(self, go: threading.Event) -> None:
         self.go = go
+        self.closing = threading.Event()
 
     def close(self) -> None:
+        self.closing.set()
         self.go.wait(30.0)
 
 
 def _block_the_thread() -> threading.Event:
     # The unmap thread, busy with a "mapping" that is dropped only once the event is set.
     go = threading.Event()
-    carrier = np.zeros(1)
-    hand_over(carrier, _Blocker(go))
+    carrier, blocker = np.zeros(1), _Blocker(go)
+    hand_over(carrier, blocker)
     del carrier
-    assert wait_until(lambda: _unmap_threads() == 1)
+    assert blocker.closing.wait(10.0)  # taken from the queue: the thread is busy with it
     return go
 
 
@@ -75,6 +77,21 @@ def test_an_array_dropped_here_is_unmapped_by_the_unmap_thread() -> None:
     finally:
         go.set()
     assert wait_until(lambda: not _mapped(name))
+
+
+def test_past_the_most_queued_the_dropping_thread_unmaps_its_own() -> None:
+    # Memory stays bounded when the thread falls behind: here it is held busy.
+    go = _block_the_thread()
+    try:
+        received = [_received((16, 4096)) for _ in range(MOST_QUEUED + 1)]
+        names = [name for name, _ in received]
+        while received:  # dropped in order (the list held the only views)
+            del received[0]
+        assert all(_mapped(name) for name in names[:MOST_QUEUED])  # queued
+        assert not _mapped(names[MOST_QUEUED])  # unmapped as it was dropped
+    finally:
+        go.set()
+    assert wait_until(lambda: not any(_mapped(name) for name in names))
 
 
 def test_the_thread_ends_when_idle_and_a_new_mapping_starts_it_again() -> None:

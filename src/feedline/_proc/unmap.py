@@ -24,12 +24,16 @@ import time
 import weakref
 from typing import Any
 
-__all__ = ["IDLE_SECONDS", "THREAD_NAME", "hand_over"]
+__all__ = ["IDLE_SECONDS", "MOST_QUEUED", "THREAD_NAME", "hand_over"]
 
 THREAD_NAME = "feedline-unmap"
 IDLE_SECONDS = 0.2
 """Seconds with nothing to unmap after which the thread ends (the next mapping starts one,
 for about 0.1 ms on the thread that drops it)."""
+MOST_QUEUED = 64
+"""Mappings waiting for the thread past which the dropping thread unmaps its own (memory stays
+bounded if the thread falls behind; measured under a training loop that holds the GIL: 6 at
+most)."""
 CLOSE_TRIES = 1000
 """Tries, a millisecond apart, to close a mapping still exported (then it goes when dropped)."""
 
@@ -48,8 +52,8 @@ class _Unmapper:
         # On the thread that dropped the array's last view: queue the mapping (the array's
         # own reference to it goes as its deallocation ends).
         held = self.viewed.pop(id(ref), None)
-        if held is None or sys.is_finalizing():
-            return  # (at exit, no thread can start: unmapped here)
+        if held is None or sys.is_finalizing() or self._queue.qsize() >= MOST_QUEUED:
+            return  # unmapped here: at exit no thread can start; memory stays bounded
         self._queue.put(held[1])
         del held
         with self._lock:
