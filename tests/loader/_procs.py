@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 
 import pytest
@@ -28,3 +29,12 @@ def alone() -> None:
         time.sleep(0.05)
     if fork_hazards():
         pytest.skip(f"a fork is unsafe beside: {fork_hazards()}")
+
+
+def only_this_thread() -> None:
+    """Assert that this is the process's one thread, after a few seconds' grace for threads that
+    end on their own (queue feeders, ``feedline-unmap``)."""
+    deadline = time.monotonic() + 5
+    while threading.active_count() > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [t.name for t in threading.enumerate()] == [threading.current_thread().name]

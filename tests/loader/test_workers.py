@@ -30,7 +30,7 @@ from ._datasets import (  # noqa: E402
     failing_init,
     worker_pid_collate,
 )
-from ._procs import alone, no_children_left  # noqa: E402
+from ._procs import alone, no_children_left, only_this_thread  # noqa: E402
 
 pytestmark = starts_processes
 
@@ -219,8 +219,7 @@ def test_first_hands_too_large_to_write_at_once_still_fork_every_worker() -> Non
     no_children_left()
     assert _zombies() == []
     assert own_segments() <= segments  # nothing left in /dev/shm
-    alone()  # no thread left (queue feeders end within the grace)
-    assert threading.active_count() == 1
+    only_this_thread()
 
 
 def test_batches_are_collated_in_the_workers_as_in_pytorch() -> None:

@@ -4,9 +4,8 @@ The child copies each large array into a fresh POSIX shared-memory segment and s
 name, shape and dtype. The parent maps the segment, unlinks its name at once (the mapping stays
 valid) and returns an array that views the mapping: one copy in the child, none in the parent,
 and the memory is freed when the parent's array is garbage-collected, on a thread of its own
-(:mod:`.unmap`). Segments that never reach
-the parent (the parent died, an epoch was cut short) are removed by multiprocessing's resource
-tracker, which both processes share.
+(:mod:`.unmap`). Segments that never reach the parent (the parent died, an epoch was cut short)
+are removed by multiprocessing's resource tracker, which both processes share.
 
 Only plain containers are walked (dict, list, tuple, named tuples); plain CPU torch tensors
 travel as their NumPy arrays (:class:`TensorRef`); anything else travels as a pickle.

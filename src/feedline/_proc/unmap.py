@@ -7,11 +7,12 @@ the training loop, waiting. Each such array is given to :func:`hand_over` as it 
 it is garbage the mapping goes to one ``feedline-unmap`` thread, which closes it there (``munmap``
 runs with the GIL released, so the training thread goes on).
 
-The thread starts with the first mapping it is handed and ends once it has had nothing to do for
-:data:`IDLE_SECONDS`, so a process that no longer reads from children keeps no thread. It holds
-no lock that a forked child could need: :mod:`.forking` lets a plain ``fork`` happen beside it,
-and the child starts with no such thread and an empty queue of its own (what the parent had
-queued is unmapped in the child as that copy of the queue goes).
+The thread starts as an array is received and ends once it has had nothing to do for
+:data:`IDLE_SECONDS`, so a process that no longer reads from children keeps no thread; a view
+that dies while none runs takes its mapping with it, as before. It holds no lock that a forked
+child could need: :mod:`.forking` lets a plain ``fork`` happen beside it, and the child starts
+with no such thread and an empty queue of its own (what the parent had queued is dropped in the
+child at the fork).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ __all__ = ["IDLE_SECONDS", "MOST_QUEUED", "THREAD_NAME", "hand_over"]
 
 THREAD_NAME = "feedline-unmap"
 IDLE_SECONDS = 0.2
-"""Seconds with nothing to unmap after which the thread ends (the next mapping starts one,
-for about 0.1 ms on the thread that drops it)."""
+"""Seconds with nothing to unmap after which the thread ends (the next array received starts
+one, for about 0.1 ms)."""
 MOST_QUEUED = 64
 """Mappings waiting for the thread past which the dropping thread unmaps its own (memory stays
 bounded if the thread falls behind; measured under a training loop that holds the GIL: 6 at
@@ -39,34 +40,59 @@ CLOSE_TRIES = 1000
 
 
 class _Unmapper:
-    # The queue of mappings to drop, the thread that drops them, and the mappings still viewed
-    # (each by the weak reference to the array that views it).
+    # The queue of mappings to close, whether a thread closes them, and the mappings still
+    # viewed (each by the weak reference to the array that views it).
+    #
+    # The thread is started by ``watch`` (as an array is received), never by ``garbage``: a
+    # weak reference's callback runs wherever an array dies, a garbage collection included,
+    # and must neither wait nor allocate under the lock that another callback may need.
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # the thread's start and end, so no mapping is left
-        self._thread: threading.Thread | None = None
+        # Guards ``_running``, nothing else: its holders neither allocate nor wait, so that no
+        # collection runs a callback that needs it while it is held.
+        self._lock = threading.Lock()
+        self._running = False
         self.viewed: dict[int, tuple[weakref.ref[Any], Any]] = {}  # by id of the ref
+        self._finalizing = sys.is_finalizing  # (kept: module globals go first at exit)
+        self._most = MOST_QUEUED
+
+    def watch(self, array: Any, mapping: Any) -> None:
+        ref = weakref.ref(array, _garbage)  # (an array has no hash: the ref is kept by its id)
+        self.viewed[id(ref)] = (ref, mapping)
+        with self._lock:
+            start, self._running = not self._running, True
+        if start:
+            try:
+                threading.Thread(target=self._run, name=THREAD_NAME, daemon=True).start()
+            except BaseException as error:  # no thread: views take their mappings with them
+                with self._lock:
+                    self._running = False
+                if not isinstance(error, RuntimeError):  # (at exit, or out of threads)
+                    raise
 
     def garbage(self, ref: weakref.ref[Any]) -> None:
-        # On the thread that dropped the array's last view: queue the mapping (the array's
-        # own reference to it goes as its deallocation ends).
+        # On the thread that dropped the array's last view: queue the mapping for the thread
+        # (the array's own reference to it goes as its deallocation ends). With no thread
+        # running, at exit, or past the most queued, the mapping goes here, as it would
+        # without this module.
         held = self.viewed.pop(id(ref), None)
-        if held is None or sys.is_finalizing() or self._queue.qsize() >= MOST_QUEUED:
-            return  # unmapped here: at exit no thread can start; memory stays bounded
+        if held is None or self._finalizing() or self._queue.qsize() >= self._most:
+            return
         self._queue.put(held[1])
         del held
         with self._lock:
-            if self._thread is not None:
-                return
-            thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+            running = self._running
+        if not running:  # (seen after the put: a thread that stops sees the put; see _run)
+            self.drop_queued()
+
+    def drop_queued(self) -> None:
+        """Drop what is queued here: each mapping goes with its last reference."""
+        while True:
             try:
-                thread.start()
-            except RuntimeError:  # the interpreter is shutting down: unmapped here
-                while not self._queue.empty():
-                    self._queue.get()
+                self._queue.get_nowait()
+            except queue.Empty:
                 return
-            self._thread = thread
 
     def _run(self) -> None:
         while True:
@@ -74,11 +100,16 @@ class _Unmapper:
                 mapping = self._queue.get(timeout=IDLE_SECONDS)
             except queue.Empty:
                 with self._lock:
-                    # A mapping queued after the wait ended and before this check is seen
-                    # here; one queued after it finds no thread and starts one.
-                    if self._queue.empty():
-                        self._thread = None
-                        return
+                    self._running = False
+                # A put that saw this thread running came before the flag went down: it is
+                # in the queue now. Those after it drop their own.
+                if self._queue.empty():
+                    return
+                with self._lock:
+                    resume = not self._running  # else a new thread is starting
+                    self._running = True
+                if not resume:
+                    return
                 continue
             _close(mapping)
             del mapping
@@ -97,29 +128,37 @@ def _close(mapping: Any) -> None:
             time.sleep(1e-3)
 
 
-_unmapper = _Unmapper()
+_unmapper: _Unmapper | None = _Unmapper()
 
 
 def hand_over(array: Any, mapping: Any) -> None:
-    """Drop ``mapping`` on the ``feedline-unmap`` thread once ``array`` (its view) is garbage.
+    """Close ``mapping`` on the ``feedline-unmap`` thread once ``array`` (its view) is garbage.
 
     ``array`` must support weak references (a NumPy array does) and hold ``mapping`` (as its
-    buffer's owner), so that the mapping outlives every view of it.
+    buffer's owner), so that the mapping outlives every view of it. Starts the thread if it
+    does not run; a view that dies while none runs takes its mapping with it, on its thread.
     """
-    ref = weakref.ref(array, _garbage)  # (an array has no hash: the ref is kept by its id)
-    _unmapper.viewed[id(ref)] = (ref, mapping)
+    assert _unmapper is not None
+    _unmapper.watch(array, mapping)
 
 
 def _garbage(ref: weakref.ref[Any]) -> None:
     # (Not a method: an array that a forked child copied goes to the child's unmapper.)
-    _unmapper.garbage(ref)
+    unmapper = _unmapper
+    if unmapper is not None:  # (None: this module's globals went, at exit)
+        unmapper.garbage(ref)
 
 
 def _after_fork_in_child() -> None:
     # The parent's thread is not in the child, and its lock may have been held at the fork.
+    # What it had queued goes now (else the frozen thread's frame would keep it mapped here);
+    # a mapping it was closing at the fork stays, as the child's copy of any live array does.
     global _unmapper
+    parent = _unmapper
     fresh = _Unmapper()
-    fresh.viewed = _unmapper.viewed  # the arrays the child copied
+    if parent is not None:
+        fresh.viewed = parent.viewed  # the arrays the child copied
+        parent.drop_queued()
     _unmapper = fresh
 
 
