@@ -138,8 +138,9 @@ def hand_over(array: Any, mapping: Any) -> None:
     buffer's owner), so that the mapping outlives every view of it. Starts the thread if it
     does not run; a view that dies while none runs takes its mapping with it, on its thread.
     """
-    assert _unmapper is not None
-    _unmapper.watch(array, mapping)
+    unmapper = _unmapper
+    if unmapper is not None:  # (None: at exit; the view then takes its mapping with it)
+        unmapper.watch(array, mapping)
 
 
 def _garbage(ref: weakref.ref[Any]) -> None:
