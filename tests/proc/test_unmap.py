@@ -15,7 +15,7 @@ from feedline._proc.forking import fork_hazards
 from feedline._proc.shm import SHM_AVAILABLE, pack, shared_empty, unpack
 from feedline._proc.unmap import IDLE_SECONDS, MOST_QUEUED, THREAD_NAME, hand_over
 
-from .._system import own_segments
+from .._system import own_segments, zombies
 from ..pipeline._helpers import wait_until
 
 pytestmark = pytest.mark.skipif(not SHM_AVAILABLE, reason="needs /dev/shm")
@@ -117,6 +117,7 @@ def _in_child(queued: list[str], results: Any) -> None:
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_fork_beside_the_busy_thread_is_safe_and_the_child_drops_what_it_queued() -> None:
+    segments = own_segments()
     go = _block_the_thread()
     try:
         received = [_received((64, 1024)) for _ in range(3)]
@@ -135,3 +136,6 @@ def test_a_fork_beside_the_busy_thread_is_safe_and_the_child_drops_what_it_queue
         go.set()
     assert wait_until(lambda: not any(_mapped(name) for name in queued))
     assert wait_until(lambda: _unmap_threads() == 0, within=IDLE_SECONDS + 10.0)
+    assert multiprocessing.active_children() == []
+    assert zombies() == []
+    assert own_segments() <= segments  # the child's and the parent's segments are all gone
