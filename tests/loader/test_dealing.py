@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
-from torch.utils.data import Sampler  # noqa: E402
+from torch.utils.data import Dataset, Sampler  # noqa: E402
 
 from feedline import DataLoader  # noqa: E402
 from feedline._ledger import ledger_check  # noqa: E402
@@ -100,19 +101,20 @@ def test_a_resumed_epoch_deals_each_batch_to_the_worker_it_had() -> None:
 
 def test_out_of_order_the_dealer_gives_the_next_batch_to_a_worker_with_room() -> None:
     dealer = Dealer(_tasks(20), workers=2, ahead=2, in_order=False)
-    assert [[n for n, _ in h] for h in dealer.first_hands()] == [[0, 2, 4], [1, 3, 5]]
+    # As PyTorch's: at most prefetch_factor (ahead) batches dealt to a worker at a time.
+    assert [[n for n, _ in h] for h in dealer.first_hands()] == [[0, 2], [1, 3]]
     sent: list[tuple[int, list[int], bool]] = []
 
     def send(worker: int, hand: list[tuple[int, list[int]]], last: bool) -> None:
         sent.append((worker, [n for n, _ in hand], last))
 
     # Worker 0 is slow: worker 1 hands out its batches, and only it gets more, one by one.
-    for _ in range(15):  # the last finds the sampler drawn out
+    for _ in range(17):  # the last finds the sampler drawn out
         dealer.handed_out(1)
         dealer.top_up(send)
-    assert sent[:14] == [(1, [n], False) for n in range(6, 20)]
-    assert dealer.holds(0) == 3
-    assert sent[14:] == [(0, [], True), (1, [], True)]  # the end: both shares are complete
+    assert sent[:16] == [(1, [n], False) for n in range(4, 20)]
+    assert dealer.holds(0) == 2
+    assert sent[16:] == [(0, [], True), (1, [], True)]  # the end: both shares are complete
     assert dealer.exhausted
 
 
@@ -229,6 +231,32 @@ def test_out_of_order_a_free_worker_fetches_what_a_slow_one_would_hold() -> None
         assert counts.get(1, 0) > 3 * counts.get(0, 0), (theirs, ours)
     no_children_left()
     assert zombies() == []
+
+
+class _SlowFirstItem(Dataset[tuple[int, int]]):
+    # Item 0 takes a while; each item says which worker fetched it.
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        if i == 0:
+            time.sleep(0.5)
+        info = torch.utils.data.get_worker_info()
+        return (info.id if info is not None else -1), i
+
+
+def test_out_of_order_a_stuck_worker_holds_what_pytorch_s_would() -> None:
+    # Batch 0 keeps worker 0 busy: PyTorch deals it prefetch_factor batches (0 and 2) and the
+    # other worker fetches the rest, none of which waits for batch 0.
+    kw: dict[str, Any] = {"num_workers": 2, "prefetch_factor": 2, "in_order": False}
+
+    def on_the_stuck_worker(cls: Any) -> list[int]:
+        return sorted(int(i) for w, i in cls(_SlowFirstItem(), **kw) if int(w) == 0)
+
+    theirs, ours = on_the_stuck_worker(TorchLoader), on_the_stuck_worker(DataLoader)
+    assert theirs == [0, 2]
+    assert ours == theirs
+    no_children_left()
 
 
 def test_an_epoch_resumed_out_of_order_hands_out_every_batch_once() -> None:

@@ -200,3 +200,44 @@ def test_a_child_forked_while_a_thread_holds_the_resource_tracker_s_lock_makes_s
         release.set()
         holder.join()
     assert child.exitcode == 0
+
+
+_START_METHOD_SCRIPT = """
+import multiprocessing, os, sys
+import torch
+import feedline
+
+PARENT = os.getpid()
+
+
+class WhereFrom(torch.utils.data.Dataset):
+    # Each item: whether the worker was forked (it still has the value set after import).
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return sys.modules["__main__"].MARK
+
+
+MARK = "as imported"
+
+if __name__ == "__main__":
+    multiprocessing.set_start_method(sys.argv[1], force=True)
+    MARK = "set by the parent"  # a forked worker has it; a started one imports this file
+    for name, cls in (("torch", torch.utils.data.DataLoader), ("feedline", feedline.DataLoader)):
+        batch = next(iter(cls(WhereFrom(), batch_size=2, num_workers=1, collate_fn=list)))
+        print(name, batch[0], flush=True)
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_start_method_set_for_the_program_is_used_as_pytorch_uses_it(
+    tmp_path: Path, method: str
+) -> None:
+    script = tmp_path / "start_method.py"
+    script.write_text(_START_METHOD_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script), method], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["torch as imported", "feedline as imported"], out.stdout

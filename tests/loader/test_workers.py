@@ -360,3 +360,52 @@ def test_a_main_script_without_a_guard_is_named_as_the_cause(tmp_path: Any) -> N
     assert caught, done.stdout + done.stderr
     assert "SubprocessDied" in caught[0]
     assert "if __name__ == '__main__':" in caught[0]
+
+
+_KEEPS_BATCHES = """
+import resource, sys
+import torch
+from torch.utils.data import IterableDataset
+import feedline
+
+
+class Random(IterableDataset):
+    def __iter__(self):
+        return (torch.randn(2, 2) for _ in range(200))
+
+
+if __name__ == "__main__":
+    cls = torch.utils.data.DataLoader if sys.argv[1] == "torch" else feedline.DataLoader
+    resource.setrlimit(resource.RLIMIT_NOFILE, (100, 100))
+    kept = []
+    try:
+        for batch in cls(Random(), num_workers=1, multiprocessing_context="fork"):
+            kept.append(batch)
+    except RuntimeError as error:
+        print("raised", "ulimit -n" in str(error))
+    print("kept", len(kept))
+"""
+
+
+def test_batches_kept_from_a_worker_hold_no_file_descriptors(tmp_path: Any) -> None:
+    # PyTorch's test_fd_limit_exceeded: 200 batches kept under a limit of 100 open files.
+    # PyTorch's default sharing holds a descriptor per batch and raises, naming `ulimit -n`;
+    # feedline's batches hold none (see the loader README's differences).
+    import subprocess
+    import sys
+
+    script = tmp_path / "keeps.py"
+    script.write_text(_KEEPS_BATCHES)
+
+    def run(which: str) -> list[str]:
+        done = subprocess.run(
+            [sys.executable, str(script), which], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    theirs = run("torch")
+    assert theirs[:2] == ["raised", "True"]
+    assert int(theirs[-1]) < 200
+    assert run("feedline") == ["kept", "200"]
+    no_children_left()

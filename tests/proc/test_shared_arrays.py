@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import os
+import time
 from typing import Any
 
 import numpy as np
@@ -67,3 +69,28 @@ def test_an_address_reused_after_an_array_died_is_not_taken_for_it() -> None:
     plain = np.ones(256)
     assert isinstance(pack(plain, min_bytes=1 << 30), np.ndarray)
     assert own_segments() - before == set()
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_arrays_made_or_received_and_kept_hold_no_file_descriptor() -> None:
+    # A program may keep many batches from its workers (a cache, a list of results): each
+    # mapping used to hold a descriptor until its array went, and a few hundred batches ran
+    # into the open-files limit (PyTorch's test_fd_limit_exceeded keeps 200 under 100).
+    before_all = own_segments()
+    warm = shared_empty((1,), np.uint8)  # the first may start the resource tracker (a pipe)
+    before = _open_descriptors()
+    made = [shared_empty((256,), np.float32) for _ in range(50)]
+    for i, array in enumerate(made):
+        array[...] = i
+    assert _open_descriptors() == before
+    received = [unpack(pack(array, min_bytes=1 << 30)) for array in made]
+    assert _open_descriptors() == before
+    gc.collect()
+    time.sleep(0.3)  # whatever the unmap thread was given, it has closed by now
+    assert [float(r.sum()) for r in received] == [256.0 * i for i in range(50)]
+    del made, received, warm
+    gc.collect()
+    assert own_segments() - before_all == set()

@@ -4,8 +4,9 @@ The child copies each large array into a fresh POSIX shared-memory segment and s
 name, shape and dtype. The parent maps the segment, unlinks its name at once (the mapping stays
 valid) and returns an array that views the mapping: one copy in the child, none in the parent,
 and the memory is freed when the parent's array is garbage-collected, on a thread of its own
-(:mod:`.unmap`). Segments that never reach the parent (the parent died, an epoch was cut short)
-are removed by multiprocessing's resource tracker, which both processes share.
+(:mod:`.unmap`). No file descriptor stays open for a mapping (:mod:`.mapped`). Segments that
+never reach the parent (the parent died, an epoch was cut short) are removed by
+multiprocessing's resource tracker, which both processes share.
 
 Only plain containers are walked (dict, list, tuple, named tuples); plain CPU torch tensors
 travel as their NumPy arrays (:class:`TensorRef`); anything else travels as a pickle.
@@ -28,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import mmap
 import os
 import secrets
 import sys
@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from .mapped import map_shared
 from .unmap import hand_over
 
 __all__ = [
@@ -153,7 +154,7 @@ def shared_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray[Any, Any]:
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, size)
-        mapping = mmap.mmap(fd, size)
+        _, buffer = map_shared(fd, size)  # unmapped when the array is garbage
     except BaseException:
         os.unlink(path)
         raise
@@ -161,7 +162,7 @@ def shared_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray[Any, Any]:
         os.close(fd)
     resource_tracker.register("/" + name, "shared_memory")  # removed if this process dies
     count = math.prod(shape)
-    array = np.frombuffer(mapping, dtype=dtype, count=count).reshape(shape)
+    array = np.frombuffer(buffer, dtype=dtype, count=count).reshape(shape)
     address = array.__array_interface__["data"][0]
     with _made_lock:
         _made[address] = (name, weakref.ref(array))
@@ -286,14 +287,14 @@ def _attach(ref: ShmArray) -> np.ndarray[Any, Any]:
     fd = os.open(path, os.O_RDWR)
     try:
         size = os.fstat(fd).st_size
-        mapping = mmap.mmap(fd, size)
+        mapping, buffer = map_shared(fd, size)  # keeps no descriptor open
     finally:
         os.close(fd)
         os.unlink(path)
         # The child registered the segment with the shared resource tracker; it is ours now.
         resource_tracker.unregister("/" + ref.name.lstrip("/"), "shared_memory")
     count = math.prod(ref.shape)
-    flat = np.frombuffer(mapping, dtype=ref.dtype, count=count)
+    flat = np.frombuffer(buffer, dtype=ref.dtype, count=count)
     hand_over(flat, mapping)  # unmapped off the thread that drops the last view (see .unmap)
     return flat.reshape(ref.shape)
 

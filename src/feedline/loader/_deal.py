@@ -70,7 +70,9 @@ class Dealer:
         self._tasks = tasks
         self._workers = workers
         self._first = first % workers if workers else 0
-        self._low = max(1, ahead) + 1
+        # in_order=True keeps one more dealt, so that a worker's next round is there before
+        # it runs out; in_order=False deals a worker at most ``ahead``, as PyTorch does.
+        self._low = max(1, ahead) + (1 if in_order else 0)
         self._round = self._low
         self._held = [0] * workers  # dealt to each worker and not handed out yet
         self._in_order = in_order

@@ -610,11 +610,12 @@ class EpochIterator(Generic[T]):
         workers = loader._torch_loader.num_workers if loader is not None else 0
         warnings.warn(
             f"Length of IterableDataset {dataset} was reported to be {self._len_called} (when "
-            f"accessing len(dataloader)), but {self.position.yielded} batches have been "
-            "fetched"
+            f"accessing len(dataloader)), but {self.position.yielded} samples have been "
+            "fetched."
             + (
-                ": with worker processes, each worker must take its own share of the stream "
-                "(by torch.utils.data.get_worker_info())"
+                " For multiprocessing data-loading, this is what a dataset gives when each "
+                "worker yields the whole stream: give each worker its own share (by "
+                "torch.utils.data.get_worker_info())"
                 if workers
                 else ""
             ),

@@ -309,6 +309,11 @@ class WorkerEpoch:
         ended = [False] * count
         number, turn = turns.start, turns.turn
         expected = list(turns.taken)  # each worker's next batch number
+        if not in_order:
+            # Each child's first message says its iterable is made: taken with a batch, it
+            # would hold up the others' batches until that worker's first (as _as_they_come).
+            for process in self._workers.processes:
+                process.wait_ready(self._stopping)
         while not all(ended):
             ready = [turn] if in_order else self._ready([w for w in range(count) if not ended[w]])
             for w in ready:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing as mp
 import os
 import warnings
 import weakref
@@ -88,10 +89,11 @@ class DataLoader(Generic[T]):
         worker_init_fn: Called with the worker id in each worker process, once, after it is
             seeded (as in PyTorch; it sees ``torch.utils.data.get_worker_info()``).
         multiprocessing_context: Start method of worker processes, by name or as a
-            ``multiprocessing`` context. ``None`` (and ``"fork"``): fork, as PyTorch does on
-            Linux, when this process runs no other thread as an epoch starts (a fork copies
-            only the calling thread, so no other thread's lock can be inherited held);
-            otherwise the fork server.
+            ``multiprocessing`` context; ``None``: the one ``multiprocessing.set_start_method()``
+            set, if any. ``"fork"``, or nothing set: fork, as PyTorch does on Linux, when
+            this process runs no other thread as an epoch starts (a fork copies only the
+            calling thread, so no other thread's lock can be inherited held); otherwise the
+            fork server.
         prefetch_factor: Batches in flight per worker (per loader when ``num_workers=0``);
             default 2. Without workers, the batches ahead of a consumer that does not wait:
             while it waits for one, more are drawn, as many as keep the threads busy.
@@ -323,12 +325,17 @@ class DataLoader(Generic[T]):
     def mp_context(self) -> str | None:
         """How worker processes start: ``"spawn"``, ``"forkserver"``, or ``None`` (fork).
 
-        From ``multiprocessing_context``. ``None`` (the default, or ``"fork"``): fork when no
-        other thread runs as an epoch starts (as PyTorch forks on Linux, and a dataset holding
-        a lambda works), else the fork server.
+        From ``multiprocessing_context``, or without one the start method set for the whole
+        program (``multiprocessing.set_start_method()``), as PyTorch's workers use it.
+        ``None`` (neither set, or ``"fork"``): fork when no other thread runs as an epoch
+        starts (as PyTorch forks on Linux, and a dataset holding a lambda works), else the
+        fork server.
         """
         context = self._torch_loader.multiprocessing_context
-        method = None if context is None else context.get_start_method()
+        if context is None:
+            method = mp.get_start_method(allow_none=True)
+        else:
+            method = context.get_start_method()
         return None if method == "fork" else method
 
     @property
