@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import threading
 import time
@@ -395,3 +396,82 @@ def test_a_thread_that_cannot_start_leaves_the_pool_as_it_was(
         release.set()
         pool.shutdown(wait=True)  # joins only threads that started
     assert not [t for t in threading.enumerate() if t.name.startswith("test-pool")]
+
+
+def _slowly(x: Any) -> Any:
+    time.sleep(0.01)
+    return x
+
+
+class _Cycle:
+    # Holds what it is given in a reference cycle: only a garbage collection frees it.
+    def __init__(self, held: Any) -> None:
+        self.held, self.me = held, self
+
+
+def _collect_in(where: str) -> tuple[Callable[[Any], Any], threading.Event, threading.Event]:
+    # An op (sync or async) that runs a garbage collection once asked, and says when it did.
+    asked, done = threading.Event(), threading.Event()
+
+    def collect_once() -> None:
+        if asked.is_set() and not done.is_set():
+            asked.clear()
+            gc.collect()  # as an allocation in the op could start one
+            done.set()
+
+    def op(x: Any) -> Any:
+        collect_once()
+        return x
+
+    async def aop(x: Any) -> Any:
+        collect_once()
+        return x
+
+    return (op if where == "worker" else aop), asked, done
+
+
+@pytest.mark.parametrize("where", ["worker", "event loop"])
+def test_a_pipeline_collected_on_one_of_its_own_threads_stops_and_leaves_nothing(
+    where: str,
+) -> None:
+    # The pipeline's finalizer runs on a thread of its own run (a pool thread in an op, or the
+    # event loop): it cannot wait there for the run's threads, one of which is itself. It
+    # stops the run from a thread of its own. (Before: the pool thread waited for itself for
+    # ever, warning every 5 s; on the loop, the pool's threads were never joined.)
+    threads, segments = _helpers.live_threads(), own_segments()
+    op, asked, done = _collect_in(where)
+    builder = PipelineBuilder().add_source(range(10**6))
+    if where == "event loop":  # a stage on threads before it: the pool has threads to join
+        builder = builder.pipe(_slowly, concurrency=2)
+    it = iter(builder.pipe(op, concurrency=2).add_sink().build())
+    next(it)
+    gc.disable()  # the collection runs where the op runs it, not in this thread
+    try:
+        _Cycle(it)
+        del it
+        asked.set()
+        assert done.wait(10)
+    finally:
+        gc.enable()
+    _helpers.assert_nothing_left(threads, segments)
+
+
+def test_stop_called_from_inside_an_op_returns_and_the_run_ends() -> None:
+    # A stop asked for by one of the run's own calls cannot wait for that call to end.
+    threads, segments = _helpers.live_threads(), own_segments()
+    holder: list[Any] = []
+    returned = threading.Event()
+
+    def stops(x: int) -> int:
+        if x == 50:
+            holder[0].stop()
+            returned.set()
+        return x
+
+    pipeline = PipelineBuilder().add_source(range(10**6)).pipe(stops).build()
+    holder.append(pipeline)
+    got = sum(1 for _ in pipeline)
+    assert returned.wait(5)
+    assert 0 < got < 10**6
+    del holder[:], pipeline
+    _helpers.assert_nothing_left(threads, segments)

@@ -18,6 +18,7 @@ from feedline import (
     iterate_in_subprocess,
     run_pipeline_in_subprocess,
 )
+from feedline._proc import mapped
 
 from .._system import own_segments, starts_processes, zombies
 from ..loader._procs import no_children_left
@@ -33,10 +34,18 @@ def test_pipeline_in_subprocess_for_three_epochs() -> None:
 
 
 def _root(array: np.ndarray) -> object:
+    # What owns the memory: through the arrays and memoryviews that view it.
     base: object = array
-    while isinstance(base, np.ndarray) and base.base is not None:
-        base = base.base
-    return base.obj if isinstance(base, memoryview) else base
+    while True:
+        if isinstance(base, np.ndarray) and base.base is not None:
+            base = base.base
+        elif isinstance(base, memoryview):
+            base = base.obj
+        else:
+            return base
+
+
+_MAPPINGS = (mmap.mmap, mapped._Mapping)  # what a received array's memory belongs to
 
 
 def test_arrays_cross_through_shared_memory() -> None:
@@ -49,8 +58,8 @@ def test_arrays_cross_through_shared_memory() -> None:
         np.testing.assert_array_equal(d["image"], np.full((64, 64, 3), i % 256, np.uint8))
         np.testing.assert_array_equal(d["big"], np.arange(100_000, dtype=np.float32) + i)
         # the large array views a shared-memory mapping; the small one came as a pickle
-        assert isinstance(_root(d["big"]), mmap.mmap)
-        assert not isinstance(_root(d["image"]), mmap.mmap)
+        assert isinstance(_root(d["big"]), _MAPPINGS)
+        assert not isinstance(_root(d["image"]), _MAPPINGS)
     # every segment was unlinked once mapped: nothing is left in /dev/shm
     assert own_segments() - before == set()
 

@@ -194,7 +194,7 @@ class Run:
         if not self.life.job_begin():
             return False
         try:
-            executor.submit(self._tracked, fn)
+            executor.submit(self.life.run_job, fn)
         except RuntimeError as error:  # the executor was shut down under us
             self.life.job_done()
             if not self.life.stopping:
@@ -237,12 +237,6 @@ class Run:
             # The pool cancelled the call (it was closed): an Exception the stage records,
             # not counted while the run stops, instead of a BaseException ending the worker.
             raise error from None
-
-    def _tracked(self, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        finally:
-            self.life.job_done()
 
     def item_failed(self, item: Any, stage: str) -> None:
         """The stage named ``stage`` failed on ``item`` within the failure budget, skipping it."""

@@ -2,10 +2,33 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["RunLifecycle"]
+__all__ = ["RunLifecycle", "may_join_here"]
+
+_here = threading.local()  # per thread: ``collecting`` (a collection runs on it), ``job``
+
+
+def _note_collection(phase: str, info: dict[str, Any]) -> None:
+    _here.collecting = phase == "start"
+
+
+gc.callbacks.append(_note_collection)
+
+
+def may_join_here(life: RunLifecycle, on_loop: bool) -> bool:
+    """Whether the calling thread may wait for the run whose lifecycle is ``life`` to end.
+
+    Not a thread of the run's (its event loop, ``on_loop``; or one inside one of its jobs):
+    it would wait for itself. Nor one in a garbage collection, whose finalizers run wherever
+    it began, maybe under a lock that the stop takes. (Seen: a pipeline in a reference cycle,
+    collected in one of its own ops, waited for that op for ever.)
+    """
+    in_job = getattr(_here, "job", None) is life
+    return not (on_loop or in_job or getattr(_here, "collecting", False))
 
 
 class RunLifecycle:
@@ -54,6 +77,15 @@ class RunLifecycle:
 
     def _count_job(self) -> None:
         self._jobs += 1
+
+    def run_job(self, fn: Callable[[], None]) -> None:
+        """Run a job counted by :meth:`job_begin`, marking the thread as in it meanwhile."""
+        outer, _here.job = getattr(_here, "job", None), self
+        try:
+            fn()
+        finally:
+            _here.job = outer
+            self.job_done()
 
     def job_done(self) -> None:
         """A job counted by :meth:`job_begin` ended."""

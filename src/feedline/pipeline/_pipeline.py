@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
 import weakref
@@ -16,6 +17,7 @@ from feedline.errors import ConfigurationError
 from ._defs import AggregateConfig, DisaggregateConfig, PipeConfig, PipelineConfig
 from ._engine import Run
 from ._epochs import Accounting, Passes
+from ._lifecycle import may_join_here
 from ._placement import Placement
 from ._region import RegionPool
 from ._resume import Progress, Tagged, tag_async_source, tag_source
@@ -42,6 +44,8 @@ class _Holder:
         # unlocked: one reference; a stop ordered after start() (by any means) sees its run,
         # and one racing with it may as well come first.
         run = self.run
+        if self._elsewhere(run, self.stop):
+            return
         if run is not None:
             # The run's join lock orders its stops' region closes (two stops never both see
             # the run as current, so neither holds a later run's regions: a start() comes only
@@ -75,8 +79,20 @@ class _Holder:
 
     def close(self) -> None:
         """The pipeline is gone: stop its run and end its worker processes."""
+        if self._elsewhere(self.run, self.close):
+            return
         self.stop()
         self.close_regions()
+
+    @staticmethod
+    def _elsewhere(run: Run | None, then: Callable[[], None]) -> bool:
+        # Whether ``then`` (the stop) runs on a thread of its own, because this one may not
+        # wait for the run (see may_join_here); the thread does all of it, locks included.
+        if run is None or may_join_here(run.life, run.on_loop_thread()):
+            return False
+        with contextlib.suppress(RuntimeError):  # at exit no thread starts: the run's are daemons
+            threading.Thread(target=then, name="feedline-stop", daemon=True).start()
+        return True
 
 
 class Pipeline(Generic[T]):
