@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import gc
 import threading
 import time
 from collections.abc import Iterator
@@ -10,7 +11,10 @@ from typing import Any
 
 import pytest
 
-from feedline import ConfigurationError, Mixture, PipelineBuilder
+from feedline import ConfigurationError, Mixture, PipelineBuilder, PipelineFailure
+
+from .._system import own_segments
+from . import _helpers
 
 SPAN = 1_000_000
 
@@ -249,3 +253,33 @@ def test_a_source_whose_iter_raises_is_raised_not_waited_for() -> None:
     with pytest.raises(TypeError, match="timing"):
         len(Mixture([range(3), range(5)], as_ready=True))
     assert len(Mixture([range(3), range(5)], as_ready=True, stop="all")) == 8
+
+
+def _fails_at_50(x: int) -> int:
+    if x == 50:
+        raise ValueError("item 50 is bad")
+    return x
+
+
+@pytest.mark.parametrize("stop", ["all", "first"])
+def test_a_mixture_that_ends_stops_the_pipelines_still_running_in_it(stop: str) -> None:
+    # One source pipeline fails (or, with stop="first", runs out) while the other still runs:
+    # the other is stopped as the mixture ends, not when a garbage collection gets to it.
+    threads, segments = _helpers.live_threads(), own_segments()
+    short = 50 if stop == "first" else 100
+    failing = PipelineBuilder().add_source(range(short)).pipe(_fails_at_50, concurrency=2).build()
+    other = PipelineBuilder().add_source(range(1000, 10**6)).pipe(_helpers.identity).build()
+    outer = PipelineBuilder().add_source(Mixture([failing, other], stop=stop)).build()
+    gc.disable()  # no collection may stop the other pipeline in the mixture's place
+    try:
+        if stop == "all":
+            with pytest.raises(PipelineFailure):
+                for _ in outer:
+                    pass
+        else:
+            assert len(list(outer)) == 2 * short  # in turn, until the first runs out
+        assert _helpers.wait_until(lambda: not _helpers.live_threads() - threads, within=2.0)
+    finally:
+        gc.enable()
+    del outer, failing, other
+    _helpers.assert_nothing_left(threads, segments)

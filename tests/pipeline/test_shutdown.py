@@ -475,3 +475,105 @@ def test_stop_called_from_inside_an_op_returns_and_the_run_ends() -> None:
     assert 0 < got < 10**6
     del holder[:], pipeline
     _helpers.assert_nothing_left(threads, segments)
+
+
+@pytest.mark.parametrize("continuous", [False, True])
+def test_a_stop_from_another_thread_as_a_loop_begins_ends_the_loop_quietly(
+    monkeypatch: pytest.MonkeyPatch, continuous: bool
+) -> None:
+    # Pipeline.stop is safe to call any time: one that lands between the loop's start of the
+    # run and its first look at it ends the loop (before: a bare AssertionError).
+    threads, segments = _helpers.live_threads(), own_segments()
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(100))
+        .pipe(_helpers.identity, concurrency=4)
+        .build(continuous=continuous)
+    )
+    start = type(pipeline).start
+
+    def start_then_stopped_elsewhere(self: Any) -> None:
+        start(self)
+        stopper = threading.Thread(target=self.stop)
+        stopper.start()
+        stopper.join()
+
+    monkeypatch.setattr(type(pipeline), "start", start_then_stopped_elsewhere)
+    assert list(pipeline) == []
+    monkeypatch.undo()
+    assert sorted(pipeline) == list(range(100))  # the next loop runs a whole epoch
+    del pipeline
+    _helpers.assert_nothing_left(threads, segments)
+
+
+def test_two_loops_of_one_pipeline_are_refused_even_if_both_were_made_first() -> None:
+    pipeline = PipelineBuilder().add_source(range(1000)).pipe(str, concurrency=4).build()
+    first, second = iter(pipeline), iter(pipeline)
+    assert next(first) is not None
+    with pytest.raises(RuntimeError, match="already being iterated"):
+        next(second)
+    assert 1 + sum(1 for _ in first) == 1000  # the first loop has the whole epoch
+    assert sorted(pipeline, key=int) == [str(i) for i in range(1000)]
+
+
+def test_a_stop_that_an_interrupt_cut_short_is_finished_by_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A Ctrl-C inside the first stop, after the run was marked as stopping and before the
+    # event loop was told: the next stop tells it again (before: it joined the loop for ever).
+    from feedline.pipeline._stages import _sink
+
+    threads, segments = _helpers.live_threads(), own_segments()
+    pipeline = PipelineBuilder().add_source(range(10**6)).pipe(str, concurrency=2).build()
+    interrupt = _sink.SinkReader.interrupt
+
+    def cut_short(self: Any) -> None:
+        monkeypatch.setattr(_sink.SinkReader, "interrupt", interrupt)
+        raise KeyboardInterrupt
+
+    it = iter(pipeline)
+    next(it)
+    monkeypatch.setattr(_sink.SinkReader, "interrupt", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.stop()
+    finished = threading.Thread(target=pipeline.stop, daemon=True)
+    finished.start()
+    finished.join(10)
+    assert not finished.is_alive(), "the second stop hangs"
+    it.close()
+    del it, pipeline
+    _helpers.assert_nothing_left(threads, segments)
+
+
+@pytest.mark.parametrize("queued", [False, True])
+def test_a_ctrl_c_while_a_job_is_handed_to_the_pool_leaves_the_stop_nothing_to_wait_for(
+    monkeypatch: pytest.MonkeyPatch, queued: bool
+) -> None:
+    # The interrupt lands in the pool's submit, before or after the job was queued: the job
+    # is counted done once (by the pool's thread, or by the submit if it never started), and
+    # the stop does not wait for a job that will never run.
+    threads, segments = _helpers.live_threads(), own_segments()
+    submit = _executors.WorkerPool.submit
+    hits: list[int] = []
+
+    def interrupted(self: Any, fn: Any, *args: Any) -> None:
+        if threading.current_thread() is not threading.main_thread() or hits:
+            return submit(self, fn, *args)
+        hits.append(1)
+        if queued:
+            submit(self, fn, *args)
+        raise KeyboardInterrupt
+
+    pipeline = PipelineBuilder().add_source(range(1000)).pipe(_slow, concurrency=2).build()
+    monkeypatch.setattr(_executors.WorkerPool, "submit", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in pipeline:
+            pass
+    assert hits
+    stopper = threading.Thread(target=pipeline.stop, daemon=True)
+    stopper.start()
+    stopper.join(10)
+    assert not stopper.is_alive(), "the stop waits for a job that never runs"
+    monkeypatch.undo()
+    del pipeline
+    _helpers.assert_nothing_left(threads, segments)

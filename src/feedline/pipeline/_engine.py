@@ -193,10 +193,13 @@ class Run:
         """Run ``fn`` in ``executor``, counted so that ``stop`` can wait for it."""
         if not self.life.job_begin():
             return False
+        job = [fn]
         try:
-            executor.submit(self.life.run_job, fn)
-        except RuntimeError as error:  # the executor was shut down under us
-            self.life.job_done()
+            executor.submit(self.life.run_job, job)
+        except BaseException as error:  # shut down under us, or a Ctrl-C while it queued
+            self.life.drop_job(job)
+            if not isinstance(error, RuntimeError):
+                raise
             if not self.life.stopping:
                 self.begin_stop(
                     RuntimeError(
@@ -338,8 +341,12 @@ class Run:
 
         ``error``: why (the first is kept, and the consumer's next ``get`` raises it).
         """
-        if not self.life.begin_stop(error):
-            return
+        if self.life.begin_stop(error):
+            self._wake_all()
+
+    def _wake_all(self) -> None:
+        # Abort the channels and wake every waiter: the consumer, the loop. Done again by the
+        # stop that joins, in case an interrupt cut the first short (the flag was set).
         for channel in self.channels:
             channel.abort()
         self._sink.interrupt()
@@ -360,6 +367,7 @@ class Run:
         life.begin_stop(asked=True)
         with life.join_lock:  # one thread joins; another caller waits for it to finish
             if not life.stopped:
+                self._wake_all()
                 self._join_all()
                 life.stopped = True
 

@@ -78,14 +78,31 @@ class RunLifecycle:
     def _count_job(self) -> None:
         self._jobs += 1
 
-    def run_job(self, fn: Callable[[], None]) -> None:
-        """Run a job counted by :meth:`job_begin`, marking the thread as in it meanwhile."""
+    def run_job(self, job: list[Callable[[], None]]) -> None:
+        """Run a job counted by :meth:`job_begin`, marking the thread as in it meanwhile.
+
+        ``job`` holds the function until one side takes it: this call, or :meth:`drop_job`
+        (its submission was interrupted and counted it done): a job runs and is counted done
+        exactly once, whether an interrupt landed before or after the executor queued it.
+        """
+        try:
+            fn = job.pop()
+        except IndexError:
+            return
         outer, _here.job = getattr(_here, "job", None), self
         try:
             fn()
         finally:
             _here.job = outer
             self.job_done()
+
+    def drop_job(self, job: list[Callable[[], None]]) -> None:
+        """A submission of ``job`` failed or was interrupted: done, unless it started."""
+        try:
+            job.pop()
+        except IndexError:
+            return
+        self.job_done()
 
     def job_done(self) -> None:
         """A job counted by :meth:`job_begin` ended."""

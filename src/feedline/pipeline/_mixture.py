@@ -127,15 +127,23 @@ class Mixture(Generic[T]):
     def _mixed(self, sources: Sequence[Iterable[Any]]) -> Iterator[Any]:
         iterators = [iter(s) for s in sources]
         pick = _Picker(self.weights, self.seed, self.epoch, len(iterators))
-        while (source := pick.next()) is not None:
-            try:
-                item = next(iterators[source])
-            except StopIteration:
-                if self.stop == "first":
-                    return
-                pick.drop(source)
-                continue
-            yield item
+        try:
+            while (source := pick.next()) is not None:
+                try:
+                    item = next(iterators[source])
+                except StopIteration:
+                    if self.stop == "first":
+                        return
+                    pick.drop(source)
+                    continue
+                yield item
+        finally:
+            # However the mixture ends (a source failed, stop="first", the consumer left),
+            # the sources still going are closed now: a pipeline's stops its threads.
+            for iterator in iterators:
+                close = getattr(iterator, "close", None)
+                if close is not None:
+                    close()
 
 
 class _Picker:

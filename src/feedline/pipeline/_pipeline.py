@@ -308,10 +308,7 @@ class Pipeline(Generic[T]):
     def __iter__(self) -> Iterator[T]:
         """Run one epoch (or continue the one started with :meth:`start`)."""
         if self._iterating:
-            raise RuntimeError(
-                "this pipeline is already being iterated; a pipeline runs one epoch at a "
-                "time, so finish (or break out of) the other loop first"
-            )
+            raise _already_iterated()
         if self._config.continuous:
             return self._continuous_epoch()
         return self._epoch()
@@ -324,13 +321,13 @@ class Pipeline(Generic[T]):
     def _continuous_epoch(self) -> Iterator[T]:
         # One epoch of a run that goes on across epochs: the items whose first source number
         # is of this epoch; later epochs' items that come early wait in _held.
-        self._iterating = True
+        self._claim()
         left_early = True
         try:
             self.start()
             run, accounting = self._holder.run, self._accounting
-            assert run is not None
-            assert accounting is not None
+            if run is None or accounting is None:
+                return  # stopped from another thread as the loop began
             delivered, passes = accounting.consumer, accounting.passes
             epoch, held = self._next_epoch, self._held
             passes.consumer_at(epoch)
@@ -372,12 +369,21 @@ class Pipeline(Generic[T]):
         """
         return self._epoch(stopping)
 
+    def _claim(self) -> None:
+        # As a loop's first item is asked for: it is the only one (two iterators taken
+        # before either began, or two threads at once, would share one run).
+        with self._holder.lock:
+            if self._iterating:
+                raise _already_iterated()
+            self._iterating = True
+
     def _epoch(self, stopping: Callable[[], bool] | None = None) -> Iterator[T]:
-        self._iterating = True
+        self._claim()
         try:
             self.start()
             run = self._holder.run
-            assert run is not None
+            if run is None:
+                return  # stopped from another thread as the loop began
             get, timeout = self._receiver(run), None if stopping is None else SOURCE_POLL
             while stopping is None or not stopping():
                 try:
@@ -516,3 +522,10 @@ def _in_flight(run: Run | None) -> list[str]:
 def _moved(run: Run | None) -> int:
     """Items put in any queue of the run so far: grows while any stage gets work done."""
     return 0 if run is None else sum(channel.puts for channel in run.channels)
+
+
+def _already_iterated() -> RuntimeError:
+    return RuntimeError(
+        "this pipeline is already being iterated; a pipeline runs one epoch at a time, so "
+        "finish (or break out of) the other loop first"
+    )
