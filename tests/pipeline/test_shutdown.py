@@ -398,6 +398,32 @@ def test_a_thread_that_cannot_start_leaves_the_pool_as_it_was(
     assert not [t for t in threading.enumerate() if t.name.startswith("test-pool")]
 
 
+def test_a_pool_shutdown_cut_short_part_way_through_its_ends_is_finished_by_the_next() -> None:
+    # A Ctrl-C after the pool marked itself shut down and before it had queued an end for
+    # each thread: the next shutdown queues the rest (before: it joined the threads for ever).
+    pool = _executors.WorkerPool(3, "test-pool", threading.Lock())
+    release = threading.Event()
+    for _ in range(3):
+        pool.submit(release.wait)
+    queue = pool._queue  # (its threads took its get as they started)
+
+    class InterruptedAfterOne:
+        def put(self, task: Any) -> None:
+            queue.put(task)
+            raise KeyboardInterrupt
+
+    pool._queue = InterruptedAfterOne()  # type: ignore[assignment]
+    with pytest.raises(KeyboardInterrupt):
+        pool.shutdown(wait=False)
+    pool._queue = queue
+    release.set()
+    finisher = threading.Thread(target=pool.shutdown, daemon=True)
+    finisher.start()
+    finisher.join(10)
+    assert not finisher.is_alive(), "the second shutdown waits for threads never told to end"
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-pool")]
+
+
 def _slowly(x: Any) -> Any:
     time.sleep(0.01)
     return x

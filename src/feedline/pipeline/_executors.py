@@ -49,6 +49,7 @@ class WorkerPool:
         self._threads: list[threading.Thread] = []
         self._idle = 0  # threads waiting for work that no submission has claimed yet
         self._shutdown = False
+        self._told = 0  # threads sent their end (None) by shutdown
 
     def submit(self, fn: Callable[..., Any], /, *args: Any) -> None:
         """Run ``fn(*args)`` in a pool thread.
@@ -96,11 +97,11 @@ class WorkerPool:
         The run calls it under its join lock, once its last job (and so its last submission)
         has ended: no lock of the pool's is needed.
         """
-        first, self._shutdown = not self._shutdown, True
+        self._shutdown = True
         threads = list(self._threads)
-        if first:
-            for _ in threads:
-                self._queue.put(None)
+        while self._told < len(threads):  # one each, however often an interrupt cut this short
+            self._queue.put(None)
+            self._told += 1
         if wait:  # every time: a join that an interrupt cut short is finished by the next call
             for thread in threads:
                 thread.join()
