@@ -363,7 +363,8 @@ def assert_nothing_left(threads: set[threading.Thread], segments: set[str]) -> N
     assert zombies() == []
     assert own_segments() == segments
     wait_until(lambda: not live_threads() - threads, within=2.0)
-    assert sorted(t.name for t in live_threads() - threads) == []
+    left = sorted(t.name for t in live_threads() - threads)
+    assert not left, f"threads left: {left}"
 
 
 def holds_the_gil(x: int) -> tuple[int, int]:

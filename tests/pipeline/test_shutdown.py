@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
-import gc
 import os
 import threading
 import time
@@ -429,56 +429,55 @@ def _slowly(x: Any) -> Any:
     return x
 
 
-class _Cycle:
-    # Holds what it is given in a reference cycle: only a garbage collection frees it.
-    def __init__(self, held: Any) -> None:
-        self.held, self.me = held, self
+def _finalize_in(where: str) -> tuple[Callable[[Any], Any], list[Any], threading.Event]:
+    # An op (sync or async) whose calls after the first wait until given the pipeline's
+    # finalizer, then one of them calls it (as a garbage collection in the op would), and
+    # says when it did.
+    given: list[Any] = []
+    done, claim = threading.Event(), threading.Lock()
 
-
-def _collect_in(where: str) -> tuple[Callable[[Any], Any], threading.Event, threading.Event]:
-    # An op (sync or async) that runs a garbage collection once asked, and says when it did.
-    asked, done = threading.Event(), threading.Event()
-
-    def collect_once() -> None:
-        if asked.is_set() and not done.is_set():
-            asked.clear()
-            gc.collect()  # as an allocation in the op could start one
-            done.set()
+    def finalize_once() -> None:
+        with claim:
+            if not done.is_set():
+                given[0]()
+                done.set()
 
     def op(x: Any) -> Any:
-        collect_once()
+        if x > 0:
+            _helpers.wait_until(lambda: bool(given))
+            finalize_once()
         return x
 
     async def aop(x: Any) -> Any:
-        collect_once()
+        if x > 0:
+            while not given:
+                await asyncio.sleep(0.005)
+            finalize_once()
         return x
 
-    return (op if where == "worker" else aop), asked, done
+    return (op if where == "worker" else aop), given, done
 
 
 @pytest.mark.parametrize("where", ["worker", "event loop"])
-def test_a_pipeline_collected_on_one_of_its_own_threads_stops_and_leaves_nothing(
+def test_a_pipeline_finalized_on_one_of_its_own_threads_stops_and_leaves_nothing(
     where: str,
 ) -> None:
-    # The pipeline's finalizer runs on a thread of its own run (a pool thread in an op, or the
-    # event loop): it cannot wait there for the run's threads, one of which is itself. It
-    # stops the run from a thread of its own. (Before: the pool thread waited for itself for
-    # ever, warning every 5 s; on the loop, the pool's threads were never joined.)
+    # The pipeline's finalizer runs on a thread of its own run (a collection that frees it
+    # in an op, on a pool thread or the event loop): it cannot wait there for the run's
+    # threads, one of which is itself. It stops the run from a thread of its own. (Before:
+    # the pool thread waited for itself for ever, warning every 5 s; on the loop, the pool's
+    # threads were never joined.)
     threads, segments = _helpers.live_threads(), own_segments()
-    op, asked, done = _collect_in(where)
+    op, given, done = _finalize_in(where)
     builder = PipelineBuilder().add_source(range(10**6))
     if where == "event loop":  # a stage on threads before it: the pool has threads to join
         builder = builder.pipe(_slowly, concurrency=2)
-    it = iter(builder.pipe(op, concurrency=2).add_sink().build())
+    pipeline = builder.pipe(op, concurrency=2).add_sink().build()
+    it = iter(pipeline)
     next(it)
-    gc.disable()  # the collection runs where the op runs it, not in this thread
-    try:
-        _Cycle(it)
-        del it
-        asked.set()
-        assert done.wait(10)
-    finally:
-        gc.enable()
+    given.append(pipeline._finalizer)
+    assert done.wait(10)
+    del it, pipeline, given[:]
     _helpers.assert_nothing_left(threads, segments)
 
 
@@ -489,16 +488,18 @@ def test_stop_called_from_inside_an_op_returns_and_the_run_ends() -> None:
     returned = threading.Event()
 
     def stops(x: int) -> int:
-        if x == 50:
+        if x == 50 and holder[0] is not None:
             holder[0].stop()
             returned.set()
         return x
 
-    pipeline = PipelineBuilder().add_source(range(10**6)).pipe(stops).build()
+    pipeline = PipelineBuilder().add_source(range(20_000)).pipe(stops).build()
     holder.append(pipeline)
     got = sum(1 for _ in pipeline)
     assert returned.wait(5)
-    assert 0 < got < 10**6
+    assert 0 < got < 20_000
+    holder[:] = [None]  # the next epoch does not stop itself; it runs whole, on a new run
+    assert sum(1 for _ in pipeline) == 20_000
     del holder[:], pipeline
     _helpers.assert_nothing_left(threads, segments)
 
@@ -601,5 +602,54 @@ def test_a_ctrl_c_while_a_job_is_handed_to_the_pool_leaves_the_stop_nothing_to_w
     stopper.join(10)
     assert not stopper.is_alive(), "the stop waits for a job that never runs"
     monkeypatch.undo()
+    del pipeline
+    _helpers.assert_nothing_left(threads, segments)
+
+
+def test_a_ctrl_c_as_a_pool_thread_starts_leaves_that_thread_to_be_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The interrupt comes in Thread.start's wait for the new thread, which runs: the pool
+    # lists it, so that its shutdown ends and joins it (before: it stayed, idle, for good).
+    original_start = threading.Thread.start
+
+    def interrupted_start(self: threading.Thread) -> None:
+        original_start(self)
+        raise KeyboardInterrupt
+
+    pool = _executors.WorkerPool(2, "test-pool", threading.Lock())
+    monkeypatch.setattr(threading.Thread, "start", interrupted_start)
+    with pytest.raises(KeyboardInterrupt):
+        pool.submit(lambda: None)
+    monkeypatch.undo()
+    pool.shutdown(wait=True)
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-pool")]
+
+
+async def _cancelled_at_5(x: int) -> int:
+    if x == 5:
+        raise asyncio.CancelledError  # as an await of something cancelled elsewhere would
+    return x
+
+
+async def _exits_at_5(x: int) -> int:
+    if x == 5:
+        raise SystemExit("from the op")
+    return x
+
+
+@pytest.mark.parametrize(
+    ("op", "raised"), [(_cancelled_at_5, RuntimeError), (_exits_at_5, SystemExit)]
+)
+def test_a_coroutine_op_that_raises_a_base_exception_ends_the_run_with_an_error(
+    op: Any, raised: type[BaseException]
+) -> None:
+    # Not an Exception, so not an item's failure: the run ends with it, as a sync op's does
+    # (before: the stage's task, or the event loop, ended and the consumer waited for ever).
+    threads, segments = _helpers.live_threads(), own_segments()
+    pipeline = PipelineBuilder().add_source(range(100)).pipe(op, concurrency=4).build()
+    with pytest.raises(raised):
+        for _ in pipeline:
+            pass
     del pipeline
     _helpers.assert_nothing_left(threads, segments)

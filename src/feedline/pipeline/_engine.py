@@ -266,6 +266,8 @@ class Run:
         asyncio.set_event_loop(self.loop)
         try:
             self.loop.run_until_complete(self._main())
+        except BaseException as error:  # SystemExit or Ctrl-C from a coroutine op: the run's
+            self.begin_stop(error)
         finally:
             self._loop_ready.set()  # never leave start() waiting, even if _main failed early
             try:
@@ -293,7 +295,19 @@ class Run:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def _task_done(self, task: asyncio.Future[None]) -> None:
-        if not task.cancelled() and task.exception() is not None:
+        # A stage's task ended before the run stops: it failed (or was cancelled by an op
+        # that raised CancelledError, which no stage counts as an op's failure): the run ends
+        # with the error, rather than leave the consumer waiting for the stage's output.
+        if task.cancelled():
+            if not self.life.stopping:
+                self.begin_stop(
+                    RuntimeError(
+                        "a coroutine stage ended by asyncio.CancelledError from its op (it "
+                        "awaited something cancelled elsewhere): catch it in the op, or raise "
+                        "another exception there to have the item counted as failed"
+                    )
+                )
+        elif task.exception() is not None:
             self.begin_stop(task.exception())
 
     async def _report(self, interval: float) -> None:

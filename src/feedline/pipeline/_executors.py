@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -72,7 +73,13 @@ class WorkerPool:
                 thread = threading.Thread(
                     target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True
                 )
-                thread.start()
+                try:
+                    thread.start()
+                except RuntimeError:  # it could not start
+                    raise
+                except BaseException:  # a Ctrl-C in the wait for it: it runs, to be ended
+                    self._threads.append(thread)
+                    raise
                 self._threads.append(thread)
         self._queue.put((fn, args))
 
@@ -104,4 +111,18 @@ class WorkerPool:
             self._told += 1
         if wait:  # every time: a join that an interrupt cut short is finished by the next call
             for thread in threads:
-                thread.join()
+                _join(thread)
+
+
+def _join(thread: threading.Thread) -> None:
+    # Join a thread that may not have begun yet (listed as a Ctrl-C cut its start short): it
+    # was created and begins within moments; past 10 s it is left (a daemon).
+    deadline = time.monotonic() + 10.0
+    while True:
+        try:
+            thread.join()
+            return
+        except RuntimeError:  # "cannot join thread before it is started"
+            if time.monotonic() > deadline:
+                return
+            time.sleep(1e-3)

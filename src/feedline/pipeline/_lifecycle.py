@@ -2,33 +2,23 @@
 
 from __future__ import annotations
 
-import gc
 import threading
 from collections.abc import Callable
-from typing import Any
 
-__all__ = ["RunLifecycle", "may_join_here"]
+__all__ = ["RunLifecycle", "own_thread"]
 
-_here = threading.local()  # per thread: ``collecting`` (a collection runs on it), ``job``
-
-
-def _note_collection(phase: str, info: dict[str, Any]) -> None:
-    _here.collecting = phase == "start"
+_here = threading.local()  # per thread: ``job``, the run whose job it is in
 
 
-gc.callbacks.append(_note_collection)
+def own_thread(life: RunLifecycle, on_loop: bool) -> bool:
+    """Whether the calling thread is one of the run's: it would wait for itself.
 
-
-def may_join_here(life: RunLifecycle, on_loop: bool) -> bool:
-    """Whether the calling thread may wait for the run whose lifecycle is ``life`` to end.
-
-    Not a thread of the run's (its event loop, ``on_loop``; or one inside one of its jobs):
-    it would wait for itself. Nor one in a garbage collection, whose finalizers run wherever
-    it began, maybe under a lock that the stop takes. (Seen: a pipeline in a reference cycle,
-    collected in one of its own ops, waited for that op for ever.)
+    Its event loop (``on_loop``), or a thread inside one of its jobs: a stop asked for by an
+    op, or by the pipeline's finalizer when a garbage collection frees it in an op or on the
+    loop (seen: a pipeline in a reference cycle, collected in one of its own ops, waited for
+    that op for ever).
     """
-    in_job = getattr(_here, "job", None) is life
-    return not (on_loop or in_job or getattr(_here, "collecting", False))
+    return on_loop or getattr(_here, "job", None) is life
 
 
 class RunLifecycle:

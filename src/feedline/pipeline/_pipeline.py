@@ -17,7 +17,7 @@ from feedline.errors import ConfigurationError
 from ._defs import AggregateConfig, DisaggregateConfig, PipeConfig, PipelineConfig
 from ._engine import Run
 from ._epochs import Accounting, Passes
-from ._lifecycle import may_join_here
+from ._lifecycle import own_thread
 from ._placement import Placement
 from ._region import RegionPool
 from ._resume import Progress, Tagged, tag_async_source, tag_source
@@ -86,9 +86,9 @@ class _Holder:
 
     @staticmethod
     def _elsewhere(run: Run | None, then: Callable[[], None]) -> bool:
-        # Whether ``then`` (the stop) runs on a thread of its own, because this one may not
-        # wait for the run (see may_join_here); the thread does all of it, locks included.
-        if run is None or may_join_here(run.life, run.on_loop_thread()):
+        # Whether ``then`` (the stop) runs on a thread of its own, because this one is the
+        # run's (see own_thread); the thread does all of it, locks included.
+        if run is None or not own_thread(run.life, run.on_loop_thread()):
             return False
         with contextlib.suppress(RuntimeError):  # at exit no thread starts: the run's are daemons
             threading.Thread(target=then, name="feedline-stop", daemon=True).start()
@@ -165,7 +165,9 @@ class Pipeline(Generic[T]):
         holder = self._holder
         previous = holder.run
         if previous is not None and previous.life.stopping:
-            holder.stop()  # a stop that an interrupt cut short: finish it, then start anew
+            # A stop that an interrupt cut short, or one on its way on another thread:
+            # finish it here, then start anew (never take over a run that is stopping).
+            holder.stop()
         with holder.lock:
             if holder.run is not None:
                 return
