@@ -140,7 +140,9 @@ class Pipeline(Generic[T]):
         hooks = [(hook, stage) for stage in config.hooked_stages for hook in config.hooks]
         self._holder = _Holder(regions, hooks)
         self._last: Run | None = None
-        self._iterating = False
+        # Held by the loop that iterates (a plain lock: the loop's end may come on another
+        # thread, a garbage collection's): one loop at a time.
+        self._iterating = threading.Lock()
         self._finalizer = weakref.finalize(self, _Holder.close, self._holder)
         self._progress = Progress()  # resumable: what the current (or last) epoch delivered
         self._loaded: Progress | None = None  # a loaded state, for the next epoch
@@ -309,7 +311,7 @@ class Pipeline(Generic[T]):
 
     def __iter__(self) -> Iterator[T]:
         """Run one epoch (or continue the one started with :meth:`start`)."""
-        if self._iterating:
+        if self._iterating.locked():
             raise _already_iterated()
         if self._config.continuous:
             return self._continuous_epoch()
@@ -358,7 +360,7 @@ class Pipeline(Generic[T]):
             self._next_epoch = epoch + 1
             passes.consumer_at(epoch + 1)  # the next epoch's items may be read on
         finally:
-            self._iterating = False
+            self._iterating.release()
             if left_early:  # a break or an exception: the run ends; the next loop starts anew
                 self._held.clear()
                 self._next_epoch += 1
@@ -374,10 +376,8 @@ class Pipeline(Generic[T]):
     def _claim(self) -> None:
         # As a loop's first item is asked for: it is the only one (two iterators taken
         # before either began, or two threads at once, would share one run).
-        with self._holder.lock:
-            if self._iterating:
-                raise _already_iterated()
-            self._iterating = True
+        if not self._iterating.acquire(blocking=False):
+            raise _already_iterated()
 
     def _epoch(self, stopping: Callable[[], bool] | None = None) -> Iterator[T]:
         self._claim()
@@ -397,7 +397,7 @@ class Pipeline(Generic[T]):
                     return
                 yield item
         finally:
-            self._iterating = False
+            self._iterating.release()
             self.stop()
 
     def _epoch_done(self, run: Run) -> None:
