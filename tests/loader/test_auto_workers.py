@@ -439,3 +439,55 @@ def test_a_dataset_that_waits_stays_on_threads() -> None:
     tuning = loader.stats().tuning  # type: ignore[union-attr]
     assert not any("moves to" in t for t in tuning), tuning
     assert loader.num_workers == 0
+
+
+def test_ctrl_c_during_a_move_back_to_threads_reaches_the_loop_as_itself(
+    script: Script, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The interrupt comes as the threads' new pipeline starts: the loop sees the
+    # KeyboardInterrupt (an `except KeyboardInterrupt` that saves a checkpoint runs), not a
+    # RuntimeError from the statistics of a pipeline that never ran.
+    from feedline.pipeline import Pipeline
+
+    script.decisions = [move(2), BACK]
+    start = Pipeline.start
+    interrupted: list[int] = []
+
+    def interrupted_after_back(self: Any) -> None:
+        if not script.decisions and not interrupted:  # both taken: this is the move back
+            interrupted.append(1)
+            raise KeyboardInterrupt
+        start(self)
+
+    monkeypatch.setattr(Pipeline, "start", interrupted_after_back)
+    loader = DataLoader(Spinning(400), batch_size=4, num_workers="auto")
+    with pytest.raises(KeyboardInterrupt):
+        for _ in loader:
+            pass
+    assert interrupted
+    monkeypatch.undo()
+    no_children_left()
+
+
+def test_stats_from_another_thread_during_moves_never_raise(script: Script) -> None:
+    script.decisions = [move(2), BACK, move(2), BACK]
+    loader = DataLoader(Spinning(400), batch_size=4, num_workers="auto")
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            try:
+                loader.stats()
+            except BaseException as error:  # counted: none may come
+                errors.append(error)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert sorted(i for i, _ in batches_of(loader)) == list(range(400))
+    finally:
+        done.set()
+        watcher.join()
+    assert errors == []
+    no_children_left()

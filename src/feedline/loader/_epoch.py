@@ -814,7 +814,12 @@ class EpochIterator(Generic[T]):
     def stats(self) -> PipelineStats | None:
         """The epoch's pipeline statistics (``None`` for batches straight from workers)."""
         pipeline = self._pipeline
-        return pipeline.stats() if isinstance(pipeline, Pipeline) else None
+        if not isinstance(pipeline, Pipeline):
+            return None
+        try:
+            return pipeline.stats()
+        except RuntimeError:  # made by a move, not started yet (for a few milliseconds)
+            return None
 
     def supersede(self) -> None:
         """Stop this epoch because a newer one needs the worker processes."""
@@ -842,7 +847,7 @@ class EpochIterator(Generic[T]):
         if loader is not None and isinstance(self._pipeline, Pipeline) and not sys.is_finalizing():
             # (Not at interpreter exit, where an iterator still alive is closed by __del__
             # and the statistics' imports fail.)
-            loader._last_stats = self._pipeline.stats()
+            loader._last_stats = self.stats()
         self._loader = None  # a closed iterator kept alive keeps no loader
         if loader is not None:
             loader._epoch_ended()
