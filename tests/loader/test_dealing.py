@@ -253,10 +253,13 @@ def test_out_of_order_a_stuck_worker_holds_what_pytorch_s_would() -> None:
     def on_the_stuck_worker(cls: Any) -> list[int]:
         return sorted(int(i) for w, i in cls(_SlowFirstItem(), **kw) if int(w) == 0)
 
+    segments = own_segments()
     theirs, ours = on_the_stuck_worker(TorchLoader), on_the_stuck_worker(DataLoader)
     assert theirs == [0, 2]
     assert ours == theirs
     no_children_left()
+    assert zombies() == []
+    assert own_segments() <= segments
 
 
 def test_an_epoch_resumed_out_of_order_hands_out_every_batch_once() -> None:

@@ -18,7 +18,7 @@ from torch.utils.data import IterableDataset  # noqa: E402
 from feedline import DataLoader  # noqa: E402
 from feedline.loader import _epoch, _workers  # noqa: E402
 
-from .._system import starts_processes  # noqa: E402
+from .._system import own_segments, starts_processes, zombies  # noqa: E402
 from ._procs import no_children_left  # noqa: E402
 
 pytestmark = starts_processes
@@ -127,8 +127,11 @@ def test_out_of_order_a_worker_s_batches_do_not_wait_for_a_slow_worker_s_first()
     # as they are made, all before worker 1's first. (Taken with worker 1's "iterable made"
     # message, its first batch held the others up, in about half of the epochs.)
     kw: dict[str, Any] = {"num_workers": 2, "in_order": False}
+    segments = own_segments()
     theirs = [int(w) for w, _ in TorchLoader(_SlowSecondWorker(), **kw)]
     assert theirs == [0] * 5 + [1] * 5
     for _ in range(3):
         assert [int(w) for w, _ in DataLoader(_SlowSecondWorker(), **kw)] == theirs
     no_children_left()
+    assert zombies() == []
+    assert own_segments() <= segments

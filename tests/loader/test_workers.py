@@ -404,8 +404,11 @@ def test_batches_kept_from_a_worker_hold_no_file_descriptors(tmp_path: Any) -> N
         assert done.returncode == 0, done.stderr
         return done.stdout.split()
 
+    segments = own_segments()
     theirs = run("torch")
     assert theirs[:2] == ["raised", "True"]
     assert int(theirs[-1]) < 200
     assert run("feedline") == ["kept", "200"]
     no_children_left()
+    assert _zombies() == []
+    assert own_segments() <= segments

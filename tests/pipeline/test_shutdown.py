@@ -417,11 +417,17 @@ def test_a_pool_shutdown_cut_short_part_way_through_its_ends_is_finished_by_the_
         pool.shutdown(wait=False)
     pool._queue = queue
     release.set()
-    finisher = threading.Thread(target=pool.shutdown, daemon=True)
-    finisher.start()
-    finisher.join(10)
-    assert not finisher.is_alive(), "the second shutdown waits for threads never told to end"
+    assert _returns(pool.shutdown), "the second shutdown waits for threads never told to end"
     assert not [t for t in threading.enumerate() if t.name.startswith("test-pool")]
+
+
+def _returns(call: Callable[[], Any], within: float = 10.0) -> bool:
+    # Whether ``call`` returns within ``within`` seconds (run on a daemon thread: one that
+    # hangs leaves the test, not the test run, waiting).
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(within)
+    return not thread.is_alive()
 
 
 def _slowly(x: Any) -> Any:
@@ -563,10 +569,7 @@ def test_a_stop_that_an_interrupt_cut_short_is_finished_by_the_next(
     monkeypatch.setattr(_sink.SinkReader, "interrupt", cut_short)
     with pytest.raises(KeyboardInterrupt):
         pipeline.stop()
-    finished = threading.Thread(target=pipeline.stop, daemon=True)
-    finished.start()
-    finished.join(10)
-    assert not finished.is_alive(), "the second stop hangs"
+    assert _returns(pipeline.stop), "the second stop hangs"
     it.close()
     del it, pipeline
     _helpers.assert_nothing_left(threads, segments)
@@ -597,10 +600,7 @@ def test_a_ctrl_c_while_a_job_is_handed_to_the_pool_leaves_the_stop_nothing_to_w
         for _ in pipeline:
             pass
     assert hits
-    stopper = threading.Thread(target=pipeline.stop, daemon=True)
-    stopper.start()
-    stopper.join(10)
-    assert not stopper.is_alive(), "the stop waits for a job that never runs"
+    assert _returns(pipeline.stop), "the stop waits for a job that never runs"
     monkeypatch.undo()
     del pipeline
     _helpers.assert_nothing_left(threads, segments)

@@ -368,15 +368,14 @@ class Run:
             self.loop.call_soon_threadsafe(self._stop_event.set)
 
     def stop(self) -> None:
-        """Stop and join everything this run started; call from the consumer.
+        """Stop and join everything this run started; not from one of its own threads.
 
-        Idempotent and re-entrant: a stop interrupted part-way (a second Ctrl-C while it joins)
-        is finished by the next call; only a stop that ran to its end makes later calls
-        return at once.
+        (The pipeline's holder hands a stop asked for on one of them to a thread of its own:
+        see ``_lifecycle.own_thread``.) Idempotent and re-entrant: a stop interrupted part-way
+        (a second Ctrl-C while it joins) is finished by the next call; only a stop that ran to
+        its end makes later calls return at once.
         """
         self.begin_stop()
-        if self.on_loop_thread():
-            return
         life = self.life
         life.begin_stop(asked=True)
         with life.join_lock:  # one thread joins; another caller waits for it to finish
