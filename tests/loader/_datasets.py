@@ -556,6 +556,14 @@ class Spinning(Dataset[Any]):
         return i, os.getpid()
 
 
+class NotRebuilt(Spinning):
+    """A :class:`Spinning` that pickles, and whose copy cannot be made from the pickle (as a
+    class defined in a notebook's ``__main__`` cannot, in a worker the fork server starts)."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        raise RuntimeError("this dataset cannot be rebuilt in another process")
+
+
 class Drawing(Dataset[Any]):
     """Item ``i``: ``(i, pid, a draw of the global random generator)``."""
 

@@ -28,7 +28,7 @@ from feedline.loader._move import Decision  # noqa: E402
 from feedline.loader._workers import WorkerSet  # noqa: E402
 
 from .._system import own_segments, starts_processes, zombies  # noqa: E402
-from ._datasets import Counting, Drawing, Sleepy, Spinning, Stream  # noqa: E402
+from ._datasets import Counting, Drawing, NotRebuilt, Sleepy, Spinning, Stream  # noqa: E402
 from ._procs import alone, no_children_left  # noqa: E402
 
 pytestmark = starts_processes
@@ -267,6 +267,28 @@ def test_a_dataset_that_cannot_be_pickled_stays_on_threads_and_says_why(
     script.decisions = [move(2)]
     batches_of(loader)  # the next epoch does not try again
     assert script.decisions == [move(2)] or script.calls == calls
+
+
+def test_a_dataset_that_workers_cannot_rebuild_stays_on_threads_with_each_batch_once(
+    script: Script, caplog: pytest.LogCaptureFixture
+) -> None:
+    # It pickles, so the workers start; each dies making its copy. The move waits for them
+    # before it deals any batch, and the epoch goes on, on threads, losing nothing.
+    script.decisions = [move(2)]
+    loader = DataLoader(
+        NotRebuilt(120), batch_size=4, num_workers="auto", multiprocessing_context="forkserver"
+    )
+    with caplog.at_level(logging.WARNING, "feedline.loader"):
+        got = batches_of(loader)
+    assert [i for i, _ in got] == list(range(120))
+    assert all(pid == os.getpid() for _, pid in got)
+    tuning = loader.stats().tuning  # type: ignore[union-attr]
+    assert any("stays on threads: the workers could not start" in t for t in tuning)
+    assert "exited (exit code 1)" in caplog.text
+    no_children_left()
+    script.decisions = [move(2)]
+    assert len(batches_of(loader)) == 120  # the next epoch does not try again
+    assert script.decisions == [move(2)]
 
 
 def test_a_move_forks_once_the_threads_that_fetched_are_joined(script: Script) -> None:

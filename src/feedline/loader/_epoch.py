@@ -738,7 +738,8 @@ class EpochIterator(Generic[T]):
         if workers:
             try:
                 loader._worker_set().start(seed)
-            except Exception as error:  # the dataset cannot be sent to workers
+                loader._worker_set().wait_started()
+            except Exception as error:  # the dataset cannot be sent to (or rebuilt in) workers
                 loader._end_workers()
                 placement.workers = workers = 0
                 placement.trial_rate = None

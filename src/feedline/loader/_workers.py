@@ -449,6 +449,16 @@ class WorkerSet:
         for worker, shares in list(zip(self._workers, self._shares, strict=True))[:count]:
             self._start_one(worker, shares, method, base_seed)
 
+    def wait_started(self) -> None:
+        """Wait until every worker has made its dataset copy; raise what stopped one.
+
+        A dataset that pickles may still fail to be rebuilt in a child (a class defined in a
+        notebook's ``__main__``, under the fork server): the move of ``num_workers="auto"``
+        learns it here, before it deals the workers any batch.
+        """
+        for worker in self._workers:
+            worker.wait_ready()
+
     def _drop_unrun(self) -> None:
         # An epoch asked for and never iterated: its batches would come first. Its workers
         # are ended (and started anew).
