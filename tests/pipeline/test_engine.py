@@ -231,6 +231,23 @@ def test_get_item_timeout_and_end() -> None:
             p.get_item(timeout=5)
 
 
+def test_get_item_after_another_threads_stop_says_the_epoch_ended() -> None:
+    # A consumer thread reading with get_item() while another thread stops the pipeline
+    # ends its loop on EOFError, whether the stop came during a wait or between two calls.
+    p = PipelineBuilder().add_source(range(10**9)).pipe(ident).build()
+    p.start()
+    assert p.get_item(timeout=5) == 0
+    stopper = threading.Thread(target=p.stop)
+    stopper.start()
+    stopper.join(10)
+    for _ in range(2):
+        with pytest.raises(EOFError, match="stopped"):
+            p.get_item(timeout=5)
+    p.start()  # the next epoch
+    assert p.get_item(timeout=5) == 0
+    p.stop()
+
+
 def test_stop_is_idempotent_and_restartable() -> None:
     p = PipelineBuilder().add_source(range(100)).pipe(ident).build()
     p.stop()

@@ -291,6 +291,8 @@ class Pipeline(Generic[T]):
                 "per epoch, or build it without continuous=True"
             )
         run = self._holder.run
+        if run is None and self._last is not None:
+            raise EOFError("the pipeline was stopped: call start() for another epoch")
         if run is None:
             raise RuntimeError(
                 "the pipeline is not running: call start() (or use auto_stop()) before "
