@@ -653,3 +653,38 @@ def test_a_coroutine_op_that_raises_a_base_exception_ends_the_run_with_an_error(
             pass
     del pipeline
     _helpers.assert_nothing_left(threads, segments)
+
+
+@pytest.mark.parametrize("kind", ["generator", "async generator"])
+def test_a_stop_closes_the_op_iterators_it_left_part_way(kind: str) -> None:
+    # An op that yields many outputs per item, stopped while its outputs wait for room: its
+    # finally blocks (closing a file, say) run by the time stop() returns, not when the
+    # pipeline is collected.
+    closed: list[int] = []
+    started: list[int] = []
+
+    def expand(x: int) -> Any:
+        started.append(x)
+        try:
+            yield from range(1000)
+        finally:
+            closed.append(x)
+
+    async def expand_async(x: int) -> Any:
+        started.append(x)
+        try:
+            for k in range(1000):
+                yield k
+        finally:
+            closed.append(x)
+
+    op = expand if kind == "generator" else expand_async
+    p = PipelineBuilder().add_source(range(100)).pipe(op, concurrency=2).add_sink(2).build()
+    it = iter(p)
+    for _ in range(10):
+        next(it)
+    it.close()  # type: ignore[attr-defined]
+    p.stop()
+    assert started
+    assert sorted(closed) == sorted(started)
+    assert _feedline_threads() == []

@@ -398,11 +398,9 @@ class Run:
                 waited,
             )
         self.pool.shutdown(wait=True)
-        for stage in self.stages:  # no job left to fail: sum up what the logs held back
+        for stage in self.stages:  # no job left: sum up what the logs held back, close
             stage.flush_failures()
-        source = self.stages[0]
-        if isinstance(source, ThreadedSource):
-            source.close()
+            stage.close()
         if not self.loop.is_closed():
             self.loop.close()
 

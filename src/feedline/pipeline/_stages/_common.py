@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from concurrent import futures
 from typing import TYPE_CHECKING, Any
@@ -144,6 +145,9 @@ class StageBase:
             # Skipped for good: an item that stopped the run, or failed as it stopped, is not.
             self.run.item_failed(item, self.name)
 
+    def close(self) -> None:
+        """Close the iterators of user code this stage holds. Call once no job runs."""
+
     def flush_failures(self) -> None:
         """Log, in one line, the failures the throttle held back since its last message."""
         with self.counters.lock:
@@ -157,3 +161,11 @@ class StageBase:
                 last,
                 failures,
             )
+
+
+def close_quietly(iterator: Any) -> None:
+    """Close ``iterator`` if it can be (a generator's ``finally`` runs); errors are dropped."""
+    close = getattr(iterator, "close", None)
+    if close is not None:
+        with contextlib.suppress(Exception):  # best effort: the run is over
+            close()

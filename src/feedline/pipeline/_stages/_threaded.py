@@ -20,7 +20,7 @@ from .._epochs import Passes
 from .._gated import GatedSource
 from .._queue import EMPTY, Channel
 from .._settings import TAKE_MOST, TAKE_SECONDS
-from ._common import StageBase
+from ._common import StageBase, close_quietly
 
 if TYPE_CHECKING:
     from .._engine import Run
@@ -447,6 +447,11 @@ class ThreadedStage(StageBase):
                 return False
         return False
 
+    def close(self) -> None:
+        """Close the op's iterators a stop left part-way (their ``finally`` blocks run)."""
+        while self._parked:
+            close_quietly(self._parked.popleft()[0])
+
     # -- hand-over ---------------------------------------------------------------------------------
 
     def _emit(self, seq: int, value: Any) -> bool:
@@ -591,7 +596,4 @@ class ThreadedSource(StageBase):
     def close(self) -> None:
         """Close the source iterator (a generator's ``finally`` runs). Call once no job runs."""
         iterator, self._iterator = self._iterator, None
-        close = getattr(iterator, "close", None)
-        if close is not None:
-            with contextlib.suppress(Exception):  # best effort: the run is over
-                close()
+        close_quietly(iterator)
