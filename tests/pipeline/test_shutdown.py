@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
+import logging
 import os
 import threading
 import time
@@ -653,6 +655,26 @@ def test_a_coroutine_op_that_raises_a_base_exception_ends_the_run_with_an_error(
             pass
     del pipeline
     _helpers.assert_nothing_left(threads, segments)
+
+
+def test_a_run_that_a_coroutine_op_ended_leaves_no_task_pending(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The calls of the next stage still wait as the SystemExit ends the loop: they are
+    # cancelled and awaited before it closes, never destroyed pending.
+    async def waits(x: int) -> int:
+        await asyncio.sleep(30)
+        return x
+
+    builder = PipelineBuilder().add_source(range(100)).pipe(_exits_at_5, concurrency=8)
+    pipeline = builder.pipe(waits, concurrency=8).build()
+    with caplog.at_level(logging.ERROR, "asyncio"), pytest.raises(SystemExit):
+        for _ in pipeline:
+            pass
+    del pipeline
+    gc.collect()
+    assert "destroyed but it is pending" not in caplog.text
+    assert "Event loop is closed" not in caplog.text
 
 
 @pytest.mark.parametrize("kind", ["generator", "async generator"])

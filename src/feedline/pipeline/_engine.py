@@ -271,6 +271,14 @@ class Run:
         finally:
             self._loop_ready.set()  # never leave start() waiting, even if _main failed early
             try:
+                # Left pending only by a _main that an exception ended: cancelled and awaited,
+                # as asyncio.run does, so that none is destroyed pending as the loop closes.
+                left = asyncio.all_tasks(self.loop)
+                for task in left:
+                    task.cancel()
+                if left:
+                    gathered = asyncio.gather(*left, return_exceptions=True)
+                    self.loop.run_until_complete(gathered)
                 self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             finally:
                 asyncio.set_event_loop(None)
