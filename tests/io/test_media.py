@@ -404,3 +404,21 @@ def test_missing_pyav_says_how_to_install(mp4: bytes, monkeypatch: pytest.Monkey
         decode_video_frames(mp4, indices=[0])
     with pytest.raises(ImportError, match=r"pip install 'feedline\[video\]'"):
         decode_audio(mp4)
+
+
+def test_bytes_that_name_other_files_open_none_of_them(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An FFmpeg concat list (a playlist, too) names files for FFmpeg to open: a sample's
+    # bytes must never read the job's own files (relative paths pass FFmpeg's safe mode), nor
+    # wait on one such as dev/stdin.
+    (tmp_path / "secret.mp4").write_bytes(encode_video("mpeg4", "mp4"))
+    (tmp_path / "secret.wav").write_bytes(encode_audio(sine_pair(), "pcm_s16le", "wav"))
+    monkeypatch.chdir(tmp_path)
+    video = (tmp_path / "secret.mp4").read_bytes()
+    assert decode_video_frames(video, num_frames=2).shape[0] == 2  # the file itself decodes
+    listing = b"ffconcat version 1.0\nfile 'secret.mp4'\n"
+    with pytest.raises(ValueError, match="cannot decode"):
+        decode_video_frames(listing, num_frames=2)
+    with pytest.raises(ValueError, match="cannot decode"):
+        decode_audio(b"ffconcat version 1.0\nfile 'secret.wav'\n")

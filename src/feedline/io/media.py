@@ -91,7 +91,12 @@ def _open(data: MediaBytes, kind: str) -> Iterator[InputContainer]:
         raise ImportError(f"decoding {kind} needs PyAV: {_INSTALL_HINT}") from error
     try:
         # Metadata is never used here: undecodable tags must not fail an otherwise good file.
-        with av.open(io.BytesIO(data), mode="r", metadata_errors="ignore") as container:
+        # No protocol: a playlist or concat list in the bytes must not make FFmpeg open other
+        # files (or block on one, such as dev/stdin); the data itself needs none.
+        options = {"protocol_whitelist": "none"}
+        with av.open(
+            io.BytesIO(data), mode="r", metadata_errors="ignore", options=options
+        ) as container:
             yield container
     except av.error.FFmpegError as error:
         reason = error.strerror or str(error)
