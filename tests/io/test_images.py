@@ -267,6 +267,13 @@ def test_accepts_every_buffer_type() -> None:
     ref = decode_image(data)
     for view in (bytearray(data), memoryview(data), np.frombuffer(data, np.uint8)):
         np.testing.assert_array_equal(decode_image(view), ref)
+    # Strided views: the bytes in order, whatever the layout (the decoders read memory
+    # forward from the first byte; before, a view with a step read past what it viewed).
+    spread = np.repeat(np.frombuffer(data, np.uint8), 2)
+    reversed_copy = np.frombuffer(data[::-1], np.uint8)
+    for view in (spread[::2], reversed_copy[::-1], memoryview(spread)[::2]):
+        np.testing.assert_array_equal(decode_image(view), ref)
+        assert image_size(view) == (10, 12)
     with pytest.raises(TypeError, match="encoded bytes"):
         decode_image("a string")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="1-D uint8"):

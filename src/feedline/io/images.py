@@ -78,9 +78,13 @@ def _as_array(data: Buffer) -> np.ndarray[Any, Any]:
                 f"expected the encoded bytes of an image, got an array of {data.dtype} with shape "
                 f"{data.shape}; pass bytes, a memoryview or a 1-D uint8 array"
             )
-        return data
+        # The decoders read len(data) bytes from the first one: a strided view (data[::-1])
+        # would have them read other memory. Its bytes are copied in order.
+        return np.ascontiguousarray(data)
     try:
         return np.frombuffer(data, dtype=np.uint8)
+    except BufferError:
+        return np.frombuffer(bytes(memoryview(data)), dtype=np.uint8)  # strided: copied
     except TypeError:
         raise TypeError(
             f"expected the encoded bytes of an image (bytes, bytearray, memoryview, mmap or a "
