@@ -71,6 +71,12 @@ def _libs() -> tuple[Any, Any]:
     return simplejpeg, cv2
 
 
+_FORMATS = (
+    "JPEG, PNG, WebP, BMP, GIF, TIFF, PBM/PGM/PPM/PAM/PFM, Radiance HDR, Sun raster, "
+    "JPEG 2000, AVIF"
+)
+
+
 def _as_array(data: Buffer) -> np.ndarray[Any, Any]:
     if isinstance(data, np.ndarray):
         if data.dtype != np.uint8 or data.ndim != 1:
@@ -394,8 +400,10 @@ def decode_image(
             shape. Nothing outside it is written.
         max_pixels: Refuse a picture that declares more pixels than this (default: Pillow's
             ``MAX_IMAGE_PIXELS``, about 89 million), read from its header before anything is
-            allocated; ``None`` lifts the limit. JPEG, PNG, WebP, BMP and GIF headers are
-            read; other formats rely on OpenCV's own limit (2**30 pixels).
+            allocated; ``None`` lifts the limit. The headers of JPEG, PNG, WebP, BMP, GIF,
+            TIFF, the Netpbm formats, Radiance HDR, Sun raster, JPEG 2000 and AVIF are read;
+            another format is refused unless ``max_pixels`` is ``None`` (OpenCV's own limit,
+            2**30 pixels, then holds).
 
     Returns:
         The image, RGB (or luma) in HWC order: ``out`` itself when given.
@@ -430,6 +438,12 @@ def decode_image(
         check_pixels(*declared, max_pixels)
         if raw[:4].tobytes() == b"\x89PNG":
             check_png_chunks(raw)
+    elif max_pixels is not None:  # its size unknown: OpenCV would allocate whatever it says
+        raise ValueError(
+            f"could not decode {raw.size} bytes starting {raw[:8].tobytes()!r} as an image: "
+            f"the format is not recognised ({_FORMATS}); for another format OpenCV decodes, "
+            "pass max_pixels=None (no limit on its size)"
+        )
     _, cv2 = _libs()
     flags = (cv2.IMREAD_GRAYSCALE if grayscale else cv2.IMREAD_COLOR_RGB) | (
         cv2.IMREAD_IGNORE_ORIENTATION
@@ -444,7 +458,7 @@ def decode_image(
         head = raw[:8].tobytes()
         raise ValueError(
             f"could not decode {raw.size} bytes starting {head!r} as an image: {reason}; "
-            "supported: JPEG, PNG, WebP, BMP"
+            f"supported: {_FORMATS}"
         )
     with _SCRATCH.borrow() as scratch:
         return _finish(cv2, image, size, out, antialias, mode == "exact", scratch)
@@ -453,9 +467,9 @@ def decode_image(
 def image_size(data: Buffer) -> tuple[int, int]:
     """Return ``(height, width)`` of an encoded image, reading only its header where possible.
 
-    Useful to allocate buffers before decoding. JPEG headers are parsed by libjpeg-turbo; PNG,
-    WebP, BMP and GIF headers here; other formats are decoded (OpenCV has no header-only
-    call).
+    Useful to allocate buffers before decoding. JPEG headers are parsed by libjpeg-turbo; those
+    of the other formats :func:`decode_image` reads here; another format is decoded, within
+    the default ``max_pixels`` (OpenCV has no header-only call).
 
     Raises:
         ValueError: The bytes are not a decodable image.
