@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -97,6 +98,36 @@ def test_bad_arguments() -> None:
         BufferPool((2,), dtype=object)
     with pytest.raises(ConfigurationError, match="pin_memory=True needs PyTorch with CUDA"):
         BufferPool((2,), pin_memory=True)
+    for dtype in ("U0", "V0"):
+        with pytest.raises(ConfigurationError, match="fixed size"):
+            BufferPool((2,), dtype=dtype)
+    for shape in ((2.7, 3), "abc", 5):
+        with pytest.raises(ConfigurationError, match="tuple of ints"):
+            BufferPool(shape)  # type: ignore[arg-type]
+    # Sizes whose product wraps in 64 bits (to 0, or to something allocatable) are refused.
+    for shape in ((2**32, 2**32), (2**31 + 1, 2**33), (2**62, 4)):
+        with pytest.raises(ConfigurationError, match="more bytes than this machine"):
+            BufferPool(shape)
+
+
+def test_a_batch_collected_on_the_thread_that_holds_the_pool_goes_back() -> None:
+    # A garbage collection that runs while acquire() holds the pool's lock (an allocation
+    # there) may free a batch held in a cycle: its finalizer gives it back on this very thread.
+    pool = BufferPool((4,), count=1)
+    cycle: list[Any] = [pool.acquire()]
+    cycle.append(cycle)
+    done = threading.Event()
+
+    def collect_under_the_lock() -> None:
+        with pool._cond:
+            del cycle[:]  # the batch goes now, its finalizer on this thread, the lock held
+            gc.collect()
+        done.set()
+
+    thread = threading.Thread(target=collect_under_the_lock, daemon=True)
+    thread.start()
+    assert done.wait(10), "the finalizer waited for the lock its own thread held"
+    assert pool.free == 1
 
 
 def test_empty_shape_is_allowed() -> None:

@@ -16,6 +16,8 @@ aligned to 64 bytes (a cache line, and what SIMD decoders like).
 from __future__ import annotations
 
 import ctypes
+import math
+import operator
 import sys
 import threading
 import time
@@ -80,16 +82,21 @@ class BufferPool:
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ConfigurationError(f"count must be an int >= 1, got {count!r}")
         try:
-            shape = tuple(int(d) for d in shape)
+            shape = tuple(operator.index(d) for d in shape)
         except TypeError:
             raise ConfigurationError(f"shape must be a tuple of ints, got {shape!r}") from None
         if any(d < 0 for d in shape):
             raise ConfigurationError(f"shape must not have negative dimensions, got {shape}")
         self.shape = shape
         self.dtype = np.dtype(dtype)
-        if self.dtype.hasobject:
+        if self.dtype.hasobject or self.dtype.itemsize == 0:
             raise ConfigurationError(
-                "a buffer of Python objects cannot be shared; use a numeric dtype"
+                f"a buffer of {self.dtype} cannot be shared: use a numeric dtype of a fixed size"
+            )
+        if math.prod(shape) * self.dtype.itemsize > sys.maxsize:
+            raise ConfigurationError(
+                f"a buffer of shape {shape} and {self.dtype} would hold more bytes than this "
+                "machine can address; check the shape"
             )
         cuda = _cuda_available()
         if pin_memory and not cuda:
@@ -99,7 +106,7 @@ class BufferPool:
             )
         self.pinned = bool(cuda if pin_memory is None else pin_memory)
         self.count = count
-        self._items = int(np.prod(shape, dtype=np.int64))
+        self._items = math.prod(shape)
         nbytes = self._items * self.dtype.itemsize
         self.nbytes = nbytes
         self._memory: list[np.ndarray[Any, Any]] = []  # flat uint8, one per buffer
@@ -109,7 +116,9 @@ class BufferPool:
             self._memory.append(flat)
             self._owners.append(owner)
         self._free = list(range(count))
-        self._cond = threading.Condition(threading.Lock())
+        # Re-entrant: a batch's finalizer (_give_back) may run on a thread that holds it, when
+        # an allocation there (the TimeoutError's message) collects a batch held in a cycle.
+        self._cond = threading.Condition(threading.RLock())
         self._acquired = 0
 
     def acquire(self, timeout: float | None = None) -> np.ndarray[Any, Any]:
