@@ -55,6 +55,19 @@ def test_copy_true_always_copies() -> None:
 def test_big_endian_arrays_become_native() -> None:
     array = np.arange(5, dtype=">i4")
     assert to_torch(array).tolist() == [0, 1, 2, 3, 4]
+    assert to_torch(array, copy=True).tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="byte order"):
+        to_torch(array, copy=False)
+
+
+def test_reversed_views_are_copied_in_order_or_refused() -> None:
+    array = np.arange(12).reshape(3, 4)
+    for view in (array[::-1], array[:, ::-2], array[::-1].T):
+        for copy in (None, True):
+            assert to_torch(view, copy=copy).tolist() == view.tolist()
+        with pytest.raises(ValueError, match="negative strides"):
+            to_torch(view, copy=False)
+    assert to_torch(array.T).data_ptr() == array.ctypes.data  # positive strides: shared
 
 
 def test_to_numpy_shares_memory_with_a_cpu_tensor() -> None:

@@ -67,10 +67,11 @@ def to_torch(x: Any, *, copy: bool | None = None) -> Any:
         x: A NumPy array, a tensor, or anything :func:`to_numpy` accepts.
         copy: ``None`` (default): share memory, copy only a read-only array (PyTorch cannot
             mark a tensor read-only, and writing into immutable bytes would corrupt them).
-            ``False``: never copy; raise instead. ``True``: always copy.
+            A big-endian array or a reversed view (negative strides) is copied too: torch
+            cannot view either. ``False``: never copy; raise instead. ``True``: always copy.
 
     Raises:
-        ValueError: ``copy=False`` and the array is read-only.
+        ValueError: ``copy=False`` and the array is read-only, big-endian or reversed.
         ImportError: PyTorch is not installed.
 
     """
@@ -78,18 +79,23 @@ def to_torch(x: Any, *, copy: bool | None = None) -> Any:
     if isinstance(x, torch.Tensor):
         return x.clone() if copy else x
     array = to_numpy(x)
-    if copy:
-        return torch.from_numpy(np.array(array, copy=True))
+    unshared = []  # why a tensor cannot view the array's memory
     if not array.flags.writeable:
-        if copy is False:
-            raise ValueError(
-                "the array is read-only (it views immutable memory such as bytes), and a "
-                "tensor would be writable; pass copy=None to copy it, or load from a "
-                "bytearray to get a writable array"
-            )
-        array = array.copy()
+        unshared.append(
+            "the array is read-only (it views immutable memory such as bytes), and a tensor "
+            "would be writable (load from a bytearray to get a writable array)"
+        )
     if not array.dtype.isnative:
-        array = array.astype(array.dtype.newbyteorder("="))  # torch takes native order only
+        unshared.append("its byte order is not this machine's, the only one torch reads")
+    if any(stride < 0 for stride in array.strides):
+        unshared.append("it has negative strides (a reversed view), which a tensor cannot have")
+    if unshared and copy is False:
+        raise ValueError(
+            f"cannot share the array with a tensor: {'; '.join(unshared)}; pass "
+            "copy=None to copy it"
+        )
+    if copy or unshared:  # a C-ordered copy in native byte order
+        array = np.array(array, dtype=array.dtype.newbyteorder("="), order="C", copy=True)
     return torch.from_numpy(array)
 
 
