@@ -422,3 +422,31 @@ def test_bytes_that_name_other_files_open_none_of_them(
         decode_video_frames(listing, num_frames=2)
     with pytest.raises(ValueError, match="cannot decode"):
         decode_audio(b"ffconcat version 1.0\nfile 'secret.wav'\n")
+
+
+@starts_processes
+def test_decoded_audio_peaks_near_one_copy_of_its_samples() -> None:
+    # A WAV of 700 samples at 1 Hz, resampled to 48 kHz: 128 MiB of output, made of small
+    # frames. The peak resident size grows by about the output, not twice it (the frames'
+    # samples gathered apart and then joined held both).
+    script = """
+import resource, struct
+from feedline.io import decode_audio
+n = 700
+fmt = struct.pack("<HHIIHH", 1, 1, 1, 2, 2, 16)
+body = b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt + b"data" + struct.pack("<I", 2 * n)
+body += b"\\x01\\x00" * n
+data = b"RIFF" + struct.pack("<I", len(body)) + body
+decode_audio(data, sample_rate=480)  # warm up
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+audio = decode_audio(data, sample_rate=48_000)
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(audio.samples.nbytes // 1024, grown)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    output_kib, grown_kib = (int(v) for v in done.stdout.split())
+    assert output_kib > 100 * 1024
+    assert grown_kib < 1.4 * output_kib, f"peak grew {grown_kib} KiB for {output_kib} KiB"

@@ -317,6 +317,52 @@ def _planes(frame: Any) -> np.ndarray[Any, Any]:
     return frame.to_ndarray().reshape(-1, channels).T  # type: ignore[no-any-return]
 
 
+class _Blocks:
+    """Samples gathered as they are decoded, in blocks of :data:`_BLOCK` per channel.
+
+    A frame's few thousand samples each in an array of their own would stay in the heap
+    after :meth:`joined` copied them out: the peak would hold the audio twice. Blocks are
+    large enough to be mappings of their own, each unmapped once copied.
+    """
+
+    def __init__(self) -> None:
+        self.blocks: list[np.ndarray[Any, np.dtype[np.float32]]] = []
+        self.used = _BLOCK  # samples per channel in the last block
+
+    def add(self, chunk: np.ndarray[Any, Any]) -> None:
+        at, n = 0, chunk.shape[1]
+        while at < n:
+            if self.used == _BLOCK:
+                self.blocks.append(np.empty((chunk.shape[0], _BLOCK), dtype=np.float32))
+                self.used = 0
+            k = min(n - at, _BLOCK - self.used)
+            self.blocks[-1][:, self.used : self.used + k] = chunk[:, at : at + k]
+            self.used, at = self.used + k, at + k
+
+    def joined(self, channels: int) -> np.ndarray[Any, np.dtype[np.float32]]:
+        """All the samples as ``(channels, samples)``; the blocks are let go."""
+        blocks = self.blocks
+        if not blocks:
+            return np.zeros((channels, 0), dtype=np.float32)
+        length = (len(blocks) - 1) * _BLOCK + self.used
+        samples = np.empty((blocks[0].shape[0], length), dtype=np.float32)
+        blocks.reverse()
+        at = 0
+        while blocks:
+            block = blocks.pop()
+            k = min(_BLOCK, length - at)
+            samples[:, at : at + k] = block[:, :k]
+            at += k
+            del block
+        return samples
+
+
+_BLOCK = 1 << 23
+"""Samples per channel in a block of :class:`_Blocks`: 32 MiB a channel (and the array's
+header), past the size above which glibc maps an allocation of its own however it has tuned
+that threshold (32 MiB at most); only the pages written are taken."""
+
+
 def _check_samples(samples: float, max_samples: int | None) -> None:
     if max_samples is not None and samples > max_samples:
         raise ValueError(
@@ -381,7 +427,7 @@ def decode_audio(
         isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1
     ):
         raise ValueError(f"max_samples must be an int >= 1 or None, got {max_samples!r}")
-    chunks: list[np.ndarray[Any, Any]] = []
+    gathered = _Blocks()
     total = 0.0  # samples (all channels) returned so far, and about to be
     rate = sample_rate or 0
     with _open(data, "audio") as container:
@@ -400,7 +446,8 @@ def decode_audio(
         for frame in container.decode(stream):
             this = (frame.format.name, frame.layout.name, frame.sample_rate)
             if this != source:  # the first frame, or the stream changed midway
-                chunks.extend(_planes(f) for f in resampler.resample(None))
+                for f in resampler.resample(None):
+                    gathered.add(_planes(f))
                 if source is None:
                     rate = rate or frame.sample_rate
                     layout = frame.layout
@@ -411,15 +458,14 @@ def decode_audio(
             # Before resampling: a frame at 1 Hz resampled to 48 kHz grows 48,000-fold.
             total += frame.samples * rate / max(frame.sample_rate, 1) * layout.nb_channels
             _check_samples(total, max_samples)
-            chunks.extend(_planes(f) for f in resampler.resample(frame))
-        chunks.extend(_planes(f) for f in resampler.resample(None))  # flush
+            for f in resampler.resample(frame):
+                gathered.add(_planes(f))
+        for f in resampler.resample(None):  # flush
+            gathered.add(_planes(f))
         rate = rate or stream.rate or 0
     if rate < 1:
         raise ValueError("the audio stream declares no sample rate; it cannot be decoded")
-    if chunks:
-        samples = np.concatenate(chunks, axis=1, dtype=np.float32)
-    else:  # a stream without a single frame: empty, with the stream's channel count
-        samples = np.zeros((channels, 0), dtype=np.float32)
+    samples = gathered.joined(channels)  # no frame at all: the stream's channel count
     if mono and samples.shape[0] > 1:
         samples = samples.mean(axis=0, keepdims=True, dtype=np.float32)
     return Audio(samples, rate)
