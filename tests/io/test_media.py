@@ -234,6 +234,8 @@ def test_out_from_a_buffer_pool_with_resize(mp4: bytes) -> None:
         ({"num_frames": 2.0}, "num_frames must be an int >= 1, got 2.0"),
         ({"indices": [0], "size": (24,)}, r"size must be \(height, width\)"),
         ({"indices": [0], "size": (0, 8)}, "both >= 1"),
+        ({"indices": [0], "size": (50_000, 50_000)}, "2,500,000,000 pixels, more than max_"),
+        ({"indices": [0], "size": (10, 10), "max_pixels": 99}, "100 pixels"),
         ({"indices": [0, 1], "out": np.zeros((3, HEIGHT, WIDTH, 3), np.uint8)}, "2 frames"),
         ({"indices": [0], "out": np.zeros((1, HEIGHT, WIDTH, 3), np.float32)}, "uint8 array"),
         ({"indices": [0], "out": np.zeros((1, HEIGHT, WIDTH), np.uint8)}, "uint8 array"),

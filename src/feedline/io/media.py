@@ -270,6 +270,13 @@ def decode_video_frames(
             f"evenly), got {'both' if indices is not None else 'neither'}"
         )
     target_size = _check_size(size)
+    if target_size is not None and max_pixels is not None:
+        height, width = target_size
+        if height * width > max_pixels:
+            raise ValueError(
+                f"size={size!r} asks for frames of {height * width:,} pixels, more than "
+                f"max_pixels={max_pixels:,}; ask for a smaller size, or raise max_pixels"
+            )
     if indices is not None:
         try:
             wanted = [operator.index(i) for i in indices]
