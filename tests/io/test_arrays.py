@@ -429,6 +429,14 @@ def test_zero_size_dtypes_and_huge_counts_raise_value_error(descr: str, shape: A
         load_npy(raw_npy(hdr(descr, shape)))
 
 
+def test_dimensions_past_what_can_be_indexed_name_the_header() -> None:
+    with pytest.raises(ValueError, match=r"NPY header: a dimension .* cannot be indexed"):
+        load_npy(raw_npy(hdr("<i1", (0, 10**30))))  # no element, yet no array can have it
+    digits = "{'descr': '<i1', 'fortran_order': False, 'shape': (" + "9" * 5000 + ",), }\n"
+    with pytest.raises(ValueError, match=r"NPY header: a dimension .* is too long"):
+        load_npy(raw_npy(digits, b"", 2))
+
+
 def test_huge_headers_are_refused_quickly() -> None:
     shape = "(" + "9," * 100_000 + ")"
     header = "{'descr': '<i4', 'fortran_order': False, 'shape': " + shape + ", }\n"
@@ -452,9 +460,21 @@ def test_membership_does_not_load() -> None:
     data[60] ^= 0xFF  # corrupt the member's stream
     arrays = load_npz(bytes(data))
     assert "x" in arrays
+    assert "x.npy" in arrays  # numpy.load's NpzFile takes the member's file name too
     assert "y" not in arrays
     with pytest.raises(ValueError):  # noqa: PT011
         arrays["x"]
+
+
+def test_members_are_found_by_their_file_names_too() -> None:
+    members = {"x": np.arange(3), "y": np.ones(2)}
+    for compressed in (False, True):
+        data = npz_bytes(members, compressed=compressed)
+        ours, numpys = load_npz(data), np.load(io.BytesIO(data))
+        for key in ("x", "x.npy", "y.npy"):
+            assert_same(ours[key], numpys[key])
+        with pytest.raises(KeyError):
+            ours["z.npy"]
 
 
 def test_duplicate_member_names_are_refused() -> None:

@@ -130,3 +130,8 @@ def test_to_jax_shares_aligned_memory_and_copies_read_only_arrays() -> None:
     assert np.asarray(to_jax(frozen)).tolist() == [0, 1, 2, 3, 4]  # copied, not refused
     tensor = torch.arange(6, dtype=torch.float32)
     assert np.asarray(to_jax(tensor)).tolist() == tensor.tolist()
+
+
+def test_a_bfloat16_tensor_says_how_to_convert_it() -> None:
+    with pytest.raises(TypeError, match=r"bfloat16.*tensor\.float\(\)"):
+        to_numpy(torch.ones(2, dtype=torch.bfloat16))

@@ -80,7 +80,10 @@ def _parse_header(header: bytes, version: int) -> tuple[np.dtype[Any], bool, tup
     if match is not None:
         descr: Any = match.group(1).decode("ascii")
         fortran = match.group(2) == b"True"
-        shape = tuple(int(s) for s in match.group(3).split(b",") if s.strip())
+        try:
+            shape = tuple(int(s) for s in match.group(3).split(b",") if s.strip())
+        except ValueError:  # more digits than int() reads (4,300)
+            raise ValueError(f"NPY header: a dimension of {header[:80]!r} is too long") from None
     else:
         try:
             text = header.decode("utf8" if version >= 3 else "latin1")
@@ -108,6 +111,8 @@ def _parse_header(header: bytes, version: int) -> tuple[np.dtype[Any], bool, tup
         raise ValueError(f"NPY header: {len(shape)} dimensions, more than {_MAX_DIMS}")
     if any(d < 0 for d in shape):
         raise ValueError(f"NPY header: negative dimension in shape {shape}")
+    if any(d > sys.maxsize for d in shape):  # (an empty array may declare one)
+        raise ValueError(f"NPY header: a dimension of {str(shape)[:80]} cannot be indexed")
     try:
         dtype = np.lib.format.descr_to_dtype(descr)
     except Exception as error:  # numpy raises TypeError, ValueError, IndexError, SyntaxError
@@ -374,6 +379,8 @@ class NpzArrays(Mapping[str, "np.ndarray[Any, Any]"]):
         if array is not None:
             return array
         member = self._members.get(key)
+        if member is None and isinstance(key, str) and key.endswith(".npy"):
+            member = self._members.get(key[:-4])  # numpy.load's NpzFile takes both names
         if member is None:
             raise KeyError(f"{key!r} is not in this NPZ file; it holds {sorted(self._members)}")
         raw = self._view[member.offset : member.offset + member.csize]
@@ -402,6 +409,8 @@ class NpzArrays(Mapping[str, "np.ndarray[Any, Any]"]):
         return array
 
     def __contains__(self, key: object) -> bool:
+        if isinstance(key, str) and key.endswith(".npy"):
+            key = key[:-4]  # as numpy.load's NpzFile
         return key in self._members  # without loading (Mapping's default would)
 
     def __iter__(self) -> Iterator[str]:

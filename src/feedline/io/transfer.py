@@ -39,6 +39,8 @@ def to_numpy(x: Any) -> np.ndarray[Any, Any]:
 
     Raises:
         ValueError: For a tensor on a GPU (copy it to the CPU first: that copy is explicit).
+        TypeError: For a bfloat16 tensor (NumPy has no such type: the message says how to
+            convert it).
 
     """
     if isinstance(x, np.ndarray):
@@ -49,6 +51,11 @@ def to_numpy(x: Any) -> np.ndarray[Any, Any]:
             raise ValueError(
                 f"the tensor is on {x.device}; move it with .cpu() first (a device-to-host "
                 "copy is never made implicitly)"
+            )
+        if x.dtype == torch.bfloat16:
+            raise TypeError(
+                "the tensor is bfloat16, which NumPy has no type for; convert it first "
+                "(tensor.float(), or tensor.view(torch.int16) to keep its bits)"
             )
         array: np.ndarray[Any, Any] = x.detach().numpy()
         return array
