@@ -253,6 +253,25 @@ class _Recording(ObjectCache):
         return data
 
 
+def test_stores_sharing_a_cache_each_get_their_own_objects(server: str, tmp_path: Path) -> None:
+    # train/ and val/ both hold "x": one cache (in memory, then on disk for new stores)
+    # must never answer one store's read with the other's object.
+    from feedline import RemoteStore
+
+    cache = ObjectCache(memory_bytes=10_000, directory=tmp_path)
+    train, val = (RemoteStore(f"{server}/{part}", cache=cache) for part in ("train", "val"))
+    assert bytes(train.read_sync("x")) == _body("/train/x")
+    assert bytes(val.read_sync("x")) == _body("/val/x")
+    assert bytes(asyncio.run(val.read("x"))) == _body("/val/x")
+    assert sum(_Counting.gets.values()) == 2
+    fresh = ObjectCache(memory_bytes=0, directory=tmp_path)
+    for part in ("val", "train"):
+        store = RemoteStore(f"{server}/{part}", cache=fresh)
+        assert bytes(store.read_sync("x")) == _body(f"/{part}/x")
+        assert store.stats().cache_hits == 1
+    assert sum(_Counting.gets.values()) == 2
+
+
 def test_large_objects_are_cached_through_a_thread(server: str, tmp_path: Path) -> None:
     from feedline import RemoteStore
 

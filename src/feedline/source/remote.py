@@ -449,6 +449,11 @@ class RemoteStore:
     def __repr__(self) -> str:
         return f"RemoteStore({self.url!r})"
 
+    def _entry(self, key: str) -> str:
+        # The cache's name for the object: stores sharing a cache (train/ and val/ under
+        # one directory) each find only their own objects, whatever their keys.
+        return f"{self.url}\x00{key}"
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (self.url, self._args))
 
@@ -476,16 +481,17 @@ class RemoteStore:
         options = _range_options(start, end)
         self._here()
         cache = self.cache if options is None else None
+        entry = self._entry(key)
         if cache is not None:
             # Memory, and small files, here on the event loop: a hop to a thread and back
             # costs more than reading 100 KB from the page cache. Large files in a thread.
-            data = cache.peek(key)
+            data = cache.peek(entry)
             if data is None:
-                size = cache.file_size(key)
+                size = cache.file_size(entry)
                 if size is not None and size > _INLINE_FILE_BYTES:
-                    data = await asyncio.get_running_loop().run_in_executor(None, cache.get, key)
+                    data = await asyncio.get_running_loop().run_in_executor(None, cache.get, entry)
                 else:
-                    data = cache.get(key)  # without a file: counts the miss, reads nothing
+                    data = cache.get(entry)  # without a file: counts the miss, reads nothing
             if data is not None:
                 return self._hit(data)
         if options is not None:
@@ -511,7 +517,7 @@ class RemoteStore:
         flights[slot] = flight
         try:
             # Filled while this read looked (see read_sync)?
-            data = cache.peek(key) if cache is not None else None
+            data = cache.peek(entry) if cache is not None else None
             if data is not None:
                 flight.set_result(memoryview(data))
                 return self._hit(data)
@@ -528,11 +534,11 @@ class RemoteStore:
             # a reader arriving meanwhile joins it rather than sending a second request.
             flight.set_result(memoryview(view))
             if cache is not None and (cache.directory is None or view.nbytes <= _INLINE_FILE_BYTES):
-                cache.put(key, view)
+                cache.put(entry, view)
             elif cache is not None:
                 # Awaited, not left running: the writes in flight stay as many as the reads,
                 # and none outlives the pipeline's event loop.
-                await asyncio.get_running_loop().run_in_executor(None, cache.put, key, view)
+                await asyncio.get_running_loop().run_in_executor(None, cache.put, entry, view)
         finally:
             flights.pop(slot, None)
         return view
@@ -772,8 +778,9 @@ class RemoteStore:
         options = _range_options(start, end)
         self._here()
         cache = self.cache if options is None else None
+        entry = self._entry(key)
         if cache is not None:
-            data = cache.get(key)
+            data = cache.get(entry)
             if data is not None:
                 return self._hit(data)
         if options is not None:
@@ -802,7 +809,7 @@ class RemoteStore:
                 # read by another thread may have filled the cache in between, and ended.
                 # Look again (memory only) before sending a request; the miss counted above
                 # stands beside this hit.
-                data = cache.peek(key)
+                data = cache.peek(entry)
                 if data is not None:
                     mine.view = memoryview(data)
                     return self._hit(data)
@@ -814,7 +821,7 @@ class RemoteStore:
             mine.view = memoryview(view)
             mine.done.set()  # the joiners go; the flight stays listed while the cache fills
             if cache is not None:
-                cache.put(key, view)
+                cache.put(entry, view)
             return view
         finally:
             if mine is not None:
