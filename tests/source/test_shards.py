@@ -9,6 +9,7 @@ import json
 import pickle
 import tarfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,13 @@ def _keys(samples: Any) -> list[str]:
 
 
 def _shard_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("feedline-shard")]
+    """The shard readers left once those with nothing to read have ended (a moment)."""
+    deadline = time.monotonic() + 2
+    while True:
+        names = [t.name for t in threading.enumerate() if t.name.startswith("feedline-shard")]
+        if not names or time.monotonic() > deadline:
+            return names
+        time.sleep(0.01)
 
 
 def test_a_directorys_shards_in_order_with_their_fields(folder: Path) -> None:
@@ -416,4 +423,45 @@ def test_a_damaged_shard_raises_naming_it(folder: Path, tmp_path: Path) -> None:
     (tmp_path / KEYS[2]).write_bytes(bytes(broken[:3000]))
     with pytest.raises(ValueError, match=r"shard-2\.tar: .*offset"):
         list(TarShards(tmp_path, KEYS))
+    assert _shard_threads() == []
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 2])
+def test_read_ahead_reads_that_many_shards_past_the_one_walked(folder: Path, ahead: int) -> None:
+    tars = TarShards(folder, KEYS, read_ahead=ahead)
+    begun: list[int] = []
+    read = tars.shards.read
+
+    def counted(index: int) -> Any:
+        begun.append(index)
+        return read(index)
+
+    tars.shards.read = counted  # type: ignore[method-assign]
+    it = iter(tars)
+    next(it)  # shard 0's first sample: the reads ahead have been asked for
+    time.sleep(0.2)
+    assert sorted(begun) == list(range(1 + ahead))
+    assert _keys(it) == EVERY[1:]
+
+
+def test_leaving_the_loop_waits_for_no_shard_read_under_way(folder: Path) -> None:
+    # A read ahead on a stalled store (until its timeout, minutes with retries) neither
+    # holds up a break nor an error in the loop body, nor the process's exit.
+    tars = TarShards(folder, KEYS, read_ahead=2)
+    read, release = tars.shards.read, threading.Event()
+
+    def stalls(index: int) -> Any:
+        if index > 0:
+            release.wait(30)
+        return read(index)
+
+    tars.shards.read = stalls  # type: ignore[method-assign]
+    began = time.monotonic()
+    for _ in tars:
+        break
+    with pytest.raises(KeyError), contextlib.suppress(ZeroDivisionError):
+        for _ in tars:
+            raise KeyError("in the loop body")
+    assert time.monotonic() - began < 2
+    release.set()
     assert _shard_threads() == []

@@ -186,15 +186,19 @@ def due(progress: Progress, delay: float, now: float) -> float | None:
 
 
 class Runners:
-    """Daemon threads for ``read_sync``'s races, started as needed.
+    """Daemon threads for reads no one may have to wait for, started as needed.
 
-    Each ends after :data:`IDLE` seconds without work; a loser waiting on a stalled server
-    holds up no exit.
+    ``read_sync``'s races, and the shards ``TarShards`` reads ahead. Each thread ends after
+    :data:`IDLE` seconds without work; a read left running (a race's loser on a stalled
+    server, a shard read ahead of a loop that was left) holds up neither its caller nor exit.
     """
 
-    def __init__(self, most: int) -> None:
+    def __init__(self, most: int, name: str = "feedline-hedges") -> None:
         self._most = most
-        self._tasks: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]]
+        self._name = name
+        self._tasks: queue.SimpleQueue[
+            tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None
+        ]
         self._tasks = queue.SimpleQueue()
         self._idle = threading.Semaphore(0)  # a token per thread waiting for work
         self._lock = threading.Lock()
@@ -209,23 +213,35 @@ class Runners:
                 start = self._threads < self._most
                 self._threads += start
             if start:
-                threading.Thread(target=self._run, name="feedline-hedges", daemon=True).start()
+                threading.Thread(target=self._run, name=self._name, daemon=True).start()
         return future
+
+    def close(self) -> None:
+        """Let every thread end as soon as it has no read to run (submit no more after)."""
+        with self._lock:
+            threads = self._threads
+        for _ in range(threads):
+            self._tasks.put(None)
 
     def _run(self) -> None:
         while True:
             try:
-                future, fn, args = self._tasks.get(timeout=IDLE)
+                task = self._tasks.get(timeout=IDLE)
             except queue.Empty:
                 if self._idle.acquire(blocking=False):  # no task promised to this thread
                     with self._lock:
                         self._threads -= 1
                     return
                 continue
+            if task is None:  # closed
+                with self._lock:
+                    self._threads -= 1
+                return
+            future, fn, args = task
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(*args))
                 except BaseException as error:  # the caller has it
                     future.set_exception(error)
-            del future, fn, args  # nothing of a finished race held while idle
+            del task, future, fn, args  # nothing of a finished read held while idle
             self._idle.release()

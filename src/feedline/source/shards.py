@@ -20,7 +20,7 @@ import collections
 import random
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -29,6 +29,7 @@ from feedline._watchdog import STALL_AFTER, TICK, StallWatch, check_after
 from feedline.errors import ConfigurationError
 from feedline.io.tar import tar_samples
 
+from ._hedge import Runners
 from .stored import StoredSamples
 
 __all__ = ["TarShards"]
@@ -219,7 +220,8 @@ class TarShards(_Base):  # type: ignore[type-arg]
         place = {key: k for k, key in enumerate(self.shards.keys)}
         upcoming = iter(keys)
         pending: collections.deque[tuple[str, Future[Any]]] = collections.deque()
-        pool = ThreadPoolExecutor(self.read_ahead + 1, thread_name_prefix="feedline-shard")
+        # Daemon threads: a loop left (break, an error, Ctrl-C) waits for no read under way.
+        pool = Runners(max(self.read_ahead, 1), name="feedline-shard")
 
         def read_next() -> bool:
             key = next(upcoming, None)
@@ -235,13 +237,15 @@ class TarShards(_Base):  # type: ignore[type-arg]
             while pending:
                 key, future = pending.popleft()
                 data = self._await(key, future)
-                while len(pending) <= self.read_ahead and read_next():
+                while len(pending) < self.read_ahead and read_next():
                     pass
                 yield from tar_samples(data, shard=key)
+                if not pending:  # read_ahead=0: the next shard once this one is walked
+                    read_next()
         finally:
             for _, future in pending:
-                future.cancel()
-            pool.shutdown(wait=True)
+                future.cancel()  # those not begun are never read; the others end on their own
+            pool.close()
 
     def _await(self, key: str, future: Future[Any]) -> Any:
         # A shard's bytes; a read that takes report_stall_after seconds is reported once
