@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import errno
 import pickle
@@ -353,6 +354,20 @@ def test_no_retries_means_one_attempt(flaky: str) -> None:
     with pytest.raises(RemoteReadError):
         store.read_sync("flaky-3")
     assert _Flaky.attempts["/flaky-3"] == 1
+
+
+def test_ctrl_c_during_read_sync_on_the_main_thread_comes_at_once(flaky: str) -> None:
+    # The request blocks in obstore's native code; the main thread waits for it on a thread
+    # of its own, so the interrupt is raised at once, not when the 10 s stall ends.
+    assert threading.current_thread() is threading.main_thread()
+    store = RemoteStore(flaky, retries=0)
+    threading.Timer(0.3, _thread.interrupt_main).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        store.read_sync("slow-interrupted")
+    assert time.monotonic() - t0 < 3
+    _Flaky.release.set()
+    assert bytes(store.read_sync("after")) == b"ok:/after"  # the store goes on
 
 
 def test_a_stalled_read_times_out(flaky: str) -> None:

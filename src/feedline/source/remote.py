@@ -395,6 +395,7 @@ class RemoteStore:
         self._hedge_sync = self._args["hedge"] is True  # read_sync races too
         self._hedges = [0, 0]  # sent, won
         self._runners: Runners | None = None  # threads for read_sync's races
+        self._main_reads: Runners | None = None  # threads for read_sync on the main thread
         self._reads = 0
         self._bytes = 0
         self._failures = 0
@@ -784,7 +785,7 @@ class RemoteStore:
             if data is not None:
                 return self._hit(data)
         if options is not None:
-            return self._fetch_sync(key, options)
+            return self._fetch_interruptible(key, options)
         mine: _Flight | None = None
         try:
             while True:
@@ -814,7 +815,7 @@ class RemoteStore:
                     mine.view = memoryview(data)
                     return self._hit(data)
             try:
-                view = self._fetch_sync(key, None)
+                view = self._fetch_interruptible(key, None)
             except RemoteReadError as error:
                 mine.error = error
                 raise
@@ -829,6 +830,25 @@ class RemoteStore:
                 with self._lock:
                     if self._thread_flights.get(key) is mine:
                         del self._thread_flights[key]
+
+    def _fetch_interruptible(self, key: str, options: Any) -> memoryview:
+        # On the main thread, the request runs on a daemon thread that this one waits for:
+        # a request blocks in obstore's native code, which never returns to Python to see a
+        # Ctrl-C (a server that drips its body kept it waiting past two of them). A read
+        # left so ends on its own. On other threads (which signals never reach), here.
+        if threading.current_thread() is not threading.main_thread():
+            return self._fetch_sync(key, options)
+        with self._lock:
+            if self._main_reads is None:
+                self._main_reads = Runners(self._max_in_flight, name="feedline-read")
+            runners = self._main_reads
+        future = runners.submit(self._fetch_sync, key, options)
+        while True:  # in slices: a signal that reached another thread is seen here too
+            try:
+                return future.result(timeout=_INTERRUPT_SLICE)
+            except TimeoutError:
+                if future.done():
+                    raise  # the read's own error
 
     def _fetch_sync(self, key: str, options: Any) -> memoryview:
         attempt = 0
@@ -1186,6 +1206,10 @@ def _plain_http(url: str, options: dict[str, Any]) -> bool:
     places = [options, options.get("config") or {}]
     endpoints = [str(place.get(k, "")) for place in places for k in _ENDPOINT_KEYS]
     return any(u.lower().startswith("http://") for u in (url, *endpoints))
+
+
+_INTERRUPT_SLICE = 0.1
+"""Seconds between two looks for a Ctrl-C while the main thread waits for a read."""
 
 
 def _range_options(start: int | None, end: int | None) -> Any:
