@@ -681,3 +681,31 @@ def test_read_sync_called_on_an_event_loop_still_reads_in_parts() -> None:
 def test_part_size_must_be_a_positive_int() -> None:
     with pytest.raises(ConfigurationError, match="part_size"):
         RemoteStore("memory:///", part_size=0)
+
+
+class _FalseTotal(Handler):
+    """Byte ranges of a 6 KB object, each reply claiming a 16 GiB object."""
+
+    served: ClassVar[Counter[str]] = Counter()
+
+    def do_GET(self) -> None:
+        self.served[self.path] += 1
+        body = bytes(6000)
+        first, last = (int(v) for v in self.headers.get("Range", "bytes=0-5999")[6:].split("-"))
+        part = body[first : last + 1]
+        span = {"Content-Range": f"bytes {first}-{first + len(part) - 1}/{1 << 34}"}
+        self.reply(206, part, span)
+
+
+def test_a_size_a_server_declares_falsely_costs_only_the_parts_asked_for() -> None:
+    # Read in parts of 1 KB, the object "is" 16 GiB: the read fails at the first short part,
+    # after a window of requests, not 16 million of them; no 16 GiB buffer is filled.
+    _FalseTotal.served.clear()
+    with serving(_FalseTotal) as url:
+        store = RemoteStore(url, part_size=1024, retries=0)
+        for read in (store.read_sync, lambda key: asyncio.run(store.read(key))):
+            t0 = time.monotonic()
+            with pytest.raises(RemoteReadError):
+                read("big")
+            assert time.monotonic() - t0 < 10
+        assert sum(_FalseTotal.served.values()) < 1000

@@ -12,7 +12,9 @@ and say what to change.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import mmap
 import os
 import threading
 import time
@@ -759,7 +761,14 @@ class RemoteStore:
             view, _ = await self._get(key, plan.options(start))
             plan.put(start, view)
 
-        tasks = [asyncio.ensure_future(fetch(start)) for start in plan.starts]
+        starts = iter(plan.starts)
+
+        async def fetch_each() -> None:  # the parts in turn: as many at once as these
+            for start in starts:
+                await fetch(start)
+
+        lanes = min(len(plan.starts), self._max_in_flight)
+        tasks = [asyncio.ensure_future(fetch_each()) for _ in range(lanes)]
         try:
             await asyncio.gather(*tasks)
         except BaseException:
@@ -911,9 +920,16 @@ class RemoteStore:
 
         threads = min(len(plan.starts), self._max_in_flight, _PART_THREADS)
         pool = ThreadPoolExecutor(threads, thread_name_prefix="feedline-parts")
+        window: collections.deque[concurrent.futures.Future[None]] = collections.deque()
         try:
-            for done in [pool.submit(fetch, start) for start in plan.starts]:
-                done.result()  # the first error raises; the parts not begun are dropped
+            # A window of parts asked for at once, not every part (a size that a server
+            # declares may be huge): the first error raises; the parts not begun are dropped.
+            for start in plan.starts:
+                window.append(pool.submit(fetch, start))
+                if len(window) >= 2 * threads:
+                    window.popleft().result()
+            while window:
+                window.popleft().result()
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
         return memoryview(plan.buffer), meta
@@ -1177,7 +1193,17 @@ class _Parts:
         # With part_size="auto", the first part timed the connection: the rest are sized anew.
         self._size = store._part() or part
         self._etag = meta.get("e_tag")
-        self.buffer = bytearray(self.size)
+        try:
+            # Pages taken as the parts are written (a bytearray writes zeros over them all
+            # first): a size that a server declared falsely costs only the parts read.
+            self.buffer = mmap.mmap(-1, self.size)
+        except (MemoryError, OverflowError, OSError):
+            raise RemoteReadError(
+                store.url,
+                key,
+                f"reading {key!r} in parts: it declares {self.size:,} bytes, more than this "
+                "process can hold; read it in byte ranges (read_sync(key, start=, end=))",
+            ) from None
         self.buffer[: first.nbytes] = first
         self.starts = range(first.nbytes, self.size, self._size)
 
