@@ -109,6 +109,37 @@ def test_every_damaged_header_byte_raises_value_error() -> None:
                 list(tar_members(bytes(damaged), shard="bad.tar"))
 
 
+def test_a_zeroed_header_raises_instead_of_ending_the_archive() -> None:
+    # A zero block is the end only when zeros follow it to the end: a header wiped by damage
+    # (or a zero-filled block in the middle) would otherwise drop every member after it.
+    data = _archive(tarfile.GNU_FORMAT, count=10)
+    # (A member whose bytes are all zeros, or none, leaves nothing to tell a wiped header by:
+    # an empty last member wiped is an archive that ends one member sooner.)
+    for member in [m for m in tar_members(data) if any(bytes(m.data))]:
+        damaged = bytearray(data)
+        damaged[member.offset : member.offset + 512] = bytes(512)
+        with pytest.raises(ValueError, match=r"bad\.tar.*not a tar header"):
+            list(tar_members(bytes(damaged), shard="bad.tar"))
+
+
+def test_archives_joined_end_to_end_are_read_whole() -> None:
+    # What `cat a.tar b.tar` makes (GNU tar reads it with --ignore-zeros): no member dropped.
+    first, second = _archive(tarfile.GNU_FORMAT, count=3), _archive(tarfile.PAX_FORMAT, count=2)
+    names = [m.name for m in tar_members(first + second)]
+    parts = [[m.name for m in tar_members(part)] for part in (first, second)]
+    assert names == parts[0] + parts[1]
+    assert len(parts[1]) == 5  # two samples of two files, and the empty file
+
+
+@pytest.mark.parametrize("mode", ["w:gz", "w:bz2", "w:xz"])
+def test_a_compressed_archive_says_so(mode: str) -> None:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode=mode) as tar:  # type: ignore[call-overload]
+        tar.addfile(tarfile.TarInfo("a.jpg"), io.BytesIO(b""))
+    with pytest.raises(ValueError, match=r"x.tar.*compressed archive.*decompress it"):
+        list(tar_members(buffer.getvalue(), shard="x.tar"))
+
+
 def test_not_a_tar_archive_says_so() -> None:
     with pytest.raises(ValueError, match="not a tar header"):
         list(tar_members(b"PK\x03\x04" + bytes(1020), shard="x.zip"))

@@ -13,8 +13,10 @@ archives, as ``tarfile`` writes them. Links, directories and devices are skipped
 does not add up raises :class:`ValueError` naming the shard and the byte offset: a header
 whose checksum fails, a size field that is not a number (or is negative), a member that runs
 past the end, an archive that ends without its end-of-archive block (a truncated download
-looks like that). Each header moves the walk forward, so any input ends it.
-A member's bytes carry no checksum in the format, so damage inside them cannot be seen here.
+looks like that). Each header moves the walk forward, so any input ends it. The archive ends
+at a zero block followed by zeros only: bytes after one (archives joined end to end, or a
+header that damage zeroed) are walked on, never dropped unsaid. A member's bytes carry no
+checksum in the format, so damage inside them cannot be seen here.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ from typing import Any, NamedTuple
 __all__ = ["TarMember", "tar_members", "tar_samples"]
 
 _BLOCK = 512
+_COMPRESSED = (
+    (b"\x1f\x8b", "gzip"),
+    (b"\x28\xb5\x2f\xfd", "zstd"),
+    (b"BZh", "bzip2"),
+    (b"\xfd7zXZ\x00", "xz"),
+)
 _REGULAR = (b"0", b"\0", b"7")  # a file ("7": contiguous, read as a file, as tarfile does)
 _SKIPPED = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, directories, FIFOs
 _EMPTY = bytes(_BLOCK)
@@ -64,6 +72,13 @@ def tar_members(data: Any, *, shard: str = "<bytes>") -> Iterator[TarMember]:
     offset = 0
     long_name: str | None = None  # from a GNU "L" member or a pax "path" record
     pax_size: int | None = None
+    for magic, method in _COMPRESSED:
+        if bytes(view[: len(magic)]) == magic:
+            raise ValueError(
+                f"{shard}: a {method}-compressed archive; shards are read as plain tar (their "
+                f"members are JPEGs and the like already): decompress it, or write it without "
+                "compression"
+            )
     while True:
         if offset + _BLOCK > size:
             where = "ends" if offset == size else "ends inside a header"
@@ -75,7 +90,16 @@ def tar_members(data: Any, *, shard: str = "<bytes>") -> Iterator[TarMember]:
         if not isinstance(block, bytes):
             block = block.tobytes()
         if block == _EMPTY:
-            return  # the end-of-archive block (one is enough, as for tarfile)
+            # The end of the archive if only zero blocks follow (one is enough, as for
+            # tarfile). A block that is not: archives joined end to end (GNU tar's
+            # --ignore-zeros reads on), or a header zeroed by damage, whose member's bytes
+            # then fail the checksum. Either way no member after it is dropped unsaid.
+            offset += _BLOCK
+            while offset + _BLOCK <= size and raw[offset : offset + _BLOCK] == _EMPTY:
+                offset += _BLOCK
+            if offset + _BLOCK > size:
+                return  # (a tail shorter than a block holds no header)
+            continue
         _check_sum(block, shard, offset)
         kind = block[156:157]
         length = pax_size if pax_size is not None else _number(block[124:136], shard, offset)
