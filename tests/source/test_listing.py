@@ -5,9 +5,10 @@ loopback counts the LIST requests)."""
 from __future__ import annotations
 
 import multiprocessing
+import socket
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -15,10 +16,11 @@ pytest.importorskip("obstore")
 pytest.importorskip("moto")
 
 from feedline import RemoteStore
-from feedline.errors import ConfigurationError
+from feedline.errors import ConfigurationError, RemoteReadError
 from feedline.source import ObjectCache
 
 from .._system import starts_processes
+from ._http import Handler, serving
 from ._s3 import CREDENTIALS, moto_bucket
 
 KEYS = 1_100  # two pages of a listing (1,000 keys each)
@@ -118,3 +120,50 @@ def test_processes_that_ask_at_once_list_once(
         counts = pool.starmap(_count_keys, [(endpoint, str(tmp_path))] * 4)
     assert counts == [KEYS] * 4
     assert served["LIST"] - listed == 2  # one listing (two pages) for the four
+
+
+class _CutListing(Handler):
+    """An S3 listing of two keys whose first ``cuts`` answers stop half-way through the body."""
+
+    cuts: ClassVar[int] = 1
+    served: ClassVar[list[str]] = []
+
+    def do_GET(self) -> None:
+        self.served.append(self.path)
+        body = (
+            '<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="http://s3.amazon'
+            'aws.com/doc/2006-03-01/"><Name>b</Name><Prefix>p/</Prefix><KeyCount>2</KeyCount>'
+            "<MaxKeys>1000</MaxKeys><IsTruncated>false</IsTruncated>"
+            + "".join(
+                f"<Contents><Key>p/{i}.jpg</Key><LastModified>2024-01-01T00:00:00.000Z"
+                f"</LastModified><Size>1</Size></Contents>"
+                for i in range(2)
+            )
+            + "</ListBucketResult>"
+        ).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if len(self.served) <= self.cuts:
+            self.wfile.write(body[:100])
+            self.wfile.flush()
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_WR)
+            return
+        self.wfile.write(body)
+
+
+@pytest.mark.parametrize("cuts", [1, 5])
+def test_a_listing_cut_mid_body_is_asked_again_within_the_retries(cuts: int) -> None:
+    # obstore retries a page's request, not its body: feedline asks again, as for a read.
+    _CutListing.cuts, _CutListing.served = cuts, []
+    with serving(_CutListing) as url:
+        store = RemoteStore("s3://b/p", endpoint=url, retries=2, backoff=0.01, **CREDENTIALS)
+        if cuts <= 2:
+            assert list(store.keys()) == ["0.jpg", "1.jpg"]
+            assert len(_CutListing.served) == cuts + 1
+        else:
+            with pytest.raises(RemoteReadError, match=r"listing keys under ''.*retried up to 2"):
+                store.keys()
+            assert len(_CutListing.served) == 3  # the first, and two retries

@@ -223,12 +223,13 @@ class Attempts:
     Args:
         store: The :class:`~feedline.source.RemoteStore` (its ``retries``, ``retry_timeout``
             and backoff settings, and its counters).
-        key: What the request reads.
+        key: What the request reads (or, ``listing``, the prefix it lists).
 
     """
 
-    def __init__(self, store: Any, key: str, counted: bool = True) -> None:
+    def __init__(self, store: Any, key: str, counted: bool = True, listing: bool = False) -> None:
         self._store, self._key, self._counted = store, key, counted
+        self._listing = listing
         self._start: float | None = None  # the first send (not the wait for room before it)
         self.retried = 0  # errors that may pass, sent again
         self.refused = 0  # refusals, sent again
@@ -256,7 +257,9 @@ class Attempts:
         start = time.monotonic() if self._start is None else self._start
         late = time.monotonic() - start >= store.retry_timeout
         if what == "final" or late or (what == "passing" and self.retried >= store.retries):
-            failed = store._failed(self._key, error, self.retried, self.refused, self._counted)
+            failed = store._failed(
+                self._key, error, self.retried, self.refused, self._counted, self._listing
+            )
             raise failed from error
         if what == "refused":
             self.refused += 1

@@ -1055,14 +1055,21 @@ class RemoteStore:
 
     def _list(self, prefix: str, suffix: str | tuple[str, ...]) -> list[str]:
         # The keys under ``prefix`` (ending with ``suffix``), sorted: requests to the store.
-        found: list[str] = []
-        try:
-            for page in self._ob.list(self._listing_client(), prefix or None, chunk_size=1000):
-                found += (m["path"] for m in page if not suffix or m["path"].endswith(suffix))
-        except Exception as error:
-            raise self._failed(prefix, error, listing=True) from error
-        found.sort()
-        return found
+        # obstore retries a page's request, not an error in its body (a connection cut
+        # mid-way, a stall): the listing is then asked again, as a read would be.
+        attempts = Attempts(self, prefix, listing=True)
+        while True:
+            found: list[str] = []
+            attempts.sending()
+            try:
+                pages = self._ob.list(self._listing_client(), prefix or None, chunk_size=1000)
+                for page in pages:
+                    found += (m["path"] for m in page if not suffix or m["path"].endswith(suffix))
+            except Exception as error:
+                time.sleep(attempts.after(error, 0))  # raises once not to be sent again
+                continue
+            found.sort()
+            return found
 
     def stats(self) -> RemoteStats:
         """How many reads and bytes so far, how many failed, how many are under way.
