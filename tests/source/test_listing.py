@@ -167,3 +167,11 @@ def test_a_listing_cut_mid_body_is_asked_again_within_the_retries(cuts: int) -> 
             with pytest.raises(RemoteReadError, match=r"listing keys under ''.*retried up to 2"):
                 store.keys()
             assert len(_CutListing.served) == 3  # the first, and two retries
+
+
+def test_a_key_obstore_cannot_handle_is_named_with_what_to_do() -> None:
+    objects = {"data/0.jpg": b"x", "data/dir//x.jpg": b"y"}  # S3 allows an empty segment
+    with moto_bucket("feedline-odd", objects) as (endpoint, _):
+        store = RemoteStore("s3://feedline-odd/data", endpoint=endpoint, **CREDENTIALS)
+        with pytest.raises(RemoteReadError, match=r"data/dir//x\.jpg.*rename the object"):
+            store.keys()

@@ -159,9 +159,15 @@ def failure(
             f"Nothing accepted a connection at {where}: check the endpoint (endpoint=, or "
             "the URL's host and port) and that the server is running and reachable from here"
         )
+    elif isinstance(error, exceptions.InvalidPathError):
+        advice = (
+            "obstore cannot handle an object's path (an empty segment, as in 'a//b', or a '.' "
+            "or '..' one), though S3 allows it: rename the object, or list and read under a "
+            "prefix that leaves it out"
+        )
     elif (
         bad_range(error)
-        or isinstance(error, exceptions.InvalidPathError | exceptions.NotSupportedError)
+        or isinstance(error, exceptions.NotSupportedError)
         or not isinstance(error, exceptions.BaseError)
         or (status is not None and 400 <= status < 500 and status not in (408, 429))
     ):
