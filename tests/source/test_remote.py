@@ -709,3 +709,39 @@ def test_a_size_a_server_declares_falsely_costs_only_the_parts_asked_for() -> No
                 read("big")
             assert time.monotonic() - t0 < 10
         assert sum(_FalseTotal.served.values()) < 1000
+
+
+class _NoRanges(Handler):
+    """A server that answers every request with the whole object, ranges or not."""
+
+    def do_GET(self) -> None:
+        self.reply(200, bytes(range(256)) * 20)
+
+
+def test_a_server_without_byte_ranges_is_read_whole_despite_part_size() -> None:
+    with serving(_NoRanges) as url:
+        store = RemoteStore(url, part_size=1024, retries=0)
+        assert bytes(store.read_sync("k")) == bytes(range(256)) * 20
+        assert bytes(asyncio.run(store.read("k"))) == bytes(range(256)) * 20
+        with pytest.raises(RemoteReadError, match=r"does not support the request.*ranges"):
+            store.read_sync("k", start=0, end=10)  # asked for: said why it cannot be
+
+
+class _ChangedMidway(Handler):
+    """The first part of an object, then 412: it was replaced before the next part."""
+
+    def do_GET(self) -> None:
+        body = bytes(4096)
+        if self.headers.get("If-Match"):
+            self.reply(412, b"")
+            return
+        first, last = (int(v) for v in self.headers.get("Range", "bytes=0-4095")[6:].split("-"))
+        span = {"Content-Range": f"bytes {first}-{last}/{len(body)}", "ETag": '"v1"'}
+        self.reply(206, body[first : last + 1], span)
+
+
+def test_an_object_changed_between_its_parts_says_to_read_it_again() -> None:
+    with serving(_ChangedMidway) as url:
+        store = RemoteStore(url, part_size=1024, retries=0, verify=False)
+        with pytest.raises(RemoteReadError, match=r"changed while it was read in parts"):
+            store.read_sync("k")

@@ -165,9 +165,18 @@ def failure(
             "or '..' one), though S3 allows it: rename the object, or list and read under a "
             "prefix that leaves it out"
         )
+    elif isinstance(error, exceptions.NotSupportedError):
+        advice = (
+            "The store does not support the request (not retried): byte ranges, most often; "
+            "read whole objects (no start=/end=, part_size=None)"
+        )
+    elif status == 412:
+        advice = (
+            "The object changed while it was read in parts (its ETag no longer matched): "
+            "nothing was returned or cached; read it again"
+        )
     elif (
         bad_range(error)
-        or isinstance(error, exceptions.NotSupportedError)
         or not isinstance(error, exceptions.BaseError)
         or (status is not None and 400 <= status < 500 and status not in (408, 429))
     ):
@@ -195,9 +204,11 @@ def failure(
 
 
 def bad_range(error: Exception) -> bool:
-    """Whether the store refused the byte range (past the end of the object, say)."""
+    """Whether the store refused the byte range (past the end of the object, or any range)."""
     head = str(error).split("\n", 1)[0].lower()
-    return "range" in head and any(w in head for w in ("invalid", "416", "not satisfiable"))
+    return "range" in head and any(
+        w in head for w in ("invalid", "416", "not satisfiable", "not supported")
+    )
 
 
 def _refused(status: int | None, text: str) -> bool:
