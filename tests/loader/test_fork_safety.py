@@ -39,7 +39,11 @@ class Reads(torch.utils.data.Dataset):
 if __name__ == "__main__":
     store = RemoteStore(sys.argv[1])
     keys = sorted(store.keys())
-    assert int(bytes(store.read_sync(keys[0]))) == 0  # obstore's runtime starts its threads
+    got = []  # read on a thread of its own: on this one, read_sync leaves one for a moment
+    reader = threading.Thread(target=lambda: got.append(bytes(store.read_sync(keys[0]))))
+    reader.start()
+    reader.join()
+    assert int(got[0]) == 0  # obstore's runtime starts its threads
     deadline = time.monotonic() + 10
     while not fork_hazards() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -63,7 +67,9 @@ def test_fork_hazards_name_native_threads_python_does_not_see(tmp_path: Path) ->
         from feedline._proc.forking import fork_hazards
         store = RemoteStore(sys.argv[1])
         before = fork_hazards()
-        store.read_sync("a")
+        reader = threading.Thread(target=store.read_sync, args=("a",))
+        reader.start()  # (on the main thread, read_sync leaves a thread for a moment)
+        reader.join()
         deadline = time.monotonic() + 10
         while not fork_hazards() and time.monotonic() < deadline:
             time.sleep(0.01)
