@@ -382,8 +382,9 @@ def decode_image(
     Releases the GIL for the decode and the resize. Thread-safe and stateless.
 
     Args:
-        data: The encoded bytes (JPEG, PNG, WebP, BMP; other formats OpenCV reads are tried):
-            bytes, bytearray, memoryview, mmap or a 1-D uint8 array. Not copied.
+        data: The encoded bytes (JPEG, PNG, WebP, BMP, GIF, TIFF and the other formats
+            OpenCV reads, see ``max_pixels``): bytes, bytearray, memoryview, mmap or a 1-D
+            uint8 array. Not copied (a strided view is).
         size: ``(height, width)`` to resize to (aspect ratio not kept), or ``None`` for the
             image's own size.
         mode: ``"fast"`` decodes large JPEGs at a reduced DCT scale (and with libjpeg-turbo's
