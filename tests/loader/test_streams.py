@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -61,6 +62,41 @@ def test_a_dataset_that_is_its_own_iterator_gives_one_pass(workers: int) -> None
     assert len(expected) == 3 * max(1, workers)  # each worker iterates its whole copy
     got = _batches(DataLoader(_OwnIterator(10), batch_size=4, num_workers=workers))
     assert got == expected
+    no_children_left()
+
+
+class _Rows(IterableDataset[Any]):
+    """NumPy rows, and items whose ``==`` says True to anything: neither ends a stream."""
+
+    def __iter__(self) -> Iterator[Any]:
+        for i in range(5):
+            yield np.arange(4) + 4 * i
+
+    class Loose:
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        __hash__ = object.__hash__
+
+
+def _loose(n: int) -> IterableDataset[Any]:
+    class LooseRows(IterableDataset[Any]):
+        def __iter__(self) -> Iterator[Any]:
+            return (_Rows.Loose(i) for i in range(n))
+
+    return LooseRows()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_items_are_never_compared_to_tell_the_end(workers: int) -> None:
+    def rows(cls: Any) -> list[Any]:
+        return [b.tolist() for b in cls(_Rows(), batch_size=2, num_workers=workers)]
+
+    assert rows(DataLoader) == rows(TorchLoader)
+    assert [x.i for x in DataLoader(_loose(5), batch_size=None)] == list(range(5))
     no_children_left()
 
 

@@ -263,14 +263,19 @@ class RngWatch:
             )
 
 
-_END = object()
-
-
 def next_only(iterator: Any) -> Iterator[Any]:
     """The items of ``iterator`` (what ``iter()`` of a dataset returned), by ``next()`` only.
 
     ``itertools.islice`` and ``for`` call ``iter()`` on what they are given; a dataset whose
     ``__iter__`` returns itself and starts its pass over would start over at every batch
     (its first items for ever). PyTorch calls ``iter()`` once per pass, then ``next()``.
+    (Not ``iter(callable, sentinel)``: it compares each item with ``==``, which a NumPy
+    array refuses and an item with a loose ``__eq__`` answers True, ending the stream.)
     """
-    return iter(iterator.__next__, _END)
+    step = iterator.__next__
+    while True:
+        try:
+            item = step()
+        except StopIteration:
+            return
+        yield item
