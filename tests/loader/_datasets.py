@@ -204,6 +204,32 @@ class ResumableStream(IterableDataset[int]):
         self.position = state["position"]
 
 
+class EpochStream(IterableDataset[Any]):
+    """A stateful stream that counts its passes: item ``(i, pass)``, each worker its share.
+
+    Its state holds the pass, which an uninterrupted loop's next ``iter()`` goes on from.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n, self.passes, self.at = n, 0, 0
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        w, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        start, self.at = self.at, 0
+        for i in range(w + start * workers, self.n, workers):
+            self.at += 1
+            yield i, self.passes
+        self.at = 0
+        self.passes += 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"at": self.at, "passes": self.passes}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.at, self.passes = state["at"], state["passes"]
+
+
 class SharesStream(IterableDataset[int]):
     """A stateful stream split among workers by ``get_worker_info()`` (torchdata's test case).
 

@@ -17,6 +17,7 @@ from .._system import starts_processes, zombies  # noqa: E402
 from . import _datasets  # noqa: E402
 from ._datasets import (  # noqa: E402
     Counting,
+    EpochStream,
     IterRecorder,
     LoadRecorder,
     OwnIterator,
@@ -89,6 +90,9 @@ def test_the_dataset_state_is_saved_as_soon_as_the_epoch_starts(
         ("stream", 0, False),
         ("stream", 2, False),
         ("stream", 2, True),
+        ("passes", 0, False),
+        ("passes", 2, False),
+        ("passes", 2, True),
     ],
 )
 def test_the_dataset_state_after_the_last_batch_is_saved_and_the_next_epoch_goes_on_from_it(
@@ -97,9 +101,9 @@ def test_the_dataset_state_after_the_last_batch_is_saved_and_the_next_epoch_goes
     # After the last batch, torchdata's state holds the dataset's state after it (an
     # iterable dataset's after its iterator ended: without workers, the stream's 9 items
     # make 3 whole batches, and the end comes after the last). Resumed from it, the next
-    # epoch is the one an uninterrupted loop has: a map-style dataset goes on from its state
-    # where it lives on (in this process, or in persistent workers); fresh workers start from
-    # the dataset as it was sent, and an iterable dataset starts again with iter().
+    # epoch is the one an uninterrupted loop has: the dataset goes on from its state where
+    # it lives on (in this process, or in persistent workers; an iterable one's iter() is
+    # called on it in that state); fresh workers start from the dataset as it was sent.
     kw: dict[str, Any] = {"batch_size": 3, "num_workers": workers}
     if workers:
         kw["persistent_workers"] = persistent
@@ -109,6 +113,8 @@ def test_the_dataset_state_after_the_last_batch_is_saved_and_the_next_epoch_goes
             return Counting(8)
         if kind == "random map":
             return RandomItems(8)
+        if kind == "passes":  # its next pass is its second, where it lives on
+            return EpochStream(9)
         # Without workers, torchdata reads the state when asked: after the iterator ended.
         # Its workers' states are the ones sent with their last batches (see the README):
         # after the end, too, with a short last batch, whose reading met the end.
@@ -132,9 +138,10 @@ def test_the_dataset_state_after_the_last_batch_is_saved_and_the_next_epoch_goes
         # feedline seeds persistent workers anew for each epoch (see the README), where
         # torchdata's generators run on: the second epochs draw differently.
         assert outcomes[1][:2] == outcomes[0][:2]
-    elif kind == "stream" and persistent:
+    elif kind in ("stream", "passes") and persistent:
         # torchdata's persistent workers start the stream again where the last epoch's
-        # first batches were (the state loaded at start-up is lost to a second iter()).
+        # first batches were (the state loaded at start-up is lost to a second iter()),
+        # and a dataset that counts its passes counts one too many.
         assert outcomes[1][:3] == outcomes[0][:3]
     else:
         assert outcomes[1] == outcomes[0]

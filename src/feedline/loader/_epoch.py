@@ -234,7 +234,10 @@ class EpochIterator(Generic[T]):
             position.dataset_states = (
                 list(dataset_state) if dataset_state is not None else [None] * slots
             )
-            position.dataset_iterates = state is not None and bool(state["dataset_iterates"])
+            # Loaded after iter() only mid-epoch: a state saved at the end comes before it.
+            position.dataset_iterates = (
+                state is not None and bool(state["dataset_iterates"]) and not self._between
+            )
         sampler = _stateful_sampler(tl)
         sampler_state = None if state is None else state["sampler_state"]
         if sampler is not None and sampler_state is not None:

@@ -76,15 +76,15 @@ def saved_dataset_states(
     """The dataset's states (one per worker, or one) that an epoch resumes from, if any.
 
     A state saved mid-epoch resumes as it is. One saved at an epoch's end holds the dataset's
-    state after its last batch: a map-style dataset's next epoch goes on from it where the
-    dataset lives on in an uninterrupted loop, in this process or in persistent workers (as
-    torchdata resumes); ``fresh_workers`` start from the dataset as it was sent. An
-    ``iterable`` dataset's next epoch starts with ``iter()``, on the dataset as it is
-    (torchdata's persistent workers, too: the state they load is lost to a second ``iter()``).
+    state after its last batch: the next epoch goes on from it where the dataset lives on in
+    an uninterrupted loop, in this process or in persistent workers (as torchdata resumes;
+    an iterable dataset loads it before its ``iter()``, as the loop would call that on the
+    dataset in that state); ``fresh_workers`` start from the dataset as it was sent.
     """
+    del iterable  # (both kinds alike)
     if state is None or state["dataset_state"] is None:
         return None
-    if state["finished"] and (iterable or fresh_workers):
+    if state["finished"] and fresh_workers:
         return None
     return list(state["dataset_state"])
 
