@@ -7,6 +7,7 @@ loop body, or after the last batch, ``state_dict()`` resumes at the next batch.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -246,3 +247,34 @@ def test_a_state_taken_after_the_stream_raised_starts_the_next_epoch() -> None:
     resumed.load_state_dict(state)
     again = iter(resumed)
     assert _values([next(again)]) == [[0, 1]]
+
+
+class _Calls(torch.utils.data.Dataset[int]):
+    """Item ``i`` is ``i``, after 5 ms; every call is recorded."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.calls = n, []  # type: ignore[var-annotated]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        self.calls.append(i)
+        time.sleep(0.005)
+        return i
+
+
+def test_an_iteration_after_load_state_dict_stops_the_one_before_it() -> None:
+    # The earlier iterator, still referenced, fetches no more beside the resumed epoch (its
+    # calls would share the dataset and the generators with it), and says why at its next.
+    dataset = _Calls(80)
+    loader = DataLoader(dataset, batch_size=4, fetch_concurrency=4, prefetch_factor=4)
+    old = iter(loader)
+    assert [next(old).tolist() for _ in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    loader.load_state_dict(loader.state_dict())  # the old epoch is still fetching ahead
+    resumed = iter(loader)
+    before = len(dataset.calls)
+    assert [b.tolist() for b in resumed] == [list(range(k, k + 4)) for k in range(8, 80, 4)]
+    assert len(dataset.calls) - before == 72  # the resumed epoch's calls, and no other
+    with pytest.raises(RuntimeError, match="load_state_dict"):
+        next(old)

@@ -512,8 +512,9 @@ class EpochIterator(Generic[T]):
                 if self._superseded:
                     raise RuntimeError(
                         "this DataLoader iterator was stopped because a new iteration over the "
-                        "loader started, and its worker processes serve one at a time; finish "
-                        "(or drop) one loop before starting the next"
+                        "loader started (its worker processes serve one at a time, and an "
+                        "iteration after load_state_dict() takes the place of the ones "
+                        "before it); finish (or drop) one loop before starting the next"
                     )
                 raise StopIteration
             watch, self._watch = self._watch, None

@@ -402,8 +402,12 @@ class DataLoader(Generic[T]):
             self._fetch_workers() > 0
             or self._workers is not None
             or (placement is not None and placement.auto)  # its fetching may move
+            or self._pending is not None  # a resume: the earlier epoch is done with
         ):
-            previous.supersede()  # the workers serve one epoch at a time, as in PyTorch
+            # The workers serve one epoch at a time, as in PyTorch; and an epoch left for a
+            # loaded state fetches no more (its calls of dataset[i] would run beside the
+            # resumed epoch's, drawing from the generators they share).
+            previous.supersede()
         state, self._pending = self._pending, None
         iterator: EpochIterator[T] = EpochIterator(self, state)
         self._current = weakref.ref(iterator)
