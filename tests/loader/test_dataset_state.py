@@ -13,6 +13,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchdata.stateful_dataloader")
 
+from feedline import DataLoader  # noqa: E402
+from feedline.errors import ConfigurationError  # noqa: E402
+
 from .._system import starts_processes, zombies  # noqa: E402
 from . import _datasets  # noqa: E402
 from ._datasets import (  # noqa: E402
@@ -193,3 +196,23 @@ def test_on_resume_the_dataset_state_is_loaded_after_the_sampler_starts_as_torch
         orders.append(list(dict.fromkeys(_datasets.EVENTS)))
     assert orders[1] == orders[0]
     assert orders[1] == ["sampler iterated", "sampler drawn from", "dataset state loaded"]
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [(2, 0), (0, 3), (2, 3)])
+def test_a_dataset_state_resumed_with_another_worker_count_is_refused(
+    saved: int, loaded: int
+) -> None:
+    # Each process's copy of a stateful dataset resumes from its own state: with another
+    # count, some would start from nothing, or some states be lost.
+    loader = DataLoader(Counting(40), batch_size=2, num_workers=saved)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    del it, loader
+    resumed = DataLoader(Counting(40), batch_size=2, num_workers=loaded)
+    resumed.load_state_dict(state)
+    words = "0 or 1" if saved == 0 else str(saved)
+    with pytest.raises(ConfigurationError, match=f"saved with num_workers={words} .*same"):
+        iter(resumed)
+    no_children_left()
+    assert zombies() == []

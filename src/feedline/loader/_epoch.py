@@ -231,6 +231,14 @@ class EpochIterator(Generic[T]):
             # worker_init_fn; here, once the sampler started (see start_dataset). Then
             # each one's state as the epoch starts, after each batch and at the end.
             slots = max(1, int(tl.num_workers))
+            if dataset_state is not None and len(dataset_state) != slots:
+                saved = len(dataset_state)
+                raise ConfigurationError(
+                    f"this state was saved with num_workers={'0 or 1' if saved == 1 else saved}"
+                    f" (it holds the dataset's state in each process) and this loader has "
+                    f"num_workers={tl.num_workers}: each worker's copy of the dataset resumes "
+                    "from its own state; resume with the same num_workers"
+                )
             position.dataset_states = (
                 list(dataset_state) if dataset_state is not None else [None] * slots
             )
