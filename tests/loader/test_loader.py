@@ -778,6 +778,11 @@ def test_the_iterator_has_a_length_and_the_context_is_checked_as_in_pytorch() ->
         assert loader.multiprocessing_context.get_start_method() == "spawn"
     assert DataLoader(list(range(4)), num_workers=1, multiprocessing_context="spawn").mp_context
     assert DataLoader(list(range(4)), snapshot_every_n_steps=5).state_dict()["version"]
+    for every in (0, None):  # torchdata takes both
+        loader = DataLoader(list(range(4)), snapshot_every_n_steps=every)
+        assert [b.tolist() for b in loader] == [[0], [1], [2], [3]]
+    with pytest.raises(ConfigurationError, match="snapshot_every_n_steps"):
+        DataLoader(list(range(4)), snapshot_every_n_steps=-1)
 
 
 def test_a_subset_of_a_dataset_without_getitems_still_fetches_its_items_at_once() -> None:

@@ -109,8 +109,9 @@ class DataLoader(Generic[T]):
             batch comes out smaller) before iteration raises :class:`~feedline.PipelineFailure`:
             an int, a float fraction of items, or ``None`` for no limit. Default 0: the first
             failure raises, naming the index, and the loop may go on to the next batch.
-        snapshot_every_n_steps: torchdata ``StatefulDataLoader``'s argument, accepted so
-            that it can be swapped in; :meth:`state_dict` is exact after every batch anyway.
+        snapshot_every_n_steps: torchdata ``StatefulDataLoader``'s argument (an int >= 0 or
+            ``None``), accepted so that it can be swapped in; :meth:`state_dict` is exact
+            after every batch anyway.
         report_stall_after: Seconds the loop may wait for a batch with nothing moving before
             the stall is logged, once, as a WARNING on the ``feedline.watchdog`` logger: the
             batches and ``dataset[i]`` calls in flight and where each busy thread stands
@@ -213,7 +214,8 @@ class DataLoader(Generic[T]):
             )
         self._stall_after = check_after(report_stall_after)
         _check_count("prefetch_factor", prefetch_factor)
-        _check_count("snapshot_every_n_steps", snapshot_every_n_steps)
+        if snapshot_every_n_steps != 0:  # torchdata takes 0 too
+            _check_count("snapshot_every_n_steps", snapshot_every_n_steps)
         self.prefetch_factor = prefetch_factor or 2
         self.max_failures = max_failures
         self._workers: WorkerSet | None = None
