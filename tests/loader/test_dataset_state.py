@@ -216,3 +216,28 @@ def test_a_dataset_state_resumed_with_another_worker_count_is_refused(
         iter(resumed)
     no_children_left()
     assert zombies() == []
+
+
+def test_a_state_saved_between_epochs_is_loaded_before_the_next_epochs_draws() -> None:
+    # The dataset's state sets the global generator the sampler shuffles from (no
+    # generator=): loaded after the shuffle, a resumed job's epochs would repeat the shuffles
+    # of a fresh process. Two epochs, a checkpoint, two more: the four epochs of a loop that
+    # never stopped, as with torchdata.
+    def epochs(new: Any) -> list[Any]:
+        kw: dict[str, Any] = {"batch_size": 4, "shuffle": True, "collate_fn": _plain}
+        torch.manual_seed(0)
+        loader = new(RandomItems(20), **kw)
+        got = [[[item[0] for item in batch] for batch in loader] for _ in range(2)]
+        state = loader.state_dict()
+        torch.manual_seed(0)  # a new process
+        loader = new(RandomItems(20), **kw)
+        loader.load_state_dict(state)
+        return got + [[[item[0] for item in batch] for batch in loader] for _ in range(2)]
+
+    def uninterrupted(new: Any) -> list[Any]:
+        torch.manual_seed(0)
+        loader = new(RandomItems(20), batch_size=4, shuffle=True, collate_fn=_plain)
+        return [[[item[0] for item in batch] for batch in loader] for _ in range(4)]
+
+    for new in side_by_side():
+        assert epochs(new) == uninterrupted(new)

@@ -226,6 +226,12 @@ class EpochIterator(Generic[T]):
             fresh_workers=tl.num_workers > 0 and not tl.persistent_workers,
         )
         self._between = dataset_state is not None and bool(state and state["finished"])
+        if self._between and tl.num_workers == 0 and is_stateful(tl.dataset):
+            # Where the dataset lives on: before the epoch's first draws, as in the loop
+            # that saved it (its load_state_dict() may set the generators they draw from).
+            assert dataset_state is not None
+            tl.dataset.load_state_dict(copy.deepcopy(dataset_state[0]))
+            dataset_state = None  # loaded: the epoch starts from the dataset as it is
         if is_stateful(tl.dataset):
             # Loaded where torchdata loads them: in each worker, after its seeding and
             # worker_init_fn; here, once the sampler started (see start_dataset). Then
