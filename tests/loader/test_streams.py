@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 from torch.utils.data import IterableDataset  # noqa: E402
 
-from feedline import DataLoader  # noqa: E402
+from feedline import ConfigurationError, DataLoader  # noqa: E402
 from feedline.loader import _epoch, _workers  # noqa: E402
 
 from .._system import own_segments, starts_processes, zombies  # noqa: E402
@@ -171,3 +171,15 @@ def test_out_of_order_a_worker_s_batches_do_not_wait_for_a_slow_worker_s_first()
     no_children_left()
     assert zombies() == []
     assert own_segments() <= segments
+
+
+def test_datapipes_are_refused_with_workers_rather_than_handed_out_by_each() -> None:
+    # PyTorch shards a (deprecated) DataPipe between its workers; feedline does not, so it
+    # refuses rather than hand every item out once per worker. Without workers, the same.
+    pipes = pytest.importorskip("torch.utils.data.datapipes.iter")
+    pipe = pipes.IterableWrapper(range(6))
+    expected = [b.tolist() for b in TorchLoader(pipe, batch_size=2)]
+    assert [b.tolist() for b in DataLoader(pipe, batch_size=2)] == expected
+    for workers in (2, "auto"):
+        with pytest.raises(ConfigurationError, match="does not shard DataPipes"):
+            DataLoader(pipe, batch_size=2, num_workers=workers)

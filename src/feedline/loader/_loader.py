@@ -198,6 +198,14 @@ class DataLoader(Generic[T]):
         if auto_workers:
             self._torch_loader.num_workers = 0
         self._iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+        pipes = tuple(getattr(torch.utils.data, n, ()) for n in ("IterDataPipe", "MapDataPipe"))
+        if (auto_workers or num_workers > 0) and isinstance(dataset, pipes):
+            raise ConfigurationError(
+                "feedline.DataLoader does not shard DataPipes (deprecated by PyTorch) between "
+                "worker processes: each worker would hand out every item. Use num_workers=0 "
+                "(threads), torch.utils.data.DataLoader, or an IterableDataset that splits its "
+                "items by torch.utils.data.get_worker_info()"
+            )
         # Where fetching runs (num_workers="auto"), or where a hint is due (threads).
         self._placement = self._new_placement(auto_workers)
         self._fetch = FetchConcurrency.parse(fetch_concurrency)
