@@ -663,3 +663,41 @@ def keys_for_the_job(
         "reused": stats.listings_reused,
         "missing": missing,
     }
+
+
+def die_before_making_the_loader(
+    rank: int, world: int, count: int, victim: int, loader_timeout: float
+) -> dict[str, Any]:
+    """Rank ``victim`` exits before it makes its loader: how long the others wait, and why."""
+    import time
+
+    if rank == victim:
+        os._exit(0)
+    started = time.monotonic()
+    try:
+        _loader(Samples(count), batch_size=2, timeout=loader_timeout).close()
+    except Exception as error:
+        return {
+            "error": type(error).__name__,
+            "message": str(error),
+            "seconds": time.monotonic() - started,
+        }
+    return {"error": None}
+
+
+def loaders_dropped_without_close(rank: int, world: int, count: int) -> dict[str, Any]:
+    """Loaders made, iterated for an epoch and dropped, never closed: what each leaves."""
+    import gc
+
+    def held() -> tuple[int, int]:
+        gc.collect()
+        return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+    counts = []
+    for _ in range(5):
+        loader = _loader(Samples(count), batch_size=2)
+        for _ in loader:
+            pass
+        del loader
+        counts.append(held())
+    return {"counts": counts}

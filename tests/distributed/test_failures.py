@@ -38,3 +38,27 @@ def test_a_rank_that_stopped_after_another_failed_is_not_blamed(tmp_path: Path) 
     assert " rank 0 failed (epoch 1, step 0)" in then["message"]  # what broke: rank 0's
     assert "Rank 0 stopped after rank 2 failed first" in then["message"], then
     assert "probably died" not in then["message"]
+
+
+def test_a_rank_that_never_makes_its_loader_is_waited_for_within_the_timeout() -> None:
+    # The loader's group is made with the loader's timeout (torch's default is 30 minutes).
+    results = run_ranks(
+        3,
+        _ranks.die_before_making_the_loader,
+        may_die=True,
+        count=12,
+        victim=2,
+        loader_timeout=3.0,
+    )
+    assert results[2] is None
+    for found in results[:2]:
+        assert found["error"] == "ExchangeTimeout", found
+        assert "not every rank of 3 made its DistributedLoader" in found["message"]
+        assert found["seconds"] < 20
+
+
+def test_a_loader_dropped_without_close_leaves_no_descriptor_or_thread() -> None:
+    results = run_ranks(2, _ranks.loaders_dropped_without_close, count=8)
+    for found in results:
+        counts = found["counts"]
+        assert counts[-1] == counts[1], counts  # flat after the first loader's

@@ -16,6 +16,7 @@ the holder that reads a sample also sends it to its other holder in that epoch.
 from __future__ import annotations
 
 import collections
+import datetime
 import logging
 import os
 import threading
@@ -340,8 +341,10 @@ class DistributedLoader(Generic[T]):
                 raise ConfigurationError(f"{name} must be an int >= {least}, got {value!r}")
         if timeout <= 0:
             raise ConfigurationError(f"timeout must be > 0 seconds, got {timeout!r}")
-        self.rank, self.world_size, exchange_group = _world(rank, world_size, group)
-        self._own_group = exchange_group if group is None else None
+        self.rank, self.world_size, exchange_group = _world(rank, world_size, group, timeout)
+        # The group it made (ended by close(), or by the finalizer: a loader dropped without
+        # close() kept its group's threads and sockets for good).
+        self._own_groups = [exchange_group] if group is None and exchange_group is not None else []
         self.samples = samples
         self.batch_size = batch_size
         self._transform = transform
@@ -383,7 +386,7 @@ class DistributedLoader(Generic[T]):
         self._skip = 0  # samples of the epoch's order consumed before an elastic restart
         self._resuming = False  # a state was loaded: the next iteration continues it
         self._pool = ThreadPoolExecutor(read_concurrency, thread_name_prefix="feedline-read")
-        self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False)
+        self._finalizer = weakref.finalize(self, _release, self._pool, self._own_groups)
 
     def _agree(self, group: Any) -> str:
         # Ranks that plan with different settings would exchange the wrong samples, or wait
@@ -807,12 +810,7 @@ class DistributedLoader(Generic[T]):
         """Stop the read threads and wait for them, and end the group it made. Idempotent."""
         self._finalizer.detach()
         self._pool.shutdown(wait=True)
-        group, self._own_group = self._own_group, None
-        if group is not None:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group(group)
+        _release(self._pool, self._own_groups)
 
     def __enter__(self) -> DistributedLoader[T]:
         return self
@@ -882,7 +880,20 @@ def _holders(
     return first, second_copies(placed, seed, spare) if replicated else None
 
 
-def _world(rank: int | None, world_size: int | None, group: Any) -> tuple[int, int, Any]:
+def _release(pool: ThreadPoolExecutor, groups: list[Any]) -> None:
+    """Stop the read threads (without waiting) and end the groups in ``groups``."""
+    pool.shutdown(wait=False)
+    while groups:
+        group = groups.pop()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group(group)
+
+
+def _world(
+    rank: int | None, world_size: int | None, group: Any, timeout: float
+) -> tuple[int, int, Any]:
     try:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - torch is a dependency of this package's users
@@ -909,7 +920,17 @@ def _world(rank: int | None, world_size: int | None, group: Any) -> tuple[int, i
             f"({actual_rank} of {actual_world}); leave them out to use its values"
         )
     if group is None and actual_world > 1:
-        group = dist.new_group(backend="gloo")
+        # With the loader's timeout: its making waits for every rank, and a collective a
+        # failed rank left in its thread would otherwise hold the process at exit (gloo
+        # joins it) for torch's default of 30 minutes.
+        try:
+            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        except Exception as error:  # DistStoreError, naming no rank
+            raise ExchangeTimeout(
+                f"rank {actual_rank}: not every rank of {actual_world} made its "
+                f"DistributedLoader within timeout={timeout:g} s ({error}); each rank must "
+                "make it at the same point (one may have died, or be elsewhere)"
+            ) from error
     return actual_rank, actual_world, group
 
 
