@@ -110,3 +110,17 @@ def test_a_sample_that_cannot_be_read_is_left_out_each_epoch_and_counted_once() 
             loader.set_epoch(epoch)
             assert sorted(x for b in loader for x in b) == [i for i in range(12) if i != 5]
         assert loader.stats().failures == 1
+
+
+def test_a_transform_error_names_its_sample_and_rank() -> None:
+    def decode(data: bytes) -> int:
+        i = index_of(data)
+        if i == 7:
+            raise ValueError("cannot decode")
+        return i
+
+    loader = DistributedLoader(Samples(12), batch_size=4, transform=decode, collate_fn=list)
+    with pytest.raises(ValueError, match="cannot decode") as info:
+        list(loader)
+    assert "raised by the transform of sample 7 on rank 0 (epoch 0, step 1)" in info.value.__notes__
+    loader.close()

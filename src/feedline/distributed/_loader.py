@@ -719,17 +719,31 @@ class DistributedLoader(Generic[T]):
         for src in sorted(item.received):
             raw += [data for _, data in item.received[src]]
         present = [data for data in raw if data is not None]
+        plan = item.plan
+        indices = [plan.keep, plan.read]
+        for src in sorted(item.received):
+            indices.append(np.array([i for i, _ in item.received[src]], dtype=np.int64))
+        order = np.concatenate(indices)  # each raw sample's index
         out = None
         if self._ledgered:
-            plan = item.plan
-            indices = [plan.keep, plan.read]
-            for src in sorted(item.received):
-                indices.append(np.array([i for i, _ in item.received[src]], dtype=np.int64))
             mask = None if len(present) == len(raw) else np.array([d is not None for d in raw])
             members = item.members[: item.size]
-            out = handout(members, plan.positions, np.concatenate(indices), mask)
+            out = handout(members, plan.positions, order, mask)
         transform = self._transform
-        values = present if transform is None else [transform(data) for data in present]
+        if transform is None:
+            return item.step, self._collate(present), out
+        values = []
+        named = (int(i) for i, data in zip(order, raw, strict=True) if data is not None)
+        for index, data in zip(named, present, strict=True):
+            try:
+                values.append(transform(data))
+            except Exception as error:
+                add_note(
+                    error,
+                    f"raised by the transform of sample {index} on rank {self.rank} "
+                    f"(epoch {self._epoch}, step {item.step})",
+                )
+                raise
         return item.step, self._collate(values), out
 
     # -- state ---------------------------------------------------------------------------------
