@@ -701,3 +701,28 @@ def loaders_dropped_without_close(rank: int, world: int, count: int) -> dict[str
         del loader
         counts.append(held())
     return {"counts": counts}
+
+
+def uneven_breaks(rank: int, world: int, count: int, stops: list[int]) -> dict[str, Any]:
+    """Rank ``r`` leaves epoch 0 after ``stops[r]`` steps (the docs ask for the same step):
+    what the rank that stayed longest says while it waits for its peers' exchanges."""
+    import logging
+    import time
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logging.getLogger("feedline.watchdog").addHandler(Keep())
+    loader = _loader(Samples(count), batch_size=2, timeout=4.0, report_stall_after=1.0)
+    it = iter(loader)
+    for step, _ in enumerate(it):
+        if step + 1 == stops[rank]:
+            break
+    del it
+    if stops[rank] < max(stops):  # alive, elsewhere (a loop of its own, say)
+        time.sleep(6)
+    loader.close()
+    return {"said": said}

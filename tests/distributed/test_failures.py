@@ -62,3 +62,12 @@ def test_a_loader_dropped_without_close_leaves_no_descriptor_or_thread() -> None
     for found in results:
         counts = found["counts"]
         assert counts[-1] == counts[1], counts  # flat after the first loader's
+
+
+def test_a_rank_that_left_its_loop_later_says_what_it_waits_for() -> None:
+    # Leaving the loop, a rank exchanges the steps its peers may have begun; a peer that
+    # left earlier never does: the wait (until the timeout) is reported, with its reason.
+    results = run_ranks(3, _ranks.uneven_breaks, count=60, stops=[2, 3, 2])
+    said = "\n".join(results[1]["said"])
+    assert "leaving the loop: exchanging up to step" in said, results
+    assert "every rank must leave its loop after the same step" in said

@@ -156,6 +156,12 @@ class _Exchanger:
             describe=lambda: [
                 f"steps taken by the loop: {self.taken}, exchanged with the peers: "
                 f"{self._done}, ready for the loop: {len(self._ready)}"
+                + (
+                    ""
+                    if self._limit is None
+                    else f"; leaving the loop: exchanging up to step {self._limit} with the "
+                    "peers first (every rank must leave its loop after the same step)"
+                )
             ],
             progress=lambda: self._done,
         )
@@ -226,9 +232,16 @@ class _Exchanger:
                 self._abandon = True
             self._ready.clear()
             self._cond.notify_all()
-        # Draining waits for the last exchanges (their peers make them too). Otherwise the
-        # thread leaves at once, unless a peer keeps it in an exchange (until the timeout).
-        self._thread.join(None if drain else _ABANDON_SECONDS)
+        # Draining waits for the last exchanges (their peers make them too): reported as a
+        # stall if a peer keeps it waiting (one that left its loop at another step). Else
+        # the thread leaves at once, unless a peer keeps it in an exchange (until timeout).
+        if drain:
+            began = time.monotonic()
+            while self._thread.is_alive():
+                self._thread.join(TICK)
+                self.watch.tick(began)
+        else:
+            self._thread.join(_ABANDON_SECONDS)
         self._reads.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
