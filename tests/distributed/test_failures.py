@@ -61,7 +61,10 @@ def test_a_loader_dropped_without_close_leaves_no_descriptor_or_thread() -> None
     results = run_ranks(2, _ranks.loaders_dropped_without_close, count=8)
     for found in results:
         counts = found["counts"]
-        assert counts[-1] == counts[1], counts  # flat after the first loader's
+        # Flat after the first loader's (a descriptor may close late: it may fall by one);
+        # a group kept per loader added 7 descriptors and 3 threads each.
+        assert counts[-1][0] <= counts[1][0], counts
+        assert counts[-1][1] <= counts[1][1], counts
 
 
 def test_a_rank_that_left_its_loop_later_says_what_it_waits_for() -> None:

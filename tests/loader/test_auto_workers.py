@@ -245,14 +245,29 @@ def test_ctrl_c_during_a_move_leaves_no_process(
     assert not own_segments()
 
 
-def test_a_dataset_that_cannot_be_pickled_stays_on_threads_and_says_why(
-    script: Script, caplog: pytest.LogCaptureFixture
+def _unpicklable(n: int) -> Spinning:
+    dataset = Spinning(n)
+    dataset.transform = lambda x: x  # type: ignore[attr-defined]
+    return dataset
+
+
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        # It does not pickle: no worker starts.
+        (_unpicklable, "cannot be sent to the worker processes"),
+        # It pickles, so the workers start; each dies making its copy. The move waits for
+        # them before it deals any batch.
+        (NotRebuilt, "exited (exit code 1)"),
+    ],
+    ids=["not pickled", "not rebuilt"],
+)
+def test_a_dataset_the_workers_cannot_take_stays_on_threads_with_each_batch_once(
+    script: Script, caplog: pytest.LogCaptureFixture, make: Any, said: str
 ) -> None:
     script.decisions = [move(2)]
-    dataset = Spinning(120)
-    dataset.transform = lambda x: x  # type: ignore[attr-defined]
     loader = DataLoader(
-        dataset, batch_size=4, num_workers="auto", multiprocessing_context="forkserver"
+        make(120), batch_size=4, num_workers="auto", multiprocessing_context="forkserver"
     )
     with caplog.at_level(logging.WARNING, "feedline.loader"):
         got = batches_of(loader)
@@ -260,31 +275,9 @@ def test_a_dataset_that_cannot_be_pickled_stays_on_threads_and_says_why(
     assert all(pid == os.getpid() for _, pid in got)
     tuning = loader.stats().tuning  # type: ignore[union-attr]
     assert any("stays on threads: the workers could not start" in t for t in tuning)
-    assert "cannot be sent to the worker processes" in caplog.text
+    assert said in caplog.text
     assert script.decisions == []
     assert script.calls >= 1
-    calls = script.calls
-    script.decisions = [move(2)]
-    batches_of(loader)  # the next epoch does not try again
-    assert script.decisions == [move(2)] or script.calls == calls
-
-
-def test_a_dataset_that_workers_cannot_rebuild_stays_on_threads_with_each_batch_once(
-    script: Script, caplog: pytest.LogCaptureFixture
-) -> None:
-    # It pickles, so the workers start; each dies making its copy. The move waits for them
-    # before it deals any batch, and the epoch goes on, on threads, losing nothing.
-    script.decisions = [move(2)]
-    loader = DataLoader(
-        NotRebuilt(120), batch_size=4, num_workers="auto", multiprocessing_context="forkserver"
-    )
-    with caplog.at_level(logging.WARNING, "feedline.loader"):
-        got = batches_of(loader)
-    assert [i for i, _ in got] == list(range(120))
-    assert all(pid == os.getpid() for _, pid in got)
-    tuning = loader.stats().tuning  # type: ignore[union-attr]
-    assert any("stays on threads: the workers could not start" in t for t in tuning)
-    assert "exited (exit code 1)" in caplog.text
     no_children_left()
     script.decisions = [move(2)]
     assert len(batches_of(loader)) == 120  # the next epoch does not try again

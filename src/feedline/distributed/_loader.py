@@ -952,7 +952,7 @@ def _world(
         # joins it) for torch's default of 30 minutes.
         try:
             group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-        except Exception as error:  # DistStoreError, naming no rank
+        except dist.DistStoreError as error:  # (it names no rank)
             raise ExchangeTimeout(
                 f"rank {actual_rank}: not every rank of {actual_world} made its "
                 f"DistributedLoader within timeout={timeout:g} s ({error}); each rank must "

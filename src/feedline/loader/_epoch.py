@@ -221,9 +221,7 @@ class EpochIterator(Generic[T]):
         # which draws no batch ahead, would have left them.
         self._rewinder = GeneratorRewind(sampler_generators(tl))
         dataset_state = saved_dataset_states(
-            state,
-            iterable=loader._iterable,
-            fresh_workers=tl.num_workers > 0 and not tl.persistent_workers,
+            state, fresh_workers=tl.num_workers > 0 and not tl.persistent_workers
         )
         self._between = dataset_state is not None and bool(state and state["finished"])
         if self._between and tl.num_workers == 0 and is_stateful(tl.dataset):

@@ -70,9 +70,7 @@ def start_stream(dataset: Any, state: Any, iterates: bool) -> Any:
     return iterator
 
 
-def saved_dataset_states(
-    state: dict[str, Any] | None, *, iterable: bool, fresh_workers: bool
-) -> list[Any] | None:
+def saved_dataset_states(state: dict[str, Any] | None, *, fresh_workers: bool) -> list[Any] | None:
     """The dataset's states (one per worker, or one) that an epoch resumes from, if any.
 
     A state saved mid-epoch resumes as it is. One saved at an epoch's end holds the dataset's
@@ -81,7 +79,6 @@ def saved_dataset_states(
     an iterable dataset loads it before its ``iter()``, as the loop would call that on the
     dataset in that state); ``fresh_workers`` start from the dataset as it was sent.
     """
-    del iterable  # (both kinds alike)
     if state is None or state["dataset_state"] is None:
         return None
     if state["finished"] and fresh_workers:

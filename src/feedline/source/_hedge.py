@@ -188,14 +188,16 @@ def due(progress: Progress, delay: float, now: float) -> float | None:
 class Runners:
     """Daemon threads for reads no one may have to wait for, started as needed.
 
-    ``read_sync``'s races, and the shards ``TarShards`` reads ahead. Each thread ends after
-    :data:`IDLE` seconds without work; a read left running (a race's loser on a stalled
-    server, a shard read ahead of a loop that was left) holds up neither its caller nor exit.
+    ``read_sync``'s races, the shards ``TarShards`` reads ahead, and ``read_sync`` on the main
+    thread. Each thread ends after ``idle`` seconds (:data:`IDLE`) without work; a read left
+    running (a race's loser on a stalled server, a shard read ahead of a loop that was left)
+    holds up neither its caller nor exit.
     """
 
-    def __init__(self, most: int, name: str = "feedline-hedges") -> None:
+    def __init__(self, most: int, name: str = "feedline-hedges", idle: float = IDLE) -> None:
         self._most = most
         self._name = name
+        self._idle_seconds = idle
         self._tasks: queue.SimpleQueue[
             tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None
         ]
@@ -226,7 +228,7 @@ class Runners:
     def _run(self) -> None:
         while True:
             try:
-                task = self._tasks.get(timeout=IDLE)
+                task = self._tasks.get(timeout=self._idle_seconds)
             except queue.Empty:
                 if self._idle.acquire(blocking=False):  # no task promised to this thread
                     with self._lock:

@@ -301,6 +301,7 @@ class RemoteStore:
                 f"RemoteStore(cache=...) takes an ObjectCache, got {type(cache).__name__}"
             )
         self.url = url
+        self._local = url.startswith(("file:", "memory:"))  # no network: nothing to wait out
         self.retries = retries
         self.retry_timeout = retry_timeout
         self._args: dict[str, Any] = {
@@ -392,8 +393,8 @@ class RemoteStore:
         self._throttle = Throttle(self._max_in_flight)
         self._refusals = 0
         self._retried = 0
-        local = self.url.startswith(("file:", "memory:"))  # no tail worth a second request
-        self._hedger = Hedger() if self._args["hedge"] is not False and not local else None
+        # (local: no tail worth a second request)
+        self._hedger = Hedger() if self._args["hedge"] is not False and not self._local else None
         self._hedge_sync = self._args["hedge"] is True  # read_sync races too
         self._hedges = [0, 0]  # sent, won
         self._runners: Runners | None = None  # threads for read_sync's races
@@ -846,12 +847,13 @@ class RemoteStore:
         # Ctrl-C (a server that drips its body kept it waiting past two of them). A read
         # left so ends on its own. On other threads (which signals never reach), and for
         # local files (the hop would cost a 1 KB read a third more), here.
-        local = self.url.startswith(("file:", "memory:"))
-        if local or threading.current_thread() is not threading.main_thread():
+        if self._local or threading.current_thread() is not threading.main_thread():
             return self._fetch_sync(key, options)
         with self._lock:
             if self._main_reads is None:
-                self._main_reads = Runners(self._max_in_flight, name="feedline-read")
+                # Ending soon after: the main thread's reads come one at a time, and a
+                # thread left idle a second is a thread more for a fork, or a test, to see.
+                self._main_reads = Runners(self._max_in_flight, "feedline-read", _MAIN_IDLE)
             runners = self._main_reads
         future = runners.submit(self._fetch_sync, key, options)
         while True:  # in slices: a signal that reached another thread is seen here too
@@ -1245,6 +1247,9 @@ def _plain_http(url: str, options: dict[str, Any]) -> bool:
 
 _INTERRUPT_SLICE = 0.1
 """Seconds between two looks for a Ctrl-C while the main thread waits for a read."""
+
+_MAIN_IDLE = 0.05
+"""Seconds the thread that sends the main thread's reads waits for the next before it ends."""
 
 
 def _range_options(start: int | None, end: int | None) -> Any:
