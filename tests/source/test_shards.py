@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("obstore")
 torch = pytest.importorskip("torch")
 
-from feedline import DataLoader, LedgerError, RemoteStore  # noqa: E402
+from feedline import ConfigurationError, DataLoader, LedgerError, RemoteStore  # noqa: E402
 from feedline._ledger import Ledger  # noqa: E402
 from feedline.source import TarShards  # noqa: E402
 from feedline.source import shards as shards_module  # noqa: E402
@@ -465,3 +465,134 @@ def test_leaving_the_loop_waits_for_no_shard_read_under_way(folder: Path) -> Non
     assert time.monotonic() - began < 2
     release.set()
     assert _shard_threads() == []
+
+
+def _with_damaged(folder: Path, tmp_path: Path, shard: int, at: int) -> Path:
+    # A copy of the shards where the header of ``shard``'s sample ``at`` fails its checksum:
+    # the shard gives the samples before it but the last (whose fields might go on).
+    for key in KEYS:
+        (tmp_path / key).write_bytes((folder / key).read_bytes())
+    data = bytearray((folder / KEYS[shard]).read_bytes())
+    header = 2 * at * 1024  # each sample: two members of a header block and a data block
+    assert data[header : header + 1] == b"s"  # a member's name begins there
+    data[header + 3] ^= 0xFF
+    (tmp_path / KEYS[shard]).write_bytes(bytes(data))
+    return tmp_path
+
+
+def test_a_damaged_shard_is_skipped_within_max_failures_keeping_its_samples_before(
+    folder: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = _with_damaged(folder, tmp_path, shard=2, at=4)
+    lost = [k for k in EVERY if k.startswith("s2/")][3:]
+    with caplog.at_level("WARNING", logger="feedline.source"):
+        shards = TarShards(root, KEYS, max_failures=1)
+        assert _keys(shards) == [k for k in EVERY if k not in lost]
+    (record,) = caplog.records
+    assert "skipped shard 'shard-2.tar' after 3 sample(s) (1 skipped of max_failures=1)" in (
+        record.getMessage()
+    )
+    assert "checksum" in record.getMessage()
+    assert shards.state_dict()["skipped"] == {KEYS[2]: 3}
+    _exactly_once(shards.ledger_stats(), len(EVERY) - len(lost))
+    # The default, 0, raises at the first; a budget spent raises the next and says so.
+    with pytest.raises(ValueError, match=r"shard-2\.tar: .*checksum") as raised:
+        list(TarShards(root, KEYS))
+    assert not getattr(raised.value, "__notes__", None)
+    broken = bytearray((root / KEYS[4]).read_bytes()[:1500])
+    (root / KEYS[4]).write_bytes(bytes(broken))  # ends inside a member
+    with pytest.raises(ValueError, match=r"shard-4\.tar") as raised:
+        list(TarShards(root, KEYS, max_failures=1))
+    assert "2 shards failed in this pass, over max_failures=1" in raised.value.__notes__[0]
+    assert len(_keys(TarShards(root, KEYS, max_failures=None))) == len(EVERY) - 4 - PER_SHARD
+    assert _shard_threads() == []
+
+
+def test_a_skipped_shard_is_skipped_again_on_resume_though_the_store_answers_now(
+    folder: Path,
+) -> None:
+    # A shard the store failed to read (its retries spent) is skipped; the resumed pass
+    # skips it too, so the position means the same samples and nothing comes twice.
+    def shards(store: Any) -> TarShards:
+        tars = TarShards(store, KEYS, max_failures=2, **OPTIONS)
+        tars.set_epoch(1)
+        return tars
+
+    store = RemoteStore(folder.as_uri())
+    flaky = _FailsOnce(store, shards(store).my_shards()[1])
+    first = shards(flaky)
+    got = _take(first, 20)
+    state = _saved(first)
+    assert state["skipped"] == {flaky.key: 0}
+    resumed = shards(store)  # the shard reads now
+    resumed.load_state_dict(state)
+    rest = _keys(resumed)
+    unread = f"s{KEYS.index(flaky.key)}/"
+    assert sorted(got + rest) == sorted(k for k in EVERY if not k.startswith(unread))
+    _exactly_once(resumed.ledger_stats(), len(EVERY) - PER_SHARD)
+    assert resumed.state_dict()["skipped"] == {flaky.key: 0}
+    # Not a budget of its own: the resumed pass has one failure left of its two.
+    assert resumed.max_failures == 2
+
+
+def test_a_shard_damaged_part_way_resumes_to_the_same_cut(folder: Path, tmp_path: Path) -> None:
+    walked_first = TarShards(folder, KEYS, **OPTIONS).my_shards()[0]
+    root = _with_damaged(folder, tmp_path, shard=KEYS.index(walked_first), at=6)
+    whole = _keys(TarShards(root, KEYS, max_failures=1, **OPTIONS))
+    first = TarShards(root, KEYS, max_failures=1, **OPTIONS)
+    got = _take(first, 12)
+    state = _saved(first)
+    assert state["skipped"] == {walked_first: 5}
+    resumed = TarShards(root, KEYS, max_failures=1, **OPTIONS)
+    resumed.load_state_dict(state)
+    assert got + _keys(resumed) == whole
+    # A failure met anew while a resumed pass re-reads what was handed out raises, whatever
+    # the budget: skipping it would change what the position means.
+    store = RemoteStore(folder.as_uri())
+    early = TarShards(folder, KEYS, max_failures=5, **OPTIONS)
+    early.set_epoch(1)
+    _take(early, HANDED_OUT)
+    state = _saved(early)
+    again = TarShards(_FailsOnce(store, early.my_shards()[2]), KEYS, max_failures=5, **OPTIONS)
+    again.load_state_dict(state)
+    with pytest.raises(OSError, match="connection dropped") as raised:
+        next(iter(again))
+    assert "skipping it now would repeat or lose samples" in raised.value.__notes__[0]
+    assert _saved(again) == state
+
+
+def test_max_failures_and_a_saved_skip_list_are_checked(folder: Path) -> None:
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ConfigurationError, match="max_failures must be an int >= 0"):
+            TarShards(folder, KEYS, max_failures=bad)  # type: ignore[arg-type]
+    shards = TarShards(folder, KEYS)
+    for skipped in ([KEYS[0]], {KEYS[0]: -1}, {KEYS[0]: "3"}):
+        with pytest.raises(ValueError, match="'skipped' must map shard keys to ints"):
+            shards.load_state_dict({"epoch": 0, "yielded": 0, "skipped": skipped})
+
+
+def test_a_dataloader_worker_skips_a_damaged_shard_and_resumes_past_it(
+    folder: Path, tmp_path: Path
+) -> None:
+    root = _with_damaged(folder, tmp_path, shard=3, at=3)
+
+    def loader() -> DataLoader[Any]:
+        tars = TarShards(root, KEYS, max_failures=1, **OPTIONS)
+        return DataLoader(tars, batch_size=3, num_workers=2, collate_fn=_key_list)
+
+    whole = [k for batch in loader() for k in batch]
+    assert sorted(whole) == sorted(k for k in EVERY if not k.startswith("s3/") or k < "s3/00023")
+    first, got = loader(), []
+    for batch in first:
+        got += batch
+        if len(got) >= 18:
+            break
+    state = json.loads(json.dumps(first.state_dict()))
+    first.close()
+    resumed = loader()
+    resumed.load_state_dict(state)
+    rest = [k for batch in resumed for k in batch]
+    resumed.close()
+    assert sorted(got + rest) == sorted(whole)
+    no_children_left()
+    assert zombies() == []

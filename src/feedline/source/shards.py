@@ -17,6 +17,7 @@ position, checked against it when a state is loaded, and checked at the iteratio
 from __future__ import annotations
 
 import collections
+import logging
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -26,13 +27,15 @@ from typing import Any
 
 from feedline._ledger import Ledger, LedgerStats, ledger_check
 from feedline._watchdog import STALL_AFTER, TICK, StallWatch, check_after
-from feedline.errors import ConfigurationError
+from feedline.errors import ConfigurationError, add_note
 from feedline.io.tar import tar_samples
 
 from ._hedge import Runners
 from .stored import StoredSamples
 
 __all__ = ["TarShards"]
+
+_log = logging.getLogger("feedline.source")
 
 try:  # a torch IterableDataset where torch is installed, so that DataLoaders treat it as one
     from torch.utils.data import IterableDataset as _Base
@@ -65,6 +68,14 @@ class TarShards(_Base):  # type: ignore[type-arg]
     :meth:`load_state_dict`, during an iteration detaches it: the state describes the new
     epoch (or the loaded state) from then on, not that iteration.
 
+    Shards that cannot be read (the store's retries spent) or are damaged raise, naming the
+    shard; with ``max_failures=``, up to that many are skipped in each pass instead, each
+    logged once as a WARNING on the ``feedline.source`` logger. A shard damaged part-way
+    gives the samples before the damage (but the last, whose fields might go on past it).
+    The state records the shards skipped so far and where each ended, so that a resumed pass
+    skips them again, as they were skipped, and hands out nothing twice even if the store
+    now answers.
+
     The ledger records each sample handed out by its place in the stream; a state whose
     position does not match it (resuming from it would repeat or lose samples) is refused
     with :class:`~feedline.LedgerError`, and so is an iteration that ran to its end without
@@ -82,6 +93,9 @@ class TarShards(_Base):  # type: ignore[type-arg]
         rank, world_size: This rank's share of the shards: ``shards[rank::world_size]``.
             Default: from ``torch.distributed`` when it is initialised, else all of them.
         read_ahead: Shards read ahead of the one being walked.
+        max_failures: Shards each pass may skip (unreadable or damaged), or ``None`` for
+            any number; past it (and with the default, 0, at the first) the shard's error
+            is raised.
         report_stall_after: Seconds a shard's read may keep the iteration waiting before it
             is reported, once, as a WARNING on the ``feedline.watchdog`` logger (the shard,
             the store's requests in flight, where busy threads stand); ``None``: never.
@@ -98,6 +112,7 @@ class TarShards(_Base):  # type: ignore[type-arg]
         rank: int | None = None,
         world_size: int | None = None,
         read_ahead: int = 2,
+        max_failures: int | None = 0,
         report_stall_after: float | None = STALL_AFTER,
     ) -> None:
         self.shards = StoredSamples(store, keys)
@@ -105,7 +120,15 @@ class TarShards(_Base):  # type: ignore[type-arg]
         for name, value, least in (("shuffle", shuffle, 0), ("read_ahead", read_ahead, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigurationError(f"{name} must be an int >= {least}, got {value!r}")
+        if max_failures is not None and (
+            isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < 0
+        ):
+            raise ConfigurationError(
+                f"max_failures must be an int >= 0 (shards a pass may skip) or None (any "
+                f"number), got {max_failures!r}"
+            )
         self.shuffle, self.seed, self.read_ahead = shuffle, seed, read_ahead
+        self.max_failures = max_failures
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.epoch = 0
         self._pass = _Pass()  # the current (or last) iteration of self.epoch, or a loaded state
@@ -116,14 +139,19 @@ class TarShards(_Base):  # type: ignore[type-arg]
             self.epoch, self._pass = epoch, _Pass()
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch, the samples of it handed out (in this process), and the ledger.
+        """The epoch, the samples of it handed out (in this process), the ledger, skips.
 
-        Plain data (it pickles and goes into JSON); the ledger is about a hundred bytes, as
-        samples are handed out in the order it numbers them.
+        The skips (``"skipped"``, where there are any) are the shards skipped, each with the
+        samples it gave before its error. Plain data (it pickles and goes into JSON); the
+        ledger is about a hundred bytes, as samples are handed out in the order it numbers
+        them.
         """
         here = self._pass
         ledger = None if here.ledger is None else here.ledger.state_dict()
-        return {"epoch": self.epoch, "yielded": here.yielded, "ledger": ledger}
+        state = {"epoch": self.epoch, "yielded": here.yielded, "ledger": ledger}
+        if here.skipped:
+            state["skipped"] = dict(here.skipped)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from ``state`` (from :meth:`state_dict`) at the next iteration.
@@ -138,13 +166,22 @@ class TarShards(_Base):  # type: ignore[type-arg]
 
         """
         epoch, yielded = _count(state, "epoch"), _count(state, "yielded")
+        skipped = state.get("skipped", {})
+        if not isinstance(skipped, dict) or not all(
+            isinstance(k, str) and isinstance(n, int) and not isinstance(n, bool) and n >= 0
+            for k, n in skipped.items()
+        ):
+            raise ValueError(
+                f"not a TarShards state: 'skipped' must map shard keys to ints >= 0, got "
+                f"{skipped!r} (pass the dict that TarShards.state_dict() returned)"
+            )
         saved = state.get("ledger")
         ledger = None
         if saved is not None and ledger_check():
             ledger = Ledger(self._ledger_name(epoch))
             ledger.load_state_dict(saved)
             ledger.check_resume(yielded)
-        self.epoch, self._pass = epoch, _Pass(yielded, ledger, resume=True)
+        self.epoch, self._pass = epoch, _Pass(yielded, ledger, resume=True, skipped=skipped)
 
     def ledger_stats(self) -> LedgerStats | None:
         """The current (or last) iteration's ledger: samples handed out, repeated, missing.
@@ -178,7 +215,7 @@ class TarShards(_Base):  # type: ignore[type-arg]
                 ledger = self._new_ledger()
         else:
             skip, ledger = 0, self._new_ledger()
-        here = self._pass = _Pass(skip, ledger)
+        here = self._pass = _Pass(skip, ledger, skipped=loaded.skipped if loaded.resume else {})
         return self._hand_out(here, skip, self.my_shards(), self.epoch)
 
     def _hand_out(
@@ -189,8 +226,10 @@ class TarShards(_Base):  # type: ignore[type-arg]
         # count of its own, which the ledger checks.
         ledger = here.ledger
         total = 0
-        for slot, sample in enumerate(self._shuffled(self._samples(keys), epoch)):
+        here.replaying = skip > 0
+        for slot, sample in enumerate(self._shuffled(self._samples(keys, here), epoch)):
             total = slot + 1
+            here.replaying = total < skip  # while the next sample is one handed out before
             if slot < skip:
                 here.yielded = _position_while_skipping(skip, total)
                 continue
@@ -215,11 +254,13 @@ class TarShards(_Base):  # type: ignore[type-arg]
             where.append(f"DataLoader worker {worker[0]} of {worker[1]}")
         return f"TarShards epoch {epoch}" + (f" ({', '.join(where)})" if where else "")
 
-    def _samples(self, keys: list[str]) -> Iterator[dict[str, Any]]:
-        # Each shard's samples in order, the next shards read meanwhile.
+    def _samples(self, keys: list[str], here: _Pass) -> Iterator[dict[str, Any]]:
+        # Each shard's samples in order, the next shards read meanwhile. A shard the pass
+        # skipped before its state was saved gives the samples it gave then, and no more.
         place = {key: k for k, key in enumerate(self.shards.keys)}
+        cuts = dict(here.skipped)
         upcoming = iter(keys)
-        pending: collections.deque[tuple[str, Future[Any]]] = collections.deque()
+        pending: collections.deque[tuple[str, Future[Any] | None]] = collections.deque()
         # Daemon threads: a loop left (break, an error, Ctrl-C) waits for no read under way.
         pool = Runners(max(self.read_ahead, 1), name="feedline-shard")
 
@@ -227,7 +268,8 @@ class TarShards(_Base):  # type: ignore[type-arg]
             key = next(upcoming, None)
             if key is None:
                 return False
-            pending.append((key, pool.submit(self.shards.read, place[key])))
+            unread = cuts.get(key) == 0  # skipped before any sample: not read again
+            pending.append((key, None if unread else pool.submit(self.shards.read, place[key])))
             return True
 
         try:
@@ -236,16 +278,64 @@ class TarShards(_Base):  # type: ignore[type-arg]
             read_next()
             while pending:
                 key, future = pending.popleft()
-                data = self._await(key, future)
-                while len(pending) < self.read_ahead and read_next():
-                    pass
-                yield from tar_samples(data, shard=key)
+                walked, cut = 0, cuts.get(key)
+                try:
+                    data = None if future is None else self._await(key, future)
+                    while len(pending) < self.read_ahead and read_next():
+                        pass
+                    if data is not None:
+                        for sample in tar_samples(data, shard=key):
+                            if walked == cut:
+                                break
+                            walked += 1
+                            yield sample
+                except Exception as error:
+                    self._skip(here, key, walked, cut, error)
+                    while len(pending) < self.read_ahead and read_next():
+                        pass
                 if not pending:  # read_ahead=0: the next shard once this one is walked
                     read_next()
         finally:
             for _, future in pending:
-                future.cancel()  # those not begun are never read; the others end on their own
+                if future is not None:
+                    future.cancel()  # not begun: never read; the others end on their own
             pool.close()
+
+    def _skip(self, here: _Pass, key: str, walked: int, cut: int | None, error: Exception) -> None:
+        # Skip the shard whose read or walk raised ``error`` after ``walked`` samples, or
+        # raise it: past the budget, or where skipping would change the samples handed out
+        # before a resume (a shard that failed while the pass re-reads them).
+        if walked == cut:  # skipped there before the state was saved: met where expected
+            return
+        if cut is not None or here.replaying:
+            add_note(
+                error,
+                f"TarShards: shard {key!r} failed while a resumed pass re-read the samples "
+                "handed out before its state was saved; skipping it now would repeat or lose "
+                "samples, so the state stays as loaded: load it again to retry",
+            )
+            raise error
+        skipped = len(here.skipped) + 1
+        if self.max_failures is not None and skipped > self.max_failures:
+            if self.max_failures:
+                add_note(
+                    error,
+                    f"TarShards: {skipped} shards failed in this pass, over "
+                    f"max_failures={self.max_failures}",
+                )
+            raise error
+        here.skipped[key] = walked
+        budget = "" if self.max_failures is None else f" of max_failures={self.max_failures}"
+        _log.warning(
+            "TarShards epoch %d: skipped shard %r after %d sample(s) (%d skipped%s): %s: %s",
+            self.epoch,
+            key,
+            walked,
+            skipped,
+            budget,
+            type(error).__name__,
+            error,
+        )
 
     def _await(self, key: str, future: Future[Any]) -> Any:
         # A shard's bytes; a read that takes report_stall_after seconds is reported once
@@ -295,13 +385,23 @@ class _Pass:
     """One iteration over an epoch, or a loaded state that the next one goes on from.
 
     ``yielded``: the samples handed out (those before its resume included); ``ledger``:
-    ``None`` where not checked; ``resume``: a loaded state, not taken by an iteration yet.
+    ``None`` where not checked; ``resume``: a loaded state, not taken by an iteration yet;
+    ``skipped``: the shards skipped, each with the samples it gave first; ``replaying``: the
+    next sample is one handed out before the resume.
     """
 
-    __slots__ = ("ledger", "resume", "yielded")
+    __slots__ = ("ledger", "replaying", "resume", "skipped", "yielded")
 
-    def __init__(self, yielded: int = 0, ledger: Ledger | None = None, resume: bool = False):
+    def __init__(
+        self,
+        yielded: int = 0,
+        ledger: Ledger | None = None,
+        resume: bool = False,
+        skipped: dict[str, int] | None = None,
+    ) -> None:
         self.yielded, self.ledger, self.resume = yielded, ledger, resume
+        self.skipped = dict(skipped or {})
+        self.replaying = False
 
 
 def _position_while_skipping(handed_out: int, passed: int) -> int:
