@@ -655,13 +655,15 @@ def test_a_large_object_is_read_in_parallel_parts_and_checked_whole() -> None:
         assert counts["GET"] == 4  # smaller than a part: one request
         stats = store.stats()
         assert stats.verified == 2  # each object's MD5 against its ETag, over the whole
-        assert stats.bytes == len(big) + 1000
+        assert (stats.reads, stats.bytes) == (2, len(big) + 1000)  # a read, not its parts
         # A range read is one request, parts or not; read_sync reads whole objects in parts.
         assert bytes(asyncio.run(store.read("big", start=5, end=3_000_000))) == big[5:3_000_000]
         assert counts["GET"] == 5
         assert bytes(store.read_sync("big")) == big
         assert counts["GET"] == 8
-        assert store.stats().verified == 3
+        stats = store.stats()
+        assert (stats.verified, stats.reads) == (3, 4)
+        assert stats.bytes == 2 * len(big) + 1000 + 3_000_000 - 5
 
 
 def test_read_sync_called_on_an_event_loop_still_reads_in_parts() -> None:

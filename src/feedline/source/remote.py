@@ -54,7 +54,7 @@ class RemoteStats:
     """What a :class:`RemoteStore` has read so far.
 
     Attributes:
-        reads: Reads that returned data (a hedged read counts once).
+        reads: Reads that returned data (a hedged read, or one in parts, counts once).
         bytes: Bytes those reads returned.
         failures: Requests that failed (after the store's retries).
         in_flight: Reads under way now.
@@ -569,11 +569,17 @@ class RemoteStore:
             attempt += 1
 
     async def _get(
-        self, key: str, options: Any, first: bool = False, progress: Progress | None = None
+        self,
+        key: str,
+        options: Any,
+        first: bool = False,
+        progress: Progress | None = None,
+        part: bool = False,
     ) -> tuple[memoryview, Any]:
         # One request, sent again as Attempts says: the body and the object's metadata.
         # ``first``: the first part of a whole-object read, which an empty object refuses
         # (no byte 0): then read it whole. ``progress``: how far it got (for a race).
+        # A race's requests, and the ``part``s of a read, are counted by the read, not each.
         attempts = Attempts(self, key, counted=progress is None)
         while True:
             cuts = await self._throttle.take()
@@ -591,12 +597,12 @@ class RemoteStore:
                 if not (first and bad_range(error)):
                     wait = attempts.after(error, cuts)  # raises when it is not sent again
             finally:  # also when cancelled (a pipeline that stops cancels its reads)
-                self._end(ticket, view if progress is None else None)  # a race counts its own
+                self._end(ticket, view if progress is None and not part else None)
                 self._throttle.give()
             if view is not None:
                 return view, result.meta
             if wait is None:
-                return await self._get(key, None)
+                return await self._get(key, None, progress=progress, part=part)
             await asyncio.sleep(wait)
 
     @staticmethod
@@ -641,7 +647,7 @@ class RemoteStore:
         return None
 
     def _won(self, answer: tuple[memoryview, Any], hedge: bool) -> tuple[memoryview, Any]:
-        # A race's answer: the read's (its requests count none).
+        # A race's answer, or a read's in parts: counted once (its requests count none).
         with self._lock:
             self._reads += 1
             self._bytes += answer[0].nbytes
@@ -752,14 +758,14 @@ class RemoteStore:
         # The first part tells the size; the rest come at once, of the same version. With
         # part_size="auto", the first part timed the connection: the rest take the size that
         # says.
-        first, meta = await self._get(key, {"range": (0, part)}, first=True)
+        first, meta = await self._get(key, {"range": (0, part)}, first=True, part=True)
         size = int(meta["size"])
         if size <= first.nbytes:
-            return first, meta
+            return self._won((first, meta), hedge=False)
         plan = _Parts(self, key, first, meta, part)
 
         async def fetch(start: int) -> None:
-            view, _ = await self._get(key, plan.options(start))
+            view, _ = await self._get(key, plan.options(start), part=True)
             plan.put(start, view)
 
         starts = iter(plan.starts)
@@ -777,7 +783,7 @@ class RemoteStore:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)  # and are retrieved
             raise
-        return memoryview(plan.buffer), meta
+        return self._won((memoryview(plan.buffer), meta), hedge=False)
 
     def read_sync(
         self, key: str, *, start: int | None = None, end: int | None = None
@@ -880,7 +886,12 @@ class RemoteStore:
             attempt += 1
 
     def _get_sync(
-        self, key: str, options: Any, first: bool = False, progress: Progress | None = None
+        self,
+        key: str,
+        options: Any,
+        first: bool = False,
+        progress: Progress | None = None,
+        part: bool = False,
     ) -> tuple[memoryview, Any]:
         # One request from this thread (see _get).
         attempts = Attempts(self, key, counted=progress is None)
@@ -902,24 +913,24 @@ class RemoteStore:
                 if not (first and bad_range(error)):
                     wait = attempts.after(error, cuts)
             finally:
-                self._end(ticket, view if progress is None else None)  # a race counts its own
+                self._end(ticket, view if progress is None and not part else None)
                 self._throttle.give()
             if view is not None:
                 return view, result.meta
             if wait is None:
-                return self._get_sync(key, None)
+                return self._get_sync(key, None, progress=progress, part=part)
             time.sleep(wait)
 
     def _get_parts_sync(self, key: str, part: int) -> tuple[memoryview, Any]:
         # As _get_parts, the parts after the first at once on threads of their own; each
         # request takes a slot of max_in_flight, like any of read_sync's.
-        first, meta = self._get_sync(key, {"range": (0, part)}, first=True)
+        first, meta = self._get_sync(key, {"range": (0, part)}, first=True, part=True)
         if int(meta["size"]) <= first.nbytes:
-            return first, meta
+            return self._won((first, meta), hedge=False)
         plan = _Parts(self, key, first, meta, part)
 
         def fetch(start: int) -> None:
-            view, _ = self._get_sync(key, plan.options(start))
+            view, _ = self._get_sync(key, plan.options(start), part=True)
             plan.put(start, view)
 
         threads = min(len(plan.starts), self._max_in_flight, _PART_THREADS)
@@ -936,7 +947,7 @@ class RemoteStore:
                 window.popleft().result()
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-        return memoryview(plan.buffer), meta
+        return self._won((memoryview(plan.buffer), meta), hedge=False)
 
     def _checked(self, key: str, checked: tuple[str | None, bool], attempt: int) -> bool:
         """Count a verification; ``False``: read again; raises once the retries are spent."""
