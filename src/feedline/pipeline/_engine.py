@@ -164,7 +164,7 @@ class Run:
         op: Any = cfg.op  # a TaggedOp, or a TaggedGenerator whose calls are iterated
         placement = cfg.placement if isinstance(cfg.placement, Placement) else None
         if placement is not None and placement.stays is None:  # threads or processes
-            op = PlacedWork(placement, True)
+            op = PlacedWork(placement)
         stage = ThreadedStage(
             self,
             cfg.name,

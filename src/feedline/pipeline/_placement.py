@@ -120,7 +120,6 @@ class Placement:
         op: The user's function, applied to an item's value.
         name: The stage's name, for the workers and errors.
         stays: Why the stage cannot move (``None``: it can).
-        mp_context: Start method of the workers (default: the fork server).
 
     """
 
@@ -129,12 +128,10 @@ class Placement:
         op: Callable[[Any], Any],
         name: str,
         stays: str | None = None,
-        mp_context: str | None = None,
     ) -> None:
         self.op = op
         self.name = name
         self.stays = stays
-        self._mp_context = mp_context
         self._run = RunOfStages([_Each(op)], name)
         self.takes = 1  # items a job sends at once: more than one in processes
         # unlocked: set by the tuner's thread (the event loop), read by each call; a call that
@@ -245,7 +242,7 @@ class Placement:
             return
         if self._held:  # a stop closed the stage's regions: no new workers until reopen()
             return
-        region = RegionPool(processes, self._mp_context, self.name)
+        region = RegionPool(processes, None, self.name)
         try:  # one probe for each worker (each goes to the worker with the fewest calls)
             probes = [region.submit(_unpickled, self._run) for _ in range(processes)]
         except Exception as error:  # the workers could not start
@@ -317,15 +314,13 @@ class Placement:
 
 
 class PlacedWork:
-    """A threaded stage's work whose op is a :class:`Placement`.
+    """A threaded stage's work: a :class:`Placement` applied to ``Tagged`` items' values.
 
-    It applies the op to a ``Tagged`` item's value where ``tagged``: one item at a time on
-    threads, chunks in processes (:attr:`takes`).
+    One item at a time on threads, chunks in processes (:attr:`takes`).
     """
 
-    def __init__(self, placement: Placement, tagged: bool) -> None:
+    def __init__(self, placement: Placement) -> None:
         self.placement = placement
-        self.tagged = tagged
 
     @property
     def takes(self) -> int:
@@ -333,22 +328,16 @@ class PlacedWork:
         return self.placement.takes
 
     def __call__(self, item: Any) -> Any:
-        if self.tagged:
-            item.value = self.placement(item.value)
-            return item
-        return self.placement(item)
+        item.value = self.placement(item.value)
+        return item
 
     def many(self, items: list[Any]) -> list[Any]:
         """The result for each item, or a :class:`Failed` for each whose call raised."""
-        tagged = self.tagged
-        outs = self.placement.many([item.value for item in items] if tagged else items)
-        if not tagged:
-            return outs
-        for item, out in zip(items, outs, strict=True):
+        outs = self.placement.many([item.value for item in items])
+        for k, (item, out) in enumerate(zip(items, outs, strict=True)):
             if not isinstance(out, Failed):
-                item.value = out
-        pairs = zip(items, outs, strict=True)
-        return [out if isinstance(out, Failed) else item for item, out in pairs]
+                item.value, outs[k] = out, item
+        return outs
 
 
 def raised(failed: Failed, name: str) -> Exception:

@@ -30,16 +30,7 @@ from ._queue import Channel
 from ._settings import FIRST_WINDOW, MAX_WINDOW, MIN_ITEMS, MIN_WINDOW, SIZE_EVERY
 from ._tuning import Tuning
 
-__all__ = [
-    "FIRST_WINDOW",
-    "MAX_WINDOW",
-    "MIN_ITEMS",
-    "MIN_WINDOW",
-    "SIZE_EVERY",
-    "ItemSizes",
-    "Knob",
-    "Tuner",
-]
+__all__ = ["ItemSizes", "Knob", "Tuner"]
 
 _log = logging.getLogger("feedline.pipeline")
 
@@ -138,10 +129,10 @@ class Tuner:
         knobs: list[Knob],
         channels: list[Channel],
         tuning: Tuning,
-        stages: list[Any] | None = None,
+        stages: list[Any],
     ) -> None:
         self.knobs = knobs
-        self._stages = stages or []
+        self._stages = stages
         self._channels = channels
         self._sink = channels[-1]
         # The rate a trial is judged by: items out of the last tuned stage (a batch made
@@ -304,7 +295,7 @@ class Tuner:
 
     def _neighbour(self, channel: int, knob: Knob) -> int:
         # The concurrency of the stage at channel ``channel``'s other end than ``knob`` (0 for
-        # the source or where the run's stages are not known).
+        # the source and the sink).
         other = channel if channel != knob.index else channel + 1
         if other == 0 or other >= len(self._stages):
             return 0
@@ -348,8 +339,6 @@ class Tuner:
         total = sum(c.capacity * self._bytes(i) for i, c in enumerate(self._channels))
         for i, stage in enumerate(self._stages[1:], start=1):
             total += stage.counters.concurrency * self._each(i)
-        if not self._stages:  # stages not known: the tuned ones
-            total += sum(k.concurrency * self._each(k.index) for k in self.knobs)
         return total
 
     def _keep_within(self, budget: int) -> None:

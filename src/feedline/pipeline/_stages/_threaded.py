@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._epochs import Passes
 from .._gated import GatedSource
+from .._placement import Failed
 from .._queue import EMPTY, Channel
 from .._settings import TAKE_MOST, TAKE_SECONDS
 from ._common import StageBase, close_quietly
@@ -39,15 +40,6 @@ def per_take(per_call: float) -> int:
     if per_call < 0:
         return 1
     return max(1, min(TAKE_MOST, int(TAKE_SECONDS / max(per_call, 1e-9))))
-
-
-class _HandOff:
-    # A chunk's hand-off failed: each of its items fails with that error.
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-    def failed(self, stage: str) -> Exception:
-        return self.error
 
 
 class AggregateWork:
@@ -414,7 +406,7 @@ class ThreadedStage(StageBase):
         try:
             outs = self._chunks.many([item for _, item in batch])
         except Exception as error:  # the hand-off failed (a worker died): every item with it
-            outs = [_HandOff(error)] * len(batch)
+            outs = [Failed((error, ""))] * len(batch)
         c.end(t0, calls=len(batch))
         going = True
         for (seq, item), out in zip(batch, outs, strict=True):
