@@ -193,6 +193,12 @@ CASES = [
         memory=Memory(floor=2, floor_until=CEILING_TTL),
     ),
     Case(
+        "fewer, below a floor that lapsed (found in one noisy window, it is tried again)",
+        [W(1000, sink_full=0.9), W(1000, sink_full=0.9)],
+        ["", "s lower 2"],
+        memory=Memory(floor=2, floor_until=0.5),
+    ),
+    Case(
         "fewer as fast are kept",
         [W(1000), W(1000, 1.0, 0.008), W(1000, 1.92, 0.002)],
         ["s raise 8", "s lower 2", "s keep 2"],
@@ -441,6 +447,30 @@ CASES = [
         [W(330, 1.0, 0.006, cpu=1.0, idle=1.0), W(340, 1.0, 0.012, cpu=1.0, idle=0.05)],
         ["s raise 4", "s lower 1"],
         start=(2,),
+        movable=True,
+    ),
+    Case(
+        # The stage's calls keep 0.8 cores busy, the whole process 1.3: more than threads of
+        # Python code can under the GIL, so the GIL is not what limits it.
+        "not with nothing to raise where the process keeps more than the GIL allows busy",
+        [W(330, 1.3, 0.006, busy=0.55, cpu=0.8)],
+        [""],
+        start=(2,),
+        movable=True,
+    ),
+    Case(
+        "not with nothing to raise where the stage's output is full (the next stage limits)",
+        [W(330, 1.0, 0.006, busy=0.55, cpu=0.6, blocked=0.8)],
+        [""],
+        start=(2,),
+        movable=True,
+    ),
+    Case(
+        "not to a single process (its bound allows three calls)",
+        [W(330, 1.0, 0.006, cpu=1.0), W(340, 1.0, 0.008, cpu=1.0)],
+        ["s raise 3", "s lower 1"],
+        start=(2,),
+        high=3,
         movable=True,
     ),
     Case(
