@@ -349,6 +349,35 @@ def test_a_server_that_stays_down_gives_an_error_naming_key_and_retries(flaky: s
     assert store.stats().failures == 1
 
 
+class _Chunked(Handler):
+    """Every reply chunked, without a Content-Length (a server that compresses on the fly)."""
+
+    attempts: ClassVar[Counter[str]] = Counter()
+    protocol_version = "HTTP/1.1"  # chunked replies are HTTP/1.1's
+
+    def do_GET(self) -> None:
+        self.attempts[self.path] += 1
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("Connection", "close")  # no thread left waiting on the connection
+        self.end_headers()
+        self.wfile.write(b"5\r\nhello\r\n0\r\n\r\n")
+        self.close_connection = True
+
+
+def test_a_chunked_reply_is_named_at_once_not_retried() -> None:
+    _Chunked.attempts.clear()
+    with serving(_Chunked) as url:
+        store = RemoteStore(url, retries=3, backoff=0.2)
+        with pytest.raises(RemoteReadError, match="without a Content-Length") as info:
+            store.read_sync("a")
+        assert "serve the objects as static files" in str(info.value)
+        with pytest.raises(RemoteReadError, match="not retried"):
+            asyncio.run(store.read("b"))
+    assert (_Chunked.attempts["/a"], _Chunked.attempts["/b"]) == (1, 1)
+    assert store.stats().failures == 2
+
+
 def test_no_retries_means_one_attempt(flaky: str) -> None:
     store = RemoteStore(flaky, retries=0)
     with pytest.raises(RemoteReadError):

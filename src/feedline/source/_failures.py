@@ -13,6 +13,8 @@ the server's error code and words, or why no connection was made, and the retrie
   server runs;
 * a wrong request (a range past the end, a bad path): the key and the range;
 * a local file: the file and its permissions;
+* a reply without a length (a chunked one, which obstore's HTTP client cannot read): the
+  server;
 * the rest (5xx, timeouts, dropped connections), the errors obstore retries: the timeouts
   and retries to raise if the store is slow rather than down.
 
@@ -40,6 +42,7 @@ _CONNECT_KIND = re.compile(r"kind: Connect\b")  # not ConnectionReset: that one 
 _REASON = re.compile(r'(?:message|error): "([^"]*)"')
 _NO_BUCKET = ("NoSuchBucket", "ContainerNotFound")  # S3 and S3-compatible; Azure
 _THROTTLE_CODES = ("SlowDown", "ServerBusy", "Throttl", "TooManyRequests", "RequestLimitExceeded")
+_NO_LENGTH = "Content-Length Header missing"  # obstore's HTTP client reads no chunked reply
 _BUCKET_SCHEMES = ("s3://", "s3a://", "gs://", "az://", "azure://", "abfs://", "abfss://")
 
 
@@ -90,14 +93,15 @@ def kind(error: Exception, exceptions: Any, url: str) -> str:
     * ``"passing"``: what obstore itself would retry: another server error (5xx), a
       timeout, a dropped or refused connection;
     * ``"final"``: the rest (no such object, a refused credential, a wrong request, a
-      changed object, a local file's error).
+      changed object, a local file's error, a reply without a length).
     """
     text = str(error)
     status = _status(text)
     if _refused(status, text):
         return "refused"
     if (
-        url.startswith(("file:", "memory:"))
+        _NO_LENGTH in text
+        or url.startswith(("file:", "memory:"))
         or bad_range(error)
         or not isinstance(error, exceptions.GenericError)  # typed: not found, denied, ...
     ):
@@ -169,6 +173,13 @@ def failure(
         advice = (
             "The store does not support the request (not retried): byte ranges, most often; "
             "read whole objects (no start=/end=, part_size=None)"
+        )
+    elif _NO_LENGTH in text:
+        advice = (
+            "The server replied without a Content-Length (a chunked reply, as servers send "
+            "for bodies they compress or make on the fly), which obstore's HTTP client cannot "
+            "read (not retried): serve the objects as static files, or turn off the server's "
+            "on-the-fly compression for them"
         )
     elif status == 412:
         advice = (
