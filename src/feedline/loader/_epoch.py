@@ -64,23 +64,17 @@ class _Abort:
 
     A dataset's or ``collate_fn``'s own exception is raised for its batch and the epoch goes
     on (as PyTorch's iterator: a loop that catches it gets the next batch); a spent failure
-    budget (``number`` None) ends the epoch.
+    budget, or an iterable dataset's stream that raised (``number`` None), ends the epoch.
     """
 
-    __slots__ = ("dataset_state", "error", "last", "number")
+    __slots__ = ("dataset_state", "error", "number")
 
     def __init__(
-        self,
-        error: BaseException,
-        number: int | None = None,
-        dataset_state: Any = None,
-        *,
-        last: bool = False,
+        self, error: BaseException, number: int | None = None, dataset_state: Any = None
     ) -> None:
         self.error = error
         self.number = number
         self.dataset_state = dataset_state
-        self.last = last  # the dataset's stream raised: nothing comes after it this epoch
 
 
 def _pin(torch: Any, data: Any) -> Any:
@@ -495,7 +489,7 @@ class EpochIterator(Generic[T]):
             except Exception as error:
                 # Raised in turn, after the batches read before it, and the epoch ends there
                 # (PyTorch's iterator: the dataset's iterator is done after it raised).
-                yield max(n, skip), _Abort(error, last=True), None
+                yield max(n, skip), _Abort(error), None
 
         # Fixed: the dataset is read a few batches ahead of collation (4, or what prefetching
         # asks if more), not the 64 batches a default queue after a cheap source grows to.
@@ -568,12 +562,10 @@ class EpochIterator(Generic[T]):
                 self.close(end_workers=True)
                 raise
             if isinstance(item, _Abort):
-                if item.number is None:  # the failure budget is spent: the epoch ends
-                    # (After the stream's own error, it is over: a state taken now starts
-                    # the next epoch, as after PyTorch's StopIteration that follows it.)
-                    self.position.finished = item.last
-                    if item.last:
-                        self._dataset_at_end()
+                if item.number is None:  # the failure budget is spent, or the stream raised
+                    # The epoch ends here, unfinished: a state taken now resumes after the
+                    # last batch handed out (the stream read again and fast-forwarded, or
+                    # the dataset's own state loaded), as torchdata's does.
                     self.close()
                 else:  # this batch raises; the next call goes on with the next one
                     self._count(item.number, item.dataset_state, "raised")
