@@ -66,6 +66,50 @@ def test_ctrl_c_while_workers_are_busy_reaches_the_caller_at_once() -> None:
     loader.close()
 
 
+class _Stuck(torch.utils.data.Dataset[int]):
+    """Item ``i`` is ``i``, but item 3 waits for ``release`` (a read without a timeout)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> int:
+        if i == 3:
+            self.release.wait(20)
+        return i
+
+
+def test_ctrl_c_on_threads_leaves_a_call_that_never_returns_after_a_moment(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # As PyTorch's loop without workers, whose __getitem__ runs on the main thread: the
+    # KeyboardInterrupt reaches the caller's except block at once, not once the call returns.
+    from feedline._grace import STOP_GRACE
+
+    dataset = _Stuck()
+    loader = DataLoader(dataset, batch_size=4)
+    main = threading.main_thread().ident
+    assert main is not None
+    timer = threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT))
+    timer.start()
+    started = time.monotonic()
+    with caplog.at_level("WARNING", "feedline.loader"), pytest.raises(KeyboardInterrupt):
+        for _ in loader:
+            pass
+    waited = time.monotonic() - started
+    timer.join()
+    dataset.release.set()
+    assert waited < 0.5 + 2 * STOP_GRACE + 2, f"KeyboardInterrupt came after {waited:.1f} s"
+    assert "still inside dataset calls after 1 s are left running" in caplog.text
+    state = loader.state_dict()  # the checkpoint an except block saves
+    assert state["batches_yielded"] == 0
+    assert not state["finished"]
+    loader.close()
+    only_this_thread()
+
+
 def _end_pytorchs_workers(it: Any) -> None:
     """End the workers of PyTorch's iterator ``it`` that raised: not what the tests are about.
 

@@ -710,3 +710,81 @@ def test_a_stop_closes_the_op_iterators_it_left_part_way(kind: str) -> None:
     assert started
     assert sorted(closed) == sorted(started)
     assert _feedline_threads() == []
+
+
+# -- Ctrl-C and exit do not wait for an op that never returns -------------------------------
+
+
+def _ctrl_c_after(seconds: float) -> threading.Timer:
+    # SIGINT to the main thread, as a terminal's Ctrl-C reaches it.
+    import signal
+
+    main = threading.main_thread().ident
+    assert main is not None
+    timer = threading.Timer(seconds, signal.pthread_kill, (main, signal.SIGINT))
+    timer.start()
+    return timer
+
+
+def _ended(prefix: str) -> bool:
+    # Whether the threads named ``prefix``... have ended (within a few seconds).
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith(prefix) for t in threading.enumerate()):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_ctrl_c_leaves_an_op_that_never_returns_after_a_moment(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from feedline._grace import STOP_GRACE
+
+    release = threading.Event()
+
+    def op(i: int) -> int:
+        if i == 3:
+            release.wait(20)  # a read without a timeout
+        return i
+
+    pipeline = PipelineBuilder().add_source(range(50)).pipe(op, concurrency=2).build()
+    seen = []
+    timer = _ctrl_c_after(0.5)
+    began = time.monotonic()
+    with caplog.at_level(logging.WARNING, "feedline.pipeline"):
+        with pytest.raises(KeyboardInterrupt):
+            for item in pipeline:
+                seen.append(item)
+        took = time.monotonic() - began
+    timer.join()
+    release.set()
+    assert took < 0.5 + STOP_GRACE + 2, f"Ctrl-C took {took:.1f} s to reach the caller"
+    assert "1 job(s) still inside stage ops after 1 s are left running" in caplog.text
+    assert 3 not in seen
+    assert len(seen) == 49
+    assert _ended("feedline-worker")  # the thread left ends as its op does
+    # The next epoch runs as usual.
+    assert sorted(pipeline) == list(range(50))
+
+
+def test_a_pipeline_left_running_at_exit_does_not_hold_the_exit() -> None:
+    import subprocess
+    import sys
+
+    script = (
+        "import threading, feedline\n"
+        "def op(i):\n"
+        "    threading.Event().wait()  # never returns\n"
+        "p = feedline.PipelineBuilder().add_source(range(10)).pipe(op).build()\n"
+        "p.start()\n"
+        "print('leaving', flush=True)\n"
+    )
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "leaving" in done.stdout
+    assert time.monotonic() - began < 15
+    assert "left running on daemon threads" in done.stderr

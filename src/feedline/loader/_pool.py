@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from feedline._grace import stop_grace
+
 __all__ = ["LimitedPool", "thread_times"]
 
 _log = logging.getLogger("feedline.loader")
@@ -60,6 +62,7 @@ class LimitedPool:
         self._notified = 0  # of those, woken and not yet running
         self._spawned = 0  # threads started that have not yet looked for a job
         self._closed = False
+        self._left = False  # a close on Ctrl-C left threads in dataset calls: none joins them
         self._tids: list[int] = []  # the threads' ids, for their schedstat (queued_seconds)
         self._schedstat = os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat")
 
@@ -195,12 +198,28 @@ class LimitedPool:
                 self._notified = max(0, self._notified - 1)
 
     def close(self) -> None:
-        """Drop jobs not started, let running ones finish, and join the threads."""
+        """Drop jobs not started, let running ones finish, and join the threads.
+
+        On Ctrl-C or at exit, a job still running after a moment (``feedline._grace``) is left
+        on its daemon thread: a ``dataset[i]`` that never returns holds nothing up, then or
+        at a later close (the iterator's collection).
+        """
+        grace = stop_grace()
         with self._cond:
             self._closed = True
             self._jobs.clear()
             self._cond.notify_all()
-            threads = list(self._threads)
+            threads = [] if self._left else list(self._threads)
+        deadline = None if grace is None else time.monotonic() + grace
         for thread in threads:
             if thread is not threading.current_thread():
-                thread.join()
+                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        left = sum(thread.is_alive() for thread in threads)
+        if left:
+            self._left = True
+            _log.warning(
+                "closing the DataLoader on Ctrl-C or at exit: %d thread(s) still inside "
+                "dataset calls after %g s are left running (daemon threads)",
+                left,
+                grace,
+            )

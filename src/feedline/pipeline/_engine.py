@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from feedline._failures import FailureBudget
+from feedline._grace import stop_grace
 from feedline._watchdog import StallWatch
 
 from ._defs import AggregateConfig, OpKind, PipeConfig, PipelineConfig
@@ -381,23 +382,39 @@ class Run:
         (The pipeline's holder hands a stop asked for on one of them to a thread of its own:
         see ``_lifecycle.own_thread``.) Idempotent and re-entrant: a stop interrupted part-way
         (a second Ctrl-C while it joins) is finished by the next call; only a stop that ran to
-        its end makes later calls return at once.
+        its end makes later calls return at once. It waits for calls still inside ops as long
+        as they run (a warning every :data:`STOP_WARN_AFTER` s), but on Ctrl-C or at exit
+        only a moment (``feedline._grace``): then they are left on their daemon threads.
         """
+        grace = stop_grace()
         self.begin_stop()
         life = self.life
         life.begin_stop(asked=True)
         with life.join_lock:  # one thread joins; another caller waits for it to finish
             if not life.stopped:
                 self._wake_all()
-                self._join_all()
+                self._join_all(grace)
                 life.stopped = True
 
-    def _join_all(self) -> None:
+    def _join_all(self, grace: float | None) -> None:
         # The thread was started under the lifecycle's lock, before the stop began, or never.
         if self._thread.ident is not None:
             self._thread.join()
         waited = 0.0
-        while (left := self.life.wait_jobs(STOP_WARN_AFTER)) is not None:
+        while (left := self.life.wait_jobs(grace or STOP_WARN_AFTER)) is not None:
+            if grace is not None:
+                # Left running: their stages are not closed (a job may be inside one's
+                # generator), and the pool's threads end as their jobs do.
+                _log.warning(
+                    "stopping the pipeline on Ctrl-C or at exit: %d job(s) still inside stage "
+                    "ops after %g s are left running on daemon threads",
+                    left,
+                    grace,
+                )
+                self.pool.shutdown(wait=False)
+                if not self.loop.is_closed():
+                    self.loop.close()
+                return
             waited += STOP_WARN_AFTER
             _log.warning(
                 "stopping the pipeline: %d job(s) still inside stage ops after %.0f s; "

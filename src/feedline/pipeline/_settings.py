@@ -110,7 +110,9 @@ DURATION_RING = 2048
 # -- stopping -------------------------------------------------------------------------------
 
 STOP_WARN_AFTER = 5.0
-"""A stop that waits this long on calls still running logs a warning (and again as often)."""
+"""A stop that waits this long on calls still running logs a warning (and again as often).
+On Ctrl-C or at exit a stop waits only ``feedline._grace.STOP_GRACE`` s (shared with the
+DataLoader's threads)."""
 
 MIXTURE_JOIN_SECONDS = 5.0
 """How long leaving a ``Mixture`` waits for a source thread stuck in its source."""
