@@ -301,3 +301,37 @@ def test_an_iteration_after_load_state_dict_stops_the_one_before_it() -> None:
     assert len(dataset.calls) - before == 72  # the resumed epoch's calls, and no other
     with pytest.raises(RuntimeError, match="load_state_dict"):
         next(old)
+
+
+def test_a_ctrl_c_while_a_batch_is_counted_comes_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A Ctrl-C that lands between the ledger's record of a batch and the position's cut
+    # the two apart (a checkpoint load_state_dict() refused with LedgerError); one that lands
+    # after both would lose the batch. It comes a moment after the batch is handed out.
+    import signal
+    import threading
+
+    from feedline.loader import _ledgers
+
+    handler = signal.getsignal(signal.SIGINT)
+    loader = DataLoader(list(range(20)), batch_size=4)
+    it = iter(loader)
+    got = [next(it)]
+    deliver = _ledgers.LoaderLedger.deliver
+
+    def interrupted(self: Any, *args: Any) -> None:
+        deliver(self, *args)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+        time.sleep(0.001)  # the handler runs here, between the two records
+
+    monkeypatch.setattr(_ledgers.LoaderLedger, "deliver", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        got.append(next(it))
+        time.sleep(2)  # the loop body, where the Ctrl-C comes
+    monkeypatch.undo()
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert state["batches_yielded"] == 2
+    it.close()
+    assert signal.getsignal(signal.SIGINT) is handler  # the epoch's relay is gone with it
+    resumed = DataLoader(list(range(20)), batch_size=4)
+    resumed.load_state_dict(state)
+    assert _values(got + list(resumed)) == [list(range(k, k + 4)) for k in range(0, 20, 4)]

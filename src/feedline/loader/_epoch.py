@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from feedline._cores import usable_cores
 from feedline._extras import require_torch
+from feedline._grace import CtrlCHeld, claim_ctrl_c, release_ctrl_c
 from feedline._ledger import ledger_check
 from feedline.errors import ConfigurationError, add_note
 from feedline.pipeline import Pipeline, PipelineBuilder, PipelineStats
@@ -311,6 +312,7 @@ class EpochIterator(Generic[T]):
         self._pipeline: Pipeline[Any] | _Direct = self._serve(builder, loader, epoch)
         self._finalizer = self._finalize()
         self._pipeline.start()
+        self._ctrl_c = claim_ctrl_c()  # a Ctrl-C while a batch is counted comes after it
 
     def _serve(
         self, builder: PipelineBuilder[Any], loader: DataLoader[T], epoch: Any
@@ -775,7 +777,15 @@ class EpochIterator(Generic[T]):
         self, number: int, dataset_state: tuple[int, Any] | StreamMark | None, outcome: str
     ) -> None:
         # ``outcome``: the batch was "delivered", all its items were "skipped" within the
-        # failure budget, or it "raised" in their place.
+        # failure budget, or it "raised" in their place. Whole: a Ctrl-C part-way left the
+        # ledger saying a batch was handed out that the position did not (a checkpoint that
+        # load_state_dict() refused); it comes a moment after, once the batch is out.
+        with CtrlCHeld():
+            self._record(number, dataset_state, outcome)
+
+    def _record(
+        self, number: int, dataset_state: tuple[int, Any] | StreamMark | None, outcome: str
+    ) -> None:
         position = self.position
         ledger = position.ledger
         slot: tuple[int, Any] | None
@@ -844,6 +854,9 @@ class EpochIterator(Generic[T]):
         """
         with self._lock:
             self._closed = True
+        if getattr(self, "_ctrl_c", False):
+            self._ctrl_c = False
+            release_ctrl_c()
         loader = self._loader
         if loader is not None and (end_workers or not loader._torch_loader.persistent_workers):
             loader._end_workers()  # first: the pipeline's source may be waiting on one
