@@ -245,6 +245,22 @@ def test_default_budget_raises_the_datasets_own_exception_like_pytorch() -> None
     assert "raised by dataset[2]" in "\n".join(info.value.__notes__)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_empty_batch_is_collated_as_pytorch_does(workers: int) -> None:
+    # A batch_sampler's empty batch goes to collate_fn: default_collate([]) raises IndexError,
+    # a collate_fn of the user's decides (it was dropped, or came out as None).
+    batches = [[0, 1], [], [2]]
+    for cls in (TorchLoader, DataLoader):
+        with pytest.raises(IndexError):
+            list(cls(list(range(5)), batch_sampler=batches, num_workers=workers))
+
+    def collate(items: list[int]) -> list[int]:
+        return [*items, -1]
+
+    theirs, ours = both(list(range(5)), batch_sampler=batches, collate_fn=collate)
+    assert ours == theirs == [[0, 1, -1], [-1], [2, -1]] * 2
+
+
 def test_a_batch_whose_items_all_failed_is_dropped() -> None:
     loader = DataLoader(Failing(6, {2, 3}), batch_size=2, max_failures=None)
     assert [b.tolist() for b in loader] == [[0, 1], [4, 5]]

@@ -116,7 +116,7 @@ class _Finisher:
             good = self.tally.keep(items)
         except Exception as error:  # the dataset's own error, or the failure budget is spent
             return self._failed(error, number, dataset_state)
-        if not good:
+        if items and not good:  # every item failed (an empty batch is collated, as PyTorch)
             return number, _SKIP, dataset_state
         try:
             return number, self._collate_fn(good if self._auto else good[0]), dataset_state

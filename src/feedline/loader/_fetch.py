@@ -123,7 +123,7 @@ def collate_in_worker(
         number, items, state = fetched
         good = [x for x in items if not isinstance(x, FailedItem)]
         failed = [x for x in items if isinstance(x, FailedItem)]
-        if not good:
+        if failed and not good:  # every item failed (an empty batch is collated, as PyTorch)
             return number, Collated(None, failed, len(items)), state
         try:
             batch = collate_fn(good if auto else good[0])
