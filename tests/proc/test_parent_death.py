@@ -121,3 +121,63 @@ def test_a_process_regions_workers_end_with_a_killed_parent() -> None:
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert left == []
+
+
+_MAKES_SEGMENTS = textwrap.dedent(
+    """
+    import multiprocessing as mp, os, sys, time
+    from concurrent.futures import ProcessPoolExecutor
+    import numpy as np
+    import feedline.pipeline
+    from feedline._proc import shm
+
+    kept = []
+
+    def init(prefix):
+        shm.set_segment_names(shm.SegmentNames(prefix))
+        feedline.pipeline.die_with_parent()
+
+    def make():
+        kept.append(shm.shared_empty((1 << 16,), np.uint8))  # made, never sent
+        # Half made: created, not yet on the resource tracker's list (a kill's moment).
+        os.close(os.open(f"/dev/shm/{shm._names()}", os.O_CREAT | os.O_RDWR, 0o600))
+        return os.getpid()
+
+    if __name__ == "__main__":
+        prefix = shm.SegmentNames.new_prefix()
+        pool = ProcessPoolExecutor(1, mp_context=mp.get_context("fork"), initializer=init,
+                                   initargs=(prefix,))
+        worker = pool.submit(make).result()
+        print(worker, prefix, flush=True)
+        time.sleep(60)
+    """
+)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="shared memory segments in /dev/shm")
+def test_a_killed_parents_workers_remove_the_segments_they_made_for_it() -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _MAKES_SEGMENTS],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert parent.stdout is not None
+        worker, prefix = parent.stdout.readline().split()
+        assert len([n for n in os.listdir("/dev/shm") if n.startswith(prefix)]) == 2
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(int(worker)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(int(worker))
+        time.sleep(0.5)  # and the resource tracker's clean-up, where it does one
+        left = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+        for name in left:  # not to leave them to the next run
+            os.unlink(f"/dev/shm/{name}")
+        assert left == []
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()

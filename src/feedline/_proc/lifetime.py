@@ -51,6 +51,12 @@ def die_with_parent() -> None:
 
     def watch() -> None:
         wait_for([sentinel])
-        os._exit(3)  # the parent is gone: nobody will read what this process makes
+        # The parent is gone: nobody will read what this process makes, nor unlink the
+        # shared memory it made for the parent (if it made any: feedline's children do).
+        shm = sys.modules.get("feedline._proc.shm")
+        if shm is not None:
+            with contextlib.suppress(Exception):
+                shm.abandon()
+        os._exit(3)
 
     threading.Thread(target=watch, name="feedline-parent-watch", daemon=True).start()

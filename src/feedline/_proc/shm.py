@@ -46,6 +46,7 @@ from .unmap import hand_over
 
 __all__ = [
     "SHM_AVAILABLE",
+    "abandon",
     "set_segment_names",
     "shared_empty",
     "ShmArray",
@@ -129,6 +130,7 @@ def _fresh_name() -> str:
 
 
 _names: SegmentNames | None = None  # this child's, once set_segment_names was called
+_abandoned = False  # the parent is gone: segments made now are removed at once
 _made: dict[int, tuple[str, weakref.ref[np.ndarray[Any, Any]]]] = {}  # address -> segment
 _made_lock = threading.Lock()
 
@@ -155,6 +157,8 @@ def shared_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray[Any, Any]:
     try:
         os.ftruncate(fd, size)
         _, buffer = map_shared(fd, size)  # unmapped when the array is garbage
+        if _abandoned:  # made as abandon() removed the others: none is left behind
+            raise RuntimeError("the parent process is gone: no segment is made for it")
     except BaseException:
         os.unlink(path)
         raise
@@ -259,6 +263,19 @@ def release(obj: Any) -> None:
         return
     for child in _children(obj):
         release(child)
+
+
+def abandon() -> int:
+    """The parent is gone: remove the segments this process (and its children) made.
+
+    Sent or not, nobody will map them; a segment made from now on is removed at once.
+    Returns how many. The resource tracker removes those it was told of once the last
+    process that shares it ends; not a segment half made (created, not yet registered) when
+    the process ended, nor one the parent had taken off the tracker's list but not unlinked.
+    """
+    global _abandoned
+    _abandoned = True
+    return remove_prefixed(_names.prefix if _names is not None else _own_prefix())
 
 
 def remove_prefixed(prefix: str) -> int:
