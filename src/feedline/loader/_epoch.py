@@ -211,6 +211,8 @@ class EpochIterator(Generic[T]):
         self._lock = threading.Lock()
         # The sampler's own state after each batch drawn, until that batch is handed out.
         self._sampler_states: dict[int, Any] = {}
+        # The sampler's error, if it raised: raised once the batches drawn before it are out.
+        self._sampler_failed: list[Exception] = []
         # The random generators the sampler draws from (generator=), and their states after
         # each batch drawn: an epoch left part-way puts them back where PyTorch's iterator,
         # which draws no batch ahead, would have left them.
@@ -383,6 +385,7 @@ class EpochIterator(Generic[T]):
             self._sampler_states,
             self._rewinder,
             self.position.ledger,
+            self._sampler_failed,
         )
         workers = loader._fetch_workers()
         if workers > 0:
@@ -548,6 +551,13 @@ class EpochIterator(Generic[T]):
             except EOFError:
                 if self._moving is not None and self._moved():
                     continue  # the rest of the epoch, fetched where it moved
+                if self._sampler_failed:  # in the place of the batch it could not draw
+                    self.close()
+                    failure = self._sampler_failed.pop()
+                    try:
+                        raise failure
+                    finally:
+                        del failure
                 self.position.finished = True
                 self._dataset_at_end()
                 self.close()
@@ -1063,12 +1073,16 @@ def _numbered(
     states: dict[int, Any],
     rewinder: GeneratorRewind,
     ledger: LoaderLedger | None,
+    failed: list[Exception],
 ) -> Iterator[Task]:
     """Number the sampler's batches from ``skip``, past the ``replay`` already handed out.
 
     A stateful sampler's state is read after each batch is drawn, in the source's thread, and
     kept in ``states`` until the batch is handed out; so are the generators' (``rewinder``).
     Once the sampler is drawn to its end, ``ledger`` learns how many batches the epoch has.
+    A sampler that raises ends the batches there, its error kept in ``failed``: the batches
+    drawn before it are handed out, then it is raised (as PyTorch's loop without workers
+    raises it in the place of the batch it could not draw).
     """
     if rewinder and replay == 0:
         rewinder.drawn(skip - 1)  # before the first batch is drawn
@@ -1077,7 +1091,11 @@ def _numbered(
     for n in itertools.count(skip):
         if rewinder:
             rewinder.before_draw(n)
-        b = next(rest, _NO_MORE)
+        try:
+            b = next(rest, _NO_MORE)
+        except Exception as error:
+            failed.append(error)
+            return
         if b is _NO_MORE:  # (not None: an iterable dataset's sampler yields None)
             break
         if sampler is not None:
