@@ -774,10 +774,13 @@ def test_a_pipeline_left_running_at_exit_does_not_hold_the_exit() -> None:
 
     script = (
         "import threading, feedline\n"
+        "began = threading.Event()\n"
         "def op(i):\n"
+        "    began.set()\n"
         "    threading.Event().wait()  # never returns\n"
         "p = feedline.PipelineBuilder().add_source(range(10)).pipe(op).build()\n"
         "p.start()\n"
+        "began.wait(30)\n"
         "print('leaving', flush=True)\n"
     )
     began = time.monotonic()
