@@ -16,12 +16,15 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from types import TracebackType
 from typing import Any
 
 __all__ = [
+    "RECENT",
     "RESEND_AFTER",
     "STOP_GRACE",
+    "Closing",
     "CtrlCHeld",
     "claim_ctrl_c",
     "release_ctrl_c",
@@ -34,18 +37,30 @@ STOP_GRACE = 1.0
 RESEND_AFTER = 0.01
 """Seconds after a :class:`CtrlCHeld` block that a Ctrl-C it held back is sent again."""
 
+RECENT = 2.0
+"""Seconds after a Ctrl-C during which a stop counts as one on Ctrl-C: a ``KeyboardInterrupt``
+raised in a loop's body closes the loop's iterator while it unwinds, before any ``except``
+block holds it (``sys.exc_info()`` is empty there)."""
+
+_last_ctrl_c = -RECENT  # monotonic time of the last SIGINT the relay passed on
+
 
 def stop_grace() -> float | None:
-    """:data:`STOP_GRACE` while an interrupt propagates (or is handled) or at exit, else None.
+    """:data:`STOP_GRACE` on Ctrl-C or at exit, else None (wait as long as calls run).
 
-    Called in the ``except`` or ``finally`` block a stop runs in, where ``sys.exc_info()``
-    holds the exception that ends the loop (a ``break`` that closes a generator is not one).
+    On Ctrl-C: while a ``KeyboardInterrupt`` or ``SystemExit`` is raised or handled
+    (``sys.exc_info()`` in the ``except`` or ``finally`` block a stop runs in; a ``break``
+    that closes a generator is not one), or within :data:`RECENT` s of a SIGINT that the
+    relay passed on (a loop's iterator closed as the interrupt unwinds the loop). At exit:
+    in the interpreter's atexit turn, on the main thread after its threads were joined (not
+    in a thread that outlives the main thread's code).
     """
     error = sys.exc_info()[1]
     interrupted = error is not None and not isinstance(error, Exception | GeneratorExit)
-    if interrupted or not threading.main_thread().is_alive():  # at exit: its threads ended
-        return STOP_GRACE
-    return None
+    interrupted = interrupted or time.monotonic() - _last_ctrl_c < RECENT
+    main = threading.main_thread()
+    exiting = not main.is_alive() and threading.current_thread() is main  # atexit's turn
+    return STOP_GRACE if interrupted or exiting else None
 
 
 class _Relay:
@@ -66,9 +81,15 @@ class _Relay:
         self.users = 0  # iterations that claimed it
 
     def __call__(self, signum: int, frame: Any) -> Any:
+        global _last_ctrl_c, _relay
         if self.held:
             self.noted = True
             return None
+        _last_ctrl_c = time.monotonic()
+        if not self.users:  # released off the main thread: put back now, on the main thread
+            signal.signal(signal.SIGINT, self.handler)
+            if _relay is self:
+                _relay = None
         return self.handler(signum, frame)
 
 
@@ -147,7 +168,72 @@ class CtrlCHeld:
         if relay.held or not relay.noted:
             return
         relay.noted = False
-        main = threading.main_thread().ident
-        timer = threading.Timer(RESEND_AFTER, signal.pthread_kill, (main, signal.SIGINT))
-        timer.daemon = True
-        timer.start()
+        _owe()
+
+
+_closing = 0  # the main thread is closing an iteration: a held Ctrl-C waits for its end
+_owed = False  # a held Ctrl-C not sent again yet
+_owed_lock = threading.Lock()  # between the main thread and the timer that sends it
+
+
+class Closing:
+    """``with Closing(deliver):`` on the main thread: a held Ctrl-C comes at the block's end.
+
+    Raised there when ``deliver`` (the close in a loop's last ``next()``: the loop's
+    ``except`` gets it), else sent again a moment after (a close in ``__del__``, where Python
+    prints an exception and goes on). A Ctrl-C the user sends meanwhile is not held back: it
+    may be the way out of a close that waits.
+    """
+
+    __slots__ = ("_deliver", "_main")
+
+    def __init__(self, deliver: bool = True) -> None:
+        self._deliver = deliver
+
+    def __enter__(self) -> None:
+        global _closing
+        self._main = threading.current_thread() is threading.main_thread()
+        if self._main:
+            _closing += 1
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        global _closing, _owed
+        if not self._main:
+            return
+        _closing -= 1
+        if _closing:
+            return
+        with _owed_lock:
+            owed, _owed = _owed, False
+        if not owed:
+            return
+        if self._deliver and kind is None:
+            signal.raise_signal(signal.SIGINT)  # its handler runs here, as the close returns
+        else:
+            _owe()
+
+
+def _owe() -> None:
+    # A held Ctrl-C, sent again to the main thread in a moment, unless a close takes it.
+    global _owed
+    with _owed_lock:
+        _owed = True
+    timer = threading.Timer(RESEND_AFTER, _resend)
+    timer.daemon = True
+    timer.start()
+
+
+def _resend() -> None:
+    global _owed
+    with _owed_lock:
+        if not _owed or _closing:  # sent already, or the close under way sends it
+            return
+        _owed = False
+    main = threading.main_thread().ident
+    if main is not None:
+        signal.pthread_kill(main, signal.SIGINT)

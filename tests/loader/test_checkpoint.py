@@ -380,3 +380,41 @@ def test_a_ctrl_c_while_a_batch_is_counted_comes_after_it(monkeypatch: pytest.Mo
     resumed = DataLoader(list(range(20)), batch_size=4)
     resumed.load_state_dict(state)
     assert _values(got + list(resumed)) == [list(range(k, k + 4)) for k in range(0, 20, 4)]
+
+
+@pytest.mark.parametrize("leave", ["break", "end"])
+def test_a_held_ctrl_c_reaches_the_loop_however_it_is_left(
+    monkeypatch: pytest.MonkeyPatch, leave: str
+) -> None:
+    # Held back while a batch is counted, it is sent again once the batch is out: not into
+    # the __del__ that closes an iterator left with break (Python would print it and go on),
+    # and into the loop's except when that batch was the last.
+    import signal
+    import threading
+
+    from feedline.loader import _ledgers
+
+    deliver = _ledgers.LoaderLedger.deliver
+    which = 0 if leave == "break" else 4  # the first batch, or the last of 5
+
+    def interrupted(self: Any, number: int, *args: Any) -> None:
+        deliver(self, number, *args)
+        if number == which:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+            time.sleep(0.001)
+
+    monkeypatch.setattr(_ledgers.LoaderLedger, "deliver", interrupted)
+    got, where = [], None
+    try:
+        for batch in DataLoader(list(range(20)), batch_size=4):
+            got.append(batch.tolist())
+            if leave == "break":
+                break
+    except KeyboardInterrupt:
+        where = "the loop"
+    else:
+        try:
+            time.sleep(2)  # after the loop: where one left to __del__ comes
+        except KeyboardInterrupt:
+            where = "after the loop"
+    assert (where, len(got)) == (("after the loop", 1) if leave == "break" else ("the loop", 5))

@@ -110,6 +110,28 @@ def test_ctrl_c_on_threads_leaves_a_call_that_never_returns_after_a_moment(
     only_this_thread()
 
 
+def test_ctrl_c_in_the_loop_body_leaves_a_call_that_never_returns_after_a_moment() -> None:
+    # Most of a loop's time is its body (the training step): a KeyboardInterrupt raised there
+    # closes the iterator as it unwinds the loop, before any except block holds it.
+    from feedline._grace import STOP_GRACE
+
+    dataset = _Stuck()
+    loader = DataLoader(dataset, batch_size=2)
+    main = threading.main_thread().ident
+    assert main is not None
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        for _ in loader:  # batch 0; batch 1 (items 2, 3) waits on item 3 meanwhile
+            timer = threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT))
+            timer.start()
+            time.sleep(5)  # the training step, where the Ctrl-C comes
+    waited = time.monotonic() - started
+    timer.join()
+    dataset.release.set()
+    assert waited < 0.3 + 2 * STOP_GRACE + 2, f"KeyboardInterrupt came after {waited:.1f} s"
+    only_this_thread()
+
+
 def _end_pytorchs_workers(it: Any) -> None:
     """End the workers of PyTorch's iterator ``it`` that raised: not what the tests are about.
 

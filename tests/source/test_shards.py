@@ -561,6 +561,17 @@ def test_a_shard_damaged_part_way_resumes_to_the_same_cut(folder: Path, tmp_path
     assert _saved(again) == state
 
 
+def test_a_pass_whose_every_shard_fails_raises_whatever_the_budget(folder: Path) -> None:
+    class Down:
+        def read_sync(self, key: str) -> Any:
+            raise OSError(f"{key}: the store refused the credentials")
+
+    with pytest.raises(OSError, match="refused the credentials") as raised:
+        list(TarShards(Down(), KEYS, max_failures=None))
+    assert f"every shard of this pass ({len(KEYS)}) failed" in raised.value.__notes__[0]
+    assert _shard_threads() == []
+
+
 def test_max_failures_and_a_saved_skip_list_are_checked(folder: Path) -> None:
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(ConfigurationError, match="max_failures must be an int >= 0"):

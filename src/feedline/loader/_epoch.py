@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from feedline._cores import usable_cores
 from feedline._extras import require_torch
-from feedline._grace import CtrlCHeld, claim_ctrl_c, release_ctrl_c
+from feedline._grace import Closing, CtrlCHeld, claim_ctrl_c, release_ctrl_c
 from feedline._ledger import ledger_check
 from feedline.errors import ConfigurationError, add_note
 from feedline.pipeline import Pipeline, PipelineBuilder, PipelineStats
@@ -207,6 +207,7 @@ class EpochIterator(Generic[T]):
         # of, as PyTorch's iterator does.
         self._len_called = tl._IterableDataset_len_called if loader._iterable else None
         self._closed = False
+        self._in_del = False  # closed by __del__: an exception raised there is lost
         self._superseded = False
         self._lock = threading.Lock()
         # The sampler's own state after each batch drawn, until that batch is handed out.
@@ -862,11 +863,12 @@ class EpochIterator(Generic[T]):
         or by the finalizer. ``end_workers`` ends the worker processes at once, even
         persistent ones, instead of letting them finish the batch they are on.
         """
+        with Closing(deliver=not self._in_del):  # a Ctrl-C held back as a batch was counted
+            self._close(end_workers)
+
+    def _close(self, end_workers: bool) -> None:
         with self._lock:
             self._closed = True
-        if getattr(self, "_ctrl_c", False):
-            self._ctrl_c = False
-            release_ctrl_c()
         loader = self._loader
         if loader is not None and (end_workers or not loader._torch_loader.persistent_workers):
             loader._end_workers()  # first: the pipeline's source may be waiting on one
@@ -883,6 +885,9 @@ class EpochIterator(Generic[T]):
         self._loader = None  # a closed iterator kept alive keeps no loader
         if loader is not None:
             loader._epoch_ended()
+        if getattr(self, "_ctrl_c", False):  # last: a Ctrl-C as the stop waits is the relay's
+            self._ctrl_c = False
+            release_ctrl_c()
 
     @staticmethod
     def _shutdown(
@@ -913,6 +918,7 @@ class EpochIterator(Generic[T]):
 
     def __del__(self) -> None:
         if hasattr(self, "_finalizer"):  # __init__ may have raised before it was set
+            self._in_del = True
             self.close()
 
 

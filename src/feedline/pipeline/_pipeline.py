@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
+from feedline._grace import claim_ctrl_c, release_ctrl_c
 from feedline._watchdog import StallWatch
 from feedline.errors import ConfigurationError
 
@@ -329,6 +330,7 @@ class Pipeline(Generic[T]):
         # is of this epoch; later epochs' items that come early wait in _held.
         self._claim()
         left_early = True
+        relayed = claim_ctrl_c()
         try:
             self.start()
             run, accounting = self._holder.run, self._accounting
@@ -367,6 +369,8 @@ class Pipeline(Generic[T]):
                 self._held.clear()
                 self._next_epoch += 1
                 self.stop()
+            if relayed:
+                release_ctrl_c()
 
     def iter_until(self, stopping: Callable[[], bool]) -> Iterator[T]:
         """Iterate one epoch, ending early once ``stopping()`` is true (checked every 0.1 s).
@@ -383,6 +387,7 @@ class Pipeline(Generic[T]):
 
     def _epoch(self, stopping: Callable[[], bool] | None = None) -> Iterator[T]:
         self._claim()
+        relayed = claim_ctrl_c()  # a Ctrl-C in the loop's body: its stop waits a moment only
         try:
             self.start()
             run = self._holder.run
@@ -401,6 +406,8 @@ class Pipeline(Generic[T]):
         finally:
             self._iterating.release()
             self.stop()
+            if relayed:
+                release_ctrl_c()
 
     def _epoch_done(self, run: Run) -> None:
         # The epoch ended (not stopped part-way): a state saved now starts the next one.

@@ -95,7 +95,8 @@ class TarShards(_Base):  # type: ignore[type-arg]
         read_ahead: Shards read ahead of the one being walked.
         max_failures: Shards each pass may skip (unreadable or damaged), or ``None`` for
             any number; past it (and with the default, 0, at the first) the shard's error
-            is raised.
+            is raised, as it is when every shard of a pass fails without a sample. In a
+            DataLoader's worker processes, each worker's pass has this budget.
         report_stall_after: Seconds a shard's read may keep the iteration waiting before it
             is reported, once, as a WARNING on the ``feedline.watchdog`` logger (the shard,
             the store's requests in flight, where busy threads stand); ``None``: never.
@@ -290,7 +291,7 @@ class TarShards(_Base):  # type: ignore[type-arg]
                             walked += 1
                             yield sample
                 except Exception as error:
-                    self._skip(here, key, walked, cut, error)
+                    self._skip(here, key, walked, cut, error, len(keys))
                     while len(pending) < self.read_ahead and read_next():
                         pass
                 if not pending:  # read_ahead=0: the next shard once this one is walked
@@ -301,10 +302,13 @@ class TarShards(_Base):  # type: ignore[type-arg]
                     future.cancel()  # not begun: never read; the others end on their own
             pool.close()
 
-    def _skip(self, here: _Pass, key: str, walked: int, cut: int | None, error: Exception) -> None:
+    def _skip(
+        self, here: _Pass, key: str, walked: int, cut: int | None, error: Exception, shards: int
+    ) -> None:
         # Skip the shard whose read or walk raised ``error`` after ``walked`` samples, or
-        # raise it: past the budget, or where skipping would change the samples handed out
-        # before a resume (a shard that failed while the pass re-reads them).
+        # raise it: past the budget, where skipping would change the samples handed out
+        # before a resume (a shard that failed while the pass re-reads them), or where every
+        # one of the pass's ``shards`` failed (a refused credential is no empty epoch).
         if walked == cut:  # skipped there before the state was saved: met where expected
             return
         if cut is not None or here.replaying:
@@ -316,6 +320,9 @@ class TarShards(_Base):  # type: ignore[type-arg]
             )
             raise error
         skipped = len(here.skipped) + 1
+        if skipped == shards and walked == 0 and not any(here.skipped.values()):
+            add_note(error, f"TarShards: every shard of this pass ({shards}) failed")
+            raise error
         if self.max_failures is not None and skipped > self.max_failures:
             if self.max_failures:
                 add_note(
