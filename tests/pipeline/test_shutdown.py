@@ -768,6 +768,32 @@ def test_ctrl_c_leaves_an_op_that_never_returns_after_a_moment(
     assert sorted(pipeline) == list(range(50))
 
 
+def test_ctrl_c_in_the_loop_body_leaves_an_op_that_never_returns_after_a_moment() -> None:
+    # The KeyboardInterrupt raised in the body closes the loop's generator as it unwinds,
+    # before any except block holds it: the SIGINT the relay passed on says it is Ctrl-C.
+    from feedline._grace import STOP_GRACE
+
+    release = threading.Event()
+
+    def op(i: int) -> int:
+        if i == 3:
+            release.wait(20)
+        return i
+
+    pipeline = PipelineBuilder().add_source(range(50)).pipe(op, concurrency=2).build()
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        for item in pipeline:
+            if item == 0:
+                timer = _ctrl_c_after(0.3)
+                time.sleep(5)  # the training step, where the Ctrl-C comes
+    took = time.monotonic() - began
+    timer.join()
+    release.set()
+    assert took < 0.3 + STOP_GRACE + 2, f"Ctrl-C took {took:.1f} s to reach the caller"
+    assert _ended("feedline-worker")
+
+
 def test_a_pipeline_left_running_at_exit_does_not_hold_the_exit() -> None:
     import subprocess
     import sys
