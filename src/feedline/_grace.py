@@ -3,12 +3,15 @@
 A stop joins what it started, and so waits for each call of user code to return: as long as
 it takes, reported now and then. Not on Ctrl-C: a call that never returns (a read without a
 timeout, a lock never released) would hold the program where a loop without threads would
-have stopped at once. While a ``KeyboardInterrupt`` or ``SystemExit`` propagates, and at
-interpreter exit, a stop waits :data:`STOP_GRACE` seconds, then leaves such calls on their
-daemon threads (they end with the process).
+have stopped at once. On Ctrl-C and at interpreter exit (:func:`stop_grace`), a stop waits
+:data:`STOP_GRACE` seconds, then leaves such calls on their daemon threads (they end with
+the process).
 
-:class:`CtrlCHeld` keeps a Ctrl-C out of a few lines that must run whole (counting a batch
-as handed out: a ledger and a position that must agree), and sends it again a moment later.
+While a loop runs on the main thread, SIGINT goes through a relay (:func:`claim_ctrl_c`),
+which notes when a Ctrl-C came, and lets :class:`CtrlCHeld` keep one out of a few lines
+that must run whole (counting a batch as handed out: a ledger and a position that must
+agree). A held Ctrl-C is sent again a moment later, or raised as a close ends
+(:class:`Closing`), never into a ``__del__``, where Python would drop it.
 """
 
 from __future__ import annotations
