@@ -6,6 +6,7 @@ loop body, or after the last batch, ``state_dict()`` resumes at the next batch.
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from typing import Any
@@ -19,7 +20,7 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 
 from feedline import DataLoader  # noqa: E402
 
-from .._system import starts_processes  # noqa: E402
+from .._system import own_segments, starts_processes, zombies  # noqa: E402
 from ._datasets import (  # noqa: E402
     Counting,
     OwnIterator,
@@ -27,6 +28,7 @@ from ._datasets import (  # noqa: E402
     SharesStream,
     StatefulSampler,
 )
+from ._procs import no_children_left  # noqa: E402
 from ._reference import side_by_side  # noqa: E402
 
 StatefulDataLoader = stateful_dataloader.StatefulDataLoader
@@ -266,8 +268,13 @@ def test_a_state_taken_after_the_stream_raised_resumes_after_the_last_batch(
             list(again)
         return seen, rest
 
+    segments = own_segments()
     ours = run(DataLoader)
+    no_children_left()
+    assert zombies() == []
+    assert own_segments() == segments
     assert ours == run(StatefulDataLoader)
+    gc.collect()  # the reference's workers live until its iterators, in cycles, are collected
     seen, rest = ours
     assert sorted(seen + rest) == list(range(12))
 
@@ -315,6 +322,8 @@ def test_a_sampler_that_raises_hands_out_the_batches_drawn_before_it(workers: in
     resumed = DataLoader(list(range(40)), sampler=_SamplerBreaks(None), **kw)
     resumed.load_state_dict(state)
     assert [i for batch in resumed for i in batch.tolist()] == list(range(20, 40))
+    no_children_left()  # the epoch that raised ended its workers (one was left before)
+    assert zombies() == []
 
 
 class _Calls(torch.utils.data.Dataset[int]):
