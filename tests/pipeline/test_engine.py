@@ -111,6 +111,34 @@ def test_async_stage_reaches_and_never_exceeds_concurrency(concurrency: int) -> 
     assert meter.peak == concurrency
 
 
+def test_a_source_that_waits_leaves_every_thread_of_the_pool_to_the_stages() -> None:
+    # The source blocks in next() until both slots of the stage run at once: read on a
+    # thread of the pool (two threads, so one for each slot), it would hold one of them and
+    # the two calls could never meet.
+    both = threading.Barrier(2, timeout=10)
+    met = threading.Event()
+
+    def source() -> Iterator[int]:
+        yield 0
+        yield 1
+        assert met.wait(10), "the stage's two calls never ran at once"
+        yield 2
+
+    def meet(x: int) -> str:
+        if x < 2:
+            both.wait()
+            met.set()
+        return threading.current_thread().name
+
+    p = PipelineBuilder().add_source(source()).pipe(meet, concurrency=2).build(num_threads=2)
+    names = list(p)
+    assert len(names) == 3
+    assert all(name.startswith("feedline-worker") for name in names), names
+    source_stats = p.stats().stages[0]
+    assert (source_stats.items_in, source_stats.items_out) == (3, 3)
+    assert [t.name for t in threading.enumerate() if t.name.startswith("feedline")] == []
+
+
 def test_blocked_consumer_bounds_what_the_source_produces() -> None:
     produced = 0
 

@@ -488,8 +488,8 @@ class PipelineBuilder(Generic[T]):
 
         Args:
             num_threads: Size of the pipeline's thread pool, shared by the sync stages that have
-                no executor of their own and by a sync source. Defaults to the sum of those
-                stages' concurrency plus one for the source, capped at 64.
+                no executor of their own (a sync source is read on a thread of its own).
+                Defaults to the sum of those stages' concurrency, capped at 64.
             max_failures: The failure budget of each stage. An int is the number of failed items
                 a stage may skip (0, the default: the first failure stops the pipeline); a float
                 in (0, 1) is a fraction of the stage's items, taken of at least 100 items so
@@ -557,11 +557,11 @@ class PipelineBuilder(Generic[T]):
         stages = [_autotuned(s) for s in self._stages] if autotune else list(self._stages)
         if num_threads is None:
             pooled = [
-                (s.auto.high or THREAD_HIGH) if s.auto else s.concurrency
+                ((s.auto.high or THREAD_HIGH) if s.auto else s.concurrency) if _in_pool(s) else 1
                 for s in stages
-                if _in_pool(s)
+                if _in_pool(s) or not isinstance(s, PipeConfig)  # aggregating stages: 1 each
             ]
-            num_threads = min(MAX_DEFAULT_THREADS, max(1, sum(pooled) + 1))
+            num_threads = min(MAX_DEFAULT_THREADS, max(1, sum(pooled)))
         else:
             num_threads = _check_positive_int(
                 "num_threads", num_threads, "It is the size of the pipeline's thread pool."

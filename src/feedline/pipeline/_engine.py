@@ -71,6 +71,11 @@ class Run:
         self.loop = asyncio.new_event_loop()
         self.life = RunLifecycle()  # read by the stages: ``life.stopping`` with no call
         self.pool = WorkerPool(config.num_threads, "feedline-worker", self.life.lock)
+        # A sync source is read on a thread of its own: it never takes a stage's thread, and
+        # the stages' calls stay on as many threads as they have slots (a job moved between
+        # more threads than cores costs each of them its caches, and on free-threaded Python
+        # a lock held by a thread the scheduler took off its core spins the others).
+        self.source_pool = WorkerPool(1, "feedline-source", self.life.lock)
         self.budget = FailureBudget(config.max_failures)
         self._thread = threading.Thread(
             target=self._loop_main, name="feedline-event-loop", daemon=True
@@ -412,6 +417,7 @@ class Run:
                     grace,
                 )
                 self.pool.shutdown(wait=False)
+                self.source_pool.shutdown(wait=False)
                 if not self.loop.is_closed():
                     self.loop.close()
                 return
@@ -423,6 +429,7 @@ class Run:
                 waited,
             )
         self.pool.shutdown(wait=True)
+        self.source_pool.shutdown(wait=True)
         for stage in self.stages:  # no job left: sum up what the logs held back, close
             stage.flush_failures()
             stage.close()

@@ -7,10 +7,13 @@ with the channel's lock held and the channel's clock (``perf_counter()``).
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, replace
 from typing import Any
 
 __all__ = ["ChannelStats", "ChannelTally", "window_share"]
+
+_PUT, _GET, _LAST_PUT = 0, 1, 2  # ChannelTally._sums
 
 
 @dataclass(frozen=True)
@@ -81,25 +84,25 @@ class ChannelTally:
         "_empty_time",
         "_full_since",
         "_full_time",
-        "_get_sum",
         "_occupancy",
         "_occupancy_shares",
-        "_put_sum",
+        "_sums",
         "_t0",
         "fills",
         "gets",
-        "last_put",
         "puts",
     )
 
     def __init__(self, now: float) -> None:
         self._t0 = now  # times below are relative to this
-        self.last_put = now  # perf_counter() of the latest put
+        # The sums of put and get times, and the perf_counter() of the latest put, updated at
+        # every put and get: in an array, which holds no float objects (on free-threaded
+        # Python, a float that one thread made and another replaces goes back to its maker
+        # to be freed, a lock and a wake-up on each put).
+        self._sums = array.array("d", (0.0, 0.0, now))
         self.puts = 0
         self.gets = 0
         self.fills = 0  # times the channel became full
-        self._put_sum = 0.0
-        self._get_sum = 0.0
         self._occupancy = 0.0  # the integral up to the last fold
         # The integral of the fill level as a share of the capacity, up to the last resize:
         # the items held before it count against the capacity they had.
@@ -109,13 +112,19 @@ class ChannelTally:
         self._empty_time = 0.0
         self._full_time = 0.0
 
+    @property
+    def last_put(self) -> float:
+        """The ``perf_counter()`` of the latest put (of the channel's making, before any)."""
+        return self._sums[_LAST_PUT]
+
     def put(self, now: float, held: int, k: int, capacity: int) -> bool:
         """``k`` items were put in a channel that held ``held``; whether it is full now."""
         t = now - self._t0
         if held == 0:
             self._end_empty(t)
-        self._put_sum += k * t
-        self.last_put = now
+        sums = self._sums
+        sums[_PUT] += k * t
+        sums[_LAST_PUT] = now
         self.puts += k
         if held + k < capacity:
             return False
@@ -126,7 +135,7 @@ class ChannelTally:
     def take(self, now: float, held: int, k: int, closed: bool) -> int:
         """``k`` items left a channel that held ``held``; returns the count of gets so far."""
         t = now - self._t0
-        self._get_sum += k * t
+        self._sums[_GET] += k * t
         self._end_full(t)
         if held == k and not closed:
             self._empty_since = t
@@ -147,7 +156,7 @@ class ChannelTally:
     def closed(self, now: float, dropped: int = 0) -> None:
         """The channel was closed (its ``dropped`` items leave now): no longer empty nor full."""
         t = now - self._t0
-        self._get_sum += dropped * t
+        self._sums[_GET] += dropped * t
         self._end_empty(t)
         self._end_full(t)
 
@@ -186,5 +195,6 @@ class ChannelTally:
     def _fold(self, t: float, held: int) -> None:
         # Fold the sums into the integral, as if the items held left and came back now:
         # exact, and it keeps both sums from growing for the channel's whole life.
-        self._occupancy += self._get_sum + held * t - self._put_sum
-        self._get_sum, self._put_sum = 0.0, held * t
+        sums = self._sums
+        self._occupancy += sums[_GET] + held * t - sums[_PUT]
+        sums[_GET], sums[_PUT] = 0.0, held * t

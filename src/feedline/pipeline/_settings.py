@@ -11,7 +11,7 @@ from __future__ import annotations
 
 MAX_DEFAULT_THREADS = 64
 """The most threads ``build()`` gives the pool when ``num_threads`` is not set (it gives one per
-slot of the sync stages, plus one for the source)."""
+slot of the sync stages; a sync source has a thread of its own)."""
 
 # -- queues and their growth ----------------------------------------------------------------
 

@@ -498,13 +498,13 @@ class ThreadedStage(StageBase):
 
 
 class ThreadedSource(StageBase):
-    """Iterates a sync iterable in a thread pool, one job at a time, and feeds the first channel.
+    """Iterates a sync iterable on the run's source thread and feeds the first channel.
 
-    The job puts values until the output is full (``on_space`` starts the next) or the source
-    ends. A :class:`~.._gated.GatedSource` is read only while it is ready (a continuous run's
-    :class:`~.._epochs.Passes`: so far ahead of the consumer), the job ending until its wake-up;
-    and the job ends after each pass, so that with one thread in the pool the stages after
-    finish the pass before the next one begins (its ``set_epoch``, first read).
+    One job at a time puts values until the output is full (``on_space`` starts the next) or
+    the source ends; a cheap source's job times and counts a few calls at once. A
+    :class:`~.._gated.GatedSource` is read a value at a time, and only while it is ready (a
+    continuous run's :class:`~.._epochs.Passes`: so far ahead of the consumer), the job
+    ending until its wake-up; the job also ends after each pass.
     """
 
     def __init__(
@@ -548,7 +548,7 @@ class ThreadedSource(StageBase):
             if len(output) >= output.capacity and not output.request_space():
                 return
             self._active = True
-        if not self.run.submit(self.run.pool, self._job):
+        if not self.run.submit(self.run.source_pool, self._job):
             self._kick(ended=1)  # the run is stopping: this only clears the flag
 
     def _job(self) -> None:
@@ -556,6 +556,7 @@ class ThreadedSource(StageBase):
         life = run.life
         output = self._output
         passes, gated = self._passes, self._gated
+        one_at_a_time = passes is not None or gated is not None
         c = self.counters
         try:
             if self._iterator is None:
@@ -566,24 +567,46 @@ class ThreadedSource(StageBase):
                     if not output.try_put(self._held):
                         return  # full: on_space starts the next job
                     self._held = EMPTY
-                    if passes is not None and passes.boundary():
-                        return  # a pass ended: see the class's docstring
-                if gated is not None and not gated.ready():
+                elif gated is not None and not gated.ready():
                     return  # e.g. too far ahead of the consumer: woken when it catches up
-                t0 = c.begin(0)
-                try:
-                    self._held = next(iterator)
-                except StopIteration:
-                    self._done = True
-                    output.close()
+                elif not self._calls(iterator, output, 1 if one_at_a_time else per_take(c.ewma)):
                     return
-                finally:
-                    c.end(t0, self._held is not EMPTY)
+                if passes is not None and passes.boundary():
+                    return  # a pass ended: see the class's docstring
         except BaseException as error:  # an error in the source ends the run and propagates
             self._done = True
             run.begin_stop(error)
         finally:
             self._kick(ended=1)  # and catch wake-ups that came while this job was ending
+
+    def _calls(self, iterator: Iterator[Any], output: Channel, most: int) -> bool:
+        # Up to ``most`` calls of the iterator, counted as one task (one lock of the counters
+        # for a cheap source's few calls instead of two a call), each value put as it is made:
+        # a value is never held back for a later call, which may wait. False: the job ends
+        # (the source ended, or the output is full and the value is held). A gated source
+        # (a continuous run's passes) is read a call at a time.
+        c = self.counters
+        times: list[float] = []  # the calls' own times: the puts are the engine's
+        made = 0
+        c.begin(0)
+        try:
+            while len(times) < most:
+                t0 = _now()
+                try:
+                    value = next(iterator)
+                finally:
+                    times.append(_now() - t0)
+                made += 1
+                if not output.try_put(value):
+                    self._held = value
+                    return False
+        except StopIteration:
+            self._done = True
+            output.close()
+            return False
+        finally:
+            c.ended(times, made)
+        return True
 
     def close(self) -> None:
         """Close the source iterator (a generator's ``finally`` runs). Call once no job runs."""
