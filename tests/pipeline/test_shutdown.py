@@ -400,6 +400,34 @@ def test_a_thread_that_cannot_start_leaves_the_pool_as_it_was(
     assert not [t for t in threading.enumerate() if t.name.startswith("test-pool")]
 
 
+def _named(names: list[str], done: threading.Event) -> None:
+    names.append(threading.current_thread().name)
+    done.set()
+
+
+def test_a_pool_wakes_the_thread_idle_last_so_that_one_task_at_a_time_stays_on_one() -> None:
+    # Three threads started, then tasks one at a time: each goes to the thread that went
+    # idle last, the one that ran the task before (woken in turn, they went round all three).
+    pool = _executors.WorkerPool(3, "test-pool", threading.Lock())
+    started = threading.Barrier(4, timeout=10)
+    for _ in range(3):
+        pool.submit(started.wait)
+    started.wait()
+    names: list[str] = []
+    for _ in range(12):
+        deadline = time.monotonic() + 10
+        while len(pool._idle) < 3:  # the last task's thread is back on the stack
+            assert time.monotonic() < deadline
+            time.sleep(1e-3)
+        done = threading.Event()
+        pool.submit(_named, names, done)
+        assert done.wait(10)
+    assert len(names) == 12
+    assert len(set(names)) == 1, names
+    pool.shutdown()
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-pool")]
+
+
 def test_a_pool_shutdown_cut_short_part_way_through_its_ends_is_finished_by_the_next() -> None:
     # A Ctrl-C after the pool marked itself shut down and before it had queued an end for
     # each thread: the next shutdown queues the rest (before: it joined the threads for ever).
@@ -407,17 +435,17 @@ def test_a_pool_shutdown_cut_short_part_way_through_its_ends_is_finished_by_the_
     release = threading.Event()
     for _ in range(3):
         pool.submit(release.wait)
-    queue = pool._queue  # (its threads took its get as they started)
+    inbox = pool._inboxes[0]  # (its thread holds its own reference)
 
     class InterruptedAfterOne:
         def put(self, task: Any) -> None:
-            queue.put(task)
+            inbox.put(task)
             raise KeyboardInterrupt
 
-    pool._queue = InterruptedAfterOne()  # type: ignore[assignment]
+    pool._inboxes[0] = InterruptedAfterOne()  # type: ignore[assignment]
     with pytest.raises(KeyboardInterrupt):
         pool.shutdown(wait=False)
-    pool._queue = queue
+    pool._inboxes[0] = inbox
     release.set()
     assert _returns(pool.shutdown), "the second shutdown waits for threads never told to end"
     assert not [t for t in threading.enumerate() if t.name.startswith("test-pool")]

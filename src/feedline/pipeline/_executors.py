@@ -7,6 +7,7 @@ submission several times cheaper.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -18,6 +19,8 @@ __all__ = ["Submitter", "WorkerPool"]
 
 _log = logging.getLogger("feedline.pipeline")
 
+_Task = tuple[Callable[..., Any], tuple[Any, ...]]
+
 
 class Submitter(Protocol):
     """Anything with ``submit(fn, *args)``: a WorkerPool or a concurrent.futures executor."""
@@ -27,14 +30,20 @@ class Submitter(Protocol):
 
 
 class WorkerPool:
-    """A fixed-size pool of threads, started on demand, that runs callables in FIFO order.
+    """A fixed-size pool of threads, started on demand; the thread idle last takes the next task.
+
+    Each idle thread sleeps on a queue of its own, on a stack: a task wakes the one that went
+    idle last, so a stage's jobs stay on as few threads as its calls need and the rest sleep.
+    (Woken in turn, a stage of 2 calls in a pool of 16 moved its jobs over all 16 threads: on
+    free-threaded Python that cost about a tenth more CPU an item than 2 threads.) Tasks that
+    find no idle thread wait in submission order.
 
     Args:
         max_workers: The most threads the pool starts.
         name: Prefix of the threads' names.
-        lock: Guards the pool's threads and idle count: its run's (the lifecycle's), held
-            only for a few assignments (and to start each of the pool's threads) and never
-            while another of the engine's locks is taken.
+        lock: Guards the pool's threads, idle stack and waiting tasks: its run's (the
+            lifecycle's), held only for a few assignments (and to start each of the pool's
+            threads) and never while another of the engine's locks is taken.
 
     """
 
@@ -43,12 +52,11 @@ class WorkerPool:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         self.max_workers = max_workers
         self._name = name
-        self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = (
-            queue.SimpleQueue()
-        )
         self._lock = lock
         self._threads: list[threading.Thread] = []
-        self._idle = 0  # threads waiting for work that no submission has claimed yet
+        self._inboxes: list[queue.SimpleQueue[_Task | None]] = []  # one a thread, in order
+        self._idle: list[queue.SimpleQueue[_Task | None]] = []  # inboxes, the latest idle last
+        self._waiting: collections.deque[_Task] = collections.deque()
         self._shutdown = False
         self._told = 0  # threads sent their end (None) by shutdown
 
@@ -60,54 +68,71 @@ class WorkerPool:
                 is then as it was, and the task not queued).
 
         """
+        task = (fn, args)
         with self._lock:
             if self._shutdown:
                 raise RuntimeError("cannot submit work to a WorkerPool that was shut down")
             if self._idle:
-                self._idle -= 1
-            elif len(self._threads) < self.max_workers:
-                # Started under the lock (at most max_workers times), before it is listed
-                # and before the task is put: once the task runs, maybe on another thread
-                # that became idle meanwhile, every listed thread has started, so the run's
-                # shutdown, which follows its last job, never joins one that has not.
-                thread = threading.Thread(
-                    target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True
-                )
-                try:
-                    thread.start()
-                except RuntimeError:  # it could not start
-                    raise
-                except BaseException:  # a Ctrl-C in the wait for it: it runs, to be ended
+                inbox = self._idle.pop()
+            else:
+                self._waiting.append(task)
+                if len(self._threads) < self.max_workers:
+                    # Started under the lock (at most max_workers times), before it is listed:
+                    # every listed thread has started, so the run's shutdown, which follows
+                    # its last job, never joins one that has not. It takes the task once the
+                    # lock is free, unless a thread that finished meanwhile took it first.
+                    inbox = queue.SimpleQueue()
+                    thread = threading.Thread(
+                        target=self._work,
+                        args=(inbox,),
+                        name=f"{self._name}_{len(self._threads)}",
+                        daemon=True,
+                    )
+                    try:
+                        thread.start()
+                    except BaseException as error:
+                        self._waiting.pop()  # the task is not queued
+                        if not isinstance(error, RuntimeError):  # a Ctrl-C in the wait for
+                            self._threads.append(thread)  # it: it runs, to be ended
+                            self._inboxes.append(inbox)
+                        raise
                     self._threads.append(thread)
-                    raise
-                self._threads.append(thread)
-        self._queue.put((fn, args))
-
-    def _work(self) -> None:
-        get = self._queue.get
-        while True:
-            task = get()
-            if task is None:
+                    self._inboxes.append(inbox)
                 return
+        inbox.put(task)
+
+    def _work(self, inbox: queue.SimpleQueue[_Task | None]) -> None:
+        task: _Task | None = None
+        while True:
+            if task is None:
+                with self._lock:
+                    if self._waiting:
+                        task = self._waiting.popleft()
+                    else:
+                        self._idle.append(inbox)
+                if task is None:
+                    task = inbox.get()
+                    if task is None:
+                        return
             fn, args = task
             try:
                 fn(*args)
             except BaseException:  # the engine's jobs catch their own errors; this is a bug
                 _log.exception("unexpected error in a feedline worker thread")
-            del task, fn, args
-            with self._lock:
-                self._idle += 1
+            del fn, args
+            task = None
 
     def shutdown(self, wait: bool = True) -> None:
         """Let queued work finish, then stop the threads (and join them if ``wait``).
 
         The run calls it under its join lock, once its last job (and so its last submission)
-        has ended: no lock of the pool's is needed.
+        has ended: no lock of the pool's is needed. A thread still ending its last task
+        finds its end in its inbox when it next sleeps.
         """
         self._shutdown = True
-        threads = list(self._threads)
-        while self._told < len(threads):  # one each, however often an interrupt cut this short
-            self._queue.put(None)
+        threads, inboxes = list(self._threads), list(self._inboxes)
+        while self._told < len(inboxes):  # one each, however often an interrupt cut this short
+            inboxes[self._told].put(None)
             self._told += 1
         if wait:  # every time: a join that an interrupt cut short is finished by the next call
             for thread in threads:
