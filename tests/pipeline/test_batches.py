@@ -193,6 +193,28 @@ def test_a_source_error_after_many_values_propagates() -> None:
     assert pipeline_threads() == []
 
 
+def test_a_cheap_source_that_stalls_counts_every_value_it_handed_on() -> None:
+    # Its job counts a few calls as one task; a value it put before the call that stalls is
+    # counted in already (the stall watchdog and stats() show "N in, M out" then).
+    stall = threading.Event()
+
+    def source() -> Any:
+        yield from range(301)
+        stall.wait(10)
+        yield 301
+
+    p = PipelineBuilder().add_source(source()).pipe(_ident).add_sink(512).build()
+    with p.auto_stop():
+        try:
+            got = [p.get_item(timeout=10) for _ in range(301)]
+            assert got == list(range(301))
+            stats = p.stats().stages[0]
+            assert stats.items_in >= stats.items_out == 301, stats
+        finally:
+            stall.set()  # before the stop, which waits for the source's call
+    assert pipeline_threads() == []
+
+
 def test_values_of_a_cheap_source_that_turns_slow_are_not_held_back() -> None:
     # 300 instant values make the source cheap; once a value takes 0.15 s, each must go on
     # as soon as it is made, not with the ones after it.

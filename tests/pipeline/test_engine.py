@@ -452,7 +452,7 @@ def test_sink_holds_two_results_per_slot_of_a_wide_last_stage_by_default(
         b = b.add_sink(sink)
     p = b.build()
     with p.auto_stop():
-        assert p.get_item(timeout=10) == 0
+        assert p.get_item(timeout=10) in range(200)  # (in completion order: any of them)
         # The consumer stops taking: the last stage fills the sink and stops there (a cheap
         # stage is refilled once the consumer drains the sink to half, so one slot may stay
         # free). Wait until it holds still.

@@ -358,7 +358,7 @@ def test_a_task_runs_only_once_the_pool_thread_started_for_it_has_started(
     done = threading.Event()
 
     def check() -> None:
-        seen.append(all(t.ident is not None for t in pool._threads))
+        seen.append(all(t.ident is not None for t, _ in pool._threads))
         done.set()
 
     try:
@@ -389,7 +389,7 @@ def test_a_thread_that_cannot_start_leaves_the_pool_as_it_was(
         pool.submit(release.wait)  # the first thread, busy until released
         with pytest.raises(RuntimeError, match="can't start new thread"):
             pool.submit(ran.set)  # no thread idle: the second cannot start
-        assert [t.name for t in pool._threads] == ["test-pool_0"]
+        assert [t.name for t, _ in pool._threads] == ["test-pool_0"]
         release.set()
         monkeypatch.setattr(threading.Thread, "start", original_start)
         pool.submit(ran.set)  # not queued before: it runs now, on either thread
@@ -435,17 +435,17 @@ def test_a_pool_shutdown_cut_short_part_way_through_its_ends_is_finished_by_the_
     release = threading.Event()
     for _ in range(3):
         pool.submit(release.wait)
-    inbox = pool._inboxes[0]  # (its thread holds its own reference)
+    thread, inbox = pool._threads[0]  # (the thread holds its own reference to its inbox)
 
     class InterruptedAfterOne:
         def put(self, task: Any) -> None:
             inbox.put(task)
             raise KeyboardInterrupt
 
-    pool._inboxes[0] = InterruptedAfterOne()  # type: ignore[assignment]
+    pool._threads[0] = (thread, InterruptedAfterOne())  # type: ignore[assignment]
     with pytest.raises(KeyboardInterrupt):
         pool.shutdown(wait=False)
-    pool._inboxes[0] = inbox
+    pool._threads[0] = (thread, inbox)
     release.set()
     assert _returns(pool.shutdown), "the second shutdown waits for threads never told to end"
     assert not [t for t in threading.enumerate() if t.name.startswith("test-pool")]

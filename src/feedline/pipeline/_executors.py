@@ -53,8 +53,9 @@ class WorkerPool:
         self.max_workers = max_workers
         self._name = name
         self._lock = lock
-        self._threads: list[threading.Thread] = []
-        self._inboxes: list[queue.SimpleQueue[_Task | None]] = []  # one a thread, in order
+        # Each thread with its inbox, listed in one step (an interrupt between two lists
+        # would leave a thread that shutdown joins but never tells to end).
+        self._threads: list[tuple[threading.Thread, queue.SimpleQueue[_Task | None]]] = []
         self._idle: list[queue.SimpleQueue[_Task | None]] = []  # inboxes, the latest idle last
         self._waiting: collections.deque[_Task] = collections.deque()
         self._shutdown = False
@@ -73,7 +74,11 @@ class WorkerPool:
             if self._shutdown:
                 raise RuntimeError("cannot submit work to a WorkerPool that was shut down")
             if self._idle:
-                inbox = self._idle.pop()
+                # Given the task before it leaves the stack: an interrupt in between leaves
+                # it listed twice (a later task may then queue behind its current one), never
+                # off the stack with nothing to wake it.
+                self._idle[-1].put(task)
+                self._idle.pop()
             else:
                 self._waiting.append(task)
                 if len(self._threads) < self.max_workers:
@@ -81,7 +86,7 @@ class WorkerPool:
                     # every listed thread has started, so the run's shutdown, which follows
                     # its last job, never joins one that has not. It takes the task once the
                     # lock is free, unless a thread that finished meanwhile took it first.
-                    inbox = queue.SimpleQueue()
+                    inbox: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
                     thread = threading.Thread(
                         target=self._work,
                         args=(inbox,),
@@ -93,13 +98,9 @@ class WorkerPool:
                     except BaseException as error:
                         self._waiting.pop()  # the task is not queued
                         if not isinstance(error, RuntimeError):  # a Ctrl-C in the wait for
-                            self._threads.append(thread)  # it: it runs, to be ended
-                            self._inboxes.append(inbox)
+                            self._threads.append((thread, inbox))  # it: it runs, to be ended
                         raise
-                    self._threads.append(thread)
-                    self._inboxes.append(inbox)
-                return
-        inbox.put(task)
+                    self._threads.append((thread, inbox))
 
     def _work(self, inbox: queue.SimpleQueue[_Task | None]) -> None:
         task: _Task | None = None
@@ -130,12 +131,12 @@ class WorkerPool:
         finds its end in its inbox when it next sleeps.
         """
         self._shutdown = True
-        threads, inboxes = list(self._threads), list(self._inboxes)
-        while self._told < len(inboxes):  # one each, however often an interrupt cut this short
-            inboxes[self._told].put(None)
+        threads = list(self._threads)
+        while self._told < len(threads):  # one each, however often an interrupt cut this short
+            threads[self._told][1].put(None)
             self._told += 1
         if wait:  # every time: a join that an interrupt cut short is finished by the next call
-            for thread in threads:
+            for thread, _ in threads:
                 _join(thread)
 
 

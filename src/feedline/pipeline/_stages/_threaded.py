@@ -587,7 +587,6 @@ class ThreadedSource(StageBase):
         # (a continuous run's passes) is read a call at a time.
         c = self.counters
         times: list[float] = []  # the calls' own times: the puts are the engine's
-        made = 0
         c.begin(0)
         try:
             while len(times) < most:
@@ -596,7 +595,9 @@ class ThreadedSource(StageBase):
                     value = next(iterator)
                 finally:
                     times.append(_now() - t0)
-                made += 1
+                # Counted before it is put (never fewer in than out), with no lock: this job,
+                # one at a time, is the only writer of a source's count.
+                c.items_in += 1
                 if not output.try_put(value):
                     self._held = value
                     return False
@@ -605,7 +606,7 @@ class ThreadedSource(StageBase):
             output.close()
             return False
         finally:
-            c.ended(times, made)
+            c.ended(times)
         return True
 
     def close(self) -> None:
