@@ -80,6 +80,13 @@ def _in_pool(stage: StageConfig) -> TypeGuard[PipeConfig]:
     return isinstance(stage, PipeConfig) and stage.executor is None and not stage.kind.on_loop
 
 
+def _pool_slots(stage: StageConfig) -> int:
+    # The pool threads a stage may use at once: its most calls, one for an aggregating stage.
+    if _in_pool(stage):
+        return (stage.auto.high or THREAD_HIGH) if stage.auto else stage.concurrency
+    return 0 if isinstance(stage, PipeConfig) else 1
+
+
 def _hookable(stage: StageConfig) -> bool:
     # Op stages run in this process: hooks wrap their ops.
     return isinstance(stage, PipeConfig) and not isinstance(
@@ -556,12 +563,8 @@ class PipelineBuilder(Generic[T]):
         stall = check_after(report_stall_after)
         stages = [_autotuned(s) for s in self._stages] if autotune else list(self._stages)
         if num_threads is None:
-            pooled = [
-                ((s.auto.high or THREAD_HIGH) if s.auto else s.concurrency) if _in_pool(s) else 1
-                for s in stages
-                if _in_pool(s) or not isinstance(s, PipeConfig)  # aggregating stages: 1 each
-            ]
-            num_threads = min(MAX_DEFAULT_THREADS, max(1, sum(pooled)))
+            pooled = sum(_pool_slots(s) for s in stages)
+            num_threads = min(MAX_DEFAULT_THREADS, max(1, pooled))
         else:
             num_threads = _check_positive_int(
                 "num_threads", num_threads, "It is the size of the pipeline's thread pool."
