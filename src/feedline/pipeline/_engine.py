@@ -80,7 +80,6 @@ class Run:
         self._thread = threading.Thread(
             target=self._loop_main, name="feedline-event-loop", daemon=True
         )
-        self.finished = False  # the consumer was told the epoch ended (not stopped part-way)
         self._loop_ready = threading.Event()
         self._stop_event = asyncio.Event()  # bound to the loop when _main awaits it
         self._t0 = time.perf_counter()
@@ -360,7 +359,7 @@ class Run:
                 raise life.error
             if life.stopping:  # set before the sink is interrupted
                 raise EOFError("the pipeline was stopped before the end of its epoch")
-            self.finished = True
+            life.finished = True
             raise EOFError("the pipeline has no more items in this epoch")
         return item
 

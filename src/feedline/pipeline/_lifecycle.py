@@ -35,6 +35,7 @@ class RunLifecycle:
         "_jobs_done",
         "_stop_called",
         "error",
+        "finished",
         "join_lock",
         "lock",
         "stopped",
@@ -45,6 +46,7 @@ class RunLifecycle:
         self.lock = threading.Lock()
         self.join_lock = threading.Lock()
         self.stopped = False  # a join ran to its end (under join_lock)
+        self.finished = False  # the consumer was told the epoch ended (not stopped part-way)
         # unlocked on the hot path (stages look before each item): it only turns true, and a
         # stale false costs one more item.
         self.stopping = False

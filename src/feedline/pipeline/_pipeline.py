@@ -52,7 +52,7 @@ class _Holder:
             # the run as current, so neither holds a later run's regions: a start() comes only
             # after the run is let go, and reopens them). Not self.lock: state_dict() need
             # not wait for workers to end.
-            if not run.finished:  # part-way: what the regions' workers run is dropped
+            if not run.life.finished:  # part-way: what the regions' workers run is dropped
                 run.begin_stop()  # no new calls; those under way fail as the workers end
                 with run.life.join_lock:
                     if self.run is run:
@@ -61,7 +61,7 @@ class _Holder:
             with run.life.join_lock:
                 ended = self.run is run
                 if ended:
-                    if not run.finished:  # stopped part-way or failed: items are dropped
+                    if not run.life.finished:  # stopped part-way or failed: items are dropped
                         self.close_regions()
                     for pool in self.regions:
                         if pool.broken:  # its workers could not start: the next epoch retries
@@ -411,7 +411,7 @@ class Pipeline(Generic[T]):
 
     def _epoch_done(self, run: Run) -> None:
         # The epoch ended (not stopped part-way): a state saved now starts the next one.
-        if self._config.resumable and run.finished:
+        if self._config.resumable and run.life.finished:
             # unlocked: one reference, as in _Holder.stop (state_dict() takes either).
             done, self._progress = self._progress, Progress()
             done.check_end()  # each source item delivered or failed, once (LedgerError)
