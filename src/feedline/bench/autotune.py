@@ -9,10 +9,11 @@ Five pipelines, each with its knobs (each stage's concurrency):
   in flight pay until the bandwidth is used);
 * **two waiting stages**: 10 ms then 2 ms of waiting per item, on threads: raising either
   alone gains little once they run at the same rate;
-* **CPU decode**: JPEGs decoded from memory: cores, not waiting, bound it;
-* **GIL-holding op**: a pure-Python parse, which no second thread speeds up: the tuned
-  pipeline's stage is ``executor="auto"`` (it may move to worker processes), the oracle's
-  grid is of threads only.
+* **CPU decode**: JPEGs decoded from memory: cores, not waiting, bound it; its stage is
+  ``executor="auto"`` too, and releases the GIL, so it should stay on threads;
+* **GIL-holding op**: a pure-Python parse, which no second thread speeds up, sized to take
+  about :data:`GIL_OP_S` a call on the host at hand: the tuned pipeline's stage is
+  ``executor="auto"`` (it may move to worker processes), the oracle's grid is of threads only.
 
 The **oracle** is the best fixed configuration of a grid search over the same knobs, found in
 this run. Then, in alternating rounds, a fresh tuned pipeline (``build(autotune=True)``,
@@ -67,6 +68,38 @@ def _decode(data: Any) -> np.ndarray[Any, Any]:
     from feedline.io import decode_image
 
     return decode_image(data, size=SIZE)
+
+
+GIL_OP_S = 200e-6
+"""What one call of the GIL-holding op is sized to take: about what ``numpy.load`` holds the
+GIL for per item in the ``train`` scenario. A parse of fixed size would take less and less
+as hosts get faster, down to where no process can pay for its round trip (measured on 2 cores:
+a 25 µs parse ran 3x slower one item at a time in worker processes than on a thread)."""
+
+
+def _gil_rows() -> tuple[list[str], float]:
+    """The GIL-holding op's inputs, each parsed in about :data:`GIL_OP_S`; and that time."""
+
+    def made(records: int) -> list[str]:
+        return [json.dumps([{"a": i, "b": i * 2, "c": str(i)} for i in range(records)])] * 8
+
+    def timed(rows: list[str]) -> float:
+        runs = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for row in rows:
+                _parse(row)
+            runs.append((time.perf_counter() - t0) / len(rows))
+        return statistics.median(runs)
+
+    records = 40
+    took = timed(made(records))
+    for _ in range(3):  # the time per record shifts a little with the size: close in
+        records = max(1, round(records * GIL_OP_S / took))
+        took = timed(made(records))
+        if abs(took - GIL_OP_S) <= 0.1 * GIL_OP_S:
+            break
+    return made(records), took
 
 
 def _parse(text: str) -> int:
@@ -224,7 +257,7 @@ def run(options: BenchOptions) -> ScenarioResult:
     )
     jpegs = read_all(pictures)
     blobs = random_files(cache_dir(options.data_dir), 4 if quick else 16, 1 << 20)
-    rows = [json.dumps([{"a": i, "b": i * 2, "c": str(i)} for i in range(40)])] * 8
+    rows, parse_s = _gil_rows()
 
     measurements: list[Measurement] = []
     notes: list[str] = []
@@ -264,7 +297,8 @@ def run(options: BenchOptions) -> ScenarioResult:
             ),
             _Case(
                 "CPU decode",
-                _pipeline(lambda: _cycle(jpegs), [("decode", _decode)]),
+                # executor="auto" too: a decode that releases the GIL must stay on threads.
+                _pipeline(lambda: _cycle(jpegs), [("decode", _decode)], movable=True),
                 {"decode": [1, 2, 3, 4, 8] if not quick else [1, 2]},
             ),
             _Case(
@@ -313,6 +347,8 @@ def run(options: BenchOptions) -> ScenarioResult:
         notes,
     )
     notes += [
+        f"GIL-holding op: a parse of {len(json.loads(rows[0]))} records, "
+        f"{1e6 * parse_s:.0f} µs a call on this host (sized to about {1e6 * GIL_OP_S:.0f} µs)",
         f"{repeats} alternating rounds per case ({cases[0].rounds or repeats} for read + "
         f"decode, {cases[4].rounds or repeats} for the GIL-holding op: their rates swing most)",
         "items/s: steady rates, the tuned pipeline's from half-way through its run of "
