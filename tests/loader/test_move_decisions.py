@@ -11,11 +11,10 @@ from dataclasses import dataclass, replace
 
 import pytest
 
+from feedline._retry import RETRY_AFTER, RETRY_MOST
 from feedline.loader._move import (
     KEEP_GAIN,
     MIN_BATCHES,
-    RETRY_AFTER,
-    RETRY_MOST,
     SKIP_BATCHES,
     TRIAL_BATCHES,
     TRIAL_SECONDS,

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
+from feedline._retry import RETRY_AFTER
 from feedline.pipeline._decide import Memory
-from feedline.pipeline._settings import CEILING_TTL, MOVE_TTL
+from feedline.pipeline._settings import CEILING_TTL
 
 from ._windows import Play, W, computes, gate, holds_the_gil, server, waits
 
@@ -488,7 +489,7 @@ CASES = [
         movable=True,
     ),
     Case(
-        "moved back where the output does not grow, and not tried again for MOVE_TTL",
+        "moved back where the output does not grow, and not tried again for RETRY_AFTER",
         [
             W(330, 1.0, 0.006, cpu=1.0),
             W(340, 1.0, 0.012, cpu=1.0),
@@ -499,7 +500,16 @@ CASES = [
         ["s raise 4", "s move 4", "s back 2", "s raise 3", "s lower 1"],
         start=(2,),
         movable=True,
-        after={"no_move_until": 0.9 + MOVE_TTL},
+        after={"no_move_until": 0.9 + RETRY_AFTER, "backs": 1},
+    ),
+    Case(
+        "moved back a second time: not tried again for twice as long",
+        [W(330, 1.0, 0.006, cpu=1.0), W(340, 1.0, 0.012, cpu=1.0), W(350, 1.0, 0.006)],
+        ["s raise 4", "s move 4", "s back 2"],
+        start=(2,),
+        movable=True,
+        memory=Memory(backs=1),
+        after={"no_move_until": 0.9 + 2 * RETRY_AFTER, "backs": 2},
     ),
     Case(
         "moved back where its workers did not take the op",

@@ -23,7 +23,8 @@ times it already reads) and a pure function decides (:func:`decide`, its rows in
   kept if the consumer's batches per second rose by :data:`KEEP_GAIN` over the windows that
   asked, taken together; one that falls short is measured for one more window and judged on
   both; else fetching goes back where it was, and no other trial is made for
-  :data:`RETRY_AFTER` seconds, twice as long after each later trial that goes back;
+  :data:`~feedline._retry.RETRY_AFTER` seconds, twice as long after each later trial that
+  goes back (the tuner's schedule for ``executor="auto"`` too);
 * in workers, a consumer that still waits for most batches while the machine has idle cores
   gets a trial with twice the workers (at most the cores), judged the same way;
 * a dataset that cannot move (an ``IterableDataset``, a stateful one, one that does not pickle
@@ -40,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from feedline._cores import machine_idle
+from feedline._retry import retry_delay
 
 __all__ = ["KEEP_GAIN", "Decision", "Sample", "Placement", "Window", "decide"]
 
@@ -89,12 +91,6 @@ LEAST_WORKERS = 2
 each other's pauses, where one falls behind the training loop now and then (measured beside
 JPEG decoding under a step of small tensor ops: 2 workers 1.06x PyTorch's best, 1 worker
 0.99x)."""
-RETRY_AFTER = 30.0
-"""Seconds before another trial, after the first that did not pay; each later one that does
-not pay doubles them, up to :data:`RETRY_MOST` (a trial costs two moves and a window, a tenth
-of a second or so; a trial that noise sent back costs the gain until the next)."""
-RETRY_MOST = 480.0
-"""The most seconds between trials."""
 
 
 @dataclass(frozen=True)
@@ -195,7 +191,7 @@ class Placement:
 
     def went_back(self, now: float) -> None:
         """A trial went back at ``now`` (``time.monotonic()``): the next one waits longer."""
-        self.retry_at = now + min(RETRY_MOST, RETRY_AFTER * 2**self.backs)
+        self.retry_at = now + retry_delay(self.backs)
         self.backs += 1
         self.trial_rate = None
 

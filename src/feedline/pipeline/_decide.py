@@ -40,13 +40,17 @@ in a process that keeps about one core busy), while its calls kept about one cor
 and other cores stayed idle (:data:`MOVE_IDLE`), holds the GIL: instead of fewer
 calls, it is tried in worker processes (as many as the cores its calls and the idle ones
 make, two calls in flight each), kept if the output grew by :data:`MOVE_GAIN`, else moved back
-and not tried again for :data:`MOVE_TTL`. In processes its concurrency is not tuned.
+and not tried again for :data:`~feedline._retry.RETRY_AFTER` seconds, twice as long after each
+later move that goes back (the DataLoader's schedule). In processes its concurrency is not
+tuned.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+
+from feedline._retry import retry_delay
 
 from ._settings import (
     BLOCKED,
@@ -69,7 +73,6 @@ from ._settings import (
     MOVE_GIL,
     MOVE_IDLE,
     MOVE_ROOM,
-    MOVE_TTL,
     MOVE_WAITED,
     SHARE,
     TRIM_AFTER,
@@ -173,6 +176,8 @@ class Memory:
         settle: A window that ends a put-back trial's calls: it judges no conditions.
         no_move_until: ``Sample.t`` before which it is not tried in processes (a move that
             did not pay).
+        backs: Its moves to processes that went back (each makes the wait for the next
+            twice as long: :func:`~feedline._retry.retry_delay`).
 
     """
 
@@ -186,6 +191,7 @@ class Memory:
     idle: int = 0
     settle: int = -1
     no_move_until: float = 0.0
+    backs: int = 0
 
 
 @dataclass(frozen=True)
@@ -296,8 +302,11 @@ def _judge(
         if st.processes and (s.rate >= trial.rate * MOVE_GAIN or s.ended):
             out.append(Decision(i, "keep", after, f"processes ({st.processes}) kept {rates}"))
         else:
-            mem[i] = replace(m, no_move_until=s.t + MOVE_TTL, settle=window + 1)
-            why = f"processes did not pay {rates}" if st.processes else "it could not move"
+            wait = retry_delay(m.backs)
+            mem[i] = replace(m, no_move_until=s.t + wait, backs=m.backs + 1, settle=window + 1)
+            why = "it could not move"
+            if st.processes:
+                why = f"processes did not pay {rates} (tried again in {wait:.0f} s)"
             out.append(Decision(i, "back", before, f"{why}, back on threads at {before}"))
         return None
     if after < before:  # fewer: kept if as fast, and if the stage can still end its calls

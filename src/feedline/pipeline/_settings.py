@@ -233,8 +233,9 @@ MOVE_GAIN = 1.1
 """A move to processes is kept if the output rate grew by this factor (a process hop costs
 a pickle and a wake-up per item: a smaller gain is not worth it, nor told from noise)."""
 
-MOVE_TTL = 300.0
-"""Seconds after a move that did not pay before the stage is tried in processes again."""
+# A move that did not pay is tried again after RETRY_AFTER seconds, twice as long after each
+# later one, RETRY_MOST at most: the DataLoader's schedule for num_workers="auto" too
+# (feedline/_retry.py).
 
 # -- the tuner's windows (``_tuner``) -----------------------------------------------------
 
