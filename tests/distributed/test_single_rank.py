@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from feedline import ConfigurationError  # noqa: E402
 from feedline.distributed import DistributedLoader  # noqa: E402
 
+from .._interrupts import ctrl_c_after, where_the_ctrl_c_lands  # noqa: E402
 from ._ranks import Samples, index_of  # noqa: E402
 
 
@@ -124,3 +125,47 @@ def test_a_transform_error_names_its_sample_and_rank() -> None:
         list(loader)
     assert "raised by the transform of sample 7 on rank 0 (epoch 0, step 1)" in info.value.__notes__
     loader.close()
+
+
+def test_a_ctrl_c_while_a_batch_is_counted_comes_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A Ctrl-C that lands between the ledger's record of a batch and the loader's step cut
+    # the two apart (a checkpoint that load_state_dict() refused, or a batch lost); it comes
+    # a moment after the batch is handed out, and the state saved then resumes exactly.
+    import signal
+    import time
+
+    from feedline.distributed._ledgers import EpochLedger
+
+    with _loader() as whole:
+        expected = list(whole)
+    handler = signal.getsignal(signal.SIGINT)
+    with _loader() as first:
+        it = iter(first)
+        got = [next(it)]
+        monkeypatch.setattr(EpochLedger, "take", ctrl_c_after(EpochLedger.take))
+        with pytest.raises(KeyboardInterrupt):
+            got.append(next(it))
+            time.sleep(2)  # the loop's body, where the Ctrl-C comes
+        monkeypatch.undo()
+        state = json.loads(json.dumps(first.state_dict()))
+        it.close()
+    assert signal.getsignal(signal.SIGINT) is handler
+    with _loader() as resumed:
+        resumed.load_state_dict(state)
+        assert got + list(resumed) == expected
+
+
+@pytest.mark.parametrize("leave", ["break", "end"])
+def test_a_held_ctrl_c_reaches_the_loop_however_it_is_left(
+    monkeypatch: pytest.MonkeyPatch, leave: str
+) -> None:
+    # Held back as a batch is counted: after a loop left with break, or in the loop's except
+    # when that batch was the last.
+    from feedline.distributed._ledgers import EpochLedger
+
+    which = 0 if leave == "break" else 4  # the first step, or the last of 5
+    take = EpochLedger.take
+    monkeypatch.setattr(EpochLedger, "take", ctrl_c_after(take, lambda step, _: step == which))
+    with _loader() as loader:
+        where = where_the_ctrl_c_lands(loader, leave)
+    assert where == (("after the loop", 1) if leave == "break" else ("the loop", 5))

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 
 from feedline import DataLoader  # noqa: E402
 
+from .._interrupts import ctrl_c_after, where_the_ctrl_c_lands  # noqa: E402
 from .._system import own_segments, starts_processes, zombies  # noqa: E402
 from ._datasets import (  # noqa: E402
     Counting,
@@ -362,7 +363,6 @@ def test_a_ctrl_c_while_a_batch_is_counted_comes_after_it(monkeypatch: pytest.Mo
     # the two apart (a checkpoint load_state_dict() refused with LedgerError); one that lands
     # after both would lose the batch. It comes a moment after the batch is handed out.
     import signal
-    import threading
 
     from feedline.loader import _ledgers
 
@@ -370,14 +370,8 @@ def test_a_ctrl_c_while_a_batch_is_counted_comes_after_it(monkeypatch: pytest.Mo
     loader = DataLoader(list(range(20)), batch_size=4)
     it = iter(loader)
     got = [next(it)]
-    deliver = _ledgers.LoaderLedger.deliver
-
-    def interrupted(self: Any, *args: Any) -> None:
-        deliver(self, *args)
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
-        time.sleep(0.001)  # the handler runs here, between the two records
-
-    monkeypatch.setattr(_ledgers.LoaderLedger, "deliver", interrupted)
+    ledger = _ledgers.LoaderLedger
+    monkeypatch.setattr(ledger, "deliver", ctrl_c_after(ledger.deliver))
     with pytest.raises(KeyboardInterrupt):
         got.append(next(it))
         time.sleep(2)  # the loop body, where the Ctrl-C comes
@@ -398,32 +392,10 @@ def test_a_held_ctrl_c_reaches_the_loop_however_it_is_left(
     # Held back while a batch is counted, it is sent again once the batch is out: not into
     # the __del__ that closes an iterator left with break (Python would print it and go on),
     # and into the loop's except when that batch was the last.
-    import signal
-    import threading
-
     from feedline.loader import _ledgers
 
-    deliver = _ledgers.LoaderLedger.deliver
     which = 0 if leave == "break" else 4  # the first batch, or the last of 5
-
-    def interrupted(self: Any, number: int, *args: Any) -> None:
-        deliver(self, number, *args)
-        if number == which:
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
-            time.sleep(0.001)
-
-    monkeypatch.setattr(_ledgers.LoaderLedger, "deliver", interrupted)
-    got, where = [], None
-    try:
-        for batch in DataLoader(list(range(20)), batch_size=4):
-            got.append(batch.tolist())
-            if leave == "break":
-                break
-    except KeyboardInterrupt:
-        where = "the loop"
-    else:
-        try:
-            time.sleep(2)  # after the loop: where one left to __del__ comes
-        except KeyboardInterrupt:
-            where = "after the loop"
-    assert (where, len(got)) == (("after the loop", 1) if leave == "break" else ("the loop", 5))
+    ledger = _ledgers.LoaderLedger
+    monkeypatch.setattr(ledger, "deliver", ctrl_c_after(ledger.deliver, lambda n, *_: n == which))
+    where = where_the_ctrl_c_lands(DataLoader(list(range(20)), batch_size=4), leave)
+    assert where == (("after the loop", 1) if leave == "break" else ("the loop", 5))

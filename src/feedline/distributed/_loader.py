@@ -19,6 +19,7 @@ import collections
 import datetime
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -30,6 +31,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from feedline._extras import require_torch
+from feedline._grace import Closing, CtrlCHeld, claim_ctrl_c, release_ctrl_c
 from feedline._ledger import LedgerStats, ledger_check
 from feedline._watchdog import STALL_AFTER, TICK, StallWatch, check_after
 from feedline.errors import ConfigurationError, add_note
@@ -536,6 +538,7 @@ class DistributedLoader(Generic[T]):
 
     def _run(self, exchanger: _Exchanger, ledger: EpochLedger | None) -> Iterator[T]:
         exchanger.start()
+        relayed = claim_ctrl_c()  # a Ctrl-C while a batch is counted comes after it
         leaving_early = True
         try:
             while True:
@@ -546,10 +549,11 @@ class DistributedLoader(Generic[T]):
                         self._settle(ledger)
                     return
                 number, batch, out = done.result()
-                if ledger is not None and out is not None:
-                    ledger.take(number, out)
-                self._step = number + 1
-                exchanger.taken += 1
+                with CtrlCHeld():  # the ledger's record and the step, whole
+                    if ledger is not None and out is not None:
+                        ledger.take(number, out)
+                    self._step = number + 1
+                    exchanger.taken += 1
                 yield batch
         except GeneratorExit:
             raise  # a break, or the loop's own exception dropping the iterator: drain
@@ -558,7 +562,12 @@ class DistributedLoader(Generic[T]):
             self._record_failure(error)
             raise
         finally:
-            exchanger.stop(drain=leaving_early)
+            # A held Ctrl-C: raised as the stop ends if the epoch ended in the loop's next(),
+            # else (a loop left early) sent again after it.
+            with Closing(deliver=sys.exc_info()[0] is not GeneratorExit):
+                exchanger.stop(drain=leaving_early)
+            if relayed:
+                release_ctrl_c()
 
     def _settle(self, ledger: EpochLedger) -> None:
         # The epoch's end, on every rank at the same step: the ledgers of all ranks together.

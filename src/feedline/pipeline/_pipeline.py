@@ -5,13 +5,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
-from feedline._grace import claim_ctrl_c, release_ctrl_c
+from feedline._grace import Closing, CtrlCHeld, claim_ctrl_c, release_ctrl_c
 from feedline._watchdog import StallWatch
 from feedline.errors import ConfigurationError
 
@@ -250,10 +251,14 @@ class Pipeline(Generic[T]):
         return lambda timeout: unwrap(get(timeout))
 
     def _unwrap(self, item: Tagged) -> Any:
-        # A Tagged item reaches the consumer: its source numbers are done.
-        if self._config.resumable:
+        # A Tagged item reaches the consumer: its source numbers are done. Whole: a Ctrl-C
+        # as they are counted would leave an item counted and not handed out (lost on
+        # resume), or the position and the ledger apart; it comes a moment after.
+        if not self._config.resumable:
+            return item.take()
+        with CtrlCHeld():
             self._progress.mark(item.tag)
-        return item.take()
+            return item.take()
 
     def stop(self) -> None:
         """Stop the current epoch and join its threads. Idempotent; safe to call any time."""
@@ -405,7 +410,10 @@ class Pipeline(Generic[T]):
                 yield item
         finally:
             self._iterating.release()
-            self.stop()
+            # A Ctrl-C held as an item was counted: raised as the stop ends if the epoch ended
+            # in the loop's next(), else (a loop left early) sent again after it.
+            with Closing(deliver=sys.exc_info()[0] is not GeneratorExit):
+                self.stop()
             if relayed:
                 release_ctrl_c()
 
