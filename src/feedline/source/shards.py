@@ -25,6 +25,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from feedline._grace import CtrlCHeld, claim_ctrl_c, release_ctrl_c
 from feedline._ledger import Ledger, LedgerStats, ledger_check
 from feedline._watchdog import STALL_AFTER, TICK, StallWatch, check_after
 from feedline.errors import ConfigurationError, add_note
@@ -228,20 +229,26 @@ class TarShards(_Base):  # type: ignore[type-arg]
         ledger = here.ledger
         total = 0
         here.replaying = skip > 0
-        for slot, sample in enumerate(self._shuffled(self._samples(keys, here), epoch)):
-            total = slot + 1
-            here.replaying = total < skip  # while the next sample is one handed out before
-            if slot < skip:
-                here.yielded = _position_while_skipping(skip, total)
-                continue
-            here.yielded += 1
-            if ledger is not None:
-                ledger.deliver(slot)
-            yield sample
-        if ledger is not None:  # ran to its end (not after a break or an error)
-            ledger.plan(total)
-            ledger.check_resume(here.yielded)
-            ledger.check_end()
+        relayed = claim_ctrl_c()  # on the main thread: a Ctrl-C as a sample is counted waits
+        try:
+            for slot, sample in enumerate(self._shuffled(self._samples(keys, here), epoch)):
+                total = slot + 1
+                here.replaying = total < skip  # while the next sample is one handed out before
+                if slot < skip:
+                    here.yielded = _position_while_skipping(skip, total)
+                    continue
+                with CtrlCHeld():  # counted whole, and handed out before a Ctrl-C comes
+                    here.yielded += 1
+                    if ledger is not None:
+                        ledger.deliver(slot)
+                yield sample
+            if ledger is not None:  # ran to its end (not after a break or an error)
+                ledger.plan(total)
+                ledger.check_resume(here.yielded)
+                ledger.check_end()
+        finally:
+            if relayed:
+                release_ctrl_c()
 
     def _new_ledger(self) -> Ledger | None:
         return Ledger(self._ledger_name(self.epoch)) if ledger_check() else None
