@@ -27,7 +27,8 @@ def ctrl_c_after(
 def where_the_ctrl_c_lands(items: Iterable[Any], leave: str) -> tuple[str | None, int]:
     """Loop over ``items`` (``leave``: ``"break"`` after the first, or ``"end"``); where a
     Ctrl-C sent meanwhile was raised (``"the loop"``, ``"after the loop"``, None) and how many
-    items the loop took."""
+    items the loop took. The SIGINT handler must be back as it was."""
+    handler = signal.getsignal(signal.SIGINT)
     got, where = 0, None
     try:
         for _ in items:
@@ -41,4 +42,5 @@ def where_the_ctrl_c_lands(items: Iterable[Any], leave: str) -> tuple[str | None
             time.sleep(2)  # after the loop: where one left to __del__ comes
         except KeyboardInterrupt:
             where = "after the loop"
+    assert signal.getsignal(signal.SIGINT) is handler, "the Ctrl-C relay stayed installed"
     return where, got

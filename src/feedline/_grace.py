@@ -85,10 +85,13 @@ class _Relay:
 
     def __call__(self, signum: int, frame: Any) -> Any:
         global _last_ctrl_c, _relay
+        # Held back or not, it is the user's Ctrl-C: a stop soon after is a stop on Ctrl-C
+        # (a loop left with break before the held one comes must not wait on a call that
+        # never returns).
+        _last_ctrl_c = time.monotonic()
         if self.held:
             self.noted = True
             return None
-        _last_ctrl_c = time.monotonic()
         if not self.users:  # released off the main thread: put back now, on the main thread
             signal.signal(signal.SIGINT, self.handler)
             if _relay is self:

@@ -196,6 +196,35 @@ def test_a_move_that_does_not_pay_goes_back_to_threads_and_ends_its_workers(
     processes_gone()
 
 
+@gil
+def test_a_move_back_is_remembered_in_the_next_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each epoch's tuner starts afresh, but not on the moves that went back: the next epoch
+    # waits the retry schedule out (and the one after a second move back, twice as long).
+    monkeypatch.setattr(_decide, "MOVE_GAIN", 100.0)  # never pays
+    pipeline = (
+        PipelineBuilder()
+        .add_source(range(10**9))
+        .pipe(holds_the_gil, executor="auto")
+        .add_sink()
+        .build()
+    )
+    t0 = time.monotonic()
+    for n, _ in enumerate(pipeline):
+        if n % 50 == 0 and any("processes did not pay" in d for d in pipeline.stats().tuning):
+            break
+        assert time.monotonic() - t0 < 60, f"no move and back: {pipeline.stats()}"
+    assert "(tried again in 30 s)" in pipeline.stats().tuning[-1]
+    t0 = time.monotonic()
+    for _ in pipeline:  # the next epoch, for a few of the tuner's windows
+        if time.monotonic() - t0 > 2:
+            break
+    tuning = pipeline.stats().tuning
+    assert not any("processes" in d for d in tuning), tuning
+    assert _runs_in(pipeline) == "threads"
+    del pipeline
+    processes_gone()
+
+
 def test_an_op_that_waits_stays_on_threads() -> None:
     pipeline = (
         PipelineBuilder()

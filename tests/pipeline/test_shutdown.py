@@ -19,6 +19,7 @@ from feedline import PipelineBuilder, iterate_in_subprocess, run_pipeline_in_sub
 from feedline._proc import subprocess as _subprocess
 from feedline.pipeline import _executors
 
+from .._interrupts import ctrl_c_after
 from .._system import own_segments, starts_processes
 from . import _helpers
 
@@ -819,6 +820,35 @@ def test_ctrl_c_in_the_loop_body_leaves_an_op_that_never_returns_after_a_moment(
     timer.join()
     release.set()
     assert took < 0.3 + STOP_GRACE + 2, f"Ctrl-C took {took:.1f} s to reach the caller"
+    assert _ended("feedline-worker")
+
+
+def test_a_ctrl_c_held_then_a_break_leaves_an_op_that_never_returns_after_a_moment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A Ctrl-C that lands as the item is counted is held back until it is handed out; the
+    # body then leaves with break. That is still a stop on Ctrl-C: it waits a moment for the
+    # op, not as long as the op runs, and the Ctrl-C comes after it.
+    from feedline._grace import STOP_GRACE
+    from feedline._ledger import Ledger
+
+    release = threading.Event()
+
+    def op(i: int) -> int:
+        if i >= 1:
+            release.wait(20)  # a read without a timeout
+        return i
+
+    monkeypatch.setattr(Ledger, "deliver", ctrl_c_after(Ledger.deliver, lambda n: n == 0))
+    pipeline = PipelineBuilder().add_source(range(50)).pipe(op, concurrency=2).build(resumable=True)
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        for _ in pipeline:
+            break
+        time.sleep(5)  # after the loop, where the held Ctrl-C comes
+    took = time.monotonic() - began
+    release.set()
+    assert took < STOP_GRACE + 2, f"Ctrl-C took {took:.1f} s to reach the caller"
     assert _ended("feedline-worker")
 
 

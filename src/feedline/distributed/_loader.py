@@ -564,10 +564,12 @@ class DistributedLoader(Generic[T]):
         finally:
             # A held Ctrl-C: raised as the stop ends if the epoch ended in the loop's next(),
             # else (a loop left early) sent again after it.
-            with Closing(deliver=sys.exc_info()[0] is not GeneratorExit):
-                exchanger.stop(drain=leaving_early)
-            if relayed:
-                release_ctrl_c()
+            try:
+                with Closing(deliver=sys.exc_info()[0] is not GeneratorExit):
+                    exchanger.stop(drain=leaving_early)
+            finally:  # also after a Ctrl-C that cut the stop short
+                if relayed:
+                    release_ctrl_c()
 
     def _settle(self, ledger: EpochLedger) -> None:
         # The epoch's end, on every rank at the same step: the ledgers of all ranks together.

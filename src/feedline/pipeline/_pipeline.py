@@ -412,10 +412,12 @@ class Pipeline(Generic[T]):
             self._iterating.release()
             # A Ctrl-C held as an item was counted: raised as the stop ends if the epoch ended
             # in the loop's next(), else (a loop left early) sent again after it.
-            with Closing(deliver=sys.exc_info()[0] is not GeneratorExit):
-                self.stop()
-            if relayed:
-                release_ctrl_c()
+            try:
+                with Closing(deliver=sys.exc_info()[0] is not GeneratorExit):
+                    self.stop()
+            finally:  # also after a Ctrl-C that cut the stop short
+                if relayed:
+                    release_ctrl_c()
 
     def _epoch_done(self, run: Run) -> None:
         # The epoch ended (not stopped part-way): a state saved now starts the next one.

@@ -144,6 +144,10 @@ class Placement:
         # CPU seconds and count of the calls run on threads, per thread (each key is written
         # by its own thread only, so no update is lost on free-threaded Python either).
         self._cpu: dict[int, tuple[float, int]] = {}
+        # The tuner's moves back, kept across epochs (each run's tuner starts from them):
+        # how many, and the ``perf_counter()`` before which no move is tried again.
+        self.backs = 0
+        self.retry_at = 0.0
 
     @property
     def processes(self) -> int:

@@ -24,7 +24,7 @@ from typing import Any
 
 from feedline._cores import machine_idle as _machine_idle
 
-from ._decide import Decision, Sample, StageSample, State, decide
+from ._decide import Decision, Memory, Sample, StageSample, State, decide
 from ._growth import approx_nbytes
 from ._queue import Channel
 from ._settings import FIRST_WINDOW, MAX_WINDOW, MIN_ITEMS, MIN_WINDOW, SIZE_EVERY
@@ -141,7 +141,6 @@ class Tuner:
         self._tuning = tuning
         self._cores = tuning.cores()
         self.decisions: deque[str] = deque(maxlen=8)
-        self.state = State.start(len(knobs))
         self._sizes: list[ItemSizes] = []
         self._warned: set[str] = set()
         if tuning.memory_budget is not None:
@@ -150,6 +149,16 @@ class Tuner:
                 self._sizes.append(sizes)
         self._mark = self._take_mark()
         self._t0 = self._mark.t
+        # A stage whose moves went back in an earlier epoch waits on where it left off (the
+        # placement outlives the epoch; the rest of what the tuner learned starts afresh).
+        self.state = State(
+            tuple(
+                Memory()
+                if k.placement is None
+                else Memory(no_move_until=k.placement.retry_at - self._t0, backs=k.placement.backs)
+                for k in knobs
+            )
+        )
         self.cpu_s = 0.0  # CPU time the tuner's looks took (thread time)
 
     def settled(self) -> dict[str, int]:
@@ -253,6 +262,9 @@ class Tuner:
                 knob.placement.move(d.processes)
             elif d.action == "back":
                 knob.placement.back()
+                memory = self.state.memory[d.stage]  # the next epoch's tuner waits on
+                knob.placement.backs = memory.backs
+                knob.placement.retry_at = self._t0 + memory.no_move_until
                 if knob.placement.stays is not None:
                     why = f"{why} (it stays: {knob.placement.stays})"
             if d.to != knob.concurrency:
