@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "Closing",
     "CtrlCHeld",
     "claim_ctrl_c",
+    "close_relayed",
     "release_ctrl_c",
     "stop_grace",
 ]
@@ -243,3 +245,19 @@ def _resend() -> None:
     main = threading.main_thread().ident
     if main is not None:
         signal.pthread_kill(main, signal.SIGINT)
+
+
+def close_relayed(stop: Callable[[], None], relayed: bool) -> None:
+    """An iteration's close, from its ``finally``: ``stop()``, then the relay given back.
+
+    A Ctrl-C held while an item was counted is raised as ``stop()`` ends when the iteration
+    ended in the loop's ``next()`` (the loop's ``except`` gets it), else (a loop left early,
+    its iterator closed in ``__del__``) sent again after it (:class:`Closing`). ``relayed``:
+    what :func:`claim_ctrl_c` returned; the relay is released also when ``stop()`` raises.
+    """
+    try:
+        with Closing(deliver=sys.exc_info()[0] is not GeneratorExit):
+            stop()
+    finally:
+        if relayed:
+            release_ctrl_c()

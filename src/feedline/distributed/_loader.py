@@ -19,7 +19,6 @@ import collections
 import datetime
 import logging
 import os
-import sys
 import threading
 import time
 import weakref
@@ -31,7 +30,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from feedline._extras import require_torch
-from feedline._grace import Closing, CtrlCHeld, claim_ctrl_c, release_ctrl_c
+from feedline._grace import CtrlCHeld, claim_ctrl_c, close_relayed
 from feedline._ledger import LedgerStats, ledger_check
 from feedline._watchdog import STALL_AFTER, TICK, StallWatch, check_after
 from feedline.errors import ConfigurationError, add_note
@@ -562,14 +561,7 @@ class DistributedLoader(Generic[T]):
             self._record_failure(error)
             raise
         finally:
-            # A held Ctrl-C: raised as the stop ends if the epoch ended in the loop's next(),
-            # else (a loop left early) sent again after it.
-            try:
-                with Closing(deliver=sys.exc_info()[0] is not GeneratorExit):
-                    exchanger.stop(drain=leaving_early)
-            finally:  # also after a Ctrl-C that cut the stop short
-                if relayed:
-                    release_ctrl_c()
+            close_relayed(lambda: exchanger.stop(drain=leaving_early), relayed)
 
     def _settle(self, ledger: EpochLedger) -> None:
         # The epoch's end, on every rank at the same step: the ledgers of all ranks together.

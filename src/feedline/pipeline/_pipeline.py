@@ -5,14 +5,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
-from feedline._grace import Closing, CtrlCHeld, claim_ctrl_c, release_ctrl_c
+from feedline._grace import CtrlCHeld, claim_ctrl_c, close_relayed, release_ctrl_c
 from feedline._watchdog import StallWatch
 from feedline.errors import ConfigurationError
 
@@ -410,14 +409,7 @@ class Pipeline(Generic[T]):
                 yield item
         finally:
             self._iterating.release()
-            # A Ctrl-C held as an item was counted: raised as the stop ends if the epoch ended
-            # in the loop's next(), else (a loop left early) sent again after it.
-            try:
-                with Closing(deliver=sys.exc_info()[0] is not GeneratorExit):
-                    self.stop()
-            finally:  # also after a Ctrl-C that cut the stop short
-                if relayed:
-                    release_ctrl_c()
+            close_relayed(self.stop, relayed)
 
     def _epoch_done(self, run: Run) -> None:
         # The epoch ended (not stopped part-way): a state saved now starts the next one.
