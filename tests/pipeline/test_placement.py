@@ -201,6 +201,7 @@ def test_a_move_back_is_remembered_in_the_next_epoch(monkeypatch: pytest.MonkeyP
     # Each epoch's tuner starts afresh, but not on the moves that went back: the next epoch
     # waits the retry schedule out (and the one after a second move back, twice as long).
     monkeypatch.setattr(_decide, "MOVE_GAIN", 100.0)  # never pays
+    segments = own_segments()
     pipeline = (
         PipelineBuilder()
         .add_source(range(10**9))
@@ -222,7 +223,7 @@ def test_a_move_back_is_remembered_in_the_next_epoch(monkeypatch: pytest.MonkeyP
     assert not any("processes" in d for d in tuning), tuning
     assert _runs_in(pipeline) == "threads"
     del pipeline
-    processes_gone()
+    processes_gone(segments)  # no worker, zombie or shared-memory segment left
 
 
 def test_an_op_that_waits_stays_on_threads() -> None:
