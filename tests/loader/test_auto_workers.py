@@ -298,6 +298,31 @@ def test_a_move_forks_once_the_threads_that_fetched_are_joined(script: Script) -
     assert any(pid != os.getpid() for _, pid in got)
 
 
+@pytest.mark.parametrize("in_order", [True, False])
+def test_the_workers_start_as_the_threads_last_batch_is_handed_out(
+    script: Script, in_order: bool
+) -> None:
+    # The move does not wait for the next call: the workers fetch their first batches while
+    # the consumer works on the last one the threads fetched.
+    import multiprocessing
+
+    script.decisions = [move(2)]
+    loader = DataLoader(Spinning(240), batch_size=4, num_workers="auto", in_order=in_order)
+    me = os.getpid()
+    seen: list[tuple[bool, int]] = []  # (fetched here, worker processes alive when handed out)
+    for indices, pids in loader:
+        assert len(set(pids.tolist())) == 1
+        seen.append((pids[0].item() == me, len(multiprocessing.active_children())))
+        assert len(indices) == 4
+    last_here = max(n for n, (here, _) in enumerate(seen) if here)
+    assert last_here < len(seen) - 1, "the epoch moved to the workers"
+    assert [alive for _, alive in seen[:last_here]] == [0] * last_here
+    assert seen[last_here][1] == 2
+    ledger = loader.stats().ledger  # type: ignore[union-attr]
+    assert ledger is not None
+    assert ledger.delivered == ledger.planned == 60
+
+
 def stays_unmeasured(script: Script, loader: DataLoader[Any], why: str) -> None:
     """No window is judged, and the reason to stay (``why`` in it) is in ``stats()``."""
     assert script.calls == 0
