@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import json
 import logging
@@ -471,6 +472,39 @@ def test_a_ctrl_c_while_an_item_is_counted_comes_after_it(monkeypatch: pytest.Mo
     resumed = PipelineBuilder().add_source(range(20)).pipe(square).build(resumable=True)
     resumed.load_state_dict(state)
     assert sorted(got + list(resumed)) == [i * i for i in range(20)]
+
+
+def test_a_ctrl_c_while_get_item_counts_an_item_comes_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The same window without a for loop: start(), get_item() on the main thread, stop().
+    import signal
+
+    from feedline._ledger import Ledger
+
+    handler = signal.getsignal(signal.SIGINT)
+    pipeline = PipelineBuilder().add_source(range(20)).pipe(square).build(resumable=True)
+    pipeline.start()
+    got = [pipeline.get_item()]
+    monkeypatch.setattr(Ledger, "deliver", ctrl_c_after(Ledger.deliver))
+    with pytest.raises(KeyboardInterrupt):
+        got.append(pipeline.get_item())
+        time.sleep(2)  # the consumer's own code, where the Ctrl-C comes
+    monkeypatch.undo()
+    state = json.loads(json.dumps(pipeline.state_dict()))
+    pipeline.stop()
+    assert signal.getsignal(signal.SIGINT) is handler  # stop() gave the relay back
+    resumed = PipelineBuilder().add_source(range(20)).pipe(square).build(resumable=True)
+    resumed.load_state_dict(state)
+    assert sorted(got + list(resumed)) == [i * i for i in range(20)]
+    # A pipeline dropped without stop() gives it back too.
+    dropped = PipelineBuilder().add_source(range(20)).pipe(square).build(resumable=True)
+    dropped.start()
+    assert dropped.get_item() == 0
+    assert signal.getsignal(signal.SIGINT) is not handler
+    del dropped
+    gc.collect()
+    assert signal.getsignal(signal.SIGINT) is handler
 
 
 @pytest.mark.parametrize("leave", ["break", "end"])

@@ -1032,14 +1032,14 @@ class _Gate:
         self._tasks = tasks
         self._open = True
         self._peeked: Task | None = None
-        self.drawn = 0
-        """Batches the current view gave."""
-        self.ended = False
-        """The current view ended after :meth:`pause` (set by the thread that draws)."""
+        self._drawn = 0  # batches the current view gave
+        # Once the current view ended after pause(), the batches it gave: one value, written
+        # once by the thread that draws, so that a reader on another thread needs no lock.
+        self._ended: int | None = None
 
     def view(self) -> Iterator[Task]:
         """The batches from the next one on, until :meth:`pause`."""
-        self._open, self.drawn, self.ended = True, 0, False
+        self._open, self._drawn, self._ended = True, 0, None
         return self._view()
 
     def _view(self) -> Iterator[Task]:
@@ -1049,16 +1049,17 @@ class _Gate:
                 task = next(self._tasks, None)
                 if task is None:
                     return
-            self.drawn += 1
+            self._drawn += 1
             yield task
-        self.ended = True
+        self._ended = self._drawn
 
     def drained(self, taken: int) -> bool:
         """Whether a paused view's part has nothing more to hand out.
 
         ``taken``: its batches taken so far. ``False`` while the view has not ended yet.
         """
-        return self.ended and taken >= self.drawn
+        ended = self._ended
+        return ended is not None and taken >= ended
 
     def pause(self) -> None:
         """End the current view at its next draw."""

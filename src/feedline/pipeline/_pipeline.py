@@ -33,13 +33,14 @@ T = TypeVar("T")
 class _Holder:
     """What the finalizer may touch: the current run and process regions, never the Pipeline."""
 
-    __slots__ = ("hooks", "lock", "regions", "run")
+    __slots__ = ("hooks", "lock", "regions", "relayed", "run")
 
     def __init__(self, regions: list[RegionPool | Placement], hooks: list[tuple[Any, str]]) -> None:
         self.run: Run | None = None
         self.lock = threading.Lock()
         self.regions = regions
         self.hooks = hooks  # (TaskHook, stage) pairs: told when each epoch's stages end
+        self.relayed = False  # a resumable pipeline's start() claimed the Ctrl-C relay
 
     def stop(self) -> None:
         # unlocked: one reference; a stop ordered after start() (by any means) sees its run,
@@ -78,12 +79,22 @@ class _Holder:
         for pool in self.regions:
             pool.close(hold=True)
 
+    def give_back_ctrl_c(self) -> None:
+        """Release the Ctrl-C relay that ``start()`` claimed, if it did."""
+        with self.lock:
+            if self.relayed:
+                self.relayed = False
+                release_ctrl_c()
+
     def close(self) -> None:
         """The pipeline is gone: stop its run and end its worker processes."""
         if self._elsewhere(self.run, self.close):
             return
-        self.stop()
-        self.close_regions()
+        try:
+            self.stop()
+            self.close_regions()
+        finally:
+            self.give_back_ctrl_c()
 
     @staticmethod
     def _elsewhere(run: Run | None, then: Callable[[], None]) -> bool:
@@ -178,6 +189,12 @@ class Pipeline(Generic[T]):
             run.watch(self.watch)
             holder.run = run
             self._last = run
+        if self._config.resumable:
+            # get_item() on the main thread counts its items inside CtrlCHeld too (_unwrap):
+            # the relay that needs is claimed until stop(), as a loop claims it for its own.
+            with holder.lock:
+                if not holder.relayed:
+                    holder.relayed = claim_ctrl_c()
         for pool in holder.regions:
             pool.reopen()
         for hook, stage in holder.hooks:
@@ -261,7 +278,10 @@ class Pipeline(Generic[T]):
 
     def stop(self) -> None:
         """Stop the current epoch and join its threads. Idempotent; safe to call any time."""
-        self._holder.stop()
+        try:
+            self._holder.stop()
+        finally:
+            self._holder.give_back_ctrl_c()
 
     @contextmanager
     def auto_stop(self) -> Iterator[Pipeline[T]]:
