@@ -40,7 +40,7 @@ class _Holder:
         self.lock = threading.Lock()
         self.regions = regions
         self.hooks = hooks  # (TaskHook, stage) pairs: told when each epoch's stages end
-        self.relayed = False  # a resumable pipeline's start() claimed the Ctrl-C relay
+        self.relayed = False  # the run of a resumable pipeline claimed the Ctrl-C relay
 
     def stop(self) -> None:
         # unlocked: one reference; a stop ordered after start() (by any means) sees its run,
@@ -69,6 +69,9 @@ class _Holder:
                             pool.close()
                     with self.lock:
                         self.run = None
+                        if self.relayed:  # the relay start() claimed goes with the run
+                            self.relayed = False
+                            release_ctrl_c()
             if ended:
                 for hook, stage in self.hooks:
                     hook.stage_end(stage)
@@ -79,22 +82,12 @@ class _Holder:
         for pool in self.regions:
             pool.close(hold=True)
 
-    def give_back_ctrl_c(self) -> None:
-        """Release the Ctrl-C relay that ``start()`` claimed, if it did."""
-        with self.lock:
-            if self.relayed:
-                self.relayed = False
-                release_ctrl_c()
-
     def close(self) -> None:
         """The pipeline is gone: stop its run and end its worker processes."""
         if self._elsewhere(self.run, self.close):
             return
-        try:
-            self.stop()
-            self.close_regions()
-        finally:
-            self.give_back_ctrl_c()
+        self.stop()
+        self.close_regions()
 
     @staticmethod
     def _elsewhere(run: Run | None, then: Callable[[], None]) -> bool:
@@ -189,12 +182,11 @@ class Pipeline(Generic[T]):
             run.watch(self.watch)
             holder.run = run
             self._last = run
-        if self._config.resumable:
-            # get_item() on the main thread counts its items inside CtrlCHeld too (_unwrap):
-            # the relay that needs is claimed until stop(), as a loop claims it for its own.
-            with holder.lock:
-                if not holder.relayed:
-                    holder.relayed = claim_ctrl_c()
+            if self._config.resumable:
+                # get_item() on the main thread counts its items inside CtrlCHeld too
+                # (_unwrap): the relay that needs is claimed for the run, as a loop claims
+                # it for its own.
+                holder.relayed = claim_ctrl_c()
         for pool in holder.regions:
             pool.reopen()
         for hook, stage in holder.hooks:
@@ -278,10 +270,7 @@ class Pipeline(Generic[T]):
 
     def stop(self) -> None:
         """Stop the current epoch and join its threads. Idempotent; safe to call any time."""
-        try:
-            self._holder.stop()
-        finally:
-            self._holder.give_back_ctrl_c()
+        self._holder.stop()
 
     @contextmanager
     def auto_stop(self) -> Iterator[Pipeline[T]]:
