@@ -507,6 +507,32 @@ def test_a_ctrl_c_while_get_item_counts_an_item_comes_after_it(
     assert signal.getsignal(signal.SIGINT) is handler
 
 
+def test_a_ctrl_c_held_by_get_item_comes_once_stop_has_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The consumer stops at once after the item a Ctrl-C was held on: the Ctrl-C comes as
+    # stop() ends, not part-way through it (which left the run held and its threads up).
+    from feedline._ledger import Ledger
+
+    def slow(x: int) -> int:
+        time.sleep(0.3)
+        return x
+
+    pipeline = PipelineBuilder().add_source(range(40)).pipe(slow, concurrency=4)
+    built = pipeline.build(resumable=True)
+    built.start()
+    got = [built.get_item()]
+    monkeypatch.setattr(Ledger, "deliver", ctrl_c_after(Ledger.deliver))
+    got.append(built.get_item())
+    monkeypatch.undo()
+    with pytest.raises(KeyboardInterrupt):
+        built.stop()  # ops under way for up to 0.3 s: the held Ctrl-C is due within it
+    assert [t.name for t in threading.enumerate() if t.name.startswith("feedline-")] == []
+    state = json.loads(json.dumps(built.state_dict()))
+    built.load_state_dict(state)  # no epoch runs
+    assert sorted(got + list(built)) == list(range(40))
+
+
 @pytest.mark.parametrize("leave", ["break", "end"])
 def test_a_held_ctrl_c_reaches_the_loop_however_it_is_left(
     monkeypatch: pytest.MonkeyPatch, leave: str

@@ -556,6 +556,7 @@ class EpochIterator(Generic[T]):
                     # batches while the consumer works on it (at the next call, it would
                     # wait for them: 35-45 ms of the 65-75 a move cost beside JPEG decoding).
                     self._moved()
+                    took = None  # the workers' windows measure the workers' batches only
             except EOFError:
                 if self._moving is not None and self._moved():
                     continue  # the rest of the epoch, fetched where it moved
@@ -1032,38 +1033,43 @@ class _Gate:
         self._tasks = tasks
         self._open = True
         self._peeked: Task | None = None
+        # A draw and pause() one at a time: no draw is under way as the view is paused, so
+        # the batches it gave by then are all it gives.
+        self._lock = threading.Lock()
         self._drawn = 0  # batches the current view gave
-        # Once the current view ended after pause(), the batches it gave: one value, written
-        # once by the thread that draws, so that a reader on another thread needs no lock.
-        self._ended: int | None = None
+        self._final: int | None = None  # ... as it was paused
 
     def view(self) -> Iterator[Task]:
         """The batches from the next one on, until :meth:`pause`."""
-        self._open, self._drawn, self._ended = True, 0, None
+        self._open, self._drawn, self._final = True, 0, None
         return self._view()
 
     def _view(self) -> Iterator[Task]:
-        while self._open:
-            task, self._peeked = self._peeked, None
-            if task is None:
-                task = next(self._tasks, None)
-                if task is None:
+        while True:
+            with self._lock:
+                if not self._open:
                     return
-            self._drawn += 1
+                task, self._peeked = self._peeked, None
+                if task is None:
+                    task = next(self._tasks, None)
+                    if task is None:
+                        return
+                self._drawn += 1
             yield task
-        self._ended = self._drawn
 
     def drained(self, taken: int) -> bool:
-        """Whether a paused view's part has nothing more to hand out.
+        """Whether the paused view's part has nothing more to hand out.
 
-        ``taken``: its batches taken so far. ``False`` while the view has not ended yet.
+        ``taken``: its batches taken so far. ``False`` before :meth:`pause`.
         """
-        ended = self._ended
-        return ended is not None and taken >= ended
+        final = self._final
+        return final is not None and taken >= final
 
     def pause(self) -> None:
-        """End the current view at its next draw."""
-        self._open = False
+        """End the current view: it draws no more (waits for a draw under way)."""
+        with self._lock:
+            self._open = False
+            self._final = self._drawn
 
     def more(self) -> bool:
         """Whether a batch is left (drawn now, and kept for the next view)."""

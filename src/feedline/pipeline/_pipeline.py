@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
-from feedline._grace import CtrlCHeld, claim_ctrl_c, close_relayed, release_ctrl_c
+from feedline._grace import Closing, CtrlCHeld, claim_ctrl_c, close_relayed, release_ctrl_c
 from feedline._watchdog import StallWatch
 from feedline.errors import ConfigurationError
 
@@ -270,7 +270,8 @@ class Pipeline(Generic[T]):
 
     def stop(self) -> None:
         """Stop the current epoch and join its threads. Idempotent; safe to call any time."""
-        self._holder.stop()
+        with Closing():  # a Ctrl-C held as get_item() counted an item comes as the stop ends
+            self._holder.stop()
 
     @contextmanager
     def auto_stop(self) -> Iterator[Pipeline[T]]:
