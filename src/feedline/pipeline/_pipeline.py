@@ -382,9 +382,7 @@ class Pipeline(Generic[T]):
             if left_early:  # a break or an exception: the run ends; the next loop starts anew
                 self._held.clear()
                 self._next_epoch += 1
-                self.stop()
-            if relayed:
-                release_ctrl_c()
+            close_relayed(self.stop if left_early else _nothing, relayed)
 
     def iter_until(self, stopping: Callable[[], bool]) -> Iterator[T]:
         """Iterate one epoch, ending early once ``stopping()`` is true (checked every 0.1 s).
@@ -545,6 +543,10 @@ def _in_flight(run: Run | None) -> list[str]:
 def _moved(run: Run | None) -> int:
     """Items put in any queue of the run so far: grows while any stage gets work done."""
     return 0 if run is None else sum(channel.puts for channel in run.channels)
+
+
+def _nothing() -> None:
+    """A close with nothing to stop."""
 
 
 def _already_iterated() -> RuntimeError:
